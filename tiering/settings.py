@@ -1,0 +1,66 @@
+"""Typed, frozen, validated settings of the data engine. Built by the CLI; never read from argv here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiering.blocks import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, MiB
+
+GiB = 1024 * MiB
+
+# RAM tier default: 1 GiB holds 256 default blocks, enough for read-ahead windows of several
+# concurrent streams, and small next to the memory of a GPU training node.
+DEFAULT_RAM_BYTES = 1 * GiB
+# Disk tier default: 10 GiB is safe on any node; production mounts set it to the NVMe size.
+DEFAULT_DISK_BYTES = 10 * GiB
+# Disk tier watermarks: when usage crosses HIGH, evict down to LOW in one pass, so eviction runs in
+# batches instead of on every insert, while the capacity itself is never exceeded.
+DEFAULT_HIGH_WATERMARK = 0.95
+DEFAULT_LOW_WATERMARK = 0.85
+# Parallel ranged GETs in flight for one mount. 16 is where throughput against a loopback SeaweedFS
+# stops growing on a 2-core machine; it also bounds memory in flight to 16 blocks (64 MiB).
+DEFAULT_MAX_CONCURRENT_FETCHES = 16
+# Read-ahead window: starts at one block and doubles on each sequential read, up to 64 MiB
+# (16 default blocks): enough to keep every fetch slot busy for one stream.
+DEFAULT_READAHEAD_MAX_BYTES = 64 * MiB
+# A GET that has not completed in this time is failed with EIO: a reader never hangs on a dead store.
+DEFAULT_FETCH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    ram_bytes: int = DEFAULT_RAM_BYTES
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    disk_dir: Path | None = None  # None: no disk tier
+    high_watermark: float = DEFAULT_HIGH_WATERMARK
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+    max_concurrent_fetches: int = DEFAULT_MAX_CONCURRENT_FETCHES
+    readahead_max_bytes: int = DEFAULT_READAHEAD_MAX_BYTES
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError(problems[0])
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
+            out.append(f"block size {self.block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}] bytes")
+        if self.ram_bytes < 0 or self.disk_bytes < 0:
+            out.append("cache sizes must not be negative")
+        if 0 < self.ram_bytes < self.block_size:
+            out.append(f"RAM cache ({self.ram_bytes} bytes) is smaller than one block ({self.block_size} bytes)")
+        if self.disk_dir is not None and 0 < self.disk_bytes < self.block_size:
+            out.append(f"disk cache ({self.disk_bytes} bytes) is smaller than one block ({self.block_size} bytes)")
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            out.append("watermarks must satisfy 0 < low < high <= 1")
+        if not 1 <= self.max_concurrent_fetches <= 1024:
+            out.append("max concurrent fetches must be between 1 and 1024")
+        if self.readahead_max_bytes < 0:
+            out.append("read-ahead size must not be negative")
+        if not 0 < self.fetch_timeout_s <= 3600:
+            out.append("fetch timeout must be between 0 and 3600 seconds")
+        return out
