@@ -1,0 +1,452 @@
+"""The ``cachefs`` command line: mount, unmount, stats.
+
+Only this module (and the CSI entry points) reads argv and the environment; everything below it
+receives frozen settings objects. Every user error ends in one line on stderr naming the problem and
+a non-zero exit, never a traceback.
+
+``cachefs mount`` without ``--foreground`` starts the same command with ``--foreground`` as a
+detached child (its own session, output to a log file), and waits until the child reports through a
+pipe that the mount is live, or why it is not. Credentials reach the child only through the
+inherited environment (the standard AWS variables and config files), never through its arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import logging.handlers
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from cachefs import mounts
+from cachefs.control import ControlError, request_json
+from cachefs.errors import SetupError
+from cachefs.fs import CONTROL_XATTR
+from cachefs.settings import (
+    DEFAULT_ATTR_TTL_S,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_DIR_TTL_S,
+    DEFAULT_READ_TIMEOUT_S,
+    FsSettings,
+    MountSettings,
+)
+from tiering.settings import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DISK_BYTES,
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_FETCHES,
+    DEFAULT_RAM_BYTES,
+    DEFAULT_READAHEAD_MAX_BYTES,
+    CacheSettings,
+)
+from tiering.units import format_size, parse_size
+
+log = logging.getLogger("cachefs")
+
+# How long `cachefs mount` waits for the daemon to report. The daemon's own start-up check is
+# bounded at 20 s (cachefs.daemon); this leaves room for scanning a large disk tier on start.
+MOUNT_WAIT_S = 120.0
+DEFAULT_UNMOUNT_TIMEOUT_S = 30.0
+# Logs of a background daemon: rotated so a long-lived mount cannot fill the disk with them.
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_BACKUPS = 3
+NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp.access")
+
+
+class UsageError(Exception):
+    """Bad input from the user: one line, exit code 2."""
+
+
+def default_cache_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/cache/cachefs")
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cachefs"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: expected seconds, e.g. 30 or 0.5") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: must not be negative")
+    return value
+
+
+def _addr(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9750")
+    return f"{host or '127.0.0.1'}:{int(port)}"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"cachefs: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory")
+    m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
+    m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
+    m.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)")
+    m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: %s)" % default_cache_dir())
+    m.add_argument("--ram-cache", type=_size, default=DEFAULT_RAM_BYTES, metavar="SIZE",
+                   help=f"RAM tier capacity, e.g. 2GiB (default {format_size(DEFAULT_RAM_BYTES)}; 0 disables)")
+    m.add_argument("--disk-cache", type=_size, default=DEFAULT_DISK_BYTES, metavar="SIZE",
+                   help=f"disk tier capacity (default {format_size(DEFAULT_DISK_BYTES)}; 0 disables)")
+    m.add_argument("--block-size", type=_size, default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
+                   help=f"cache block size (default {format_size(DEFAULT_BLOCK_SIZE)})")
+    m.add_argument("--readahead", type=_size, default=DEFAULT_READAHEAD_MAX_BYTES, metavar="SIZE",
+                   help=f"largest sequential read-ahead window (default {format_size(DEFAULT_READAHEAD_MAX_BYTES)}; 0 disables)")
+    m.add_argument("--max-fetches", type=int, default=DEFAULT_MAX_CONCURRENT_FETCHES, metavar="N",
+                   help=f"parallel ranged GETs (default {DEFAULT_MAX_CONCURRENT_FETCHES})")
+    m.add_argument("--fetch-timeout", type=_seconds, default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
+                   help=f"fail an uncached read with EIO after this long (default {DEFAULT_FETCH_TIMEOUT_S:g})")
+    m.add_argument("--attr-ttl", type=_seconds, default=DEFAULT_ATTR_TTL_S, metavar="S",
+                   help=f"how long file attributes are cached (default {DEFAULT_ATTR_TTL_S:g})")
+    m.add_argument("--dir-ttl", type=_seconds, default=DEFAULT_DIR_TTL_S, metavar="S",
+                   help=f"how long listings and negative lookups are cached (default {DEFAULT_DIR_TTL_S:g})")
+    m.add_argument("--connect-timeout", type=_seconds, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
+                   help=argparse.SUPPRESS)
+    m.add_argument("--read-timeout", type=_seconds, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
+                   help=argparse.SUPPRESS)
+    m.add_argument("--stats-addr", type=_addr, default=None, metavar="HOST:PORT",
+                   help="also serve /stats and /healthz over HTTP here (loopback unless a host is given)")
+    m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("--read-only", action="store_true", default=True, help="read-only mount (the only mode for now)")
+    m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for containers)")
+    m.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
+    m.add_argument("--log-file", type=Path, default=None,
+                   help="log file of a background mount (default: daemon.log in the cache dir)")
+    m.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+    u = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
+    u.add_argument("mountpoint", type=Path)
+    u.add_argument("--timeout", type=_seconds, default=DEFAULT_UNMOUNT_TIMEOUT_S, metavar="S",
+                   help="how long to wait for the daemon to exit")
+
+    s = sub.add_parser("stats", help="show cache statistics of a mount")
+    s.add_argument("mountpoint", type=Path)
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--watch", type=_seconds, default=None, metavar="S", help="refresh every S seconds")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------- mount
+def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSettings:
+    try:
+        cache = CacheSettings(
+            block_size=args.block_size,
+            ram_bytes=args.ram_cache,
+            disk_bytes=args.disk_cache,
+            max_concurrent_fetches=args.max_fetches,
+            readahead_max_bytes=args.readahead,
+            fetch_timeout_s=args.fetch_timeout,
+        )
+        fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=True)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.connect_timeout <= 0 or args.read_timeout <= 0:
+        raise UsageError("timeouts must be positive")
+    endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
+    return MountSettings(
+        source=args.source,
+        mountpoint=Path(os.path.abspath(args.mountpoint)),
+        cache_dir=Path(os.path.abspath(args.cache_dir or default_cache_dir())),
+        endpoint_url=endpoint,
+        cache=cache,
+        fs=fs,
+        connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout,
+        stats_addr=args.stats_addr,
+        allow_other=args.allow_other,
+        log_level=args.log_level,
+    )
+
+
+def preflight(settings: MountSettings) -> None:
+    """Checks that need no store: URL syntax, mountpoint, cache dir. Raises UsageError."""
+    from tiering.disk import check_cache_dir
+    from tiering.objectstore import parse_source
+
+    try:
+        parse_source(settings.source)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if settings.endpoint_url and not settings.endpoint_url.startswith(("http://", "https://")):
+        raise UsageError(f"invalid endpoint URL {settings.endpoint_url!r}: expected http:// or https://")
+    problem = mounts.check_mountpoint(settings.mountpoint)
+    if problem:
+        raise UsageError(problem)
+    try:
+        check_cache_dir(settings.cache_dir)
+    except OSError as exc:
+        raise UsageError(str(exc).splitlines()[0] if str(exc) else f"cache dir {settings.cache_dir} is not usable") from None
+
+
+def configure_logging(level: str, log_file: Path | None) -> None:
+    handler: logging.Handler
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(log_file, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # Client libraries log request details (signed headers among them) at DEBUG: keep them quiet.
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_foreground(settings: MountSettings, ready_fd: int | None, log_file: Path | None, environ: dict[str, str]) -> int:
+    from cachefs.daemon import serve  # imports pyfuse3: only the daemon needs it
+
+    configure_logging(settings.log_level, log_file)
+    reported = False
+
+    def ready(error: str | None) -> None:
+        nonlocal reported
+        if ready_fd is not None and not reported:
+            reported = True
+            message = "OK\n" if error is None else f"ERR {error}\n"
+            try:
+                os.write(ready_fd, message.encode())
+                os.close(ready_fd)
+            except OSError:
+                pass
+
+    os.chdir("/")
+    try:
+        serve(settings, ready, environ)
+    except SetupError as exc:
+        log.error("mount failed: %s", exc)
+        ready(str(exc))
+        if ready_fd is None:
+            print(f"cachefs: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - report, never a bare traceback to the user
+        log.exception("daemon failed")
+        ready(f"daemon failed: {exc.__class__.__name__}: {exc}")
+        if ready_fd is None:
+            print(f"cachefs: error: daemon failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def spawn_daemon(argv: Sequence[str], settings: MountSettings, log_file: Path) -> int:
+    read_fd, write_fd = os.pipe()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    child_argv = [sys.executable, "-m", "cachefs", *argv, "--foreground", "--ready-fd", str(write_fd),
+                  "--log-file", str(log_file)]
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(
+            child_argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            close_fds=True,
+        )
+    os.close(write_fd)
+    deadline = time.monotonic() + MOUNT_WAIT_S
+    message = b""
+    try:
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([read_fd], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+            if readable:
+                chunk = os.read(read_fd, 4096)
+                if not chunk:
+                    break
+                message += chunk
+                if message.endswith(b"\n"):
+                    break
+    finally:
+        os.close(read_fd)
+    text = message.decode(errors="replace").strip()
+    if text == "OK":
+        print(f"cachefs: mounted {settings.source} on {settings.mountpoint} (pid {proc.pid})", file=sys.stderr)
+        return 0
+    if text.startswith("ERR "):
+        print(f"cachefs: error: {text[4:]}", file=sys.stderr)
+        _reap(proc)
+        return 1
+    if proc.poll() is None:
+        proc.terminate()  # our own child, by its PID
+        _reap(proc)
+        print(f"cachefs: error: mount did not become ready within {MOUNT_WAIT_S:g} s; see {log_file}", file=sys.stderr)
+    else:
+        print(f"cachefs: error: daemon exited with code {proc.returncode}; see {log_file}", file=sys.stderr)
+    return 1
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, str]) -> int:
+    settings = mount_settings(args, environ)
+    if args.ready_fd is None:  # the child re-runs these checks only through the daemon itself
+        preflight(settings)
+    log_file = args.log_file
+    if args.foreground:
+        return run_foreground(settings, args.ready_fd, log_file, environ)
+    return spawn_daemon(argv, settings, log_file or settings.source_cache_dir() / "daemon.log")
+
+
+# ---------------------------------------------------------------------------------------- control
+def control_socket(mountpoint: Path) -> str:
+    """The control socket of the cachefs mounted at ``mountpoint``; UsageError if there is none."""
+    path = Path(os.path.abspath(mountpoint))
+    entry = mounts.find_mount(path)
+    if entry is None:
+        raise UsageError(f"{path} is not a mountpoint")
+    if entry.fstype != mounts.FSTYPE:
+        raise UsageError(f"{path} is not a cachefs mount (it is {entry.fstype})")
+    try:
+        return os.getxattr(path, CONTROL_XATTR).decode()
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise UsageError(f"the cachefs daemon of {path} is not running (run 'cachefs unmount {path}')") from None
+        raise UsageError(f"cannot query {path}: {exc.strerror}") from None
+
+
+def fetch_stats(mountpoint: Path) -> dict[str, Any]:
+    try:
+        return request_json(control_socket(mountpoint), "/stats")
+    except ControlError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def render_stats(stats: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="cachefs", show_edge=False)
+    for column in ("tier", "used", "capacity", "entries", "hits", "misses", "evictions", "errors"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for name, tier in stats["tiers"].items():
+        label = name + (f" ({tier['state']})" if tier.get("state", "healthy") != "healthy" else "")
+        table.add_row(label, format_size(tier["used_bytes"]), format_size(tier["capacity_bytes"]),
+                      str(tier["entries"]), str(tier["hits"]), str(tier["misses"]), str(tier["evictions"]),
+                      str(tier["errors"]))
+    store = stats["object_store"]
+    table.caption = (f"object store: {store['requests']} requests, {format_size(store['bytes_read'])} read, "
+                     f"{store['errors']} errors  |  hit ratio {stats['hit_ratio']:.1%}")
+    return table
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    if args.json and args.watch is None:
+        print(json.dumps(fetch_stats(args.mountpoint), indent=2, sort_keys=True))
+        return 0
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    if args.watch is None:
+        console.print(render_stats(fetch_stats(args.mountpoint)))
+        return 0
+    interval = max(args.watch, 0.2)
+    try:
+        with Live(render_stats(fetch_stats(args.mountpoint)), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                stats = fetch_stats(args.mountpoint)
+                if args.json:
+                    console.print_json(data=stats)
+                else:
+                    live.update(render_stats(stats), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    path = Path(os.path.abspath(args.mountpoint))
+    entry = mounts.find_mount(path)
+    if entry is None:
+        raise UsageError(f"{path} is not mounted")
+    if entry.fstype != mounts.FSTYPE:
+        raise UsageError(f"{path} is not a cachefs mount (it is {entry.fstype})")
+    pid = None
+    try:
+        pid = int(request_json(control_socket(path), "/info")["pid"])
+    except (UsageError, ControlError, KeyError, ValueError):
+        pass  # a dead daemon: unmount the stale mount anyway
+    fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
+    if fusermount is None:
+        raise UsageError("fusermount3 not found (install the fuse3 package)")
+    result = subprocess.run([fusermount, "-u", str(path)], capture_output=True, text=True, timeout=args.timeout)
+    if result.returncode != 0:
+        detail = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        if pid is None:  # the daemon is gone: detach the dead mount lazily
+            lazy = subprocess.run([fusermount, "-u", "-z", str(path)], capture_output=True, text=True, timeout=args.timeout)
+            if lazy.returncode == 0:
+                print(f"cachefs: unmounted {path} (its daemon was not running)", file=sys.stderr)
+                return 0
+        print(f"cachefs: error: cannot unmount {path}: {detail}", file=sys.stderr)
+        return 1
+    if pid is not None and not _wait_exit(pid, args.timeout):
+        print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {args.timeout:g} s",
+              file=sys.stderr)
+        return 1
+    print(f"cachefs: unmounted {path}", file=sys.stderr)
+    return 0
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    environ = dict(os.environ if environ is None else environ)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return cmd_mount(args, argv, environ)
+        if args.command in ("unmount", "umount"):
+            return cmd_unmount(args)
+        if args.command == "stats":
+            return cmd_stats(args)
+    except UsageError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")

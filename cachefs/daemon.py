@@ -1,0 +1,173 @@
+"""The mount daemon: wires store, tiers, filesystem, FUSE and the control API on one asyncio loop.
+
+``run_daemon`` is what ``cachefs mount --foreground`` runs. It validates everything that can only be
+checked with the store at hand (the bucket exists, credentials work, the endpoint answers) before
+mounting, reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
+waits on that), then serves FUSE until unmounted or signalled (SIGTERM/SIGINT unmount cleanly).
+
+Cache directory layout, per source (so several mounts may share one ``--cache-dir`` safely)::
+
+    CACHE_DIR/<sha256(source, endpoint)[:16]>/
+        source.json   what this directory caches (for humans and tools)
+        lock          flock'd by the daemon using it: two daemons never share a disk tier
+        blocks/       the disk tier (see tiering.disk)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import pyfuse3
+import pyfuse3.asyncio
+
+from cachefs.control import ControlServer, socket_path_for
+from cachefs.errors import SetupError
+from cachefs.fs import CacheFS
+from cachefs.fuse_adapter import FuseOperations
+from cachefs.settings import MountSettings
+from tiering.disk import DiskTier
+from tiering.engine import BlockCache
+from tiering.errors import CacheError
+from tiering.objectstore import open_object_store
+from tiering.ram import RamTier
+
+log = logging.getLogger(__name__)
+
+# The store check at start-up is bounded separately from reads: connect timeout plus retries of the
+# S3 client can add up, and a user must get an answer well under 30 s.
+STARTUP_CHECK_TIMEOUT_S = 20.0
+# FUSE worker tasks: each in-flight kernel request occupies one; reads block on fetches, so allow
+# enough for the kernel's max_background (12 by default) plus metadata requests.
+FUSE_MAX_TASKS = 64
+
+ReadyCallback = Callable[[str | None], None]
+
+
+def lock_cache_dir(directory: Path) -> IO[str]:
+    """Take the per-source lock; refuse if another daemon holds it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / "lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SetupError(f"cache dir {directory} is in use by another cachefs mount (pid {holder})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def fuse_options(settings: MountSettings) -> set[str]:
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=cachefs", "subtype=cachefs"}
+    if settings.fs.read_only:
+        options.add("ro")
+    if settings.allow_other:
+        options.add("allow_other")
+    return options
+
+
+async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]) -> None:
+    """Mount and serve until unmounted. Raises ``SetupError`` for anything that prevents mounting."""
+    try:
+        store = open_object_store(
+            settings.source,
+            endpoint_url=settings.endpoint_url,
+            connect_timeout_s=settings.connect_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+            environ=environ,
+        )
+    except ValueError as exc:
+        raise SetupError(str(exc)) from exc
+    lock = None
+    try:
+        try:
+            await asyncio.wait_for(store.check(), STARTUP_CHECK_TIMEOUT_S)
+        except CacheError as exc:
+            raise SetupError(str(exc)) from exc
+        except TimeoutError as exc:
+            raise SetupError(f"object store did not answer within {STARTUP_CHECK_TIMEOUT_S:g} s") from exc
+
+        cache_dir = settings.source_cache_dir()
+        lock = lock_cache_dir(cache_dir)
+        (cache_dir / "source.json").write_text(
+            json.dumps({"source": settings.source, "endpoint_url": settings.endpoint_url}, indent=2) + "\n"
+        )
+        cs = settings.cache
+        disk = None
+        if cs.disk_bytes > 0:
+            disk = await asyncio.to_thread(
+                DiskTier,
+                cache_dir,
+                cs.disk_bytes,
+                high_watermark=cs.high_watermark,
+                low_watermark=cs.low_watermark,
+            )
+        ram = RamTier(cs.ram_bytes)
+        cache = BlockCache(cs, store, ram, disk)
+        socket_path = socket_path_for(settings.mountpoint)
+        fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path))
+        control = ControlServer(
+            socket_path,
+            fs.stats_snapshot,
+            {
+                "pid": os.getpid(),
+                "source": settings.source,
+                "mountpoint": str(settings.mountpoint),
+                "cache_dir": str(cache_dir),
+                "started_at": time.time(),
+            },
+        )
+        host, port = _split_addr(settings.stats_addr)
+        try:
+            await control.start(host, port)
+        except OSError as exc:
+            raise SetupError(f"cannot serve stats on {settings.stats_addr}: {exc.strerror or exc}") from exc
+        try:
+            try:
+                pyfuse3.init(FuseOperations(fs), str(settings.mountpoint), fuse_options(settings))
+            except RuntimeError as exc:
+                raise SetupError(f"cannot mount on {settings.mountpoint}: {exc}") from exc
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, pyfuse3.terminate)
+            log.info("mounted %s on %s", settings.source, settings.mountpoint)
+            ready(None)
+            try:
+                await pyfuse3.main(max_tasks=FUSE_MAX_TASKS)
+            finally:
+                pyfuse3.close(unmount=True)
+                log.info("unmounted %s", settings.mountpoint)
+        finally:
+            await control.stop()
+            await cache.close()
+    finally:
+        await store.close()
+        if lock is not None:
+            lock.close()
+
+
+def _split_addr(addr: str | None) -> tuple[str | None, int | None]:
+    if not addr:
+        return None, None
+    host, _, port = addr.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]) -> None:
+    """Run the daemon on a fresh asyncio loop with pyfuse3's asyncio support enabled."""
+    pyfuse3.asyncio.enable()
+    asyncio.run(run_daemon(settings, ready, environ))

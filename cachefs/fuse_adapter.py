@@ -1,0 +1,206 @@
+"""The pyfuse3 adapter: a translator between FUSE requests and ``CacheFS``, nothing more.
+
+Each handler unpacks its arguments, calls one ``CacheFS`` method and packs the answer. Errors become
+errno here and only here: pyfuse3 ends the whole session if a handler raises anything other than
+``FUSEError``, so every handler goes through ``_translate``: domain errors (``FsError``, the engine's
+``CacheError``) carry their errno, ``OSError`` keeps its own, and anything else is logged with its
+traceback and answered with EIO. Nothing escapes.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from cachefs.errors import FsError
+from cachefs.fs import Attributes, CacheFS
+from tiering.errors import CacheError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a failure is answered with (EIO for anything unexpected)."""
+    if isinstance(exc, (FsError, CacheError)):
+        return exc.errno
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    return errno.EIO
+
+
+def _translate(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(handler)
+    async def wrapper(*args: Any) -> T:
+        try:
+            return await handler(*args)
+        except pyfuse3.FUSEError:
+            raise
+        except (FsError, CacheError, OSError) as exc:
+            code = errno_of(exc)
+            if code in (errno.EIO, errno.ESTALE):
+                log.warning("%s failed: %s", handler.__name__, exc)
+            raise pyfuse3.FUSEError(code) from exc
+        except Exception as exc:  # noqa: BLE001 - the FUSE session must survive any bug
+            log.exception("unexpected error in %s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from exc
+
+    return wrapper
+
+
+def entry_attributes(attrs: Attributes) -> pyfuse3.EntryAttributes:
+    entry = pyfuse3.EntryAttributes()
+    entry.st_ino = attrs.inode
+    entry.generation = 0
+    entry.entry_timeout = attrs.entry_timeout
+    entry.attr_timeout = attrs.attr_timeout
+    entry.st_mode = attrs.mode
+    entry.st_nlink = attrs.nlink
+    entry.st_uid = attrs.uid
+    entry.st_gid = attrs.gid
+    entry.st_rdev = 0
+    entry.st_size = attrs.size
+    entry.st_blksize = 128 * 1024
+    entry.st_blocks = (attrs.size + 511) // 512
+    entry.st_atime_ns = attrs.mtime_ns
+    entry.st_mtime_ns = attrs.mtime_ns
+    entry.st_ctime_ns = attrs.mtime_ns
+    return entry
+
+
+class FuseOperations(pyfuse3.Operations):
+    """pyfuse3 ``Operations`` delegating to a ``CacheFS``."""
+
+    enable_writeback_cache = False
+
+    def __init__(self, fs: CacheFS) -> None:
+        super().__init__()
+        self.fs = fs
+
+    @_translate
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return entry_attributes(await self.fs.lookup(parent_inode, name))
+
+    @_translate
+    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return entry_attributes(await self.fs.getattr(inode))
+
+    @_translate
+    async def forget(self, inode_list: Any) -> None:
+        for inode, nlookup in inode_list:
+            self.fs.forget(inode, nlookup)
+
+    @_translate
+    async def open(self, inode: int, flags: int, ctx: Any = None) -> pyfuse3.FileInfo:
+        fh, keep_cache = await self.fs.open(inode, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False)
+
+    @_translate
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.fs.read(fh, off, size)
+
+    @_translate
+    async def release(self, fh: int) -> None:
+        self.fs.release(fh)
+
+    @_translate
+    async def opendir(self, inode: int, ctx: Any = None) -> int:
+        return await self.fs.opendir(inode)
+
+    @_translate
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        for entry in self.fs.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, entry.name, entry_attributes(entry.attrs), entry.next_id):
+                break
+            self.fs.add_lookup(entry.attrs.inode)
+
+    @_translate
+    async def releasedir(self, fh: int) -> None:
+        self.fs.releasedir(fh)
+
+    @_translate
+    async def statfs(self, ctx: Any = None) -> pyfuse3.StatvfsData:
+        st = self.fs.statfs()
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = st.block_size
+        out.f_frsize = st.block_size
+        out.f_blocks = st.blocks
+        out.f_bfree = st.blocks_free
+        out.f_bavail = st.blocks_free
+        out.f_files = st.files
+        out.f_ffree = st.files_free
+        out.f_favail = st.files_free
+        out.f_namemax = st.name_max
+        return out
+
+    @_translate
+    async def getxattr(self, inode: int, name: bytes, ctx: Any = None) -> bytes:
+        return self.fs.getxattr(inode, name)
+
+    @_translate
+    async def listxattr(self, inode: int, ctx: Any = None) -> list[bytes]:
+        return self.fs.listxattr(inode)
+
+    @_translate
+    async def flush(self, fh: int) -> None:
+        return None
+
+    @_translate
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        return None
+
+    # Every modifying operation: the mount is read-only.
+    @_translate
+    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any = None) -> Any:
+        self.fs.refuse_write()
+
+    @_translate
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any = None) -> Any:
+        self.fs.refuse_write()
+
+    @_translate
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any = None) -> Any:
+        self.fs.refuse_write()
+
+    @_translate
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any = None) -> None:
+        self.fs.refuse_write()
+
+    @_translate
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any = None) -> None:
+        self.fs.refuse_write()
+
+    @_translate
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any = None) -> Any:
+        self.fs.refuse_write()
+
+    @_translate
+    async def rename(self, p_old: int, n_old: bytes, p_new: int, n_new: bytes, flags: int, ctx: Any = None) -> None:
+        self.fs.refuse_write()
+
+    @_translate
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any = None) -> Any:
+        self.fs.refuse_write()
+
+    @_translate
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any = None) -> Any:
+        self.fs.refuse_write()
+
+    @_translate
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        self.fs.refuse_write()
+        return 0
+
+    @_translate
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any = None) -> None:
+        self.fs.refuse_write()
+
+    @_translate
+    async def removexattr(self, inode: int, name: bytes, ctx: Any = None) -> None:
+        self.fs.refuse_write()

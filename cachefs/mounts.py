@@ -1,0 +1,88 @@
+"""Reading the kernel's mount table, and checks on a mountpoint before mounting.
+
+The CLI finds a running cachefs from the mountpoint alone: the mount table says whether a path is a
+cachefs mount (``fuse.cachefs``), and the daemon publishes its control socket as an extended
+attribute of the mount's root directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+FSTYPE = "fuse.cachefs"
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    mountpoint: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_entries(mountinfo: Path = MOUNTINFO) -> list[MountEntry]:
+    entries = []
+    for line in mountinfo.read_text().splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 2:
+            continue
+        entries.append(MountEntry(_unescape(fields[4]), tail[0], _unescape(tail[1])))
+    return entries
+
+
+def find_mount(path: Path, mountinfo: Path = MOUNTINFO) -> MountEntry | None:
+    """The mount whose mountpoint is exactly ``path`` (the last one, if stacked)."""
+    target = os.path.abspath(path)
+    found = None
+    for entry in mount_entries(mountinfo):
+        if entry.mountpoint == target:
+            found = entry
+    return found
+
+
+def is_cachefs_mount(path: Path) -> bool:
+    entry = find_mount(path)
+    return entry is not None and entry.fstype == FSTYPE
+
+
+def check_mountpoint(path: Path) -> str | None:
+    """Why ``path`` cannot be mounted on, or None if it can."""
+    if find_mount(path) is not None:
+        return f"mountpoint {path} is already mounted"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return f"mountpoint {path} does not exist"
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            return f"mountpoint {path} is a dead FUSE mount (run 'cachefs unmount {path}' first)"
+        return f"mountpoint {path} is not accessible: {exc.strerror}"
+    if not os.path.isdir(path):
+        return f"mountpoint {path} is not a directory"
+    del st
+    try:
+        with os.scandir(path) as it:
+            if any(True for _ in it):
+                return f"mountpoint {path} is not empty"
+    except OSError as exc:
+        return f"mountpoint {path} is not readable: {exc.strerror}"
+    return None

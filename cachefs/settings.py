@@ -1,0 +1,63 @@
+"""Typed, frozen settings of one mount, validated when built. Only the CLI reads argv and environ."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiering.settings import CacheSettings
+
+# Metadata TTLs. Training datasets are written once and read for many epochs, so a minute of
+# staleness costs nothing and saves a LIST per directory per minute; users who need fresher views
+# lower them (0 disables caching).
+DEFAULT_ATTR_TTL_S = 60.0
+DEFAULT_DIR_TTL_S = 60.0
+# Negative lookups (a name that does not exist) are answered from the cached listing of the parent
+# for the same TTL as the listing, because they come from it.
+
+# S3 client timeouts: a connection that is not established in 5 s is not coming (loopback and
+# in-region endpoints connect in milliseconds); a read that stalls for 30 s is treated as dead.
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_READ_TIMEOUT_S = 30.0
+
+DEFAULT_STATS_ADDR = "127.0.0.1:9750"
+
+
+@dataclass(frozen=True)
+class FsSettings:
+    attr_ttl_s: float = DEFAULT_ATTR_TTL_S
+    dir_ttl_s: float = DEFAULT_DIR_TTL_S
+    uid: int = field(default_factory=os.getuid)
+    gid: int = field(default_factory=os.getgid)
+    file_mode: int = 0o444
+    dir_mode: int = 0o555
+    read_only: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("attr_ttl_s", "dir_ttl_s"):
+            value = getattr(self, name)
+            if not 0 <= value <= 86400:
+                raise ValueError(f"{name.replace('_s', '').replace('_', '-')} must be between 0 and 86400 seconds")
+
+
+@dataclass(frozen=True)
+class MountSettings:
+    source: str
+    mountpoint: Path
+    cache_dir: Path
+    endpoint_url: str | None = None
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    fs: FsSettings = field(default_factory=FsSettings)
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    stats_addr: str | None = None
+    allow_other: bool = False
+    log_level: str = "INFO"
+
+    def source_cache_dir(self) -> Path:
+        """This source's own directory inside ``cache_dir`` (mounts of other sources may share it)."""
+        identity = json.dumps({"source": self.source, "endpoint": self.endpoint_url or ""}, sort_keys=True)
+        return self.cache_dir / hashlib.sha256(identity.encode()).hexdigest()[:16]
