@@ -9,7 +9,7 @@ from tiering.blocks import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, M
 
 GiB = 1024 * MiB
 
-# RAM tier default: 1 GiB holds 256 default blocks, enough for read-ahead windows of several
+# RAM tier default: 1 GiB holds 128 default blocks, enough for read-ahead windows of several
 # concurrent streams, and small next to the memory of a GPU training node.
 DEFAULT_RAM_BYTES = 1 * GiB
 # Disk tier default: 10 GiB is safe on any node; production mounts set it to the NVMe size.
@@ -18,12 +18,12 @@ DEFAULT_DISK_BYTES = 10 * GiB
 # batches instead of on every insert, while the capacity itself is never exceeded.
 DEFAULT_HIGH_WATERMARK = 0.95
 DEFAULT_LOW_WATERMARK = 0.85
-# Parallel ranged GETs in flight for one mount. 16 is where throughput against a loopback SeaweedFS
-# stops growing on a 2-core machine; it also bounds memory in flight to 16 blocks (64 MiB).
+# Parallel ranged GETs in flight for one mount. 16 keeps a loopback SeaweedFS busy on a 2-core
+# machine; it also bounds memory in flight beyond the RAM tier to 16 blocks (128 MiB).
 DEFAULT_MAX_CONCURRENT_FETCHES = 16
-# Read-ahead window: starts at one block and doubles on each sequential read, up to 64 MiB
+# Read-ahead window: starts at one block and doubles on each sequential read, up to 128 MiB
 # (16 default blocks): enough to keep every fetch slot busy for one stream.
-DEFAULT_READAHEAD_MAX_BYTES = 64 * MiB
+DEFAULT_READAHEAD_MAX_BYTES = 128 * MiB
 # A GET that has not completed in this time is failed with EIO: a reader never hangs on a dead store.
 DEFAULT_FETCH_TIMEOUT_S = 30.0
 
