@@ -26,13 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-import pyfuse3
-import pyfuse3.asyncio
-
 from cachefs.control import ControlServer, socket_path_for
 from cachefs.errors import SetupError
 from cachefs.fs import CacheFS
-from cachefs.fuse_adapter import FuseOperations
+from cachefs.fuse_adapter import FuseSession
 from cachefs.settings import MountSettings
 from tiering.disk import DiskTier
 from tiering.engine import BlockCache
@@ -85,16 +82,6 @@ def lock_cache_dir(directory: Path) -> IO[str]:
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
-
-
-def fuse_options(settings: MountSettings) -> set[str]:
-    options = set(pyfuse3.default_options)
-    options |= {"fsname=cachefs", "subtype=cachefs"}
-    if settings.fs.read_only:
-        options.add("ro")
-    if settings.allow_other:
-        options.add("allow_other")
-    return options
 
 
 async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]) -> None:
@@ -154,21 +141,24 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         except OSError as exc:
             raise SetupError(f"cannot serve stats on {settings.stats_addr}: {exc.strerror or exc}") from exc
         try:
+            session = FuseSession(
+                fs, str(settings.mountpoint), read_only=settings.fs.read_only, allow_other=settings.allow_other
+            )
             try:
-                pyfuse3.init(FuseOperations(fs), str(settings.mountpoint), fuse_options(settings))
-            except RuntimeError as exc:
-                raise SetupError(f"cannot mount on {settings.mountpoint}: {exc}") from exc
+                session.mount()
+            except OSError as exc:
+                raise SetupError(exc.strerror or str(exc)) from exc
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, pyfuse3.terminate)
+                loop.add_signal_handler(sig, session.terminate)
             log.info("mounted %s on %s", settings.source, settings.mountpoint)
             ready(None)
             # After ready: the stat needs the FUSE loop running to answer getattr on the root.
             loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
             try:
-                await pyfuse3.main(max_tasks=FUSE_MAX_TASKS)
+                await session.serve(FUSE_MAX_TASKS)
             finally:
-                pyfuse3.close(unmount=True)
+                session.close()
                 log.info("unmounted %s", settings.mountpoint)
         finally:
             await control.stop()
@@ -188,5 +178,5 @@ def _split_addr(addr: str | None) -> tuple[str | None, int | None]:
 
 def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]) -> None:
     """Run the daemon on a fresh asyncio loop with pyfuse3's asyncio support enabled."""
-    pyfuse3.asyncio.enable()
+    FuseSession.enable_asyncio()
     asyncio.run(run_daemon(settings, ready, environ))

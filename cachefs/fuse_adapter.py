@@ -204,3 +204,43 @@ class FuseOperations(pyfuse3.Operations):
     @_translate
     async def removexattr(self, inode: int, name: bytes, ctx: Any = None) -> None:
         self.fs.refuse_write()
+
+
+class FuseSession:
+    """The FUSE session of one mount: the only place that calls pyfuse3's module-level functions."""
+
+    def __init__(self, fs: CacheFS, mountpoint: str, *, read_only: bool, allow_other: bool) -> None:
+        self.fs = fs
+        self.mountpoint = mountpoint
+        self.options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs"}
+        if read_only:
+            self.options.add("ro")
+        if allow_other:
+            self.options.add("allow_other")
+
+    @staticmethod
+    def enable_asyncio() -> None:
+        """Make pyfuse3 run on asyncio (it defaults to trio); call before the loop starts."""
+        import pyfuse3.asyncio
+
+        pyfuse3.asyncio.enable()
+
+    def mount(self) -> None:
+        """Mount; ``OSError`` with a one-line reason if the kernel refuses."""
+        try:
+            pyfuse3.init(FuseOperations(self.fs), self.mountpoint, self.options)
+        except RuntimeError as exc:
+            raise OSError(errno.EIO, f"cannot mount on {self.mountpoint}: {exc}") from exc
+
+    async def serve(self, max_tasks: int) -> None:
+        """Serve requests until the filesystem is unmounted or ``terminate`` is called."""
+        await pyfuse3.main(max_tasks=max_tasks)
+
+    @staticmethod
+    def terminate() -> None:
+        pyfuse3.terminate()
+
+    @staticmethod
+    def close() -> None:
+        """End the session and make sure the mount is gone."""
+        pyfuse3.close(unmount=True)
