@@ -201,7 +201,7 @@ def preflight(settings: MountSettings) -> None:
     try:
         check_cache_dir(settings.cache_dir)
     except OSError as exc:
-        raise UsageError(str(exc).splitlines()[0] if str(exc) else f"cache dir {settings.cache_dir} is not usable") from None
+        raise UsageError(exc.strerror or f"cache dir {settings.cache_dir} is not usable") from None
 
 
 def configure_logging(level: str, log_file: Path | None) -> None:

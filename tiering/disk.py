@@ -1,0 +1,547 @@
+"""The local-disk tier: whole blocks as checksummed files, LRU-evicted under watermarks.
+
+Layout
+------
+``<directory>/blocks/<digest[:2]>/<digest>.blk`` where ``digest = BlockKey.digest()`` (hex SHA-256
+of the key token). 256 prefix directories keep every directory small enough for fast lookups even
+with millions of blocks; they are created on first use.
+
+File format (version 1), all integers little-endian::
+
+    offset        size  field
+    0             4     magic  b"CFSB"
+    4             2     format version (u16) = 1
+    6             4     token length T (u32), in bytes
+    10            8     data length D (u64)
+    18            4     CRC-32 of the data (zlib.crc32, u32)
+    22            T     key token: BlockKey.token() encoded utf-8 with surrogateescape
+    22+T          4     CRC-32 of bytes [0, 22+T) (u32): the header checks itself
+    26+T          D     data
+
+The fixed part is ``_FIXED`` below; a golden-bytes test pins it. A reader checks, in order: magic,
+version, that the token length and then the token equal the requested key's (the file name is only a
+hash: a collision, a stray copy or an old block under the same name must never be returned), the
+header CRC, that the file length agrees with the header, and the data CRC. A block failing any check
+is deleted, counted in ``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it.
+
+Writes
+------
+A block is written to a temp file in its final directory (``.<digest>.<pid>.<n>.tmp``), closed, and
+renamed over the final name with ``os.replace``, so a reader sees either no file or a whole one.
+There is no fsync: cached blocks are clean copies of store data, so after a crash a torn or
+zero-filled block simply fails its checksum on the next read and is fetched again, while an fsync per
+4 MiB block would cost a flush of the device queue on every miss. Temp files left by a crash are
+removed by the start-up scan.
+
+Capacity and eviction
+---------------------
+``used_bytes()`` counts whole file sizes (header included) of indexed blocks plus the bytes reserved
+by writes in flight, and a write reserves its room *before* it starts, so the configured capacity is
+never exceeded, even with many writer threads. When an insert would take usage above
+``high_watermark * capacity``, least-recently-used blocks are evicted until usage plus the new block
+fits under ``low_watermark * capacity``: eviction runs in batches (one pass frees ~10% of the tier
+with the defaults) instead of one unlink per insert.
+
+Recency is an in-memory ``OrderedDict`` keyed by digest, in LRU order. To survive a restart, recency
+is also written to the files' mtimes: every insert and every hit stamps the file with ``os.utime``
+(one cheap metadata call) using strictly increasing nanosecond stamps, and the start-up scan orders
+the blocks by mtime. We use mtime rather than atime because atime is commonly disabled or coarsened
+(``noatime``/``relatime`` mounts) and mtime is under our control. Equal mtimes (a filesystem with
+coarse timestamps) are ordered by digest, which is arbitrary but harmless.
+
+Restart
+-------
+The constructor scans ``blocks/`` with ``os.scandir`` and one ``stat`` per file: names, sizes and
+mtimes only, no file content is read (headers are checked lazily, on ``get``). If the blocks found
+exceed the (lowered) capacity, the least recently used are evicted at once, down to the low
+watermark. Usage between the high watermark and the capacity is left alone: the next insert
+evicts the usual batch.
+
+The index is keyed by digest because that is all a file name tells. ``keys()`` lists only the
+``BlockKey``s seen in this process (put, or hit by get); blocks found at start-up are counted by
+``len()`` and ``used_bytes()`` and are served normally, they are just not listed until touched.
+
+Threads and failures
+--------------------
+The engine calls ``get``/``put``/``contains``/``discard`` from a thread pool. One ``threading.Lock``
+guards the index, the byte counts and the stats; every open, read, write, rename and unlink happens
+outside it. A digest being written or deleted is marked busy, so two threads never race on one file:
+a second put of a block already being written is simply declined, and a get of it is a miss.
+
+A failing disk is a miss, never an error for a reader: any ``OSError`` in ``get``/``put`` is counted
+in ``stats.errors`` and reported to ``self.health`` (a ``TierHealth``), which logs once per state
+change. While the tier is down it is skipped without any I/O, until a probe after the cool-down
+succeeds. A failed write leaves neither a temp file nor an index entry behind.
+
+One cache directory belongs to one process at a time; two daemons sharing one would evict each
+other's files without knowing it.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from pathlib import Path
+
+from tiering.blocks import BlockKey
+from tiering.clock import Clock, SystemClock
+from tiering.health import TierHealth, TierState
+from tiering.protocols import TierStats
+from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
+
+log = logging.getLogger("tiering.disk")
+
+MAGIC = b"CFSB"
+FORMAT_VERSION = 1
+# magic, format version, token length, data length, data CRC-32. Little-endian, no padding.
+HEADER_FORMAT = "<4sHIQI"
+_FIXED = struct.Struct(HEADER_FORMAT)
+# CRC-32 of the fixed part plus the token, right after the token.
+_HEADER_CRC = struct.Struct("<I")
+
+BLOCKS_DIRNAME = "blocks"
+BLOCK_SUFFIX = ".blk"
+TMP_PREFIX = "."
+TMP_SUFFIX = ".tmp"
+_DIGEST_LEN = 64  # hex SHA-256
+_HEX = frozenset("0123456789abcdef")
+
+
+class CorruptBlockError(Exception):
+    """A block file failed a check. Internal: turned into a miss, never raised to a caller."""
+
+
+def encode_token(key: BlockKey) -> bytes:
+    """The key token as written into a block header."""
+    return key.token().encode("utf-8", "surrogateescape")
+
+
+def encode_header(key: BlockKey, data: bytes) -> bytes:
+    """The header of the block file holding ``data`` for ``key`` (see the module docstring)."""
+    token = encode_token(key)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(token), len(data), zlib.crc32(data))
+    return fixed + token + _HEADER_CRC.pack(zlib.crc32(token, zlib.crc32(fixed)))
+
+
+def block_file_size(key: BlockKey, data_len: int) -> int:
+    """Bytes on disk of the file holding ``data_len`` bytes of ``key``: what capacity counts."""
+    return _FIXED.size + len(encode_token(key)) + _HEADER_CRC.size + data_len
+
+
+def check_cache_dir(path: Path) -> None:
+    """Create ``path`` if needed and prove it writable with a probe file; raise ``OSError`` if not.
+
+    The message is one line naming the path and the reason, for the CLI to show as is.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise NotADirectoryError(errno.ENOTDIR, f"cache directory {path} exists and is not a directory") from exc
+    except OSError as exc:
+        raise OSError(exc.errno, f"cache directory {path} cannot be created: {exc.strerror or exc}") from exc
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"cache directory {path} is not a directory")
+    probe = path / f".probe-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"cachefs")
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cache directory {path} is not writable: {exc.strerror or exc}") from exc
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in _HEX for c in text)
+
+
+class DiskTier:
+    """Blocks as checksummed files under ``directory``, at most ``capacity_bytes`` of them on disk."""
+
+    def __init__(
+        self,
+        directory: Path,
+        capacity_bytes: int,
+        *,
+        high_watermark: float = DEFAULT_HIGH_WATERMARK,
+        low_watermark: float = DEFAULT_LOW_WATERMARK,
+        clock: Clock = SystemClock(),
+        name: str = "disk",
+    ) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
+        if not 0 < low_watermark < high_watermark <= 1:
+            raise ValueError(
+                f"{name} tier watermarks must satisfy 0 < low < high <= 1, got low={low_watermark} high={high_watermark}"
+            )
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.stats = TierStats()
+        self.health = TierHealth(clock, name=name)
+        self.directory = Path(directory)
+        self._blocks_dir = self.directory / BLOCKS_DIRNAME
+        self._high_bytes = int(capacity_bytes * high_watermark)
+        self._low_bytes = int(capacity_bytes * low_watermark)
+
+        self._lock = threading.Lock()
+        # digest -> (file size, generation), least recently used first. The generation tells a
+        # reader whether the entry it looked up is still the one in the index when it comes back.
+        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._known: dict[str, BlockKey] = {}  # digest -> key, for keys seen in this process
+        self._busy: set[str] = set()  # digests being written or deleted right now
+        self._used = 0  # indexed file sizes + room reserved by writes in flight
+        self._generations = itertools.count(1)
+        self._tmp_seq = itertools.count()
+        self._last_stamp_ns = 0
+
+        check_cache_dir(self.directory)
+        try:
+            self._blocks_dir.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cache directory {self._blocks_dir} cannot be created: {exc.strerror}") from exc
+        self._load()
+
+    # -- BlockTier ------------------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> bytes | None:
+        digest = key.digest()
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is None or digest in self._busy:
+                self.stats.misses += 1
+                return None
+        if not self.health.usable():
+            self._count_miss()
+            return None
+        size, gen = entry
+        path = self._path(digest)
+        try:
+            data = self._read_block(path, encode_token(key), size)
+        except FileNotFoundError:
+            # Removed behind our back (or evicted by another thread in between): a plain miss.
+            self._drop(digest, gen)
+            self._count_miss()
+            return None
+        except CorruptBlockError as exc:
+            log.warning("%s tier: dropping corrupt block %s (%s): %s", self.name, path, key, exc)
+            with self._lock:
+                self.stats.corrupt_blocks += 1
+            self._drop(digest, gen)
+            self._count_miss()
+            return None
+        except OSError as exc:
+            # The device failed. Forget the block too: an unreadable file would fail every hit.
+            self._count_error()
+            self.health.record_failure(exc)
+            self._drop(digest, gen)
+            self._count_miss()
+            return None
+        self.health.record_success()
+        stamp = None
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.hit_bytes += len(data)
+            if self._index.get(digest, (0, -1))[1] == gen:
+                self._index.move_to_end(digest)
+                self._known[digest] = key
+                stamp = self._next_stamp()
+        if stamp is not None:
+            self._touch(path, stamp)
+        return data
+
+    def contains(self, key: BlockKey) -> bool:
+        """Index lookup only, no I/O. False while the tier is down, as ``get`` would miss."""
+        if self.health.state is TierState.DOWN:
+            return False
+        digest = key.digest()
+        with self._lock:
+            return digest in self._index
+
+    def put(self, key: BlockKey, data: bytes) -> bool:
+        digest = key.digest()
+        header = encode_header(key, data)
+        size = len(header) + len(data)
+        if self.capacity_bytes == 0 or size > self.capacity_bytes:
+            with self._lock:
+                self.stats.rejected += 1
+            if self.health.state is not TierState.DOWN:
+                self._drop(digest)  # never keep an older version of a block we were just offered
+            return False
+        if not self.health.usable():
+            return False
+        with self._lock:
+            if digest in self._busy:
+                return False  # another thread is writing or deleting this block: let it finish
+            old = self._index.pop(digest, None)
+            if old is not None:
+                self._used -= old[0]
+                self._known.pop(digest, None)
+            victims: list[str] = []
+            if self._used + size > self._high_bytes:
+                victims = self._evict_until(self._low_bytes - size)
+            fits = self._used + size <= self.capacity_bytes
+            if fits:
+                self._used += size  # reserved now, so concurrent writers can never overshoot
+            else:
+                self.stats.rejected += 1  # the room is held by writes in flight
+            self._busy.add(digest)
+        self._unlink_all(victims)
+        path = self._path(digest)
+        if not fits:
+            if old is not None:
+                self._unlink_quiet(path)
+            self._release(digest)
+            return False
+        tmp = path.with_name(f"{TMP_PREFIX}{digest}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
+        try:
+            self._write_file(tmp, path, header, data)
+        except OSError as exc:
+            self._unlink_quiet(tmp)
+            if old is not None:
+                self._unlink_quiet(path)  # its index entry is gone: leave no orphan behind
+            with self._lock:
+                self._used -= size
+                self._busy.discard(digest)
+                self.stats.errors += 1
+            self.health.record_failure(exc)
+            return False
+        self.health.record_success()
+        with self._lock:
+            self._index[digest] = (size, next(self._generations))
+            self._known[digest] = key
+            self._busy.discard(digest)
+            self.stats.inserts += 1
+            stamp = self._next_stamp()
+        self._touch(path, stamp)
+        return True
+
+    def discard(self, key: BlockKey) -> None:
+        self._drop(key.digest())
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- extras ---------------------------------------------------------------------------------
+
+    def keys(self) -> list[BlockKey]:
+        """Held keys seen in this process, least recently used first (see the module docstring)."""
+        with self._lock:
+            return [self._known[d] for d in self._index if d in self._known]
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskTier(name={self.name!r}, directory={str(self.directory)!r}, used={self._used}, "
+            f"capacity={self.capacity_bytes}, blocks={len(self)}, health={self.health.state.value})"
+        )
+
+    # -- eviction (call with the lock held) -----------------------------------------------------
+
+    def _evictable(self, digest: str) -> bool:
+        """Whether eviction may take ``digest``. The hook for pinned and dirty blocks."""
+        return digest not in self._busy
+
+    def _evict_until(self, target_bytes: int) -> list[str]:
+        """Take LRU evictable blocks out of the index until ``used <= target_bytes``.
+
+        Returns the digests whose files the caller must unlink (outside the lock); they stay busy
+        until ``_unlink_all`` has removed them. Stops early when nothing evictable is left (room
+        reserved by writes in flight cannot be evicted).
+        """
+        if self._used <= target_bytes:
+            return []
+        victims: list[str] = []
+        remaining = self._used
+        for digest, (size, _gen) in self._index.items():
+            if remaining <= target_bytes:
+                break
+            if self._evictable(digest):
+                victims.append(digest)
+                remaining -= size
+        for digest in victims:
+            size, _gen = self._index.pop(digest)
+            self._used -= size
+            self._known.pop(digest, None)
+            self._busy.add(digest)
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += size
+        return victims
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _path(self, digest: str) -> Path:
+        return self._blocks_dir / digest[:2] / f"{digest}{BLOCK_SUFFIX}"
+
+    def _next_stamp(self) -> int:
+        """A strictly increasing wall-clock stamp in ns for mtimes (lock held)."""
+        self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+        return self._last_stamp_ns
+
+    def _touch(self, path: Path, stamp_ns: int) -> None:
+        # Recency for the next start-up only: losing one stamp is harmless, so no error accounting.
+        try:
+            os.utime(path, ns=(stamp_ns, stamp_ns))
+        except OSError as exc:
+            log.debug("%s tier: cannot stamp %s: %s", self.name, path, exc)
+
+    def _count_miss(self) -> None:
+        with self._lock:
+            self.stats.misses += 1
+
+    def _count_error(self) -> None:
+        with self._lock:
+            self.stats.errors += 1
+
+    def _release(self, digest: str) -> None:
+        with self._lock:
+            self._busy.discard(digest)
+
+    def _drop(self, digest: str, gen: int | None = None) -> None:
+        """Remove a block from the index and its file from disk.
+
+        With ``gen``, only if the index still holds that generation (a reader dropping what it read
+        must not drop a newer copy written meanwhile). Busy digests belong to another thread.
+        """
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is None or digest in self._busy or (gen is not None and entry[1] != gen):
+                return
+            del self._index[digest]
+            self._used -= entry[0]
+            self._known.pop(digest, None)
+            self._busy.add(digest)
+        self._unlink_all([digest])
+
+    def _unlink_all(self, digests: list[str]) -> None:
+        """Unlink the files of busy ``digests`` (no lock held), then release them."""
+        if not digests:
+            return
+        for digest in digests:
+            self._unlink_quiet(self._path(digest))
+        with self._lock:
+            self._busy.difference_update(digests)
+
+    def _unlink_quiet(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            # The file stays as an orphan until the next start-up scan indexes it again.
+            self._count_error()
+            self.health.record_failure(exc)
+
+    @staticmethod
+    def _write_file(tmp: Path, final: Path, header: bytes, data: bytes) -> None:
+        try:
+            f = open(tmp, "xb")
+        except FileNotFoundError:
+            # Prefix directories are made on first use (and again if someone removed them).
+            os.makedirs(tmp.parent, exist_ok=True)
+            f = open(tmp, "xb")
+        with f:
+            f.write(header)
+            f.write(data)
+        os.replace(tmp, final)
+
+    @staticmethod
+    def _read_block(path: Path, token: bytes, indexed_size: int) -> bytes:
+        """Read and verify one block file; raise ``CorruptBlockError`` or ``OSError``."""
+        with open(path, "rb") as f:
+            fixed = f.read(_FIXED.size)
+            if len(fixed) != _FIXED.size:
+                raise CorruptBlockError("truncated header")
+            magic, version, token_len, data_len, data_crc = _FIXED.unpack(fixed)
+            if magic != MAGIC:
+                raise CorruptBlockError(f"bad magic {magic!r}")
+            if version != FORMAT_VERSION:
+                raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
+            if token_len != len(token):
+                raise CorruptBlockError("key token length differs from the requested key's")
+            rest = f.read(token_len + _HEADER_CRC.size)
+            if len(rest) != token_len + _HEADER_CRC.size:
+                raise CorruptBlockError("truncated header")
+            stored_token = rest[:token_len]
+            (header_crc,) = _HEADER_CRC.unpack_from(rest, token_len)
+            if zlib.crc32(stored_token, zlib.crc32(fixed)) != header_crc:
+                raise CorruptBlockError("header checksum mismatch")
+            if stored_token != token:
+                raise CorruptBlockError("block belongs to another key")
+            header_len = _FIXED.size + token_len + _HEADER_CRC.size
+            if header_len + data_len != indexed_size:
+                raise CorruptBlockError(f"file is {indexed_size} bytes, header says {header_len + data_len}")
+            data = f.read(data_len)
+            if len(data) != data_len:
+                raise CorruptBlockError("truncated data")
+            if f.read(1):
+                raise CorruptBlockError("trailing bytes after the data")
+        if zlib.crc32(data) != data_crc:
+            raise CorruptBlockError("data checksum mismatch")
+        return data
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Index the blocks already on disk (names and stat only) and remove leftover temp files."""
+        found: list[tuple[int, str, int]] = []
+        removed_tmp = 0
+        with os.scandir(self._blocks_dir) as subdirs:
+            for sub in subdirs:
+                if len(sub.name) != 2 or not _is_hex(sub.name) or not sub.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(sub.path) as entries:
+                    for entry in entries:
+                        name = entry.name
+                        if name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX):
+                            try:
+                                os.unlink(entry.path)
+                                removed_tmp += 1
+                            except FileNotFoundError:
+                                pass
+                            continue
+                        digest = name[: -len(BLOCK_SUFFIX)]
+                        if (
+                            name.endswith(BLOCK_SUFFIX)
+                            and len(digest) == _DIGEST_LEN
+                            and digest.startswith(sub.name)
+                            and _is_hex(digest)
+                            and entry.is_file(follow_symlinks=False)
+                        ):
+                            st = entry.stat(follow_symlinks=False)
+                            found.append((st.st_mtime_ns, digest, st.st_size))
+                        else:
+                            log.debug("%s tier: ignoring unexpected file %s", self.name, entry.path)
+        found.sort()
+        for mtime_ns, digest, size in found:
+            self._index[digest] = (size, 0)
+            self._used += size
+            self._last_stamp_ns = max(self._last_stamp_ns, mtime_ns)
+        evicted = 0
+        if self._used > self.capacity_bytes:  # capacity was lowered since the blocks were written
+            victims = self._evict_until(self._low_bytes)
+            evicted = len(victims)
+            self._unlink_all(victims)
+        log.info(
+            "%s tier: %d blocks (%d bytes) in %s, capacity %d bytes; removed %d temp files, evicted %d blocks",
+            self.name,
+            len(self._index),
+            self._used,
+            self.directory,
+            self.capacity_bytes,
+            removed_tmp,
+            evicted,
+        )

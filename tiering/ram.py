@@ -1,0 +1,126 @@
+"""The RAM tier: a byte-bounded LRU of whole blocks in process memory.
+
+Design
+------
+Blocks live in an ``OrderedDict`` from ``BlockKey`` to ``bytes``, ordered from least to most
+recently used: a hit moves the block to the end, an insert appends it, eviction takes from the
+front. That gives O(1) hits, inserts and evictions, and an exact LRU, which is what a read cache in
+front of a disk tier wants: the RAM tier holds the working set of the current epoch's read-ahead
+windows, and its misses are cheap (the disk tier or a fetch answers them).
+
+The tier is called only from the asyncio event loop, so it takes no lock. ``bytes`` are immutable,
+so a block handed out by ``get`` can never be changed under a reader, and nothing is copied.
+
+Capacity is counted in payload bytes (``len(data)``); the Python object overhead (~33 bytes per
+``bytes`` plus the dict slot) is negligible next to blocks of 64 KiB and more.
+
+Eviction goes through one method, ``_evict_until``, which walks the LRU order and takes only blocks
+that ``_evictable`` allows. Today every held block is evictable (the tier holds clean, re-fetchable
+data only); pinning and dirty blocks will plug in there without touching ``put``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tiering.blocks import BlockKey
+from tiering.protocols import TierStats
+
+
+class RamTier:
+    """An in-memory LRU of blocks, bounded by ``capacity_bytes`` of payload.
+
+    ``capacity_bytes == 0`` means the tier is disabled: every put is refused.
+    """
+
+    def __init__(self, capacity_bytes: int, name: str = "ram") -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierStats()
+        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._used = 0
+
+    # -- BlockTier ------------------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> bytes | None:
+        data = self._blocks.get(key)
+        if data is None:
+            self.stats.misses += 1
+            return None
+        self._blocks.move_to_end(key)
+        self.stats.hits += 1
+        self.stats.hit_bytes += len(data)
+        return data
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def put(self, key: BlockKey, data: bytes) -> bool:
+        # The old version (if any) goes first, even when the new one is refused: a tier never keeps
+        # bytes that differ from the last ones offered for a key.
+        self._remove(key)
+        size = len(data)
+        if self.capacity_bytes == 0 or size > self.capacity_bytes:
+            self.stats.rejected += 1
+            return False
+        if self._used + size > self.capacity_bytes:
+            self._evict_until(self.capacity_bytes - size)
+            if self._used + size > self.capacity_bytes:  # not enough evictable blocks
+                self.stats.rejected += 1
+                return False
+        self._blocks[key] = data
+        self._used += size
+        self.stats.inserts += 1
+        return True
+
+    def discard(self, key: BlockKey) -> None:
+        self._remove(key)
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    # -- extras ---------------------------------------------------------------------------------
+
+    def keys(self) -> list[BlockKey]:
+        """Held keys, least recently used first."""
+        return list(self._blocks)
+
+    def __repr__(self) -> str:
+        return f"RamTier(name={self.name!r}, used={self._used}, capacity={self.capacity_bytes}, blocks={len(self)})"
+
+    # -- eviction -------------------------------------------------------------------------------
+
+    def _evictable(self, key: BlockKey) -> bool:
+        """Whether eviction may take ``key``. The hook for pinned and dirty blocks."""
+        return True
+
+    def _evict_until(self, target_bytes: int) -> None:
+        """Evict least-recently-used evictable blocks until ``used_bytes() <= target_bytes``.
+
+        Stops early, above the target, when nothing evictable is left.
+        """
+        if self._used <= target_bytes:
+            return
+        victims: list[BlockKey] = []
+        remaining = self._used
+        for key, data in self._blocks.items():
+            if remaining <= target_bytes:
+                break
+            if self._evictable(key):
+                victims.append(key)
+                remaining -= len(data)
+        for key in victims:
+            data = self._blocks.pop(key)
+            self._used -= len(data)
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += len(data)
+
+    def _remove(self, key: BlockKey) -> None:
+        data = self._blocks.pop(key, None)
+        if data is not None:
+            self._used -= len(data)
