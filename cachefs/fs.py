@@ -29,7 +29,7 @@ import stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any, Iterator, NewType
 
 from cachefs.errors import FsError
 from cachefs.names import WarnOnce, encode_name, invalid_name_reason
@@ -371,7 +371,7 @@ class CacheFS:
             FileHandleState(
                 node,
                 ObjectRef(info.key, info.etag, info.size),
-                ReadAhead(self.cache.block_size, self.cache.settings.readahead_max_bytes),
+                ReadAhead(self.cache.block_size, self.cache.readahead_limit),
             )
         )
         node.open_handles += 1
@@ -405,18 +405,25 @@ class CacheFS:
         node.open_handles += 1
         return self._new_handle(DirHandleState(node, entries))
 
-    def readdir(self, fh: int, start_id: int) -> list[DirEntry]:
-        """Entries from position ``start_id`` on. The caller reports each one it passed on with
-        ``add_lookup`` (readdirplus hands the kernel a reference)."""
+    def readdir(self, fh: int, start_id: int) -> Iterator[DirEntry]:
+        """Entries from position ``start_id`` on, made one at a time as the caller takes them.
+
+        The caller reports each one it passed on with ``add_lookup`` (readdirplus hands the kernel
+        a reference). Lazy because the kernel takes a buffer's worth per call and comes back with
+        the next offset: building every remaining entry on each call would cost O(n^2) for a large
+        directory and leave an inode the kernel never heard of (so never forgets) for each of them.
+        The handle is checked now, not on first iteration.
+        """
         handle = self._handles.get(fh)
         if not isinstance(handle, DirHandleState):
             raise FsError(errno.EBADF)
-        out = []
+        return self._dir_entries(handle, start_id)
+
+    def _dir_entries(self, handle: DirHandleState, start_id: int) -> Iterator[DirEntry]:
         for position in range(start_id, len(handle.entries)):
             name, info = handle.entries[position]
             node = self._node_for(join(handle.node.path, name), info)
-            out.append(DirEntry(encode_name(name), self._attributes(node), position + 1))
-        return out
+            yield DirEntry(encode_name(name), self._attributes(node), position + 1)
 
     def releasedir(self, fh: int) -> None:
         self.release(fh)

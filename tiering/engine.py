@@ -14,8 +14,10 @@ block is written to disk, so at most that many blocks are in flight beyond the R
 loads take the same slots.
 
 A failing disk tier is a miss, never an error: the tier itself turns ``OSError`` into a miss and
-tracks its health. A failing store is an error for the reader: ``ObjectStoreError`` with its errno,
-after at most ``fetch_timeout_s``.
+tracks its health. The engine does not rely on that alone: whatever a disk-tier call raises is
+counted in ``disk_errors``, logged (with its traceback the first time) and taken as a miss or a
+skipped write, so a broken or buggy tier costs speed, never a read. A failing store is an error for
+the reader: ``ObjectStoreError`` with its errno, after at most ``fetch_timeout_s``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range, spans
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
@@ -30,6 +33,14 @@ from tiering.protocols import BlockTier, ObjectStore
 from tiering.settings import CacheSettings
 
 log = logging.getLogger(__name__)
+
+# A read-ahead window may use at most this fraction of the RAM tier: prefetched blocks land in RAM,
+# and a window larger than the tier evicts its own blocks before they are read (measured: a 64 MiB
+# RAM tier with a 128 MiB window read the disk tier at 80 MiB/s instead of hundreds). A quarter
+# leaves room for a few concurrent streams and the blocks they are reading now.
+READAHEAD_RAM_FRACTION = 4
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +56,7 @@ class EngineStats:
     readahead_blocks: int = 0
     readahead_bytes: int = 0
     singleflight_joins: int = 0
+    disk_errors: int = 0  # disk-tier calls that raised instead of answering (each one a miss)
 
 
 class BlockCache:
@@ -64,6 +76,14 @@ class BlockCache:
         self._inflight: dict[BlockKey, asyncio.Future[bytes]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(settings.max_concurrent_fetches)
+
+    @property
+    def readahead_limit(self) -> int:
+        """The largest read-ahead window: the configured one, bounded by a share of the RAM tier."""
+        limit = self.settings.readahead_max_bytes
+        if self.ram.capacity_bytes > 0:
+            limit = min(limit, self.ram.capacity_bytes // READAHEAD_RAM_FRACTION)
+        return limit
 
     # ------------------------------------------------------------------ reads
     async def read(self, ref: ObjectRef, offset: int, length: int, readahead_bytes: int = 0) -> bytes:
@@ -138,7 +158,7 @@ class BlockCache:
     async def _load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes], readahead: bool) -> None:
         try:
             if self.disk is not None:
-                data = await asyncio.to_thread(self.disk.get, key)
+                data = await self._disk_call("get", self.disk.get, key)
                 if data is not None:
                     self.stats.disk_served += 1
                     self.ram.put(key, data)
@@ -155,7 +175,7 @@ class BlockCache:
                 # what bounds memory in flight.
                 self._inflight.pop(key, None)
                 if self.disk is not None:
-                    await asyncio.to_thread(self.disk.put, key, data)
+                    await self._disk_call("put", self.disk.put, key, data)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting readers
             if not fut.done():
                 if isinstance(exc, asyncio.CancelledError):
@@ -167,6 +187,18 @@ class BlockCache:
         finally:
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
+
+    async def _disk_call(self, what: str, call: Callable[..., T], *args: object) -> T | None:
+        """Run one disk-tier call in a worker thread; a tier that raises is a miss, never an error."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except Exception:  # noqa: BLE001 - a cache tier must never fail a read
+            self.stats.disk_errors += 1
+            if self.stats.disk_errors == 1:
+                log.warning("disk tier %s failed; treating it as a miss", what, exc_info=True)
+            else:
+                log.debug("disk tier %s failed", what, exc_info=True)
+            return None
 
     async def _fetch(self, ref: ObjectRef, key: BlockKey) -> bytes:
         start, end = block_range(key.index, ref.size, self.block_size)

@@ -9,6 +9,7 @@ read as MiB, and that is documented in the CLI help.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -40,8 +41,10 @@ def parse_size(text: str) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"invalid size {text!r}: unknown unit {unit!r} (use B, KiB, MiB, GiB or TiB)")
-    value = float(number) * factor if "." in number else int(number) * factor
-    if value != int(value):
+    # Exact arithmetic: a float would round large or long numbers (9007199254740993.0 -> ...992)
+    # and silently accept fractions too small for it to see.
+    value = Fraction(number) * factor
+    if value.denominator != 1:
         raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
     return int(value)
 

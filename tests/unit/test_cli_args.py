@@ -1,0 +1,210 @@
+"""The command line refuses bad input with one line on stderr, before any daemon is started."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cachefs import cli
+from cachefs.cli import build_parser, main, mount_settings, preflight
+from tiering.settings import DEFAULT_BLOCK_SIZE
+
+
+@pytest.fixture(autouse=True)
+def no_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing in this file may start a daemon or run fusermount: make that fail loudly."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the CLI tried to start a daemon or run a command")
+
+    monkeypatch.setattr(cli, "spawn_daemon", forbidden)
+    monkeypatch.setattr(cli, "run_foreground", forbidden)
+    monkeypatch.setattr(subprocess, "Popen", forbidden)
+    monkeypatch.setattr(subprocess, "run", forbidden)
+
+
+@pytest.fixture
+def mnt(tmp_path: Path) -> Path:
+    path = tmp_path / "mnt"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv, environ={})
+    except SystemExit as exc:  # argparse errors leave through SystemExit
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert out == ""
+    return code, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("cachefs: error: ")
+    for needle in needles:
+        assert needle in err, err
+
+
+def mount_args(source: str, mountpoint: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return ["mount", source, str(mountpoint), "--cache-dir", str(cache_dir), *extra]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        (["--ram-cache", "12XB"], ["--ram-cache", "'12XB'"]),
+        (["--disk-cache", "lots"], ["--disk-cache", "'lots'"]),
+        (["--readahead", "1.5B"], ["--readahead", "'1.5B'"]),
+        (["--block-size", "4k"], ["block size 4096"]),
+        (["--block-size", "1GiB"], ["block size"]),
+        (["--ram-cache", "64k", "--block-size", "1MiB"], ["RAM cache", "smaller than one block"]),
+        (["--stats-addr", "nope"], ["--stats-addr", "'nope'"]),
+        (["--stats-addr", "127.0.0.1:99999"], ["'127.0.0.1:99999'"]),
+        (["--stats-addr", "127.0.0.1:"], ["--stats-addr"]),
+        (["--fetch-timeout", "-1"], ["--fetch-timeout", "negative"]),
+        (["--fetch-timeout", "0"], ["fetch timeout"]),
+        (["--fetch-timeout", "soon"], ["--fetch-timeout", "'soon'"]),
+        (["--dir-ttl", "-5"], ["--dir-ttl", "negative"]),
+        (["--attr-ttl", "100000"], ["attr-ttl"]),
+        (["--max-fetches", "0"], ["concurrent fetches"]),
+        (["--max-fetches", "many"], ["--max-fetches"]),
+        (["--log-level", "LOUD"], ["--log-level"]),
+        (["--endpoint-url", "ftp://host"], ["endpoint URL", "'ftp://host'"]),
+        (["--no-such-flag"], ["--no-such-flag"]),
+    ],
+)
+def test_bad_mount_options(extra: list[str], needles: list[str], mnt: Path, cache_dir: Path, capsys) -> None:
+    code, err = run(mount_args("s3://my-bucket", mnt, cache_dir, *extra), capsys)
+    assert_one_line_error(code, err, *needles)
+
+
+@pytest.mark.parametrize(
+    ("source", "needles"),
+    [
+        ("gs://b", ["unsupported", "'gs'"]),
+        ("http://x", ["unsupported", "'http'"]),
+        ("s3://A_B", ["bucket name 'A_B'"]),
+        ("s3://ab", ["bucket name 'ab'"]),
+        ("s3://", ["no bucket"]),
+        ("bucket", ["no scheme"]),
+        ("s3://bucket-1//x", ["'//'"]),
+        ("file://relative/path", ["host"]),
+    ],
+)
+def test_bad_sources(source: str, needles: list[str], mnt: Path, cache_dir: Path, capsys) -> None:
+    code, err = run(mount_args(source, mnt, cache_dir), capsys)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_missing_mountpoint_argument(capsys) -> None:
+    code, err = run(["mount", "s3://my-bucket"], capsys)
+    assert_one_line_error(code, err, "mountpoint")
+
+
+def test_mountpoint_that_does_not_exist(tmp_path: Path, cache_dir: Path, capsys) -> None:
+    missing = tmp_path / "nowhere"
+    code, err = run(mount_args("s3://my-bucket", missing, cache_dir), capsys)
+    assert_one_line_error(code, err, str(missing), "does not exist")
+
+
+def test_mountpoint_not_empty(mnt: Path, cache_dir: Path, capsys) -> None:
+    (mnt / "leftover").write_text("x")
+    code, err = run(mount_args("s3://my-bucket", mnt, cache_dir), capsys)
+    assert_one_line_error(code, err, str(mnt), "not empty")
+
+
+def test_mountpoint_is_a_file(tmp_path: Path, cache_dir: Path, capsys) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    code, err = run(mount_args("s3://my-bucket", target, cache_dir), capsys)
+    assert_one_line_error(code, err, str(target), "not a directory")
+
+
+def test_cache_dir_that_cannot_be_created(tmp_path: Path, mnt: Path, capsys) -> None:
+    blocker = tmp_path / "regular-file"
+    blocker.write_text("x")
+    bad = blocker / "cache"
+    code, err = run(mount_args("s3://my-bucket", mnt, bad), capsys)
+    assert_one_line_error(code, err, str(bad), "cannot be created")
+
+
+def test_cache_dir_that_is_a_file(tmp_path: Path, mnt: Path, capsys) -> None:
+    blocker = tmp_path / "regular-file"
+    blocker.write_text("x")
+    code, err = run(mount_args("s3://my-bucket", mnt, blocker), capsys)
+    assert_one_line_error(code, err, str(blocker))
+
+
+def test_stats_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) -> None:
+    code, err = run(["stats", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, str(tmp_path), "not a mountpoint")
+    code, err = run(["stats", "--json", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, "not a mountpoint")
+
+
+def test_stats_of_a_mount_that_is_not_cachefs(capsys) -> None:
+    code, err = run(["stats", "/proc"], capsys)
+    assert_one_line_error(code, err, "not a cachefs mount")
+
+
+def test_unmount_of_a_path_that_is_not_mounted(tmp_path: Path, capsys) -> None:
+    code, err = run(["unmount", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, str(tmp_path), "not mounted")
+    code, err = run(["umount", str(tmp_path / "missing")], capsys)
+    assert_one_line_error(code, err, "not mounted")
+
+
+def test_unmount_of_a_mount_that_is_not_cachefs(capsys) -> None:
+    code, err = run(["unmount", "/proc"], capsys)
+    assert_one_line_error(code, err, "not a cachefs mount")
+
+
+def test_no_command(capsys) -> None:
+    code, err = run([], capsys)
+    assert_one_line_error(code, err)
+
+
+# ------------------------------------------------------------------------------------------ good input
+def test_mount_settings_from_arguments(mnt: Path, cache_dir: Path) -> None:
+    args = build_parser().parse_args(
+        mount_args(
+            "s3://my-bucket/train/", mnt, cache_dir,
+            "--ram-cache", "2GiB", "--disk-cache", "100G", "--readahead", "0", "--max-fetches", "8",
+            "--fetch-timeout", "2.5", "--dir-ttl", "0", "--attr-ttl", "1", "--stats-addr", ":9999",
+        )
+    )
+    settings = mount_settings(args, {"AWS_ENDPOINT_URL": "http://127.0.0.1:8333"})
+    assert settings.source == "s3://my-bucket/train/"
+    assert settings.mountpoint == mnt and settings.mountpoint.is_absolute()
+    assert settings.cache_dir == cache_dir
+    assert settings.endpoint_url == "http://127.0.0.1:8333"
+    assert settings.cache.ram_bytes == 2 * 1024**3
+    assert settings.cache.disk_bytes == 100 * 1024**3
+    assert settings.cache.block_size == DEFAULT_BLOCK_SIZE
+    assert settings.cache.readahead_max_bytes == 0
+    assert settings.cache.max_concurrent_fetches == 8
+    assert settings.cache.fetch_timeout_s == 2.5
+    assert settings.fs.dir_ttl_s == 0 and settings.fs.attr_ttl_s == 1 and settings.fs.read_only
+    assert settings.stats_addr == "127.0.0.1:9999"
+    # An explicit flag wins over the environment.
+    args = build_parser().parse_args(mount_args("s3://my-bucket", mnt, cache_dir, "--endpoint-url", "https://s3.example"))
+    assert mount_settings(args, {"AWS_ENDPOINT_URL": "http://other"}).endpoint_url == "https://s3.example"
+
+
+def test_preflight_accepts_good_settings_without_contacting_anything(mnt: Path, cache_dir: Path) -> None:
+    args = build_parser().parse_args(mount_args("s3://my-bucket/prefix", mnt, cache_dir))
+    preflight(mount_settings(args, {}))
+    assert cache_dir.is_dir()  # created and probed
+    assert list(cache_dir.iterdir()) == []  # the probe file is gone
+    assert list(mnt.iterdir()) == []

@@ -1,0 +1,576 @@
+"""BlockCache: correct bytes, single flight, parallel block reads, tiers, failures, read-ahead."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
+from tiering.disk import DiskTier
+from tiering.engine import BlockCache
+from tiering.errors import ObjectChangedError, ObjectStoreError, ObjectStoreUnavailableError
+from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
+from tiering.protocols import Listing, ObjectInfo, TierStats
+from tiering.ram import RamTier
+from tiering.readahead import ReadAhead
+from tiering.settings import CacheSettings
+
+BS = MIN_BLOCK_SIZE  # 64 KiB: the smallest block the settings allow
+KEY = "data/shard-0000.bin"
+SIZE = 5 * BS + 12345  # five full blocks and a partial one
+SOURCE = random.Random(1234).randbytes(SIZE)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+class CountingStore(InMemoryObjectStore):
+    """An in-memory store that records every GET it is asked for."""
+
+    def __init__(self) -> None:
+        self.gets: list[tuple[str, int, int]] = []
+        super().__init__(on_get=lambda key, start, end: self.gets.append((key, start, end)))
+
+
+class GatedStore:
+    """Wraps a store; every GET waits on ``gate``, and how many wait at once is recorded."""
+
+    def __init__(self, inner: InMemoryObjectStore) -> None:
+        self.inner = inner
+        self.gate = asyncio.Event()
+        self.started = 0
+        self.in_progress = 0
+        self.max_in_progress = 0
+
+    @property
+    def stats(self):  # noqa: ANN201
+        return self.inner.stats
+
+    async def check(self) -> None:
+        await self.inner.check()
+
+    async def list_dir(self, prefix: str) -> Listing:
+        return await self.inner.list_dir(prefix)
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.inner.head(key)
+
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        self.started += 1
+        self.in_progress += 1
+        self.max_in_progress = max(self.max_in_progress, self.in_progress)
+        try:
+            await self.gate.wait()
+            return await self.inner.get_range(key, etag, start, end)
+        finally:
+            self.in_progress -= 1
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class YieldingStore(GatedStore):
+    """Like GatedStore, but each GET just yields the loop a few times instead of waiting on a gate."""
+
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        self.started += 1
+        self.in_progress += 1
+        self.max_in_progress = max(self.max_in_progress, self.in_progress)
+        try:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            return await self.inner.get_range(key, etag, start, end)
+        finally:
+            self.in_progress -= 1
+
+
+class BrokenTier:
+    """A BlockTier whose every operation fails, as a dead disk would without its own guard."""
+
+    def __init__(self, exc: Exception, name: str = "disk") -> None:
+        self.name = name
+        self.capacity_bytes = 10 * BS
+        self.stats = TierStats()
+        self.exc = exc
+        self.calls = 0
+
+    def get(self, key: BlockKey) -> bytes | None:
+        self.calls += 1
+        raise self.exc
+
+    def put(self, key: BlockKey, data: bytes) -> bool:
+        self.calls += 1
+        raise self.exc
+
+    def contains(self, key: BlockKey) -> bool:
+        return False
+
+    def discard(self, key: BlockKey) -> None:
+        pass
+
+    def used_bytes(self) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return 0
+
+
+def make_cache(store, *, ram_blocks: int = 64, disk: DiskTier | None = None, ram: RamTier | None = None, **kw) -> BlockCache:
+    settings = CacheSettings(block_size=BS, ram_bytes=ram_blocks * BS, **kw)
+    return BlockCache(settings, store, ram if ram is not None else RamTier(ram_blocks * BS), disk)
+
+
+def put(store: InMemoryObjectStore, key: str = KEY, data: bytes = SOURCE) -> ObjectRef:
+    info = store.put_object(key, data, mtime=1_700_000_000)
+    return ObjectRef(info.key, info.etag, info.size)
+
+
+def bkey(ref: ObjectRef, index: int) -> BlockKey:
+    return BlockKey(ref.key, ref.etag, index)
+
+
+async def until(condition, what: str, polls: int = 2000) -> None:
+    """Poll (bounded) until ``condition()``; fails the test with ``what`` if it never holds."""
+    for _ in range(polls):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+# ------------------------------------------------------------------------------------------ bytes
+READS = st.lists(
+    st.tuples(st.integers(min_value=0, max_value=SIZE + BS), st.integers(min_value=0, max_value=3 * BS)),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reads=READS)
+def test_reads_return_exactly_the_source_bytes(reads: list[tuple[int, int]]) -> None:
+    async def run() -> None:
+        store = InMemoryObjectStore()
+        ref = put(store)
+        cache = make_cache(store)
+        for offset, length in reads:
+            assert await cache.read(ref, offset, length) == SOURCE[offset : offset + length]
+        # The same reads again, now from RAM.
+        for offset, length in reads:
+            assert await cache.read(ref, offset, length) == SOURCE[offset : offset + length]
+
+    asyncio.run(run())
+
+
+async def test_reads_at_block_edges() -> None:
+    store = CountingStore()
+    ref = put(store)
+    cache = make_cache(store)
+    for offset, length in [(0, 1), (BS - 1, 2), (BS, BS), (2 * BS - 1, 2 * BS + 2), (0, SIZE), (SIZE - 1, 10)]:
+        assert await cache.read(ref, offset, length) == SOURCE[offset : offset + length]
+    assert await cache.read(ref, SIZE, 10) == b""
+    assert await cache.read(ref, SIZE + 5 * BS, 10) == b""
+    assert await cache.read(ref, 100, 0) == b""
+    # Every block was fetched once, whole (the last one clipped to the object's end).
+    assert sorted(store.gets) == [(KEY, i * BS, min((i + 1) * BS, SIZE)) for i in range(block_count(SIZE, BS))]
+
+
+async def test_get_block_returns_a_whole_block() -> None:
+    store = InMemoryObjectStore()
+    ref = put(store)
+    cache = make_cache(store)
+    assert await cache.get_block(ref, 1) == SOURCE[BS : 2 * BS]
+    assert await cache.get_block(ref, 5) == SOURCE[5 * BS :]
+
+
+# ------------------------------------------------------------------------------------------ single flight
+async def test_concurrent_misses_on_one_block_cause_one_get() -> None:
+    store = CountingStore()
+    ref = put(store)
+    cache = make_cache(store)
+    offsets = [BS + i * 100 for i in range(20)]
+    results = await asyncio.gather(*(cache.read(ref, off, 1000) for off in offsets))
+    assert results == [SOURCE[off : off + 1000] for off in offsets]
+    assert store.gets == [(KEY, BS, 2 * BS)]
+    assert cache.stats.singleflight_joins == 19
+    assert cache.stats.store_fetches == 1
+
+
+async def test_a_cancelled_reader_does_not_cancel_the_fetch_others_wait_on() -> None:
+    store = GatedStore(InMemoryObjectStore())
+    ref = put(store.inner)
+    cache = make_cache(store)
+    first = asyncio.create_task(cache.read(ref, 0, 100))
+    second = asyncio.create_task(cache.read(ref, 50, 100))
+    await until(lambda: store.started == 1, "the GET started")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    store.gate.set()
+    assert await second == SOURCE[50:150]
+    assert store.started == 1
+    assert cache.ram.contains(bkey(ref, 0))
+
+
+# ------------------------------------------------------------------------------------------ parallelism
+async def test_a_read_spanning_several_blocks_fetches_them_concurrently() -> None:
+    store = GatedStore(InMemoryObjectStore())
+    ref = put(store.inner)
+    cache = make_cache(store)
+    reader = asyncio.create_task(cache.read(ref, 10, 4 * BS))  # touches blocks 0..4
+    await until(lambda: store.in_progress == 5, "five GETs in progress at once")
+    assert not reader.done()
+    store.gate.set()
+    assert await reader == SOURCE[10 : 10 + 4 * BS]
+    assert store.max_in_progress == 5
+    assert store.started == 5
+
+
+async def test_fetch_slots_bound_gets_in_flight_even_with_large_readahead() -> None:
+    store = YieldingStore(InMemoryObjectStore())
+    big = random.Random(7).randbytes(40 * BS)
+    ref = put(store.inner, "big.bin", big)
+    cache = make_cache(store, max_concurrent_fetches=2)
+    got = await asyncio.gather(
+        cache.read(ref, 0, 3 * BS, readahead_bytes=30 * BS),
+        cache.read(ref, 20 * BS, 3 * BS, readahead_bytes=30 * BS),
+    )
+    assert got == [big[: 3 * BS], big[20 * BS : 23 * BS]]
+    await cache.close()
+    assert store.started == 40  # every block was loaded by a read or by read-ahead...
+    assert store.max_in_progress == 2  # ...never more than two at a time, and two did overlap
+    assert all(cache.is_cached(bkey(ref, i)) for i in range(40))
+
+
+async def test_fetch_slots_are_held_until_the_disk_write_completes(tmp_path: Path, monkeypatch) -> None:
+    """Memory in flight is bounded up to the disk write, not just the GET."""
+    disk = DiskTier(tmp_path, 100 * BS)
+    writing = 0
+    most_writing = 0
+    real_put = DiskTier.put
+
+    def slow_put(self: DiskTier, key: BlockKey, data: bytes) -> bool:
+        nonlocal writing, most_writing
+        writing += 1
+        most_writing = max(most_writing, writing)
+        try:
+            import time
+
+            time.sleep(0.01)  # a slow device; not asserted on
+            return real_put(self, key, data)
+        finally:
+            writing -= 1
+
+    monkeypatch.setattr(DiskTier, "put", slow_put)
+    store = YieldingStore(InMemoryObjectStore())
+    ref = put(store.inner)
+    cache = make_cache(store, disk=disk, max_concurrent_fetches=1)
+    assert await cache.read(ref, 0, SIZE) == SOURCE
+    await cache.close()
+    assert most_writing == 1
+    assert store.max_in_progress == 1
+    assert all(disk.contains(bkey(ref, i)) for i in range(6))
+
+
+# ------------------------------------------------------------------------------------------ tiers
+async def test_second_read_is_a_ram_hit() -> None:
+    store = CountingStore()
+    ref = put(store)
+    cache = make_cache(store)
+    assert await cache.read(ref, 0, 3 * BS) == SOURCE[: 3 * BS]
+    assert len(store.gets) == 3
+    hits = cache.ram.stats.hits
+    assert await cache.read(ref, 100, 2 * BS) == SOURCE[100 : 100 + 2 * BS]
+    assert len(store.gets) == 3
+    assert cache.ram.stats.hits == hits + 3
+    assert cache.stats.ram_served == 3
+    assert cache.hit_ratio() == pytest.approx(0.5)
+
+
+async def test_disk_hit_after_ram_is_cleared_and_promotion_to_ram(tmp_path: Path) -> None:
+    store = CountingStore()
+    ref = put(store)
+    disk = DiskTier(tmp_path / "disk", 100 * BS)
+    first = make_cache(store, disk=disk)
+    assert await first.read(ref, 0, SIZE) == SOURCE
+    await first.close()  # disk writes done
+    assert len(store.gets) == 6
+    assert all(disk.contains(bkey(ref, i)) for i in range(6))
+
+    ram = RamTier(64 * BS)  # a fresh RAM tier, the same disk tier
+    second = make_cache(store, disk=disk, ram=ram)
+    assert not ram.contains(bkey(ref, 2))
+    assert await second.read(ref, 2 * BS + 7, BS) == SOURCE[2 * BS + 7 : 3 * BS + 7]
+    assert len(store.gets) == 6  # no GET
+    assert second.stats.disk_served == 2
+    assert ram.contains(bkey(ref, 2)) and ram.contains(bkey(ref, 3))  # promoted
+    disk_hits = disk.stats.hits
+    assert await second.read(ref, 2 * BS, BS) == SOURCE[2 * BS : 3 * BS]
+    assert disk.stats.hits == disk_hits  # now served from RAM
+    assert second.stats.ram_served == 1
+
+
+async def test_disk_tier_survives_a_restart(tmp_path: Path) -> None:
+    store = CountingStore()
+    ref = put(store)
+    cache = make_cache(store, disk=DiskTier(tmp_path, 100 * BS))
+    await cache.read(ref, 0, SIZE)
+    await cache.close()
+    reopened = make_cache(store, disk=DiskTier(tmp_path, 100 * BS))
+    assert await reopened.read(ref, 0, SIZE) == SOURCE
+    assert len(store.gets) == 6
+
+
+async def test_ram_tier_disabled_reads_come_from_disk(tmp_path: Path) -> None:
+    store = CountingStore()
+    ref = put(store)
+    settings = CacheSettings(block_size=BS, ram_bytes=0)
+    cache = BlockCache(settings, store, RamTier(0), DiskTier(tmp_path, 100 * BS))
+    assert await cache.read(ref, 0, SIZE) == SOURCE
+    await cache.close()
+    assert await cache.read(ref, BS + 1, 2 * BS) == SOURCE[BS + 1 : 3 * BS + 1]
+    assert len(store.gets) == 6
+    assert cache.stats.disk_served == 3
+    assert len(cache.ram) == 0
+
+
+# ------------------------------------------------------------------------------------------ versions
+async def test_a_changed_object_never_returns_old_bytes(tmp_path: Path) -> None:
+    store = CountingStore()
+    old_ref = put(store)
+    cache = make_cache(store, disk=DiskTier(tmp_path, 100 * BS))
+    assert await cache.read(old_ref, 0, SIZE) == SOURCE
+    await cache.close()
+
+    new_data = bytes(b ^ 0xFF for b in SOURCE)  # same size, other bytes
+    new_ref = put(store, KEY, new_data)
+    assert new_ref.size == old_ref.size and new_ref.etag != old_ref.etag
+    assert await cache.read(new_ref, 0, SIZE) == new_data
+    assert await cache.read(new_ref, BS - 3, 10) == new_data[BS - 3 : BS + 7]
+
+
+async def test_reading_an_old_etag_after_overwrite_raises_object_changed() -> None:
+    store = InMemoryObjectStore()
+    old_ref = put(store)
+    cache = make_cache(store)
+    assert await cache.read(old_ref, 0, 100) == SOURCE[:100]  # block 0 cached
+    put(store, KEY, bytes(reversed(SOURCE)))
+    with pytest.raises(ObjectChangedError) as info:
+        await cache.read(old_ref, 3 * BS, 100)
+    assert info.value.errno == errno.ESTALE
+    # A read mixing a cached old block and an uncached one fails as a whole: no mixed versions.
+    with pytest.raises(ObjectChangedError):
+        await cache.read(old_ref, BS - 10, 20)
+
+
+VERSIONS = st.lists(st.binary(min_size=1, max_size=1).map(lambda b: b[0]), min_size=2, max_size=4)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seeds=VERSIONS, reads=READS)
+def test_property_each_version_reads_its_own_bytes(seeds: list[int], reads: list[tuple[int, int]]) -> None:
+    """Overwrite the object several times (same size); every read with the current ref sees the
+    current bytes, from whatever tier, and never an older version's."""
+
+    async def run(directory: str) -> None:
+        store = InMemoryObjectStore()
+        cache = make_cache(store, ram_blocks=4, disk=DiskTier(Path(directory), 8 * BS + 8192))
+        for version, seed in enumerate(seeds):
+            data = random.Random(seed * 1000 + version).randbytes(SIZE)
+            ref = put(store, KEY, data)
+            for offset, length in reads:
+                assert await cache.read(ref, offset, length) == data[offset : offset + length]
+        await cache.close()
+
+    with tempfile.TemporaryDirectory() as directory:
+        asyncio.run(run(directory))
+
+
+# ------------------------------------------------------------------------------------------ failures
+async def test_fetch_timeout_fails_the_read_with_eio() -> None:
+    inner = InMemoryObjectStore()
+    ref = put(inner)
+    store = FailingObjectStore(inner, delay_s=30.0)
+    cache = make_cache(store, fetch_timeout_s=0.2)
+    with pytest.raises(ObjectStoreUnavailableError) as info:
+        await cache.read(ref, 0, 10)
+    assert info.value.errno == errno.EIO
+    assert "0.2" in str(info.value)
+    assert cache.stats.fetch_errors == 1
+    assert not cache.ram.contains(bkey(ref, 0))
+    # The store recovers: the failure was not remembered.
+    store.delay_s = 0
+    assert await cache.read(ref, 0, 10) == SOURCE[:10]
+
+
+async def test_store_failure_fails_uncached_reads_while_cached_blocks_keep_flowing() -> None:
+    inner = InMemoryObjectStore()
+    ref = put(inner)
+    store = FailingObjectStore(inner)
+    cache = make_cache(store)
+    assert await cache.read(ref, 0, BS) == SOURCE[:BS]
+    store.fail_gets = True
+    for _ in range(3):
+        assert await cache.read(ref, 10, 1000) == SOURCE[10:1010]
+    with pytest.raises(ObjectStoreUnavailableError):
+        await cache.read(ref, 2 * BS, 10)
+    with pytest.raises(ObjectStoreError):
+        await cache.read(ref, BS - 5, 10)  # cached block 0 + uncached block 1: the read fails
+    store.fail_gets = False
+    assert await cache.read(ref, BS - 5, 10) == SOURCE[BS - 5 : BS + 5]
+
+
+async def test_short_read_from_the_store_is_an_error() -> None:
+    class ShortStore(CountingStore):
+        async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+            return (await super().get_range(key, etag, start, end))[:-1]
+
+    store = ShortStore()
+    ref = put(store)
+    cache = make_cache(store)
+    with pytest.raises(ObjectStoreError, match="short read"):
+        await cache.read(ref, 0, 10)
+    assert not cache.ram.contains(bkey(ref, 0))
+
+
+async def test_a_failing_disk_tier_is_a_miss(tmp_path: Path, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise OSError(errno.EIO, "injected disk failure")
+
+    store = CountingStore()
+    ref = put(store)
+    disk = DiskTier(tmp_path, 100 * BS)
+    # Blocks on disk first, then the device starts failing on reads and writes.
+    warm = make_cache(store, disk=disk)
+    await warm.read(ref, 0, 2 * BS)
+    await warm.close()
+    monkeypatch.setattr(DiskTier, "_read_block", staticmethod(broken))
+    monkeypatch.setattr(DiskTier, "_write_file", staticmethod(broken))
+    cache = make_cache(store, disk=disk)
+    assert await cache.read(ref, 0, SIZE) == SOURCE
+    await cache.close()
+    assert disk.stats.errors >= 1
+    assert cache.ram.contains(bkey(ref, 5))
+
+
+@pytest.mark.parametrize("exc", [OSError(errno.EIO, "dead disk"), OSError(errno.ENOSPC, "full"), RuntimeError("bug")])
+async def test_a_disk_tier_that_raises_is_a_miss(exc: Exception, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine does not rely on the tier's own guard: whatever a cache tier raises, the reader
+    gets the store's bytes."""
+    store = CountingStore()
+    ref = put(store)
+    disk = BrokenTier(exc)
+    cache = make_cache(store, disk=disk)  # type: ignore[arg-type]
+    assert await cache.read(ref, 0, SIZE) == SOURCE
+    assert await cache.read(ref, BS, 10, readahead_bytes=2 * BS) == SOURCE[BS : BS + 10]
+    await cache.close()
+    assert disk.calls == 12  # every block: one get, one put
+    assert cache.stats.disk_errors == 12
+    assert len(store.gets) == 6
+    assert cache.ram.contains(bkey(ref, 0))
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "tiering.engine"]
+    assert len(warnings) == 1  # logged once, with the traceback
+    assert warnings[0].exc_info is not None and warnings[0].exc_info[1] is exc
+
+
+# ------------------------------------------------------------------------------------------ read-ahead
+async def test_sequential_reads_prefetch_the_next_blocks() -> None:
+    store = CountingStore()
+    big = random.Random(3).randbytes(20 * BS)
+    ref = put(store, "seq.bin", big)
+    cache = make_cache(store)
+    policy = ReadAhead(BS, 4 * BS)
+    chunk = BS // 2
+    for i in range(4):  # the first two blocks, read sequentially
+        offset = i * chunk
+        assert await cache.read(ref, offset, chunk, policy.on_read(offset, chunk)) == big[offset : offset + chunk]
+    await cache.close()
+    # Windows of 1, 2, 4, 4 blocks past each read's end: blocks 1..5 came from read-ahead, the
+    # reads themselves only ever fetched block 0.
+    assert all(cache.is_cached(bkey(ref, i)) for i in range(6))
+    assert not cache.is_cached(bkey(ref, 6))
+    assert cache.stats.readahead_blocks == 5
+    assert sorted(s for _, s, _ in store.gets) == [i * BS for i in range(6)]
+
+
+async def test_random_reads_prefetch_nothing() -> None:
+    store = CountingStore()
+    big = random.Random(4).randbytes(20 * BS)
+    ref = put(store, "rand.bin", big)
+    cache = make_cache(store)
+    policy = ReadAhead(BS, 8 * BS)
+    for block in [7, 2, 15, 11, 4]:
+        offset = block * BS + 100
+        assert await cache.read(ref, offset, 200, policy.on_read(offset, 200)) == big[offset : offset + 200]
+    await cache.close()
+    assert cache.stats.readahead_blocks == 0
+    assert sorted(s // BS for _, s, _ in store.gets) == [2, 4, 7, 11, 15]
+
+
+async def test_readahead_is_clipped_to_the_object_end() -> None:
+    store = CountingStore()
+    ref = put(store)
+    cache = make_cache(store)
+    await cache.read(ref, 4 * BS, 10, readahead_bytes=100 * BS)
+    await cache.close()
+    assert sorted(s // BS for _, s, _ in store.gets) == [4, 5]
+    assert cache.prefetch(ref, SIZE, BS) == 0
+
+
+async def test_prefetch_of_cached_or_inflight_blocks_starts_nothing() -> None:
+    store = GatedStore(InMemoryObjectStore())
+    ref = put(store.inner)
+    cache = make_cache(store)
+    store.gate.set()
+    await cache.read(ref, 0, 2 * BS)
+    assert store.started == 2
+    assert cache.prefetch(ref, 0, 2 * BS) == 0  # in RAM
+    store.gate.clear()
+    assert cache.prefetch(ref, 2 * BS, 2 * BS) == 2  # blocks 2 and 3 start
+    await until(lambda: store.started == 4, "two read-ahead GETs")
+    assert cache.prefetch(ref, 0, 4 * BS) == 0  # cached or in flight
+    assert cache.prefetch(ref, 0, 0) == 0
+    store.gate.set()
+    await cache.close()
+    assert store.started == 4
+
+
+async def test_read_ahead_of_disk_cached_blocks_fetches_nothing(tmp_path: Path) -> None:
+    store = CountingStore()
+    ref = put(store)
+    disk = DiskTier(tmp_path, 100 * BS)
+    warm = make_cache(store, disk=disk)
+    await warm.read(ref, 0, SIZE)
+    await warm.close()
+    cold = make_cache(store, disk=disk, ram=RamTier(64 * BS))
+    cold.prefetch(ref, 0, SIZE)
+    await cold.close()
+    assert len(store.gets) == 6
+    assert all(cold.ram.contains(bkey(ref, i)) for i in range(6))  # promoted for the reads to come
+
+
+# ------------------------------------------------------------------------------------------ close
+async def test_close_waits_for_pending_loads(tmp_path: Path) -> None:
+    store = GatedStore(InMemoryObjectStore())
+    ref = put(store.inner)
+    disk = DiskTier(tmp_path, 100 * BS)
+    cache = make_cache(store, disk=disk)
+    assert cache.prefetch(ref, 0, SIZE) == 6
+    closing = asyncio.create_task(cache.close())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not closing.done()  # the loads are held at the gate
+    store.gate.set()
+    await closing
+    assert all(disk.contains(bkey(ref, i)) for i in range(6))
+
+
+async def test_close_with_nothing_pending_returns() -> None:
+    cache = make_cache(InMemoryObjectStore())
+    await cache.close()
+    assert cache.hit_ratio() == 0.0

@@ -1,0 +1,214 @@
+"""The pyfuse3 adapter: every failure leaves a handler as FUSEError with the right errno."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import pyfuse3
+import pytest
+
+from cachefs.errors import FsError
+from cachefs.fs import CONTROL_XATTR, ROOT_INODE, CacheFS
+from cachefs.fuse_adapter import FuseOperations, errno_of
+from cachefs.settings import FsSettings
+from tiering.blocks import MIN_BLOCK_SIZE
+from tiering.clock import FakeClock
+from tiering.engine import BlockCache
+from tiering.errors import ObjectChangedError, ObjectStoreUnavailableError
+from tiering.objectstore.memory import InMemoryObjectStore
+from tiering.ram import RamTier
+from tiering.settings import CacheSettings
+
+BS = MIN_BLOCK_SIZE
+
+
+class RaisingFs:
+    """Stands in for CacheFS; every operation raises ``exc``."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def _raise(self, *args: object) -> None:
+        raise self.exc
+
+    async def _araise(self, *args: object) -> None:
+        raise self.exc
+
+    lookup = getattr = open = read = opendir = _araise
+    forget = release = releasedir = readdir = statfs = getxattr = listxattr = add_lookup = _raise
+    refuse_write = _raise
+
+
+# Each read-side handler with arguments that reach the fs method.
+HANDLERS = [
+    ("lookup", (ROOT_INODE, b"x", None)),
+    ("getattr", (ROOT_INODE, None)),
+    ("open", (5, os.O_RDONLY, None)),
+    ("read", (3, 0, 4096)),
+    ("release", (3,)),
+    ("opendir", (ROOT_INODE, None)),
+    ("readdir", (3, 0, None)),  # the fs raises before any reply is made, so no token is needed
+    ("releasedir", (3,)),
+    ("statfs", (None,)),
+    ("getxattr", (ROOT_INODE, b"user.x", None)),
+    ("listxattr", (ROOT_INODE, None)),
+    ("forget", ([(5, 1)],)),
+]
+
+FAILURES = [
+    (FsError(errno.ENOENT), errno.ENOENT),
+    (ObjectChangedError("overwritten"), errno.ESTALE),
+    (OSError(errno.ENOSPC, "No space left on device"), errno.ENOSPC),
+    (ValueError("bug"), errno.EIO),
+    (ObjectStoreUnavailableError("store down"), errno.EIO),
+    (OSError("no errno at all"), errno.EIO),
+    (KeyError("missing"), errno.EIO),
+]
+
+
+@pytest.mark.parametrize(("exc", "code"), FAILURES, ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v))
+@pytest.mark.parametrize(("handler", "args"), HANDLERS, ids=[h for h, _ in HANDLERS])
+async def test_every_failure_becomes_fuse_error_with_its_errno(
+    handler: str, args: tuple, exc: BaseException, code: int
+) -> None:
+    ops = FuseOperations(RaisingFs(exc))  # type: ignore[arg-type]
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await getattr(ops, handler)(*args)
+    assert info.value.errno == code
+    assert info.value.__cause__ is exc
+
+
+async def test_unexpected_errors_are_logged_with_their_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    bug = ValueError("bug")
+    ops = FuseOperations(RaisingFs(bug))  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="cachefs.fuse_adapter"):
+        with pytest.raises(pyfuse3.FUSEError):
+            await ops.lookup(ROOT_INODE, b"x", None)
+    records = [r for r in caplog.records if r.name == "cachefs.fuse_adapter"]
+    assert len(records) == 1
+    assert records[0].levelno == logging.ERROR
+    assert "lookup" in records[0].getMessage()
+    assert records[0].exc_info is not None and records[0].exc_info[1] is bug
+    assert "ValueError: bug" in caplog.text
+
+
+async def test_expected_errors_are_not_logged_as_bugs(caplog: pytest.LogCaptureFixture) -> None:
+    ops = FuseOperations(RaisingFs(FsError(errno.ENOENT)))  # type: ignore[arg-type]
+    with caplog.at_level(logging.DEBUG, logger="cachefs.fuse_adapter"):
+        with pytest.raises(pyfuse3.FUSEError):
+            await ops.lookup(ROOT_INODE, b"x", None)
+    assert not [r for r in caplog.records if r.name == "cachefs.fuse_adapter" and r.exc_info]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_fuse_errors_pass_through_unchanged() -> None:
+    original = pyfuse3.FUSEError(errno.EPERM)
+    ops = FuseOperations(RaisingFs(original))  # type: ignore[arg-type]
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await ops.getattr(ROOT_INODE, None)
+    assert info.value is original
+
+
+def test_errno_of() -> None:
+    assert errno_of(FsError(errno.ENOTDIR)) == errno.ENOTDIR
+    assert errno_of(ObjectChangedError("x")) == errno.ESTALE
+    assert errno_of(FileNotFoundError(errno.ENOENT, "gone")) == errno.ENOENT
+    assert errno_of(RuntimeError("x")) == errno.EIO
+
+
+# ------------------------------------------------------------------------------------------ with CacheFS
+@pytest.fixture
+def store() -> InMemoryObjectStore:
+    s = InMemoryObjectStore()
+    s.put_object("dir/file.bin", b"0123456789" * 10, mtime=1_700_000_000)
+    return s
+
+
+@pytest.fixture
+def ops(store: InMemoryObjectStore) -> FuseOperations:
+    settings = CacheSettings(block_size=BS, ram_bytes=16 * BS)
+    cache = BlockCache(settings, store, RamTier(16 * BS))
+    fs = CacheFS(store, cache, FsSettings(attr_ttl_s=5, dir_ttl_s=5), clock=FakeClock(), control_path="/run/c.sock")
+    return FuseOperations(fs)
+
+
+async def test_read_path_through_the_adapter(ops: FuseOperations) -> None:
+    d = await ops.lookup(ROOT_INODE, b"dir", None)
+    assert stat.S_ISDIR(d.st_mode)
+    f = await ops.lookup(d.st_ino, b"file.bin", None)
+    assert stat.S_ISREG(f.st_mode) and f.st_size == 100
+    assert f.st_mtime_ns == 1_700_000_000 * 10**9
+    assert (await ops.getattr(f.st_ino, None)).st_size == 100
+    fi = await ops.open(f.st_ino, os.O_RDONLY, None)
+    assert fi.keep_cache is False
+    assert await ops.read(fi.fh, 10, 15) == b"012345678901234"
+    await ops.release(fi.fh)
+    fi2 = await ops.open(f.st_ino, os.O_RDONLY, None)
+    assert fi2.keep_cache is True
+    await ops.release(fi2.fh)
+    st = await ops.statfs(None)
+    assert st.f_blocks == 16 * BS // st.f_bsize and st.f_namemax == 255
+    assert await ops.getxattr(ROOT_INODE, CONTROL_XATTR.encode(), None) == b"/run/c.sock"
+    assert await ops.listxattr(ROOT_INODE, None) == [CONTROL_XATTR.encode()]
+
+
+async def test_posix_errors_through_the_adapter(ops: FuseOperations) -> None:
+    cases = [
+        (ops.lookup(ROOT_INODE, b"nope", None), errno.ENOENT),
+        (ops.getattr(424242, None), errno.ENOENT),
+        (ops.read(999, 0, 10), errno.EBADF),
+        (ops.getxattr(ROOT_INODE, b"user.other", None), errno.ENODATA),
+    ]
+    for call, code in cases:
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await call
+        assert info.value.errno == code
+    d = await ops.lookup(ROOT_INODE, b"dir", None)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await ops.open(d.st_ino, os.O_RDONLY, None)
+    assert info.value.errno == errno.EISDIR
+    f = await ops.lookup(d.st_ino, b"file.bin", None)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await ops.open(f.st_ino, os.O_WRONLY, None)
+    assert info.value.errno == errno.EROFS
+
+
+async def test_a_changed_object_is_estale_through_the_adapter(ops: FuseOperations, store: InMemoryObjectStore) -> None:
+    d = await ops.lookup(ROOT_INODE, b"dir", None)
+    f = await ops.lookup(d.st_ino, b"file.bin", None)
+    fi = await ops.open(f.st_ino, os.O_RDONLY, None)
+    store.put_object("dir/file.bin", b"x" * 100)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await ops.read(fi.fh, 0, 10)
+    assert info.value.errno == errno.ESTALE
+
+
+WRITE_HANDLERS = [
+    ("setattr", (ROOT_INODE, None, None, None, None)),
+    ("mknod", (ROOT_INODE, b"n", 0o644, 0, None)),
+    ("mkdir", (ROOT_INODE, b"d", 0o755, None)),
+    ("unlink", (ROOT_INODE, b"dir", None)),
+    ("rmdir", (ROOT_INODE, b"dir", None)),
+    ("symlink", (ROOT_INODE, b"l", b"target", None)),
+    ("rename", (ROOT_INODE, b"dir", ROOT_INODE, b"other", 0, None)),
+    ("link", (ROOT_INODE, ROOT_INODE, b"l", None)),
+    ("create", (ROOT_INODE, b"new", 0o644, os.O_WRONLY | os.O_CREAT, None)),
+    ("write", (1, 0, b"data")),
+    ("setxattr", (ROOT_INODE, b"user.x", b"v", None)),
+    ("removexattr", (ROOT_INODE, b"user.x", None)),
+]
+
+
+@pytest.mark.parametrize(("handler", "args"), WRITE_HANDLERS, ids=[h for h, _ in WRITE_HANDLERS])
+async def test_write_handlers_are_erofs(ops: FuseOperations, handler: str, args: tuple) -> None:
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await getattr(ops, handler)(*args)
+    assert info.value.errno == errno.EROFS
+
+
+async def test_flush_and_fsync_are_accepted(ops: FuseOperations) -> None:
+    assert await ops.flush(1) is None
+    assert await ops.fsync(1, True) is None

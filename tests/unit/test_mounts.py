@@ -1,0 +1,104 @@
+"""The mount table parser and the mountpoint checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cachefs.mounts import FSTYPE, MountEntry, check_mountpoint, find_mount, mount_entries
+
+MOUNTINFO = r"""22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+36 22 0:32 / /proc rw,nosuid,nodev,noexec,relatime shared:5 - proc proc rw
+80 22 0:45 / /mnt/my\040data rw,nosuid,nodev,relatime shared:40 - fuse.cachefs s3://bucket/prefix rw,user_id=0,group_id=0
+81 22 0:46 / /mnt/plain rw,relatime - fuse.sshfs user@host:/srv rw
+82 81 0:47 / /mnt/plain rw,relatime master:3 - fuse.cachefs s3://other rw
+83 22 0:48 / /mnt/tab\011and\134slash rw - tmpfs tmp\040fs rw
+this line is garbage
+84 22 0:49 / /incomplete rw -
+"""
+
+
+@pytest.fixture
+def mountinfo(tmp_path: Path) -> Path:
+    path = tmp_path / "mountinfo"
+    path.write_text(MOUNTINFO)
+    return path
+
+
+def test_mount_entries_parses_and_unescapes(mountinfo: Path) -> None:
+    entries = mount_entries(mountinfo)
+    assert entries == [
+        MountEntry("/", "ext4", "/dev/sda1"),
+        MountEntry("/proc", "proc", "proc"),
+        MountEntry("/mnt/my data", FSTYPE, "s3://bucket/prefix"),
+        MountEntry("/mnt/plain", "fuse.sshfs", "user@host:/srv"),
+        MountEntry("/mnt/plain", FSTYPE, "s3://other"),
+        MountEntry("/mnt/tab\tand\\slash", "tmpfs", "tmp fs"),
+    ]
+
+
+def test_find_mount_matches_the_exact_path(mountinfo: Path) -> None:
+    entry = find_mount(Path("/mnt/my data"), mountinfo)
+    assert entry is not None and entry.fstype == FSTYPE and entry.source == "s3://bucket/prefix"
+    assert find_mount(Path("/mnt/my data/sub"), mountinfo) is None
+    assert find_mount(Path("/mnt/my"), mountinfo) is None
+    assert find_mount(Path("/mnt/my data/"), mountinfo) is not None  # normalised
+    assert find_mount(Path("/mnt/other/../my data"), mountinfo) is not None
+
+
+def test_find_mount_returns_the_top_of_a_stack(mountinfo: Path) -> None:
+    entry = find_mount(Path("/mnt/plain"), mountinfo)
+    assert entry == MountEntry("/mnt/plain", FSTYPE, "s3://other")
+
+
+def test_the_real_mount_table_parses() -> None:
+    entries = mount_entries()
+    assert any(e.mountpoint == "/" for e in entries)
+
+
+def test_check_mountpoint_missing(tmp_path: Path) -> None:
+    problem = check_mountpoint(tmp_path / "nope")
+    assert problem is not None and "does not exist" in problem and str(tmp_path / "nope") in problem
+
+
+def test_check_mountpoint_file(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("x")
+    problem = check_mountpoint(target)
+    assert problem is not None and "not a directory" in problem
+
+
+def test_check_mountpoint_non_empty(tmp_path: Path) -> None:
+    (tmp_path / "something").write_text("x")
+    problem = check_mountpoint(tmp_path)
+    assert problem is not None and "not empty" in problem
+
+
+def test_check_mountpoint_hidden_file_counts(tmp_path: Path) -> None:
+    (tmp_path / ".hidden").write_text("x")
+    assert check_mountpoint(tmp_path) is not None
+
+
+def test_check_mountpoint_empty_dir_is_fine(tmp_path: Path) -> None:
+    target = tmp_path / "mnt"
+    target.mkdir()
+    assert check_mountpoint(target) is None
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
+def test_check_mountpoint_unreadable(tmp_path: Path) -> None:
+    target = tmp_path / "locked"
+    target.mkdir()
+    target.chmod(0)
+    try:
+        problem = check_mountpoint(target)
+    finally:
+        target.chmod(0o755)
+    assert problem is not None and "not readable" in problem
+
+
+def test_check_mountpoint_of_a_mounted_path() -> None:
+    problem = check_mountpoint(Path("/proc"))
+    assert problem is not None and "already mounted" in problem
