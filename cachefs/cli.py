@@ -65,10 +65,11 @@ class UsageError(Exception):
     """Bad input from the user: one line, exit code 2."""
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(environ: dict[str, str]) -> Path:
     if os.geteuid() == 0:
         return Path("/var/cache/cachefs")
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cachefs"
+    home = environ.get("HOME") or str(Path.home())
+    return Path(environ.get("XDG_CACHE_HOME") or Path(home) / ".cache") / "cachefs"
 
 
 def _size(text: str) -> int:
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     m.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)")
-    m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: %s)" % default_cache_dir())
+    m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: /var/cache/cachefs as root, else ~/.cache/cachefs)")
     m.add_argument("--ram-cache", type=_size, default=DEFAULT_RAM_BYTES, metavar="SIZE",
                    help=f"RAM tier capacity, e.g. 2GiB (default {format_size(DEFAULT_RAM_BYTES)}; 0 disables)")
     m.add_argument("--disk-cache", type=_size, default=DEFAULT_DISK_BYTES, metavar="SIZE",
@@ -172,7 +173,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
     return MountSettings(
         source=args.source,
         mountpoint=Path(os.path.abspath(args.mountpoint)),
-        cache_dir=Path(os.path.abspath(args.cache_dir or default_cache_dir())),
+        cache_dir=Path(os.path.abspath(args.cache_dir or default_cache_dir(environ))),
         endpoint_url=endpoint,
         cache=cache,
         fs=fs,

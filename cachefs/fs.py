@@ -166,7 +166,7 @@ class CacheFS:
         self._next_inode = ROOT_INODE + 1
         self._listings: OrderedDict[str, Listing] = OrderedDict()
         self._listing_entries = 0
-        self._listing_flights: dict[str, asyncio.Future[Listing]] = {}
+        self._listing_flights: dict[str, asyncio.Task[Listing]] = {}
         self._handles: dict[int, FileHandleState | DirHandleState] = {}
         self._next_fh = 1
         self._bad_keys = WarnOnce()
@@ -223,24 +223,14 @@ class CacheFS:
             self._listings.move_to_end(path)
             return cached
         flight = self._listing_flights.get(path)
-        if flight is not None:
-            return await asyncio.shield(flight)
-        loop = asyncio.get_running_loop()
-        flight = loop.create_future()
-        flight.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._listing_flights[path] = flight
-        try:
-            listing = await self._fetch_listing(path, cached)
-            flight.set_result(listing)
-            return listing
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                flight.set_exception(exc)
-            else:
-                flight.cancel()
-            raise
-        finally:
-            self._listing_flights.pop(path, None)
+        if flight is None:
+            # The LIST runs as its own task, so a caller that is cancelled does not cancel the
+            # listing other lookups of the same directory are waiting for.
+            flight = asyncio.get_running_loop().create_task(self._fetch_listing(path, cached))
+            flight.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._listing_flights[path] = flight
+            flight.add_done_callback(lambda f: self._listing_flights.pop(path, None) if self._listing_flights.get(path) is f else None)
+        return await asyncio.shield(flight)
 
     async def _fetch_listing(self, path: str, stale: Listing | None) -> Listing:
         self.stats.listings += 1

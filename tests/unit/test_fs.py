@@ -630,3 +630,16 @@ async def test_stats_snapshot_keys_and_counts(store: InMemoryObjectStore, clock:
     assert snap["filesystem"]["opens"] == 2 and snap["filesystem"]["reads"] == 2
     assert snap["filesystem"]["read_bytes"] == 2 * (2 * BS + 5)
     assert snap["blocks"]["fetched"] == 3 and snap["blocks"]["ram_served"] == 3
+
+
+async def test_a_cancelled_lookup_does_not_cancel_the_shared_listing(store: InMemoryObjectStore, clock: FakeClock) -> None:
+    slow = FailingObjectStore(store, delay_s=0.05)
+    fs = make_fs(slow, clock)
+    first = asyncio.ensure_future(fs.lookup(ROOT_INODE, b"a.txt"))
+    await asyncio.sleep(0.01)  # the first lookup has started the LIST
+    second = asyncio.ensure_future(fs.lookup(ROOT_INODE, b"Zed"))
+    await asyncio.sleep(0.01)  # the second one waits on the same LIST
+    first.cancel()
+    attrs = await second
+    assert attrs.size == 1
+    assert store.stats.list_requests == 1
