@@ -1,0 +1,71 @@
+"""Fixtures shared by every test suite.
+
+S3 servers (see ``tests/support/s3servers.py``) are started once per session, lazily: a run that
+selects no S3 test starts none. Each test gets its own bucket with a unique name, so tests never see
+each other's objects; buckets are not deleted, the server and its data directory go at session end.
+
+- ``seaweed``: SeaweedFS on 127.0.0.1, signatures enforced. The reference server for integration
+  tests.
+- ``moto``: moto's server in a subprocess. Fast functional emulator, no signature checks.
+- ``seaweed_bucket`` / ``moto_bucket``: a fresh empty bucket on that server, by name.
+- ``aws_env``: put a server's credentials into ``os.environ`` for the test (monkeypatch), for code
+  that reads the process environment. Stores created by tests prefer ``environ=server.env()``.
+
+Fixtures for FUSE mounts live in ``tests/fuse/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable, Iterator
+
+import pytest
+
+from tests.support.s3servers import MotoS3, SeaweedS3, S3Server
+
+
+def unique_bucket_name(tag: str = "t") -> str:
+    """A valid, unique S3 bucket name (lowercase, 3-63 chars)."""
+    return f"{tag}-{uuid.uuid4().hex[:16]}"
+
+
+# -- S3 servers ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[SeaweedS3]:
+    with SeaweedS3() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto() -> Iterator[MotoS3]:
+    with MotoS3() as server:
+        yield server
+
+
+@pytest.fixture
+def seaweed_bucket(seaweed: SeaweedS3) -> str:
+    name = unique_bucket_name("sw")
+    seaweed.make_bucket(name)
+    return name
+
+
+@pytest.fixture
+def moto_bucket(moto: MotoS3) -> str:
+    name = unique_bucket_name("mt")
+    moto.make_bucket(name)
+    return name
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[S3Server], dict[str, str]]:
+    """``aws_env(server)`` sets the server's AWS_* variables in ``os.environ`` for this test only."""
+
+    def apply(server: S3Server) -> dict[str, str]:
+        env = server.env()
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        return env
+
+    return apply

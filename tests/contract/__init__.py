@@ -1,0 +1,1 @@
+"""One contract suite per Protocol, run on every implementation."""

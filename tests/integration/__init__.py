@@ -1,0 +1,1 @@
+"""Integration tests against real servers on 127.0.0.1."""

@@ -1,0 +1,184 @@
+"""Object stores: the source of truth behind the cache, and how a source URL picks one.
+
+``s3://bucket[/prefix]``  -> ``S3ObjectStore`` (s3fs/aiobotocore on the caller's event loop)
+``file:///abs/path``      -> ``LocalObjectStore`` (a local disk or NFS mount)
+
+``InMemoryObjectStore`` and ``FailingObjectStore`` are the doubles for tests and the demo.
+
+``parse_source`` is pure and strict: a URL that could mean two things, or that we would have to
+"fix" (a relative path, ``//`` in a prefix, a query string, a bucket name S3 would refuse), is
+refused with a one-line message naming the problem, never silently corrected. Keys in an S3 URL are
+taken literally, not percent-decoded, as the AWS CLI does.
+
+``S3ObjectStore`` is imported lazily (module ``__getattr__``), so code that only needs the in-memory
+or local store does not pay for importing s3fs, aiobotocore and botocore.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+from urllib.parse import urlsplit
+
+from tiering.objectstore.local import LocalObjectStore
+from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
+from tiering.protocols import ObjectStore
+
+if TYPE_CHECKING:
+    from tiering.objectstore.s3 import S3ObjectStore
+
+__all__ = [
+    "FailingObjectStore",
+    "InMemoryObjectStore",
+    "LocalObjectStore",
+    "S3ObjectStore",
+    "Source",
+    "SUPPORTED_SCHEMES",
+    "open_object_store",
+    "parse_source",
+]
+
+SUPPORTED_SCHEMES = ("s3", "file")
+
+# S3 bucket naming rules (general purpose buckets): 3-63 characters of lowercase letters, digits,
+# dots and hyphens, beginning and ending with a letter or digit, no two adjacent dots, not an IP.
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A parsed source URL. ``prefix`` has no leading ``/`` and is ``""`` or ends in ``/``.
+
+    For ``file`` sources ``bucket`` is ``""`` and ``prefix`` is the absolute path without its leading
+    slash (``file:///data/train`` -> ``"data/train/"``); ``path`` gives it back as a ``Path``.
+    """
+
+    scheme: str
+    bucket: str
+    prefix: str
+
+    @property
+    def path(self) -> Path:
+        return Path("/" + self.prefix)
+
+    @property
+    def url(self) -> str:
+        """The canonical form of the URL."""
+        if self.scheme == "file":
+            return "file:///" + self.prefix
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def _bucket_problem(bucket: str) -> str | None:
+    if not bucket:
+        return "has no bucket name"
+    if not 3 <= len(bucket) <= 63:
+        return f"bucket name {bucket!r} must be 3 to 63 characters long"
+    if not _BUCKET_RE.fullmatch(bucket):
+        return (f"bucket name {bucket!r} is invalid (lowercase letters, digits, dots and hyphens only, "
+                "beginning and ending with a letter or digit)")
+    if ".." in bucket:
+        return f"bucket name {bucket!r} must not contain two adjacent dots"
+    try:
+        ipaddress.IPv4Address(bucket)
+    except ValueError:
+        return None
+    return f"bucket name {bucket!r} must not be formatted as an IP address"
+
+
+def _normalise_prefix(path: str, what: str) -> str:
+    """``/a/b`` or ``/a/b/`` -> ``a/b/``; ``""`` or ``/`` -> ``""``; refuses empty, ``.``, ``..`` parts."""
+    body = path[1:] if path.startswith("/") else path
+    if body.endswith("/"):
+        body = body[:-1]
+    if not body:
+        return ""
+    for part in body.split("/"):
+        if part == "":
+            raise ValueError(f"{what} {path!r} has an empty path component ('//')")
+        if part in (".", ".."):
+            raise ValueError(f"{what} {path!r} has a {part!r} path component")
+    if "\x00" in body:
+        raise ValueError(f"{what} contains a NUL character")
+    return body + "/"
+
+
+def parse_source(url: str) -> Source:
+    """Parse and validate a source URL; ``ValueError`` with a one-line message if it is not usable."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("source URL is empty")
+    if url != url.strip():
+        raise ValueError("source URL has leading or trailing whitespace")
+    if any(ord(ch) < 0x20 or ch == "\x7f" for ch in url):
+        raise ValueError("source URL contains a control character")
+    if "?" in url or "#" in url:
+        raise ValueError("source URL must not have a query string or fragment ('?' or '#')")
+    parts = urlsplit(url)
+    scheme = parts.scheme
+    if not scheme:
+        raise ValueError("source URL has no scheme: use s3://bucket[/prefix] or file:///abs/path")
+    if scheme not in SUPPORTED_SCHEMES:
+        raise ValueError(f"unsupported source URL scheme {scheme!r}: use s3://bucket[/prefix] or file:///abs/path")
+    if scheme == "s3" and not url[len("s3:"):].startswith("//"):
+        raise ValueError("s3 source URL must have the form s3://bucket[/prefix]")
+
+    if scheme == "s3":
+        if "@" in parts.netloc:
+            # Never echo this part: it may hold credentials.
+            raise ValueError("s3:// source URL must not contain credentials or user info ('@')")
+        problem = _bucket_problem(parts.netloc)
+        if problem:
+            raise ValueError(f"s3:// source URL {problem}")
+        return Source("s3", parts.netloc, _normalise_prefix(parts.path, "s3:// prefix"))
+
+    # file
+    if parts.netloc:
+        if "@" in parts.netloc:
+            raise ValueError("file:// source URL must not have a host (use file:///abs/path)")
+        raise ValueError(f"file:// source URL has a host {parts.netloc!r} (use file:///abs/path)")
+    if not parts.path.startswith("/"):
+        raise ValueError(f"file: source URL path {parts.path!r} is relative (use file:///abs/path)")
+    return Source("file", "", _normalise_prefix(parts.path, "file:// path"))
+
+
+def open_object_store(
+    url: str,
+    *,
+    endpoint_url: str | None,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    environ: Mapping[str, str],
+    max_pool_connections: int | None = None,
+) -> ObjectStore:
+    """The store for a source URL. Nothing is contacted here: call ``check()`` to verify access.
+
+    ``environ`` is the environment the AWS credential chain reads (``AWS_ACCESS_KEY_ID``,
+    ``AWS_PROFILE``, ...); credentials are never passed or logged by us.
+    """
+    source = parse_source(url)
+    if source.scheme == "file":
+        if endpoint_url is not None:
+            raise ValueError("an endpoint URL applies only to s3:// sources")
+        return LocalObjectStore(source.path)
+    from tiering.objectstore.s3 import DEFAULT_MAX_POOL_CONNECTIONS, S3ObjectStore
+
+    return S3ObjectStore(
+        source.bucket,
+        source.prefix,
+        endpoint_url=endpoint_url,
+        connect_timeout_s=connect_timeout_s,
+        read_timeout_s=read_timeout_s,
+        max_pool_connections=max_pool_connections or DEFAULT_MAX_POOL_CONNECTIONS,
+        environ=environ,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "S3ObjectStore":
+        from tiering.objectstore.s3 import S3ObjectStore
+
+        return S3ObjectStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,62 @@
+"""Key and range checks shared by every object-store implementation.
+
+They are the store-side half of the contract in ``tiering.protocols.ObjectStore``: a listing prefix is
+``""`` or ends in ``/``; a byte range is ``0 <= start <= end``; a range past the object's end is
+clamped to it (a read at or past EOF answers ``b""``), never an error. Every implementation calls
+these before doing any I/O, so all of them refuse the same malformed calls in the same way.
+"""
+
+from __future__ import annotations
+
+from tiering.errors import InvalidRangeError, ObjectNotFoundError
+
+_DOT_COMPONENTS = frozenset({".", ".."})
+
+
+def check_list_prefix(prefix: str) -> None:
+    """A listing prefix is ``""`` (the root) or a ``/``-terminated directory path without a leading ``/``.
+
+    ``.`` and ``..`` components are refused too: see ``check_key``.
+    """
+    if prefix and (not prefix.endswith("/") or prefix.startswith("/")):
+        raise ValueError(f"listing prefix {prefix!r} must be empty or end in '/' (and not start with '/')")
+    if _DOT_COMPONENTS.intersection(prefix.split("/")) or "\x00" in prefix:
+        raise ValueError(f"listing prefix {prefix!r} has a '.' or '..' component or a NUL")
+
+
+def check_key(key: str) -> None:
+    """Refuse keys that could name something outside the store's root: ``ObjectNotFoundError``.
+
+    A ``.`` or ``..`` component is legal in an S3 key, but HTTP stacks normalise such paths (yarl
+    resolves ``a/../b`` to ``b``; SeaweedFS answers 400), so a request for ``root/../x`` could read
+    ``x`` beside the root. No store serves such a key: from the reader's side it does not exist.
+    """
+    if not key or "\x00" in key or _DOT_COMPONENTS.intersection(key.split("/")):
+        raise ObjectNotFoundError(f"no such object: {key!r}")
+
+
+def check_range(start: int, end: int) -> None:
+    """A byte range ``[start, end)`` must be non-negative and not reversed."""
+    if start < 0 or end < start:
+        raise InvalidRangeError(f"invalid byte range [{start}, {end})")
+
+
+def clamp_range(start: int, end: int, size: int) -> tuple[int, int]:
+    """Clamp ``[start, end)`` to an object of ``size`` bytes; an empty range stays empty."""
+    end = min(end, size)
+    start = min(start, end)
+    return start, end
+
+
+def split_listing_key(prefix: str, key: str) -> tuple[str, bool] | None:
+    """Classify ``key`` (which starts with ``prefix``) for a one-level listing of ``prefix``.
+
+    Returns ``(name, is_dir)``: a file directly under the prefix, or the first path component of a
+    deeper key (including a directory marker ``name/``). Returns None for the marker of ``prefix``
+    itself, which is not listed.
+    """
+    rest = key[len(prefix):]
+    if not rest:
+        return None
+    head, sep, _ = rest.partition("/")
+    return head, bool(sep)

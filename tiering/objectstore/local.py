@@ -1,0 +1,222 @@
+"""An object store over a local directory (a local disk or an NFS mount): sources ``file:///path``.
+
+Keys map to paths under ``root``; a directory is a directory (there are no marker objects: an empty
+directory lists as an empty directory, as a marker does on S3). Regular files are objects; anything
+else (sockets, FIFOs, devices) is invisible.
+
+ETag. A local file has no content hash we could read for free, so the ETag is built from its stat:
+``st_mtime_ns``, ``st_ctime_ns``, ``st_size`` and ``st_ino``. A writer that replaces a file (write a
+temporary, rename) changes the inode; one that rewrites in place changes mtime and ctime. ctime is in
+the tag because tools that copy timestamps (``rsync --inplace -t``, ``cp -p``) can put the old mtime
+back on new bytes, but cannot set ctime. ``get_range`` opens the file, ``fstat``s the *open* file and
+compares the tag before reading, so a reader never gets bytes of a version it did not ask for (short of
+a writer modifying the file in place while it is being read, which no scheme based on stat can see).
+
+Confinement. The store must never serve anything outside ``root``: keys with ``..``, ``.``, empty
+components, a leading ``/`` or NUL are refused, and every path is resolved (symlinks included) and
+refused unless it still lies under the resolved root. Refusals are ``ObjectNotFoundError``: from the
+reader's side such a key simply does not exist. The final open uses ``O_NOFOLLOW`` on the resolved
+path, so a symlink swapped in after the check is not followed either.
+
+All blocking calls go through ``asyncio.to_thread``: an NFS server that stalls must not stall the
+event loop that also serves FUSE requests from the RAM tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from tiering.errors import (
+    AccessDeniedError,
+    ObjectChangedError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ObjectStoreUnavailableError,
+)
+from tiering.objectstore.keys import check_list_prefix, check_range, clamp_range
+from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats
+
+T = TypeVar("T")
+
+# errnos that mean "the storage behind the path is not answering" rather than "this key is bad".
+_UNAVAILABLE_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN,
+                                 errno.ENETUNREACH, errno.ECONNREFUSED, errno.ECONNRESET, errno.ESTALE})
+
+
+def stat_etag(st: os.stat_result) -> str:
+    """A version tag from a file's stat: any rewrite or replacement changes it."""
+    return f'"{st.st_mtime_ns:x}-{st.st_ctime_ns:x}-{st.st_size:x}-{st.st_ino:x}"'
+
+
+def _info(key: str, st: os.stat_result) -> ObjectInfo:
+    return ObjectInfo(key=key, size=st.st_size, etag=stat_etag(st), mtime=st.st_mtime)
+
+
+def _classify(exc: OSError, what: str) -> ObjectStoreError:
+    """Map an OSError to the engine's error types, by errno."""
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EISDIR):
+        return ObjectNotFoundError(f"no such object: {what}")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return AccessDeniedError(f"permission denied: {what}")
+    if exc.errno in _UNAVAILABLE_ERRNOS:
+        return ObjectStoreUnavailableError(f"local store not answering ({errno.errorcode.get(exc.errno, exc.errno)}): {what}")
+    return ObjectStoreError(f"local store error ({errno.errorcode.get(exc.errno or 0, exc.errno)}): {what}")
+
+
+class LocalObjectStore:
+    """An ``ObjectStore`` over the directory tree at ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(os.path.abspath(root))
+        self.stats = ObjectStoreStats()
+
+    # -- path confinement ---------------------------------------------------------------------------
+
+    def _real_root(self) -> str:
+        return os.path.realpath(self.root)
+
+    @staticmethod
+    def _inside(real_root: str, real: str) -> bool:
+        return real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep)
+
+    def _resolve(self, key: str, *, directory: bool) -> str:
+        """The real path of ``key`` under the root; ObjectNotFoundError for keys that cannot be ours."""
+        if "\x00" in key or key.startswith("/"):
+            raise ObjectNotFoundError(f"no such object: {key!r}")
+        rel = key[:-1] if directory and key.endswith("/") else key
+        parts = rel.split("/") if rel else []
+        if not directory and not parts:
+            raise ObjectNotFoundError("no such object: ''")
+        if any(p in ("", ".", "..") for p in parts):
+            raise ObjectNotFoundError(f"no such object: {key!r}")
+        real_root = self._real_root()
+        real = os.path.realpath(os.path.join(real_root, *parts))
+        if not self._inside(real_root, real):
+            raise ObjectNotFoundError(f"no such object: {key!r}")
+        return real
+
+    # -- blocking halves, run in a worker thread ----------------------------------------------------
+
+    def _check_sync(self) -> None:
+        root = str(self.root)
+        try:
+            st = os.stat(root)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise ObjectNotFoundError(f"local store root {root} does not exist") from exc
+            raise _classify(exc, root) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise ObjectNotFoundError(f"local store root {root} is not a directory")
+        try:
+            with os.scandir(root) as it:
+                next(it, None)
+        except OSError as exc:
+            raise _classify(exc, root) from exc
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise AccessDeniedError(f"local store root {root} is not readable")
+
+    def _list_sync(self, prefix: str) -> Listing:
+        listing = Listing()
+        try:
+            directory = self._resolve(prefix, directory=True)
+        except ObjectNotFoundError:
+            return listing  # like S3: listing a prefix that has nothing under it is empty
+        real_root = self._real_root()
+        try:
+            it = os.scandir(directory)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                return listing
+            raise _classify(exc, prefix or "/") from exc
+        with it:
+            for entry in it:
+                try:
+                    if entry.is_symlink():
+                        real = os.path.realpath(entry.path)
+                        if not self._inside(real_root, real):
+                            continue  # a link pointing out of the root is not part of the store
+                    st = entry.stat()  # follows a (confined) symlink
+                except OSError:
+                    continue  # vanished or dangling between readdir and stat: not listed
+                if stat.S_ISDIR(st.st_mode):
+                    listing.dirs.add(entry.name)
+                elif stat.S_ISREG(st.st_mode):
+                    listing.files[entry.name] = _info(prefix + entry.name, st)
+        return listing
+
+    def _head_sync(self, key: str) -> ObjectInfo:
+        path = self._resolve(key, directory=False)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise _classify(exc, repr(key)) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise ObjectNotFoundError(f"no such object: {key!r}")
+        return _info(key, st)
+
+    def _get_sync(self, key: str, etag: str, start: int, end: int) -> bytes:
+        path = self._resolve(key, directory=False)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _classify(exc, repr(key)) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ObjectNotFoundError(f"no such object: {key!r}")
+            now = stat_etag(st)
+            if now != etag:
+                raise ObjectChangedError(f"object {key!r} changed: ETag is now {now}, not {etag}")
+            start, end = clamp_range(start, end, st.st_size)
+            chunks: list[bytes] = []
+            pos = start
+            while pos < end:  # pread may return short reads (NFS, signals): loop until done or EOF
+                chunk = os.pread(fd, end - pos, pos)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                pos += len(chunk)
+            return b"".join(chunks)
+        except OSError as exc:
+            raise _classify(exc, repr(key)) from exc
+        finally:
+            os.close(fd)
+
+    # -- ObjectStore --------------------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        self.stats.requests += 1
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except ObjectStoreError:
+            self.stats.errors += 1
+            raise
+
+    async def check(self) -> None:
+        await self._run(self._check_sync)
+
+    async def list_dir(self, prefix: str) -> Listing:
+        check_list_prefix(prefix)
+        self.stats.list_requests += 1
+        return await self._run(self._list_sync, prefix)
+
+    async def head(self, key: str) -> ObjectInfo:
+        self.stats.head_requests += 1
+        return await self._run(self._head_sync, key)
+
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        check_range(start, end)
+        if start == end:
+            return b""
+        self.stats.get_requests += 1
+        data = await self._run(self._get_sync, key, etag, start, end)
+        self.stats.bytes_read += len(data)
+        return data
+
+    async def close(self) -> None:
+        pass

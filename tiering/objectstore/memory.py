@@ -1,0 +1,203 @@
+"""In-memory object stores: the double used by unit tests of the engine and the filesystem, and the demo.
+
+``InMemoryObjectStore`` keeps objects in a dict and follows the S3 semantics that the rest of cachefs
+relies on, so a test written against it means the same thing against a real bucket (the contract
+suite in ``tests/contract`` runs the same cases on both):
+
+- a one-level listing with delimiter ``/``: keys directly under the prefix are files, the first
+  component of deeper keys is a directory; a zero-byte marker ``a/`` makes ``a`` a directory of the
+  parent and is not a file of its own listing;
+- ETags are the quoted MD5 hex of the content, as S3 gives for single-part uploads, so rewriting an
+  object with other bytes of the same size changes its ETag;
+- ``get_range`` refuses to read an object whose ETag is no longer the one asked for
+  (``ObjectChangedError``), like a GET with ``If-Match``, and clamps the range to the object's end.
+
+``FailingObjectStore`` wraps any store to inject failures and latency; its flags are plain mutable
+attributes so a test can break and heal the store in the middle of a read.
+
+Every call awaits ``asyncio.sleep(0)`` once so that concurrent callers interleave as they would
+against a real store, instead of each call completing without ever yielding the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreUnavailableError
+from tiering.objectstore.keys import check_key, check_list_prefix, check_range, clamp_range, split_listing_key
+from tiering.protocols import Listing, ObjectInfo, ObjectStore, ObjectStoreStats
+
+# Called as on_get(key, start, end) at the start of every get_range, before any failure is injected.
+GetHook = Callable[[str, int, int], None]
+
+
+def md5_etag(data: bytes) -> str:
+    """The ETag S3 gives a single-part upload: the MD5 hex of the bytes, in double quotes."""
+    return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    data: bytes
+    info: ObjectInfo
+
+
+class InMemoryObjectStore:
+    """A dict-backed ``ObjectStore``. ``put_object``/``delete_object`` are synchronous test helpers."""
+
+    def __init__(self, *, on_get: GetHook | None = None) -> None:
+        self.stats = ObjectStoreStats()
+        self.on_get = on_get
+        self._objects: dict[str, _Stored] = {}
+
+    # -- test helpers -------------------------------------------------------------------------------
+
+    def put_object(self, key: str, data: bytes, mtime: float | None = None) -> ObjectInfo:
+        """Create or overwrite ``key``. A key ending in ``/`` is a directory marker (usually empty)."""
+        if not key:
+            raise ValueError("object key must not be empty")
+        data = bytes(data)
+        info = ObjectInfo(
+            key=key,
+            size=len(data),
+            etag=md5_etag(data),
+            mtime=time.time() if mtime is None else float(mtime),
+        )
+        self._objects[key] = _Stored(data, info)
+        return info
+
+    def delete_object(self, key: str) -> None:
+        """Remove ``key``; absent keys are ignored, as S3's DeleteObject does."""
+        self._objects.pop(key, None)
+
+    def keys(self) -> list[str]:
+        return sorted(self._objects)
+
+    # -- ObjectStore --------------------------------------------------------------------------------
+
+    async def check(self) -> None:
+        self.stats.requests += 1
+        await asyncio.sleep(0)
+
+    async def list_dir(self, prefix: str) -> Listing:
+        check_list_prefix(prefix)
+        self.stats.requests += 1
+        self.stats.list_requests += 1
+        await asyncio.sleep(0)
+        listing = Listing()
+        for key, stored in self._objects.items():
+            if not key.startswith(prefix):
+                continue
+            split = split_listing_key(prefix, key)
+            if split is None:
+                continue
+            name, is_dir = split
+            if is_dir:
+                listing.dirs.add(name)
+            else:
+                listing.files[name] = stored.info
+        return listing
+
+    async def head(self, key: str) -> ObjectInfo:
+        self.stats.requests += 1
+        self.stats.head_requests += 1
+        await asyncio.sleep(0)
+        return self._lookup(key).info
+
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        check_range(start, end)
+        if self.on_get is not None:
+            self.on_get(key, start, end)
+        if start == end:
+            return b""  # as the S3 store: nothing to read, so no request and no ETag check
+        self.stats.requests += 1
+        self.stats.get_requests += 1
+        await asyncio.sleep(0)
+        stored = self._lookup(key)
+        if stored.info.etag != etag:
+            self.stats.errors += 1
+            raise ObjectChangedError(f"object {key!r} changed: ETag is now {stored.info.etag}, not {etag}")
+        start, end = clamp_range(start, end, stored.info.size)
+        data = stored.data[start:end]
+        self.stats.bytes_read += len(data)
+        return data
+
+    async def close(self) -> None:
+        pass
+
+    def _lookup(self, key: str) -> _Stored:
+        try:
+            check_key(key)  # as every store: a '.'/'..' key is never served, even if it was put
+        except ObjectNotFoundError:
+            self.stats.errors += 1
+            raise
+        stored = self._objects.get(key)
+        if stored is None:
+            self.stats.errors += 1
+            raise ObjectNotFoundError(f"no such object: {key!r}")
+        return stored
+
+
+class FailingObjectStore:
+    """Wraps a store to inject failures and latency.
+
+    ``fail_gets`` makes ``get_range`` raise ``ObjectStoreUnavailableError``; ``fail_lists`` does the
+    same for ``list_dir`` and ``check``; ``fail_heads`` for ``head``. ``delay_s`` makes every call
+    sleep first (to simulate a slow or hanging store; the caller's timeout decides what happens).
+    All are plain attributes: flip them at any time. ``stats`` is the inner store's, with injected
+    failures counted as errors. ``on_get(key, start, end)`` is called on every ``get_range``.
+    """
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        *,
+        fail_gets: bool = False,
+        fail_lists: bool = False,
+        fail_heads: bool = False,
+        delay_s: float = 0.0,
+        on_get: GetHook | None = None,
+    ) -> None:
+        self.inner = inner
+        self.fail_gets = fail_gets
+        self.fail_lists = fail_lists
+        self.fail_heads = fail_heads
+        self.delay_s = delay_s
+        self.on_get = on_get
+
+    @property
+    def stats(self) -> ObjectStoreStats:
+        return self.inner.stats
+
+    async def _before(self, failing: bool, what: str) -> None:
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+        if failing:
+            self.inner.stats.requests += 1
+            self.inner.stats.errors += 1
+            raise ObjectStoreUnavailableError(f"injected failure: {what}")
+
+    async def check(self) -> None:
+        await self._before(self.fail_lists, "check")
+        await self.inner.check()
+
+    async def list_dir(self, prefix: str) -> Listing:
+        await self._before(self.fail_lists, f"list {prefix!r}")
+        return await self.inner.list_dir(prefix)
+
+    async def head(self, key: str) -> ObjectInfo:
+        await self._before(self.fail_heads, f"head {key!r}")
+        return await self.inner.head(key)
+
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        if self.on_get is not None:
+            self.on_get(key, start, end)
+        await self._before(self.fail_gets, f"get {key!r} [{start}, {end})")
+        return await self.inner.get_range(key, etag, start, end)
+
+    async def close(self) -> None:
+        await self.inner.close()
