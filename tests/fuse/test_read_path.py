@@ -167,7 +167,6 @@ def test_second_epoch_served_from_cache(backend: Backend, mounter) -> None:
     # daemon saw no new read requests at all.
     assert second["object_store"]["get_requests"] == first["object_store"]["get_requests"]
     assert second["filesystem"]["reads"] == first["filesystem"]["reads"]
-    assert second["hit_ratio"] > 0
 
 
 def test_remount_reuses_disk_cache(backend: Backend, mounter, tmp_path: Path) -> None:
