@@ -351,7 +351,8 @@ def render_stats(stats: dict[str, Any]) -> Any:
     table = Table(title="cachefs", show_edge=False)
     for column in ("tier", "used", "capacity", "entries", "hits", "misses", "evictions", "errors"):
         table.add_column(column, justify="left" if column == "tier" else "right")
-    for name, tier in stats["tiers"].items():
+    order = {"ram": 0, "disk": 1}
+    for name, tier in sorted(stats["tiers"].items(), key=lambda item: order.get(item[0], 2)):
         label = name + (f" ({tier['state']})" if tier.get("state", "healthy") != "healthy" else "")
         table.add_row(label, format_size(tier["used_bytes"]), format_size(tier["capacity_bytes"]),
                       str(tier["entries"]), str(tier["hits"]), str(tier["misses"]), str(tier["evictions"]),
@@ -450,4 +451,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `cachefs stats --json | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     raise AssertionError(f"unhandled command {args.command}")

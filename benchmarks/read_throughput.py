@@ -1,0 +1,135 @@
+"""Sequential read throughput of one large object through a cachefs mount, next to its limits.
+
+One run, one machine, one SeaweedFS on 127.0.0.1:
+
+  page cache    a local file with the same bytes, read a second time (kernel page cache)
+  local disk    the same file after dropping the page cache (needs root; skipped otherwise)
+  raw GET       the object fetched with 16 parallel ranged GETs of one block each (cold limit)
+  cold          first read through a fresh mount (object store -> disk + RAM tiers)
+  warm          second read through the same mount (kernel page cache, kept across opens)
+  disk tier     a fresh mount on the same cache dir after dropping the page cache
+
+Run: .venv/bin/python -m benchmarks.read_throughput [--size-mib 1024] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.support.s3servers import SeaweedS3  # noqa: E402
+from tiering.blocks import DEFAULT_BLOCK_SIZE  # noqa: E402
+from tiering.objectstore.s3 import S3ObjectStore  # noqa: E402
+
+MiB = 1024 * 1024
+READ_CHUNK = 1 * MiB
+CLI = [sys.executable, "-m", "cachefs"]
+
+
+def read_file(path: Path) -> float:
+    """MiB/s of one sequential read of ``path`` in 1 MiB chunks."""
+    n = 0
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as fh:
+        while chunk := fh.read(READ_CHUNK):
+            n += len(chunk)
+    return n / (time.perf_counter() - start) / MiB
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+async def raw_get(server: SeaweedS3, bucket: str, key: str, size: int, parallel: int = 16) -> float:
+    store = S3ObjectStore(bucket, "", endpoint_url=server.endpoint_url, connect_timeout_s=5, read_timeout_s=60,
+                          max_pool_connections=parallel, environ=server.env())
+    info = await store.head(key)
+    slots = asyncio.Semaphore(parallel)
+
+    async def one(offset: int) -> int:
+        async with slots:
+            return len(await store.get_range(key, info.etag, offset, min(offset + DEFAULT_BLOCK_SIZE, size)))
+
+    start = time.perf_counter()
+    total = sum(await asyncio.gather(*(one(o) for o in range(0, size, DEFAULT_BLOCK_SIZE))))
+    elapsed = time.perf_counter() - start
+    await store.close()
+    assert total == size
+    return size / elapsed / MiB
+
+
+def cli(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([*CLI, *args], check=True, env={**os.environ, **env}, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    size = args.size_mib * MiB
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="cachefs-bench-") as tmp, SeaweedS3() as server:
+        work = Path(tmp)
+        env = {**server.env(), "AWS_ENDPOINT_URL": server.endpoint_url}
+        data = os.urandom(size)
+        local = work / "local.bin"
+        local.write_bytes(data)
+        server.make_bucket("bench")
+        server.put("bench", "ds/big.bin", data)
+        del data
+        can_drop = drop_caches()
+        for run in range(args.repeat):
+            if can_drop:
+                drop_caches()
+                results.setdefault("local disk", []).append(read_file(local))
+            read_file(local)
+            results.setdefault("page cache", []).append(read_file(local))
+            results.setdefault("raw GET", []).append(asyncio.run(raw_get(server, "bench", "ds/big.bin", size)))
+            mnt, cache = work / f"mnt{run}", work / f"cache{run}"
+            mnt.mkdir()
+            ram = f"{max(args.size_mib * 2, 64)}MiB"
+            cli("mount", "s3://bench/ds", str(mnt), "--cache-dir", str(cache), "--ram-cache", ram, env=env)
+            try:
+                results.setdefault("cold", []).append(read_file(mnt / "big.bin"))
+                results.setdefault("warm", []).append(read_file(mnt / "big.bin"))
+            finally:
+                cli("unmount", str(mnt), env=env)
+            if can_drop:
+                drop_caches()
+                cli("mount", "s3://bench/ds", str(mnt), "--cache-dir", str(cache), "--ram-cache", "64MiB", env=env)
+                try:
+                    results.setdefault("disk tier", []).append(read_file(mnt / "big.bin"))
+                finally:
+                    cli("unmount", str(mnt), env=env)
+    medians = {name: statistics.median(values) for name, values in results.items()}
+    print(f"sequential read of a {args.size_mib} MiB object, median of {args.repeat} runs (MiB/s):")
+    for name, value in medians.items():
+        print(f"  {name:<11} {value:9.1f}")
+    print("ratios:")
+    if "page cache" in medians:
+        print(f"  warm / page cache      {medians['warm'] / medians['page cache']:.2f}")
+    print(f"  cold / raw GET         {medians['cold'] / medians['raw GET']:.2f}")
+    if "disk tier" in medians and "local disk" in medians:
+        print(f"  disk tier / local disk {medians['disk tier'] / medians['local disk']:.2f}")
+    print(json.dumps({k: [round(v, 1) for v in vs] for k, vs in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
