@@ -73,6 +73,18 @@ async def raw_get(server: SeaweedS3, bucket: str, key: str, size: int, parallel:
     return size / elapsed / MiB
 
 
+def daemon_peak_rss_mib(mnt: Path, env: dict[str, str]) -> float:
+    """Peak resident memory (VmHWM) of the daemon serving ``mnt``."""
+    sock = os.getxattr(mnt, "user.cachefs.control").decode()
+    from cachefs.control import request_json
+
+    pid = request_json(sock, "/info")["pid"]
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def cli(*args: str, env: dict[str, str]) -> None:
     subprocess.run([*CLI, *args], check=True, env={**os.environ, **env}, timeout=300,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -109,6 +121,7 @@ def main() -> None:
             try:
                 results.setdefault("cold", []).append(read_file(mnt / "big.bin"))
                 results.setdefault("warm", []).append(read_file(mnt / "big.bin"))
+                results.setdefault(f"daemon peak RSS MiB (RAM tier {ram})", []).append(daemon_peak_rss_mib(mnt, env))
             finally:
                 cli("unmount", str(mnt), env=env)
             if can_drop:
@@ -116,12 +129,14 @@ def main() -> None:
                 cli("mount", "s3://bench/ds", str(mnt), "--cache-dir", str(cache), "--ram-cache", "64MiB", env=env)
                 try:
                     results.setdefault("disk tier", []).append(read_file(mnt / "big.bin"))
+                    results.setdefault("daemon peak RSS MiB (RAM tier 64MiB)", []).append(daemon_peak_rss_mib(mnt, env))
                 finally:
                     cli("unmount", str(mnt), env=env)
     medians = {name: statistics.median(values) for name, values in results.items()}
     print(f"sequential read of a {args.size_mib} MiB object, median of {args.repeat} runs (MiB/s):")
     for name, value in medians.items():
         print(f"  {name:<11} {value:9.1f}")
+    print("(the RSS lines are MiB of daemon memory, not throughput)")
     print("ratios:")
     if "page cache" in medians:
         print(f"  warm / page cache      {medians['warm'] / medians['page cache']:.2f}")

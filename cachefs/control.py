@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, UnixConnector, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, UnixConnector, web
 
 # How long the CLI waits for the daemon to answer a control request. The daemon answers from memory
 # on its event loop, so anything beyond a few seconds means it is wedged.
@@ -99,7 +99,7 @@ async def _get_json(socket_path: str, route: str) -> Any:
                 if response.status != 200:
                     raise ControlError(f"daemon answered {response.status} to {route}")
                 return await response.json()
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (OSError, ClientError, TimeoutError, ValueError) as exc:
         raise ControlError(f"cannot reach the cachefs daemon at {socket_path}: {exc}") from exc
 
 

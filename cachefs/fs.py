@@ -28,7 +28,7 @@ import os
 import stat
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, NewType
 
 from cachefs.errors import FsError
