@@ -13,7 +13,7 @@ inherited environment (the standard AWS variables and config files), never throu
 from __future__ import annotations
 
 import argparse
-import errno
+import importlib
 import json
 import logging
 import logging.handlers
@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from cachefs import mounts
-from cachefs.control import ControlError, request_json
+from cachefs.client import UsageError, call
 from cachefs.errors import SetupError
-from cachefs.fs import CONTROL_XATTR
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -51,6 +50,11 @@ from tiering.units import format_size, parse_size
 
 log = logging.getLogger("cachefs")
 
+# Feature modules that add subcommands: each has ``register(subparsers)``, which adds its parsers
+# with ``set_defaults(handler=fn)``; ``fn(args, environ) -> int`` runs the command and may raise
+# ``UsageError``.
+COMMAND_MODULES: tuple[str, ...] = ()
+
 # How long `cachefs mount` waits for the daemon to report. The daemon's own start-up check is
 # bounded at 20 s (cachefs.daemon); this leaves room for scanning a large disk tier on start.
 MOUNT_WAIT_S = 120.0
@@ -59,10 +63,6 @@ DEFAULT_UNMOUNT_TIMEOUT_S = 30.0
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
 NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp.access")
-
-
-class UsageError(Exception):
-    """Bad input from the user: one line, exit code 2."""
 
 
 def default_cache_dir(environ: dict[str, str]) -> Path:
@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", type=Path)
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=_seconds, default=None, metavar="S", help="refresh every S seconds")
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return parser
 
 
@@ -322,27 +325,8 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, 
 
 
 # ---------------------------------------------------------------------------------------- control
-def control_socket(mountpoint: Path) -> str:
-    """The control socket of the cachefs mounted at ``mountpoint``; UsageError if there is none."""
-    path = Path(os.path.abspath(mountpoint))
-    entry = mounts.find_mount(path)
-    if entry is None:
-        raise UsageError(f"{path} is not a mountpoint")
-    if entry.fstype != mounts.FSTYPE:
-        raise UsageError(f"{path} is not a cachefs mount (it is {entry.fstype})")
-    try:
-        return os.getxattr(path, CONTROL_XATTR).decode()
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise UsageError(f"the cachefs daemon of {path} is not running (run 'cachefs unmount {path}')") from None
-        raise UsageError(f"cannot query {path}: {exc.strerror}") from None
-
-
 def fetch_stats(mountpoint: Path) -> dict[str, Any]:
-    try:
-        return request_json(control_socket(mountpoint), "/stats")
-    except ControlError as exc:
-        raise UsageError(str(exc)) from None
+    return call(mountpoint, "/stats")
 
 
 def render_stats(stats: dict[str, Any]) -> Any:
@@ -397,8 +381,8 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError(f"{path} is not a cachefs mount (it is {entry.fstype})")
     pid = None
     try:
-        pid = int(request_json(control_socket(path), "/info")["pid"])
-    except (UsageError, ControlError, KeyError, ValueError):
+        pid = int(call(path, "/info")["pid"])
+    except (UsageError, KeyError, ValueError, TypeError):
         pass  # a dead daemon: unmount the stale mount anyway
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if fusermount is None:
@@ -446,6 +430,9 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
             return cmd_unmount(args)
         if args.command == "stats":
             return cmd_stats(args)
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return handler(args, environ)
     except UsageError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 2

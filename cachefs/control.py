@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,29 +40,64 @@ def socket_path_for(mountpoint: Path) -> Path:
     return runtime_dir() / f"{digest}.sock"
 
 
+JsonHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+
+
+class ControlRequestError(Exception):
+    """Raised by a route handler: answered as ``{"error": message}`` with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ControlServer:
+    """The control API. Features register their routes with ``add_json_route`` before ``start``.
+
+    A JSON route's handler receives one dict (the query parameters merged with the JSON body, the
+    body winning) and returns any JSON-serialisable value; it raises ``ControlRequestError`` for a
+    bad request. ``add_route`` takes a raw aiohttp handler, for streaming or non-JSON answers
+    (Prometheus text).
+    """
+
     def __init__(self, socket_path: Path, stats: Callable[[], dict[str, Any]], info: dict[str, Any]) -> None:
         self.socket_path = socket_path
-        self._stats = stats
-        self._info = info
         self._runner: web.AppRunner | None = None
+        self._routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = []
         self.tcp_port: int | None = None
+        self.add_json_route("GET", "/stats", lambda _params: _async_value(stats()))
+        self.add_json_route("GET", "/info", lambda _params: _async_value(info))
+        self.add_route("GET", "/healthz", self._handle_health)
 
-    def _app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/stats", self._handle_stats)
-        app.router.add_get("/healthz", self._handle_health)
-        app.router.add_get("/info", self._handle_info)
-        return app
+    def add_route(self, method: str, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+        self._routes.append((method, path, handler))
 
-    async def _handle_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(self._stats(), dumps=lambda o: json.dumps(o, sort_keys=True))
+    def add_json_route(self, method: str, path: str, handler: JsonHandler) -> None:
+        async def wrapped(request: web.Request) -> web.Response:
+            params: dict[str, Any] = dict(request.query)
+            if request.can_read_body:
+                try:
+                    body = await request.json()
+                except ValueError:
+                    return _json({"error": "request body is not valid JSON"}, 400)
+                if not isinstance(body, dict):
+                    return _json({"error": "request body must be a JSON object"}, 400)
+                params.update(body)
+            try:
+                return _json(await handler(params))
+            except ControlRequestError as exc:
+                return _json({"error": str(exc)}, exc.status)
+
+        self.add_route(method, path, wrapped)
 
     async def _handle_health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    async def _handle_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self._info)
+    def _app(self) -> web.Application:
+        app = web.Application()
+        for method, path, handler in self._routes:
+            app.router.add_route(method, path, handler)
+        return app
 
     async def start(self, tcp_host: str | None = None, tcp_port: int | None = None) -> None:
         self._runner = web.AppRunner(self._app(), access_log=None)
@@ -87,22 +122,34 @@ class ControlServer:
             pass
 
 
+async def _async_value(value: Any) -> Any:
+    return value
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.json_response(value, status=status, dumps=lambda o: json.dumps(o, sort_keys=True))
+
+
 class ControlError(Exception):
     """The daemon could not be reached or answered with an error; one-line message."""
 
 
-async def _get_json(socket_path: str, route: str) -> Any:
-    timeout = ClientTimeout(total=CONTROL_TIMEOUT_S)
+async def _request_json(socket_path: str, route: str, method: str, body: Any, timeout_s: float) -> Any:
+    timeout = ClientTimeout(total=timeout_s)
     try:
         async with ClientSession(connector=UnixConnector(path=socket_path), timeout=timeout) as session:
-            async with session.get(f"http://cachefs{route}") as response:
+            async with session.request(method, f"http://cachefs{route}", json=body) as response:
+                payload = await response.json(content_type=None)
                 if response.status != 200:
-                    raise ControlError(f"daemon answered {response.status} to {route}")
-                return await response.json()
+                    detail = payload.get("error") if isinstance(payload, dict) else None
+                    raise ControlError(detail or f"daemon answered {response.status} to {route}")
+                return payload
     except (OSError, ClientError, TimeoutError, ValueError) as exc:
         raise ControlError(f"cannot reach the cachefs daemon at {socket_path}: {exc}") from exc
 
 
-def request_json(socket_path: str, route: str) -> Any:
-    """Synchronous GET of a control route (for the CLI)."""
-    return asyncio.run(_get_json(socket_path, route))
+def request_json(
+    socket_path: str, route: str, *, method: str = "GET", body: Any = None, timeout_s: float = CONTROL_TIMEOUT_S
+) -> Any:
+    """Synchronous request to a control route (for the CLI); ``ControlError`` with a one-line reason."""
+    return asyncio.run(_request_json(socket_path, route, method, body, timeout_s))

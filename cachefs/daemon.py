@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import importlib
 import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from cachefs.control import ControlServer, socket_path_for
 from cachefs.errors import SetupError
@@ -35,6 +37,7 @@ from tiering.disk import DiskTier
 from tiering.engine import BlockCache
 from tiering.errors import CacheError
 from tiering.objectstore import open_object_store
+from tiering.protocols import ObjectStore
 from tiering.ram import RamTier
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,30 @@ FUSE_MAX_TASKS = 64
 FUSE_READ_AHEAD_KB = 16 * 1024
 
 ReadyCallback = Callable[[str | None], None]
+
+# Feature modules wired into every mount: each has ``install(ctx: DaemonContext) -> Feature``,
+# called before the control API starts (so it can add routes); its ``start()`` runs before the
+# kernel mount (so a replay or a warm-up finishes first) and its ``stop()`` after the unmount, in
+# reverse order, also when the mount failed.
+FEATURE_MODULES: tuple[str, ...] = ()
+
+
+@dataclass
+class DaemonContext:
+    """Everything a feature may build on. Created once per mount."""
+
+    settings: MountSettings
+    store: ObjectStore
+    cache: BlockCache
+    fs: CacheFS
+    control: ControlServer
+    cache_dir: Path
+
+
+class Feature(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 def tune_fuse_connection(mountpoint: Path) -> None:
@@ -135,31 +162,44 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 "started_at": time.time(),
             },
         )
+        ctx = DaemonContext(settings, store, cache, fs, control, cache_dir)
+        features: list[Feature] = [importlib.import_module(name).install(ctx) for name in FEATURE_MODULES]
         host, port = _split_addr(settings.stats_addr)
         try:
             await control.start(host, port)
         except OSError as exc:
             raise SetupError(f"cannot serve stats on {settings.stats_addr}: {exc.strerror or exc}") from exc
         try:
-            session = FuseSession(
-                fs, str(settings.mountpoint), read_only=settings.fs.read_only, allow_other=settings.allow_other
-            )
+            started: list[Feature] = []
             try:
-                session.mount()
-            except OSError as exc:
-                raise SetupError(exc.strerror or str(exc)) from exc
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, session.terminate)
-            log.info("mounted %s on %s", settings.source, settings.mountpoint)
-            ready(None)
-            # After ready: the stat needs the FUSE loop running to answer getattr on the root.
-            loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
-            try:
-                await session.serve(FUSE_MAX_TASKS)
+                for feature in features:
+                    await feature.start()
+                    started.append(feature)
+                session = FuseSession(
+                    fs, str(settings.mountpoint), read_only=settings.fs.read_only, allow_other=settings.allow_other
+                )
+                try:
+                    session.mount()
+                except OSError as exc:
+                    raise SetupError(exc.strerror or str(exc)) from exc
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, session.terminate)
+                log.info("mounted %s on %s", settings.source, settings.mountpoint)
+                ready(None)
+                # After ready: the stat needs the FUSE loop running to answer getattr on the root.
+                loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
+                try:
+                    await session.serve(FUSE_MAX_TASKS)
+                finally:
+                    session.close()
+                    log.info("unmounted %s", settings.mountpoint)
             finally:
-                session.close()
-                log.info("unmounted %s", settings.mountpoint)
+                for feature in reversed(started):
+                    try:
+                        await feature.stop()
+                    except Exception:  # noqa: BLE001 - one feature must not keep others from stopping
+                        log.exception("stopping %s failed", type(feature).__name__)
         finally:
             await control.stop()
             await cache.close()
