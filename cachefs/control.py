@@ -41,6 +41,7 @@ def socket_path_for(mountpoint: Path) -> Path:
 
 
 JsonHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+RawHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ControlRequestError(Exception):
@@ -63,16 +64,19 @@ class ControlServer:
     def __init__(self, socket_path: Path, stats: Callable[[], dict[str, Any]], info: dict[str, Any]) -> None:
         self.socket_path = socket_path
         self._runner: web.AppRunner | None = None
-        self._routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]] = []
+        self._routes: list[tuple[str, str, RawHandler, bool]] = []
+        self._tcp_runner: web.AppRunner | None = None
         self.tcp_port: int | None = None
-        self.add_json_route("GET", "/stats", lambda _params: _async_value(stats()))
+        self.add_json_route("GET", "/stats", lambda _params: _async_value(stats()), public=True)
         self.add_json_route("GET", "/info", lambda _params: _async_value(info))
-        self.add_route("GET", "/healthz", self._handle_health)
+        self.add_route("GET", "/healthz", self._handle_health, public=True)
 
-    def add_route(self, method: str, path: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
-        self._routes.append((method, path, handler))
+    def add_route(self, method: str, path: str, handler: RawHandler, *, public: bool = False) -> None:
+        """Register a route. Every route is served on the unix socket (mode 0600, owner only);
+        ``public`` ones (read-only views: stats, metrics, health) also on the TCP ``--stats-addr``."""
+        self._routes.append((method, path, handler, public))
 
-    def add_json_route(self, method: str, path: str, handler: JsonHandler) -> None:
+    def add_json_route(self, method: str, path: str, handler: JsonHandler, *, public: bool = False) -> None:
         async def wrapped(request: web.Request) -> web.Response:
             params: dict[str, Any] = dict(request.query)
             if request.can_read_body:
@@ -88,34 +92,38 @@ class ControlServer:
             except ControlRequestError as exc:
                 return _json({"error": str(exc)}, exc.status)
 
-        self.add_route(method, path, wrapped)
+        self.add_route(method, path, wrapped, public=public)
 
     async def _handle_health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    def _app(self) -> web.Application:
+    def _app(self, *, public_only: bool) -> web.Application:
         app = web.Application()
-        for method, path, handler in self._routes:
-            app.router.add_route(method, path, handler)
+        for method, path, handler, public in self._routes:
+            if public or not public_only:
+                app.router.add_route(method, path, handler)
         return app
 
     async def start(self, tcp_host: str | None = None, tcp_port: int | None = None) -> None:
-        self._runner = web.AppRunner(self._app(), access_log=None)
+        self._runner = web.AppRunner(self._app(public_only=False), access_log=None)
         await self._runner.setup()
         if self.socket_path.exists():
             self.socket_path.unlink()
         await web.UnixSite(self._runner, str(self.socket_path)).start()
         os.chmod(self.socket_path, 0o600)
         if tcp_host is not None and tcp_port is not None:
-            site = web.TCPSite(self._runner, tcp_host, tcp_port)
+            self._tcp_runner = web.AppRunner(self._app(public_only=True), access_log=None)
+            await self._tcp_runner.setup()
+            site = web.TCPSite(self._tcp_runner, tcp_host, tcp_port)
             await site.start()
             server = site._server  # aiohttp exposes the bound port only here
             if server is not None and getattr(server, "sockets", None):
                 self.tcp_port = server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        for runner in (self._tcp_runner, self._runner):
+            if runner is not None:
+                await runner.cleanup()
         try:
             self.socket_path.unlink()
         except FileNotFoundError:
