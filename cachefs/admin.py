@@ -1,0 +1,172 @@
+"""What a control plane (the CSI driver) needs from cachefs besides mounting: validation and
+bucket administration, behind one small interface.
+
+The CSI driver mounts by running the ``cachefs`` CLI and must not reach into ``tiering`` (the import
+contracts forbid it). It still has to refuse a bad source URL or cache size before it starts a
+daemon, check a bucket when it provisions a volume, and delete a volume's objects when asked. This
+module gives it exactly that, built on ``tiering``: the same URL parser, size parser and cache
+settings the CLI uses (so a value the driver accepts is one ``cachefs mount`` accepts), and the
+same object stores the daemon uses (so credentials are read the same way, from an ``environ``
+mapping passed in, never from arguments, and never logged).
+
+Store failures come out as ``AdminError`` subclasses, so callers can map them to their own error
+codes by type without importing ``tiering.errors``. Messages name the bucket, the key and the
+endpoint, never credentials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Mapping
+
+from tiering.errors import AccessDeniedError, CacheError, ObjectNotFoundError, ObjectStoreUnavailableError
+from tiering.objectstore import open_object_store, parse_source
+from tiering.settings import CacheSettings
+from tiering.units import parse_size as _parse_size
+
+__all__ = [
+    "AdminAccessDenied",
+    "AdminError",
+    "AdminNotFound",
+    "AdminUnavailable",
+    "SourceInfo",
+    "check_cache_options",
+    "check_source_access",
+    "delete_prefix",
+    "parse_size",
+    "validate_source",
+]
+
+# S3 client timeouts for administrative calls: the controller answers the provisioner, which has
+# its own deadline (external-provisioner --timeout, 60 s in deploy/); each attempt must fail well
+# within it so the error, not a timeout, reaches the user.
+ADMIN_CONNECT_TIMEOUT_S = 5.0
+ADMIN_READ_TIMEOUT_S = 30.0
+# One whole administrative operation (a bucket check) is bounded too: endpoint retries add up.
+ADMIN_CHECK_TIMEOUT_S = 20.0
+# DeleteObject requests in flight while deleting a volume: enough to hide per-request latency,
+# few enough not to trip an S3 request-rate limit on one prefix (3,500 writes/s).
+DELETE_CONCURRENCY = 16
+
+
+class AdminError(Exception):
+    """An administrative store operation failed; the message is one line without credentials."""
+
+
+class AdminNotFound(AdminError):
+    """The bucket (or key) does not exist."""
+
+
+class AdminAccessDenied(AdminError):
+    """Credentials are missing, wrong, or lack permission."""
+
+
+class AdminUnavailable(AdminError):
+    """The endpoint could not be reached or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """A validated source URL: ``scheme`` is ``s3`` or ``file``; ``prefix`` is ``""`` or ends in ``/``."""
+
+    url: str
+    scheme: str
+    bucket: str
+    prefix: str
+
+
+def parse_size(text: str) -> int:
+    """Bytes named by ``512MiB``, ``2GiB``, ...: the same parser as ``cachefs mount``. ValueError if bad."""
+    return _parse_size(text)
+
+
+def validate_source(url: str) -> SourceInfo:
+    """Parse a source URL exactly as ``cachefs mount`` will; ValueError with a one-line reason."""
+    source = parse_source(url)
+    return SourceInfo(source.url, source.scheme, source.bucket, source.prefix)
+
+
+def check_cache_options(
+    *,
+    ram_bytes: int | None = None,
+    disk_bytes: int | None = None,
+    block_size: int | None = None,
+    readahead_bytes: int | None = None,
+    max_fetches: int | None = None,
+) -> None:
+    """Raise ValueError if ``cachefs mount`` would refuse this combination (None: its default)."""
+    given = {
+        "ram_bytes": ram_bytes,
+        "disk_bytes": disk_bytes,
+        "block_size": block_size,
+        "readahead_max_bytes": readahead_bytes,
+        "max_concurrent_fetches": max_fetches,
+    }
+    CacheSettings(**{name: value for name, value in given.items() if value is not None})
+
+
+def _translate(exc: BaseException) -> AdminError:
+    if isinstance(exc, ObjectNotFoundError):
+        return AdminNotFound(str(exc))
+    if isinstance(exc, AccessDeniedError):
+        return AdminAccessDenied(str(exc))
+    if isinstance(exc, (ObjectStoreUnavailableError, TimeoutError)):
+        return AdminUnavailable(str(exc) or "the object store did not answer in time")
+    return AdminError(str(exc) or type(exc).__name__)
+
+
+async def check_source_access(url: str, *, endpoint_url: str | None, environ: Mapping[str, str],
+                              timeout_s: float = ADMIN_CHECK_TIMEOUT_S) -> None:
+    """Prove the bucket exists and the credentials in ``environ`` may list ``url``'s prefix."""
+    store = open_object_store(url, endpoint_url=endpoint_url, connect_timeout_s=ADMIN_CONNECT_TIMEOUT_S,
+                              read_timeout_s=ADMIN_READ_TIMEOUT_S, environ=environ)
+    try:
+        await asyncio.wait_for(store.check(), timeout_s)
+    except (CacheError, TimeoutError) as exc:
+        raise _translate(exc) from exc
+    finally:
+        await store.close()
+
+
+async def delete_prefix(url: str, *, endpoint_url: str | None, environ: Mapping[str, str]) -> int:
+    """Delete every object under ``url``'s prefix (directory markers included); return the count.
+
+    The prefix is walked one ``/``-level at a time with the store's own listing, deleting files, then
+    each directory's marker, then the prefix's own marker; deletes of one level run concurrently
+    (bounded). Idempotent: a prefix that is already empty, or was never created, deletes nothing and
+    succeeds, and deleting an absent key is not an error. Keys that are not POSIX paths (an empty,
+    ``.`` or ``..`` component, which no cachefs mount can create) are left in place.
+    """
+    info = validate_source(url)
+    if info.scheme != "s3" or not info.prefix:
+        raise ValueError("delete_prefix needs an s3://bucket/prefix/ URL with a non-empty prefix")
+    # Open the store one level up, so the volume's own marker ("<name>/") is an ordinary key in it.
+    parent, _, _ = info.prefix[:-1].rpartition("/")
+    root = f"{parent}/" if parent else ""
+    store = open_object_store(f"s3://{info.bucket}/{root}", endpoint_url=endpoint_url,
+                              connect_timeout_s=ADMIN_CONNECT_TIMEOUT_S, read_timeout_s=ADMIN_READ_TIMEOUT_S,
+                              environ=environ)
+    slots = asyncio.Semaphore(DELETE_CONCURRENCY)
+
+    async def delete(key: str) -> None:
+        async with slots:
+            await store.delete(key)
+
+    async def walk(prefix: str) -> int:
+        listing = await store.list_dir(prefix)
+        count = 0
+        for name in sorted(listing.dirs):
+            if name not in ("", ".", ".."):
+                count += await walk(f"{prefix}{name}/")
+        files = [obj.key for name, obj in sorted(listing.files.items()) if name not in ("", ".", "..")]
+        await asyncio.gather(*(delete(key) for key in files))
+        await delete(prefix)  # the directory marker, if there is one
+        return count + len(files)
+
+    try:
+        return await walk(info.prefix[len(root):])
+    except CacheError as exc:
+        raise _translate(exc) from exc
+    finally:
+        await store.close()

@@ -1,0 +1,350 @@
+"""Every key the driver reads from Kubernetes, in one place, parsed into frozen, validated settings.
+
+Three sources of keys:
+
+- **Volume attributes** (``PersistentVolume.spec.csi.volumeAttributes``, an inline volume's
+  ``volumeAttributes``, and the ``volume_context`` that CreateVolume returns): what to mount and how
+  (``source``, ``endpointUrl``, cache sizes, ``readOnly``). Parsed by ``parse_volume_attributes``.
+- **StorageClass parameters** (CreateVolume): where dynamically provisioned volumes live
+  (``bucket``, ``prefix``), what DeleteVolume does (``onDelete``), and the same endpoint and cache
+  keys, which are copied into each new volume's context. Parsed by ``parse_provision_parameters``.
+- **Secrets** (CSI secrets, FlexVolume ``kubernetes.io/secret/*`` options): ``accessKeyId``,
+  ``secretAccessKey``, optional ``sessionToken``. Parsed by ``parse_credentials``.
+
+Parsing is strict: an unknown key (a typo such as ``ramcache``) or a bad value is refused with an
+``INVALID_ARGUMENT`` error naming the key, never ignored or corrected. Keys under
+``csi.storage.k8s.io/`` are Kubernetes' own (pod info, ephemeral flag, provisioner metadata) and are
+skipped. Secret values are never put in a message or a ``repr``.
+
+Cache options left out mean "``cachefs mount``'s default": the driver does not repeat those defaults.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+from urllib.parse import urlsplit
+
+from cachefs import admin
+from csi_driver.errors import invalid
+
+# ---------------------------------------------------------------------------------- volume attributes
+ATTR_SOURCE = "source"  # s3://bucket[/prefix]
+ATTR_ENDPOINT_URL = "endpointUrl"  # http(s)://host[:port] of an S3-compatible store; default AWS
+ATTR_REGION = "region"  # AWS region (AWS_REGION of the mount)
+ATTR_RAM_CACHE = "ramCache"  # --ram-cache
+ATTR_DISK_CACHE = "diskCache"  # --disk-cache
+ATTR_BLOCK_SIZE = "blockSize"  # --block-size
+ATTR_READAHEAD = "readahead"  # --readahead
+ATTR_MAX_FETCHES = "maxFetches"  # --max-fetches
+ATTR_ATTR_TTL = "attrTtl"  # --attr-ttl (seconds)
+ATTR_DIR_TTL = "dirTtl"  # --dir-ttl (seconds)
+ATTR_READ_ONLY = "readOnly"  # "true": always mount read-only, whatever the pod asks
+
+# -------------------------------------------------------------------------- StorageClass parameters
+PARAM_BUCKET = "bucket"
+PARAM_PREFIX = "prefix"  # volumes are created as <prefix>/<pv-name>/; default: the bucket root
+PARAM_ON_DELETE = "onDelete"  # "retain" (default) or "delete": what DeleteVolume does to the objects
+
+# ------------------------------------------------------------------------------------------- secrets
+SECRET_ACCESS_KEY_ID = "accessKeyId"
+SECRET_SECRET_ACCESS_KEY = "secretAccessKey"
+SECRET_SESSION_TOKEN = "sessionToken"
+
+# ------------------------------------------------------------------------------ set by Kubernetes
+K8S_KEY_PREFIX = "csi.storage.k8s.io/"
+K8S_EPHEMERAL = "csi.storage.k8s.io/ephemeral"  # "true" for inline ephemeral volumes
+K8S_POD_NAME = "csi.storage.k8s.io/pod.name"
+K8S_POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
+
+# FlexVolume: kubelet passes the PV/pod volume options plus its own keys under kubernetes.io/.
+FLEX_KEY_PREFIX = "kubernetes.io/"
+FLEX_SECRET_PREFIX = "kubernetes.io/secret/"  # + accessKeyId etc., values base64-encoded
+FLEX_READWRITE = "kubernetes.io/readwrite"  # "rw" or "ro"
+FLEX_FS_TYPE = "kubernetes.io/fsType"
+FLEX_VOLUME_NAME = "kubernetes.io/pvOrVolumeName"
+FLEX_POD_UID = "kubernetes.io/pod.uid"
+
+CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
+              ATTR_ATTR_TTL, ATTR_DIR_TTL)
+VOLUME_ATTRIBUTE_KEYS = frozenset({ATTR_SOURCE, ATTR_ENDPOINT_URL, ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS})
+PROVISION_PARAMETER_KEYS = frozenset({PARAM_BUCKET, PARAM_PREFIX, PARAM_ON_DELETE, ATTR_ENDPOINT_URL,
+                                      ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS})
+SECRET_KEYS = frozenset({SECRET_ACCESS_KEY_ID, SECRET_SECRET_ACCESS_KEY, SECRET_SESSION_TOKEN})
+
+# Limits of values we check ourselves (cachefs checks the rest when it builds its settings).
+MAX_TTL_S = 86400  # the same bound as cachefs mount --attr-ttl/--dir-ttl
+MAX_FETCHES = 1024
+_REGION_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,30}[a-z0-9]")
+# A prefix segment and a volume name: what is safe in an S3 key, a path and a log line alike.
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+# Longest value quoted back in an error message (values of non-secret keys only).
+_QUOTE_MAX = 80
+
+
+def _quote(value: str) -> str:
+    text = value if len(value) <= _QUOTE_MAX else value[:_QUOTE_MAX] + "..."
+    return repr(text)
+
+
+class DeletePolicy(enum.Enum):
+    RETAIN = "retain"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Per-volume cache options; None leaves ``cachefs mount``'s default in force."""
+
+    ram_bytes: int | None = None
+    disk_bytes: int | None = None
+    block_size: int | None = None
+    readahead_bytes: int | None = None
+    max_fetches: int | None = None
+    attr_ttl_s: float | None = None
+    dir_ttl_s: float | None = None
+
+    def cli_args(self) -> list[str]:
+        """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
+        out: list[str] = []
+        for flag, value in (("--ram-cache", self.ram_bytes), ("--disk-cache", self.disk_bytes),
+                            ("--block-size", self.block_size), ("--readahead", self.readahead_bytes),
+                            ("--max-fetches", self.max_fetches), ("--attr-ttl", self.attr_ttl_s),
+                            ("--dir-ttl", self.dir_ttl_s)):
+            if value is not None:
+                out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        return out
+
+
+@dataclass(frozen=True)
+class VolumeSettings:
+    """What NodePublishVolume (or a FlexVolume mount) mounts, from the volume's attributes."""
+
+    source: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    read_only: bool = False  # the volume's own readOnly attribute (the request may add read-only)
+    ephemeral: bool = False
+
+
+@dataclass(frozen=True)
+class ProvisionSettings:
+    """Where CreateVolume puts a new volume, from the StorageClass parameters."""
+
+    bucket: str
+    prefix: str = ""  # "" or "a/b" (no leading or trailing slash)
+    endpoint_url: str | None = None
+    region: str | None = None
+    on_delete: DeletePolicy = DeletePolicy.RETAIN
+    cache_attributes: Mapping[str, str] = field(default_factory=dict)  # copied into volume_context
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An S3 key pair from a Kubernetes Secret. Never printed: ``repr`` shows no value."""
+
+    access_key_id: str = field(repr=False)
+    secret_access_key: str = field(repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+    def environ(self) -> dict[str, str]:
+        """The standard AWS variables for a child process (the only way credentials reach a mount)."""
+        env = {"AWS_ACCESS_KEY_ID": self.access_key_id, "AWS_SECRET_ACCESS_KEY": self.secret_access_key}
+        if self.session_token:
+            env["AWS_SESSION_TOKEN"] = self.session_token
+        return env
+
+    def values(self) -> tuple[str, ...]:
+        """Every secret value, for the log redactor."""
+        return tuple(v for v in (self.access_key_id, self.secret_access_key, self.session_token) if v)
+
+
+# ---------------------------------------------------------------------------------- value parsers
+def parse_bool(key: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    raise invalid(f"volume attribute {key!r} must be 'true' or 'false', got {_quote(value)}")
+
+
+def parse_endpoint_url(key: str, value: str) -> str:
+    """An http(s)://host[:port][/path] URL without user info, query or fragment."""
+    try:
+        parts = urlsplit(value)
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        parts, port_ok = None, False
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        # A URL with user info may carry a secret: never quote it back.
+        shown = "" if "@" in value else f", got {_quote(value)}"
+        raise invalid(f"volume attribute {key!r} must be an http:// or https:// URL{shown}")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise invalid(f"volume attribute {key!r} must not contain user info or credentials "
+                      f"(put credentials in the volume's Secret)")
+    if parts.query or parts.fragment or any(ord(ch) < 0x21 for ch in value):
+        raise invalid(f"volume attribute {key!r} must not have a query string, fragment or whitespace")
+    return value
+
+
+def _parse_size(key: str, value: str) -> int:
+    try:
+        size = admin.parse_size(value)
+    except ValueError as exc:
+        raise invalid(f"volume attribute {key!r}: {exc}") from None
+    return size
+
+
+def _parse_int(key: str, value: str, low: int, high: int) -> int:
+    if not value.strip().isdigit() or not low <= int(value) <= high:
+        raise invalid(f"volume attribute {key!r} must be a whole number from {low} to {high}, got {_quote(value)}")
+    return int(value)
+
+
+def _parse_seconds(key: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 <= seconds <= MAX_TTL_S:  # also refuses NaN
+        raise invalid(f"volume attribute {key!r} must be a number of seconds from 0 to {MAX_TTL_S}, "
+                      f"got {_quote(value)}")
+    return seconds
+
+
+def _parse_region(key: str, value: str) -> str:
+    if not _REGION_RE.fullmatch(value):
+        raise invalid(f"volume attribute {key!r} is not an AWS region name, got {_quote(value)}")
+    return value
+
+
+def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
+    """The cache keys of ``values``, each checked, then the combination checked as cachefs will."""
+    def get(key: str) -> str | None:
+        return values.get(key)
+
+    options = CacheOptions(
+        ram_bytes=_parse_size(ATTR_RAM_CACHE, v) if (v := get(ATTR_RAM_CACHE)) is not None else None,
+        disk_bytes=_parse_size(ATTR_DISK_CACHE, v) if (v := get(ATTR_DISK_CACHE)) is not None else None,
+        block_size=_parse_size(ATTR_BLOCK_SIZE, v) if (v := get(ATTR_BLOCK_SIZE)) is not None else None,
+        readahead_bytes=_parse_size(ATTR_READAHEAD, v) if (v := get(ATTR_READAHEAD)) is not None else None,
+        max_fetches=_parse_int(ATTR_MAX_FETCHES, v, 1, MAX_FETCHES) if (v := get(ATTR_MAX_FETCHES)) is not None else None,
+        attr_ttl_s=_parse_seconds(ATTR_ATTR_TTL, v) if (v := get(ATTR_ATTR_TTL)) is not None else None,
+        dir_ttl_s=_parse_seconds(ATTR_DIR_TTL, v) if (v := get(ATTR_DIR_TTL)) is not None else None,
+    )
+    try:
+        admin.check_cache_options(ram_bytes=options.ram_bytes, disk_bytes=options.disk_bytes,
+                                  block_size=options.block_size, readahead_bytes=options.readahead_bytes,
+                                  max_fetches=options.max_fetches)
+    except ValueError as exc:
+        keys = ", ".join(repr(k) for k in (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE) if k in values)
+        raise invalid(f"volume attributes {keys or 'cache options'}: {exc}") from None
+    return options
+
+
+def _check_keys(values: Mapping[str, str], allowed: frozenset[str], what: str) -> None:
+    for key in sorted(values):
+        if key.startswith(K8S_KEY_PREFIX):
+            continue
+        if key not in allowed:
+            raise invalid(f"unknown {what} {key!r} (known: {', '.join(sorted(allowed))})")
+
+
+# ------------------------------------------------------------------------------------ entry points
+def parse_volume_attributes(values: Mapping[str, str]) -> VolumeSettings:
+    """Volume attributes -> ``VolumeSettings``; ``CsiError(INVALID_ARGUMENT)`` naming the bad key."""
+    _check_keys(values, VOLUME_ATTRIBUTE_KEYS, "volume attribute")
+    source = values.get(ATTR_SOURCE, "")
+    if not source:
+        raise invalid(f"volume attribute {ATTR_SOURCE!r} is required (e.g. s3://bucket/prefix)")
+    try:
+        info = admin.validate_source(source)
+    except ValueError as exc:
+        raise invalid(f"volume attribute {ATTR_SOURCE!r}: {exc}") from None
+    if info.scheme != "s3":
+        # A file:// source would let any pod read the node's own files through the privileged
+        # node plugin: only object-store sources are served to Kubernetes.
+        raise invalid(f"volume attribute {ATTR_SOURCE!r} must be an s3:// URL (file:// is not served to pods)")
+    endpoint = values.get(ATTR_ENDPOINT_URL) or None
+    region = values.get(ATTR_REGION) or None
+    return VolumeSettings(
+        source=source,
+        endpoint_url=parse_endpoint_url(ATTR_ENDPOINT_URL, endpoint) if endpoint else None,
+        region=_parse_region(ATTR_REGION, region) if region else None,
+        cache=parse_cache_options(values),
+        read_only=parse_bool(ATTR_READ_ONLY, values[ATTR_READ_ONLY]) if ATTR_READ_ONLY in values else False,
+        ephemeral=values.get(K8S_EPHEMERAL, "").lower() == "true",
+    )
+
+
+def parse_provision_parameters(values: Mapping[str, str]) -> ProvisionSettings:
+    """StorageClass parameters -> ``ProvisionSettings``; INVALID_ARGUMENT naming the bad key."""
+    _check_keys(values, PROVISION_PARAMETER_KEYS, "StorageClass parameter")
+    bucket = values.get(PARAM_BUCKET, "")
+    if not bucket:
+        raise invalid(f"StorageClass parameter {PARAM_BUCKET!r} is required")
+    try:
+        info = admin.validate_source(f"s3://{bucket}/")
+    except ValueError as exc:
+        raise invalid(f"StorageClass parameter {PARAM_BUCKET!r}: {exc}") from None
+    if info.bucket != bucket:
+        raise invalid(f"StorageClass parameter {PARAM_BUCKET!r} must be a bucket name only, got {_quote(bucket)}")
+    prefix = values.get(PARAM_PREFIX, "").strip("/")
+    if prefix and not all(_SEGMENT_RE.fullmatch(part) for part in prefix.split("/")):
+        raise invalid(f"StorageClass parameter {PARAM_PREFIX!r} must be '/'-separated names of letters, digits, "
+                      f"'.', '_' and '-', got {_quote(values[PARAM_PREFIX])}")
+    policy_text = values.get(PARAM_ON_DELETE, DeletePolicy.RETAIN.value)
+    try:
+        policy = DeletePolicy(policy_text)
+    except ValueError:
+        raise invalid(f"StorageClass parameter {PARAM_ON_DELETE!r} must be 'retain' or 'delete', "
+                      f"got {_quote(policy_text)}") from None
+    endpoint = values.get(ATTR_ENDPOINT_URL) or None
+    region = values.get(ATTR_REGION) or None
+    parse_cache_options(values)  # refuse bad cache values now, not at every publish
+    if ATTR_READ_ONLY in values:
+        parse_bool(ATTR_READ_ONLY, values[ATTR_READ_ONLY])
+    copied = {k: values[k] for k in (*CACHE_KEYS, ATTR_READ_ONLY) if k in values}
+    return ProvisionSettings(
+        bucket=bucket,
+        prefix=prefix,
+        endpoint_url=parse_endpoint_url(ATTR_ENDPOINT_URL, endpoint) if endpoint else None,
+        region=_parse_region(ATTR_REGION, region) if region else None,
+        on_delete=policy,
+        cache_attributes=copied,
+    )
+
+
+def parse_credentials(secrets: Mapping[str, str]) -> Credentials | None:
+    """CSI secrets -> ``Credentials``, or None when the Secret carries no key pair.
+
+    Without credentials the mount uses the node plugin's own AWS identity (IRSA, instance role).
+    Other keys in the Secret are ignored: Secrets are often shared with other consumers.
+    """
+    key_id = secrets.get(SECRET_ACCESS_KEY_ID, "")
+    secret = secrets.get(SECRET_SECRET_ACCESS_KEY, "")
+    token = secrets.get(SECRET_SESSION_TOKEN, "") or None
+    if not key_id and not secret:
+        if token:
+            raise invalid(f"secret key {SECRET_SESSION_TOKEN!r} needs {SECRET_ACCESS_KEY_ID!r} and "
+                          f"{SECRET_SECRET_ACCESS_KEY!r}")
+        return None
+    if not key_id:
+        raise invalid(f"secret key {SECRET_ACCESS_KEY_ID!r} is missing (it goes with {SECRET_SECRET_ACCESS_KEY!r})")
+    if not secret:
+        raise invalid(f"secret key {SECRET_SECRET_ACCESS_KEY!r} is missing (it goes with {SECRET_ACCESS_KEY_ID!r})")
+    for name, value in ((SECRET_ACCESS_KEY_ID, key_id), (SECRET_SECRET_ACCESS_KEY, secret),
+                        (SECRET_SESSION_TOKEN, token or "")):
+        if any(ord(ch) < 0x20 or ch == "\x7f" for ch in value) or value != value.strip():
+            raise invalid(f"secret key {name!r} contains whitespace or control characters")  # value not shown
+    return Credentials(key_id, secret, token)
+
+
+def check_volume_name(name: str) -> str:
+    """A CreateVolume name usable as the last component of an S3 prefix (``pvc-<uid>`` in Kubernetes)."""
+    if not _SEGMENT_RE.fullmatch(name):
+        raise invalid(f"volume name {_quote(name)} must be 1 to 63 letters, digits, '.', '_' or '-', "
+                      "starting with a letter or digit")
+    return name

@@ -1,0 +1,163 @@
+"""``cachefs-csi``: the CSI driver's entry point (flags, logging, the gRPC server on a unix socket).
+
+    cachefs-csi --endpoint unix:///csi/csi.sock --node-id NODE [--mode node|controller|all]
+                [--cache-root DIR] [--metrics-addr HOST:PORT] [--log-level LEVEL] [--max-volumes N]
+
+``--mode node`` runs in the node DaemonSet (Identity + Node), ``--mode controller`` next to the
+external-provisioner (Identity + Controller), ``--mode all`` both (for tests and single-node
+clusters). Like the ``cachefs`` CLI, this is the only place that reads argv and the environment;
+everything below receives settings objects. The environment (``AWS_*``) is the base of every mount
+and every controller call; a volume's Secret overrides its credentials.
+
+SIGTERM or SIGINT stops the server, letting calls in flight finish for a few seconds. Mounts are
+left alone: they belong to the pods using them (see deploy/README.md for what happens to them when
+the node plugin restarts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from csi_driver import DRIVER_NAME
+from csi_driver.redact import RedactingFormatter
+
+log = logging.getLogger("csi_driver")
+
+MODES = ("node", "controller", "all")
+DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
+# gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
+# slow store); the kubelet runs a handful of volume operations at once, the provisioner a few more.
+GRPC_WORKERS = 16
+# How long calls in flight may finish after SIGTERM before the server is torn down.
+STOP_GRACE_S = 10.0
+NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "grpc")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(2, f"cachefs-csi: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="cachefs-csi", description=f"CSI driver {DRIVER_NAME} for cachefs mounts.")
+    p.add_argument("--endpoint", required=True, help="gRPC endpoint, unix:///path/to/csi.sock")
+    p.add_argument("--node-id", default="", help="this node's name (required in node and all modes)")
+    p.add_argument("--mode", choices=MODES, default="all", help="which CSI services to serve (default all)")
+    p.add_argument("--cache-root", type=Path, default=DEFAULT_CACHE_ROOT,
+                   help=f"node directory for the volumes' caches (default {DEFAULT_CACHE_ROOT})")
+    p.add_argument("--max-volumes", type=int, default=0, metavar="N",
+                   help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
+    p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus /metrics (the driver's and every mount's) here, e.g. 0.0.0.0:9810")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--driver-name", default=DRIVER_NAME, help=argparse.SUPPRESS)  # tests only
+    return p
+
+
+def socket_path(endpoint: str) -> Path:
+    """``unix:///csi/csi.sock`` (or ``unix:/csi/csi.sock``) -> ``/csi/csi.sock``."""
+    if not endpoint.startswith("unix:"):
+        raise ValueError(f"endpoint {endpoint!r} must be a unix socket: unix:///path/to/csi.sock")
+    path = endpoint[len("unix:"):]
+    if path.startswith("//"):
+        path = path[2:]
+    if not path.startswith("/"):
+        raise ValueError(f"endpoint {endpoint!r} must name an absolute socket path")
+    return Path(path)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for name in NOISY_LOGGERS:  # client libraries log signed headers at DEBUG
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        sock = socket_path(args.endpoint)
+    except ValueError as exc:
+        print(f"cachefs-csi: error: {exc}", file=sys.stderr)
+        return 2
+    serve_node = args.mode in ("node", "all")
+    serve_controller = args.mode in ("controller", "all")
+    if serve_node and not args.node_id:
+        print("cachefs-csi: error: --node-id is required in node mode", file=sys.stderr)
+        return 2
+    if args.max_volumes < 0:
+        print("cachefs-csi: error: --max-volumes must not be negative", file=sys.stderr)
+        return 2
+
+    from csi_driver.controller import CachefsBucketAdmin, ControllerOps
+    from csi_driver.mounter import CachefsMounter
+    from csi_driver.node import NodeOps, NodeSettings
+    from csi_driver.server import DriverInfo, build_server, package_version
+
+    environ = dict(os.environ)
+    node = None
+    if serve_node:
+        cache_root = Path(os.path.abspath(args.cache_root))
+        try:
+            cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"cachefs-csi: error: cache root {cache_root}: {exc.strerror}", file=sys.stderr)
+            return 2
+        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes),
+                       CachefsMounter(environ=environ, log_level=args.log_level))
+    controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
+    info = DriverInfo(name=args.driver_name, version=package_version(),
+                      serves_controller=serve_controller, serves_node=serve_node)
+    server = build_server(info=info, node=node, controller=controller, max_workers=GRPC_WORKERS)
+
+    try:
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        sock.unlink(missing_ok=True)  # a socket left by a previous run of the plugin
+    except OSError as exc:
+        print(f"cachefs-csi: error: cannot prepare {sock}: {exc.strerror}", file=sys.stderr)
+        return 2
+    if server.add_insecure_port(f"unix:{sock}") == 0:
+        print(f"cachefs-csi: error: cannot listen on {sock}", file=sys.stderr)
+        return 2
+    metrics_server = None
+    if args.metrics_addr:
+        from csi_driver import metrics
+
+        host, _, port = args.metrics_addr.rpartition(":")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            print(f"cachefs-csi: error: --metrics-addr {args.metrics_addr!r}: expected HOST:PORT", file=sys.stderr)
+            return 2
+        lookup = metrics.volume_lookup(node.settings.cache_root) if node is not None else (lambda target: None)
+        try:
+            metrics_server = metrics.serve(args.metrics_addr, lambda: metrics.cachefs_targets(lookup))
+        except OSError as exc:
+            print(f"cachefs-csi: error: cannot serve metrics on {args.metrics_addr}: {exc.strerror}", file=sys.stderr)
+            return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    log.info("%s %s serving %s on %s (node id %r, cache root %s)", info.name, info.version, args.mode, sock,
+             args.node_id, args.cache_root if serve_node else "-")
+    stop.wait()
+    log.info("stopping: letting calls in flight finish for up to %g s", STOP_GRACE_S)
+    server.stop(STOP_GRACE_S).wait()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    sock.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

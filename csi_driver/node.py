@@ -1,0 +1,310 @@
+"""Node semantics: publish a volume at a target path, unpublish it, idempotently and self-repairing.
+
+**Publish** mounts cachefs directly at the target path (no staging: one FUSE daemon per pod volume,
+so a pod's mount lives and dies with its own daemon, and read-only is a property of the daemon, not
+of a bind mount). The steps:
+
+1. A mount already at the target that is healthy is the answer to a repeated call: success, as long
+   as it was made read-only or not as this call asks (else ALREADY_EXISTS).
+2. A broken mount at the target (its daemon died: every access fails with ENOTCONN, "Transport
+   endpoint is not connected") is detached lazily and mounted again.
+3. Otherwise the target directory is created if missing, must be an empty directory, and is mounted.
+
+**Cache directories.** Each volume gets its own directory under the node cache root, named from its
+volume id (sanitised, plus a hash so two ids never collide): volumes never share or see each other's
+cache. Because the id of a persistent volume is stable, the disk tier survives the pod: the next pod
+that mounts the volume on this node starts warm. Two pods of one volume on the same node at the same
+time cannot share a disk tier (cachefs locks it), so a volume's directory holds numbered *slots*
+(``slot-0``, ``slot-1``, ...); a publish takes the lowest slot no live mount uses, and most of the
+time that is ``slot-0`` with everything the last pod cached. Each slot records which target it
+serves (``publish.json``). The cache of an inline ephemeral volume (its id is new for every pod) is
+deleted on unpublish.
+
+**Unpublish** unmounts (``cachefs unmount`` flushes dirty data first; a broken mount is detached
+lazily, there is nothing left to flush), then removes the target directory. A target that is
+already gone, or not mounted, is success: the CO may repeat the call.
+
+Calls for one volume are serialised; a call that finds another in progress for the same volume is
+answered ABORTED, which the CO retries (the CSI spec's answer for concurrent operations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import stat as stat_mod
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from csi_driver.attributes import Credentials, VolumeSettings
+from csi_driver.errors import Code, CsiError, invalid
+from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
+
+log = logging.getLogger(__name__)
+
+# Pods of one volume mounted on one node at the same time. Beyond this a publish is refused with
+# RESOURCE_EXHAUSTED rather than filling the node's cache disk with ever more copies.
+MAX_SLOTS_PER_VOLUME = 32
+SLOT_RECORD = "publish.json"
+# Longest readable part of a cache directory name (the hash that follows keeps names unique).
+_CACHE_NAME_MAX = 80
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+# Volume ids and target paths: the CSI spec's limits (128 bytes for an id; paths may be longer).
+MAX_VOLUME_ID_BYTES = 128
+MAX_PATH_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    node_id: str
+    cache_root: Path
+    max_volumes_per_node: int = 0  # 0: no limit reported to the CO
+
+
+@dataclass(frozen=True)
+class PublishRequest:
+    volume_id: str
+    target_path: Path
+    volume: VolumeSettings
+    read_only: bool  # the effective mode: the request, the access mode and the volume's own attribute
+    credentials: Credentials | None = None
+
+
+def check_volume_id(volume_id: str) -> str:
+    if not volume_id:
+        raise invalid("volume_id is required")
+    if len(volume_id.encode()) > MAX_VOLUME_ID_BYTES or "\x00" in volume_id:
+        raise invalid(f"volume_id must be at most {MAX_VOLUME_ID_BYTES} bytes without NUL characters")
+    return volume_id
+
+
+def check_target_path(path: str, name: str = "target_path") -> Path:
+    if not path:
+        raise invalid(f"{name} is required")
+    if not os.path.isabs(path) or "\x00" in path or len(path.encode()) > MAX_PATH_BYTES:
+        raise invalid(f"{name} must be an absolute path, got {path[:200]!r}")
+    if any(part in (".", "..") for part in path.split("/")):
+        raise invalid(f"{name} must not contain '.' or '..' components, got {path[:200]!r}")
+    return Path(os.path.normpath(path))
+
+
+def cache_dir_name(volume_id: str) -> str:
+    """A directory name for a volume: readable, filesystem-safe, and unique per id."""
+    readable = _UNSAFE_CHARS.sub("_", volume_id).strip("._")[:_CACHE_NAME_MAX] or "volume"
+    return f"{readable}-{hashlib.sha256(volume_id.encode()).hexdigest()[:16]}"
+
+
+class VolumeLocks:
+    """One non-blocking lock per key: a second concurrent operation on a volume gets ABORTED."""
+
+    def __init__(self) -> None:
+        self._held: set[str] = set()
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        with self._guard:
+            if key in self._held:
+                raise CsiError(Code.ABORTED, f"an operation on {key} is already in progress")
+            self._held.add(key)
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._held.discard(key)
+
+
+def _path_state(path: Path) -> str:
+    """``missing``, ``broken``, ``dir`` or ``other``, without following a dead FUSE mount."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        if exc.errno in BROKEN_ERRNOS:
+            return "broken"
+        raise CsiError(Code.INTERNAL, f"cannot inspect {path}: {exc.strerror}") from None
+    if not stat_mod.S_ISDIR(st.st_mode):
+        return "other"
+    return "broken" if probe_broken(path) else "dir"
+
+
+class NodeOps:
+    """NodePublishVolume / NodeUnpublishVolume semantics over a ``Mounter``."""
+
+    def __init__(self, settings: NodeSettings, mounter: Mounter) -> None:
+        self.settings = settings
+        self.mounter = mounter
+        self.locks = VolumeLocks()
+
+    # -- publish ------------------------------------------------------------------------------------
+    def publish(self, request: PublishRequest) -> None:
+        target = request.target_path
+        with self.locks.hold(f"volume {request.volume_id}"), self.locks.hold(f"target {target}"):
+            if self.mounter.is_mounted(target):
+                if not self.mounter.is_broken(target):
+                    self._check_compatible(request)
+                    log.info("volume %s is already published at %s", request.volume_id, target)
+                    return
+                log.warning("volume %s: the mount at %s is broken (its daemon died); mounting it again",
+                            request.volume_id, target)
+                self.mounter.unmount(target)
+            elif _path_state(target) == "broken":
+                # A FUSE mount the mount table no longer lists as cachefs (or another driver's).
+                raise CsiError(Code.FAILED_PRECONDITION, f"{target} is a dead mount of another filesystem")
+            self._prepare_target(target)
+            cache_dir = self._claim_slot(request)
+            self.mounter.mount(MountRequest(
+                source=request.volume.source,
+                target=target,
+                cache_dir=cache_dir,
+                endpoint_url=request.volume.endpoint_url,
+                region=request.volume.region,
+                cache=request.volume.cache,
+                read_only=request.read_only,
+                credentials=request.credentials,
+            ))
+            log.info("published volume %s (%s) at %s%s, cache %s", request.volume_id, request.volume.source,
+                     target, " read-only" if request.read_only else "", cache_dir)
+
+    def _check_compatible(self, request: PublishRequest) -> None:
+        record = self._find_record(str(request.target_path), request.volume_id)
+        if record is None:
+            return  # mounted before records existed, or by hand: nothing to compare with
+        _, data = record
+        if data.get("volume_id") != request.volume_id or bool(data.get("read_only")) != request.read_only:
+            raise CsiError(Code.ALREADY_EXISTS,
+                           f"{request.target_path} is already published with another volume or read-only mode")
+
+    def _prepare_target(self, target: Path) -> None:
+        state = _path_state(target)
+        if state == "missing":
+            try:
+                target.mkdir(mode=0o750, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CsiError(Code.INTERNAL, f"cannot create {target}: {exc.strerror}") from None
+            return
+        if state != "dir":
+            raise CsiError(Code.FAILED_PRECONDITION, f"{target} exists and is not a directory")
+        try:
+            with os.scandir(target) as entries:
+                if any(True for _ in entries):
+                    raise CsiError(Code.FAILED_PRECONDITION, f"{target} is not empty")
+        except OSError as exc:
+            raise CsiError(Code.INTERNAL, f"cannot read {target}: {exc.strerror}") from None
+
+    # -- cache slots --------------------------------------------------------------------------------
+    def volume_cache_dir(self, volume_id: str) -> Path:
+        return self.settings.cache_root / "volumes" / cache_dir_name(volume_id)
+
+    def _claim_slot(self, request: PublishRequest) -> Path:
+        base = self.volume_cache_dir(request.volume_id)
+        for index in range(MAX_SLOTS_PER_VOLUME):
+            slot = base / f"slot-{index}"
+            data = _read_record(slot)
+            holder = data.get("target") if data else None
+            if holder and holder != str(request.target_path) and self.mounter.is_mounted(Path(holder)):
+                continue
+            try:
+                slot.mkdir(mode=0o700, parents=True, exist_ok=True)
+                _write_record(slot, {
+                    "volume_id": request.volume_id,
+                    "target": str(request.target_path),
+                    "read_only": request.read_only,
+                    "ephemeral": request.volume.ephemeral,
+                    "source": request.volume.source,
+                })
+            except OSError as exc:
+                raise CsiError(Code.INTERNAL, f"cannot prepare the cache directory {slot}: {exc.strerror}") from None
+            return slot
+        raise CsiError(Code.RESOURCE_EXHAUSTED,
+                       f"volume {request.volume_id} is already mounted {MAX_SLOTS_PER_VOLUME} times on this node")
+
+    def _find_record(self, target: str, volume_id: str | None) -> tuple[Path, dict] | None:
+        """The slot serving ``target`` (searching every volume when ``volume_id`` is None)."""
+        if volume_id is not None:
+            bases = [self.volume_cache_dir(volume_id)]
+        else:
+            try:
+                bases = sorted((self.settings.cache_root / "volumes").iterdir())
+            except OSError:
+                return None
+        for base in bases:
+            try:
+                slots = sorted(base.glob("slot-*"))
+            except OSError:
+                continue
+            for slot in slots:
+                data = _read_record(slot)
+                if data and data.get("target") == target:
+                    return slot, data
+        return None
+
+    # -- unpublish ----------------------------------------------------------------------------------
+    def unpublish(self, volume_id: str | None, target_path: Path) -> None:
+        """Unmount ``target_path`` and remove it. ``volume_id`` is None for the FlexVolume shim."""
+        target = target_path
+        volume_lock = self.locks.hold(f"volume {volume_id}") if volume_id else contextlib.nullcontext()
+        with volume_lock, self.locks.hold(f"target {target}"):
+            if self.mounter.is_mounted(target):
+                self.mounter.unmount(target)
+                log.info("unmounted %s", target)
+            state = _path_state(target)
+            if state == "broken":
+                raise CsiError(Code.INTERNAL, f"{target} is still a dead mount after unmounting")
+            if state == "dir":
+                try:
+                    target.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    if exc.errno == errno.ENOTEMPTY:
+                        # Not ours to delete: something wrote into the directory under the mount.
+                        raise CsiError(Code.FAILED_PRECONDITION,
+                                       f"{target} is not empty after unmounting; leaving it in place") from None
+                    raise CsiError(Code.INTERNAL, f"cannot remove {target}: {exc.strerror}") from None
+            elif state == "other":
+                raise CsiError(Code.FAILED_PRECONDITION, f"{target} is not a directory")
+            self._release_slot(volume_id, str(target))
+
+    def _release_slot(self, volume_id: str | None, target: str) -> None:
+        found = self._find_record(target, volume_id)
+        if found is None:
+            return
+        slot, data = found
+        if data.get("ephemeral"):
+            # An inline volume's id is unique to its pod: nobody will mount this cache again.
+            shutil.rmtree(slot, ignore_errors=True)
+            try:
+                slot.parent.rmdir()  # the volume's directory, once its last slot is gone
+            except OSError:
+                pass
+            log.info("removed the cache of ephemeral volume %s", data.get("volume_id"))
+            return
+        data["target"] = None  # the slot is free; its cache stays for the next pod on this node
+        try:
+            _write_record(slot, data)
+        except OSError as exc:
+            log.warning("cannot update %s: %s", slot / SLOT_RECORD, exc.strerror)
+
+
+def _read_record(slot: Path) -> dict | None:
+    try:
+        data = json.loads((slot / SLOT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_record(slot: Path, data: dict) -> None:
+    tmp = slot / (SLOT_RECORD + ".tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
+    os.replace(tmp, slot / SLOT_RECORD)

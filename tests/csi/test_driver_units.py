@@ -1,0 +1,359 @@
+"""The driver's core without mounts or servers: attribute parsing, volume ids, redaction, and the
+node and controller semantics over the in-memory doubles (``FakeMounter``, ``InMemoryBucketAdmin``)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from cachefs import admin
+from csi_driver import attributes as attrs
+from csi_driver import volume_id
+from csi_driver.controller import ControllerOps, InMemoryBucketAdmin
+from csi_driver.errors import Code, CsiError
+from csi_driver.flex import FlexDriver
+from csi_driver.mounter import CachefsMounter, FakeMounter, MountRequest
+from csi_driver.node import NodeOps, NodeSettings, PublishRequest, cache_dir_name, check_target_path
+from csi_driver.redact import MASK, RedactingFormatter, SecretRegistry, sanitize
+
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+KEY_ID = "AKIAIOSFODNN7EXAMPLE"
+
+
+def code_of(fn, *args, **kwargs) -> tuple[Code, str]:
+    with pytest.raises(CsiError) as info:
+        fn(*args, **kwargs)
+    return info.value.code, info.value.message
+
+
+# --------------------------------------------------------------------------------------- attributes
+def test_volume_attributes_parse_into_typed_settings() -> None:
+    settings = attrs.parse_volume_attributes({
+        "source": "s3://bucket/data/train", "endpointUrl": "https://s3.example.com:9000", "region": "eu-west-1",
+        "ramCache": "2GiB", "diskCache": "100GiB", "blockSize": "4MiB", "readahead": "64MiB", "maxFetches": "32",
+        "attrTtl": "120", "dirTtl": "0", "readOnly": "True",
+        "csi.storage.k8s.io/ephemeral": "true", "csi.storage.k8s.io/pod.name": "trainer-0",
+    })
+    assert settings.source == "s3://bucket/data/train"
+    assert settings.endpoint_url == "https://s3.example.com:9000" and settings.region == "eu-west-1"
+    assert settings.cache == attrs.CacheOptions(2 << 30, 100 << 30, 4 << 20, 64 << 20, 32, 120.0, 0.0)
+    assert settings.read_only and settings.ephemeral
+    assert settings.cache.cli_args() == [
+        "--ram-cache", str(2 << 30), "--disk-cache", str(100 << 30), "--block-size", str(4 << 20),
+        "--readahead", str(64 << 20), "--max-fetches", "32", "--attr-ttl", "120", "--dir-ttl", "0"]
+    with pytest.raises(Exception):
+        settings.source = "x"  # frozen
+
+
+@pytest.mark.parametrize("values, key", [
+    ({}, "'source'"),
+    ({"source": "s3://Bad_Bucket/x"}, "'source'"),
+    ({"source": "file:///etc"}, "'source'"),
+    ({"source": "s3://b12/x", "ramCache": "-1"}, "'ramCache'"),
+    ({"source": "s3://b12/x", "diskCache": "10 parsecs"}, "'diskCache'"),
+    ({"source": "s3://b12/x", "maxFetches": "0"}, "'maxFetches'"),
+    ({"source": "s3://b12/x", "attrTtl": "nan"}, "'attrTtl'"),
+    ({"source": "s3://b12/x", "readOnly": "yes"}, "'readOnly'"),
+    ({"source": "s3://b12/x", "region": "Mars 1"}, "'region'"),
+    ({"source": "s3://b12/x", "ramcache": "1GiB"}, "'ramcache'"),
+    ({"source": "s3://b12/x", "blockSize": "1KiB"}, "'blockSize'"),
+    ({"source": "s3://b12/x", "endpointUrl": "s3.example.com"}, "'endpointUrl'"),
+])
+def test_bad_volume_attributes_are_refused_naming_the_key(values, key) -> None:
+    code, message = code_of(attrs.parse_volume_attributes, values)
+    assert code is Code.INVALID_ARGUMENT and key in message
+
+
+def test_endpoint_with_credentials_is_refused_without_echoing_them() -> None:
+    code, message = code_of(attrs.parse_volume_attributes,
+                            {"source": "s3://b12/x", "endpointUrl": f"https://{KEY_ID}:{SECRET}@s3.example.com"})
+    assert code is Code.INVALID_ARGUMENT and SECRET not in message and KEY_ID not in message
+
+
+def test_provision_parameters() -> None:
+    p = attrs.parse_provision_parameters({"bucket": "datasets", "prefix": "/team-a/scratch/", "onDelete": "delete",
+                                          "ramCache": "1GiB", "csi.storage.k8s.io/pvc/name": "claim"})
+    assert (p.bucket, p.prefix, p.on_delete) == ("datasets", "team-a/scratch", attrs.DeletePolicy.DELETE)
+    assert dict(p.cache_attributes) == {"ramCache": "1GiB"}
+    assert attrs.parse_provision_parameters({"bucket": "datasets"}).on_delete is attrs.DeletePolicy.RETAIN
+    for values, key in [({}, "'bucket'"), ({"bucket": "b/x"}, "'bucket'"), ({"bucket": "abc", "onDelete": "purge"},
+                        "'onDelete'"), ({"bucket": "abc", "prefix": "a//b"}, "'prefix'"),
+                        ({"bucket": "abc", "source": "s3://x/y"}, "'source'")]:
+        code, message = code_of(attrs.parse_provision_parameters, values)
+        assert code is Code.INVALID_ARGUMENT and key in message, message
+
+
+def test_credentials_parse_and_never_print() -> None:
+    creds = attrs.parse_credentials({"accessKeyId": KEY_ID, "secretAccessKey": SECRET, "other": "ignored"})
+    assert creds is not None and creds.environ() == {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET}
+    assert SECRET not in repr(creds) and KEY_ID not in repr(creds)
+    assert attrs.parse_credentials({}) is None
+    for secrets, key in [({"accessKeyId": KEY_ID}, "'secretAccessKey'"), ({"secretAccessKey": SECRET}, "'accessKeyId'"),
+                         ({"sessionToken": "tok"}, "'sessionToken'"),
+                         ({"accessKeyId": KEY_ID, "secretAccessKey": SECRET + "\n"}, "'secretAccessKey'")]:
+        code, message = code_of(attrs.parse_credentials, secrets)
+        assert code is Code.INVALID_ARGUMENT and key in message and SECRET not in message
+
+
+# --------------------------------------------------------------------------------------- volume ids
+def test_volume_ids_round_trip_and_foreign_ids_are_not_ours() -> None:
+    vol = volume_id.DynamicVolume("datasets", "team/pvc-1", attrs.DeletePolicy.DELETE, "http://127.0.0.1:8333",
+                                  "us-east-1")
+    encoded = vol.encode()
+    assert encoded == "v1:delete:us-east-1:http%3A%2F%2F127.0.0.1%3A8333:datasets/team/pvc-1"
+    assert volume_id.decode(encoded) == vol
+    assert vol.source == "s3://datasets/team/pvc-1/"
+    plain = volume_id.DynamicVolume("b12", "pvc-2", attrs.DeletePolicy.RETAIN)
+    assert volume_id.decode(plain.encode()) == plain
+    for foreign in ("imagenet-train", "csi-3f2a", "v1:purge:::b/x", "v1:delete:::b", "v1:delete:::b/", "v2:x:y:z:b/p"):
+        assert volume_id.decode(foreign) is None
+
+
+# --------------------------------------------------------------------------------------- redaction
+def test_sanitize_masks_every_secret_field() -> None:
+    from csi_driver.proto import csi_pb2
+
+    request = csi_pb2.NodePublishVolumeRequest(volume_id="v", target_path="/t", secrets={"secretAccessKey": SECRET},
+                                               volume_context={"source": "s3://b/p"})
+    text = sanitize(request)
+    assert SECRET not in text and MASK in text and "s3://b/p" in text and "secretAccessKey" in text
+    assert request.secrets["secretAccessKey"] == SECRET  # the request itself is untouched
+    for cls in (csi_pb2.CreateVolumeRequest, csi_pb2.DeleteVolumeRequest, csi_pb2.ValidateVolumeCapabilitiesRequest):
+        assert SECRET not in sanitize(cls(secrets={"k": SECRET}))
+
+
+def test_redacting_formatter_masks_registered_values_anywhere() -> None:
+    registry = SecretRegistry()
+    registry.add([SECRET, "short"])
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(RedactingFormatter("%(message)s", registry=registry))
+    logger = logging.getLogger("test.redact")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.error("server said %s", f"bad signature for {SECRET}")
+        try:
+            raise ValueError(SECRET)
+        except ValueError:
+            logger.exception("boom")
+    finally:
+        logger.removeHandler(handler)
+    out = stream.getvalue()
+    assert SECRET not in out and out.count(MASK) >= 2
+    assert "short" not in registry.scrub("x") and registry.scrub("short") == "short"  # too short to mask
+
+
+# --------------------------------------------------------------------------------------- node ops
+@pytest.fixture
+def node(tmp_path: Path) -> tuple[NodeOps, FakeMounter]:
+    fake = FakeMounter()
+    return NodeOps(NodeSettings("n1", tmp_path / "cache"), fake), fake
+
+
+def publish_request(tmp_path: Path, volume: str = "vol-1", target: str = "pod1/mount", read_only: bool = False,
+                    **attributes: str) -> PublishRequest:
+    settings = attrs.parse_volume_attributes({"source": "s3://bucket/data", **attributes})
+    return PublishRequest(volume, tmp_path / target, settings, read_only,
+                          attrs.Credentials(KEY_ID, SECRET))
+
+
+def test_publish_creates_target_claims_a_cache_slot_and_is_idempotent(node, tmp_path: Path) -> None:
+    ops, fake = node
+    request = publish_request(tmp_path)
+    ops.publish(request)
+    ops.publish(request)
+    assert [c[0] for c in fake.calls] == ["mount"]
+    mounted = fake.mounts[request.target_path]
+    assert request.target_path.is_dir()
+    assert mounted.cache_dir == tmp_path / "cache" / "volumes" / cache_dir_name("vol-1") / "slot-0"
+    assert mounted.credentials is not None and mounted.credentials.secret_access_key == SECRET
+    code, _ = code_of(ops.publish, publish_request(tmp_path, read_only=True))
+    assert code is Code.ALREADY_EXISTS
+
+    ops.unpublish("vol-1", request.target_path)
+    ops.unpublish("vol-1", request.target_path)
+    assert not request.target_path.exists() and fake.mounts == {}
+    assert mounted.cache_dir.is_dir()  # a persistent volume's cache stays for the next pod
+
+
+def test_concurrent_pods_of_one_volume_get_separate_slots(node, tmp_path: Path) -> None:
+    ops, fake = node
+    first, second = publish_request(tmp_path, target="p1/m"), publish_request(tmp_path, target="p2/m")
+    ops.publish(first)
+    ops.publish(second)
+    assert fake.mounts[first.target_path].cache_dir.name == "slot-0"
+    assert fake.mounts[second.target_path].cache_dir.name == "slot-1"
+    ops.unpublish("vol-1", first.target_path)
+    third = publish_request(tmp_path, target="p3/m")
+    ops.publish(third)
+    assert fake.mounts[third.target_path].cache_dir.name == "slot-0"  # freed, and warm
+
+
+def test_cache_dirs_of_different_volumes_never_collide() -> None:
+    names = {cache_dir_name(v) for v in ("a/b", "a_b", "a:b", "A/B", "x" * 200, "x" * 201, "..", "")}
+    assert len(names) == 8
+    assert all("/" not in n and not n.startswith(".") for n in names)
+
+
+def test_ephemeral_volume_cache_is_removed_on_unpublish(node, tmp_path: Path) -> None:
+    ops, fake = node
+    request = publish_request(tmp_path, volume="csi-abc123", **{"csi.storage.k8s.io/ephemeral": "true"})
+    ops.publish(request)
+    cache_dir = fake.mounts[request.target_path].cache_dir
+    assert cache_dir.is_dir()
+    ops.unpublish("csi-abc123", request.target_path)
+    assert not cache_dir.exists() and not cache_dir.parent.exists()
+
+
+def test_broken_mount_is_remounted_and_unpublish_clears_it(node, tmp_path: Path) -> None:
+    ops, fake = node
+    request = publish_request(tmp_path)
+    ops.publish(request)
+    fake.break_mount(request.target_path)
+    ops.publish(request)
+    assert [c[0] for c in fake.calls] == ["mount", "unmount", "mount"]
+    assert request.target_path not in fake.broken
+    fake.break_mount(request.target_path)
+    ops.unpublish("vol-1", request.target_path)
+    assert fake.mounts == {} and not request.target_path.exists()
+
+
+def test_publish_refuses_unusable_targets_and_reports_mount_failures(node, tmp_path: Path) -> None:
+    ops, fake = node
+    busy = publish_request(tmp_path, target="busy/m")
+    busy.target_path.mkdir(parents=True)
+    (busy.target_path / "file").write_text("x")
+    assert code_of(ops.publish, busy)[0] is Code.FAILED_PRECONDITION
+    file_target = publish_request(tmp_path, target="file-target")
+    file_target.target_path.write_text("x")
+    assert code_of(ops.publish, file_target)[0] is Code.FAILED_PRECONDITION
+    fake.fail_next = CsiError(Code.INTERNAL, "bucket does not exist")
+    assert code_of(ops.publish, publish_request(tmp_path, target="ok/m"))[0] is Code.INTERNAL
+    ops.publish(publish_request(tmp_path, target="ok/m"))  # the retry succeeds
+    for bad in ("", "relative", "/a/../b"):
+        assert code_of(check_target_path, bad)[0] is Code.INVALID_ARGUMENT
+
+
+def test_concurrent_operations_on_one_volume_are_aborted(node, tmp_path: Path) -> None:
+    ops, _ = node
+    with ops.locks.hold("volume vol-1"):
+        assert code_of(ops.publish, publish_request(tmp_path))[0] is Code.ABORTED
+    ops.publish(publish_request(tmp_path))
+
+
+# --------------------------------------------------------------------------------------- mounter
+def test_cachefs_mounter_passes_credentials_only_through_the_environment(tmp_path: Path) -> None:
+    mounter = CachefsMounter(command=["cachefs"], environ={"PATH": "/bin", "AWS_PROFILE": "node",
+                                                            "AWS_SESSION_TOKEN": "node-token"})
+    request = MountRequest("s3://b12/x", tmp_path / "t", tmp_path / "c", endpoint_url="http://127.0.0.1:1",
+                           region="eu-west-1", cache=attrs.CacheOptions(ram_bytes=1 << 30), read_only=True,
+                           credentials=attrs.Credentials(KEY_ID, SECRET))
+    argv = mounter.mount_argv(request)
+    assert argv[:4] == ["cachefs", "mount", "s3://b12/x", str(tmp_path / "t")]
+    assert "--read-only" in argv and "--allow-other" in argv and "--ram-cache" in argv
+    assert not any(SECRET in a or KEY_ID in a for a in argv)
+    env = mounter.child_environ(request)
+    assert env["AWS_ACCESS_KEY_ID"] == KEY_ID and env["AWS_SECRET_ACCESS_KEY"] == SECRET
+    assert "AWS_PROFILE" not in env and "AWS_SESSION_TOKEN" not in env  # never mixed with the node's identity
+    assert env["AWS_REGION"] == "eu-west-1" and env["PATH"] == "/bin"
+    writable = MountRequest("s3://b12/x", tmp_path / "t", tmp_path / "c")
+    assert "--read-only" not in mounter.mount_argv(writable)
+    assert mounter.child_environ(writable)["AWS_PROFILE"] == "node"  # no Secret: the node's own identity
+
+
+# --------------------------------------------------------------------------------------- controller
+def test_create_and_delete_volume_with_the_delete_policy() -> None:
+    store = InMemoryBucketAdmin({"datasets": {"scratch/pvc-1/a", "scratch/pvc-1/b/c", "scratch/pvc-10/x", "keep"}})
+    ops = ControllerOps(store, environ={})
+    created = ops.create_volume("pvc-1", {"bucket": "datasets", "prefix": "scratch", "onDelete": "delete",
+                                          "diskCache": "50GiB", "endpointUrl": "http://127.0.0.1:9"},
+                                attrs.Credentials(KEY_ID, SECRET), required_bytes=5 << 30)
+    assert created.capacity_bytes == 5 << 30
+    assert created.volume_context == {"source": "s3://datasets/scratch/pvc-1/", "diskCache": "50GiB",
+                                      "endpointUrl": "http://127.0.0.1:9"}
+    attrs.parse_volume_attributes(created.volume_context)  # what CreateVolume returns, publish accepts
+    again = ops.create_volume("pvc-1", {"bucket": "datasets", "prefix": "scratch", "onDelete": "delete",
+                                        "diskCache": "50GiB", "endpointUrl": "http://127.0.0.1:9"}, None)
+    assert again.volume_id == created.volume_id  # idempotent by name
+    ops.delete_volume(created.volume_id, None)
+    assert store.buckets["datasets"] == {"scratch/pvc-10/x", "keep"}  # only this volume's prefix
+    ops.delete_volume(created.volume_id, None)  # already gone: success
+
+
+def test_retain_policy_and_foreign_ids_delete_nothing() -> None:
+    store = InMemoryBucketAdmin({"datasets": {"pvc-2/a"}})
+    ops = ControllerOps(store, environ={})
+    created = ops.create_volume("pvc-2", {"bucket": "datasets"}, None)
+    ops.delete_volume(created.volume_id, None)
+    ops.delete_volume("hand-written-pv", None)
+    assert store.buckets["datasets"] == {"pvc-2/a"}
+    assert [c[0] for c in store.calls] == ["check"]
+
+
+def test_controller_errors_map_to_codes() -> None:
+    store = InMemoryBucketAdmin({"datasets": set()})
+    ops = ControllerOps(store, environ={})
+    assert code_of(ops.create_volume, "pvc-1", {"bucket": "nosuchbucket"}, None)[0] is Code.FAILED_PRECONDITION
+    store.denied = True
+    assert code_of(ops.create_volume, "pvc-1", {"bucket": "datasets"}, None)[0] is Code.PERMISSION_DENIED
+    assert code_of(ops.create_volume, "pvc/1", {"bucket": "datasets"}, None)[0] is Code.INVALID_ARGUMENT
+    assert code_of(ops.create_volume, "pvc-1", {"bucket": "datasets"}, None, 10, 5)[0] is Code.OUT_OF_RANGE
+    code, message = code_of(ops.create_volume, "pvc-" + "x" * 59, {"bucket": "b" * 60, "prefix": "p" * 60}, None)
+    assert code is Code.INVALID_ARGUMENT and "128" in message
+    assert code_of(ops.delete_volume, "", None)[0] is Code.INVALID_ARGUMENT
+    assert code_of(ops.check_volume_exists, "unknown", {})[0] is Code.NOT_FOUND
+    ops.check_volume_exists("static-pv", {"source": "s3://datasets/x"})
+
+
+def test_admin_validation_matches_cachefs() -> None:
+    assert admin.parse_size("2GiB") == 2 << 30
+    assert admin.validate_source("s3://bucket/a/b").prefix == "a/b/"
+    with pytest.raises(ValueError):
+        admin.check_cache_options(ram_bytes=1024, block_size=8 << 20)
+
+
+# --------------------------------------------------------------------------------------- flex
+def test_flex_driver_over_the_fake_mounter(node, tmp_path: Path) -> None:
+    ops, fake = node
+    flex = FlexDriver(ops)
+    assert flex.run(["init"]) == {"status": "Success", "capabilities": {"attach": False}}
+    target = tmp_path / "pods" / "uid" / "volumes" / "cachefs.io~cachefs" / "data"
+    options = {"source": "s3://bucket/data", "ramCache": "512MiB", "kubernetes.io/readwrite": "ro",
+               "kubernetes.io/fsType": "", "kubernetes.io/pvOrVolumeName": "data",
+               "kubernetes.io/pod.namespace": "ml",
+               "kubernetes.io/secret/accessKeyId": base64.b64encode(KEY_ID.encode()).decode(),
+               "kubernetes.io/secret/secretAccessKey": base64.b64encode(SECRET.encode()).decode()}
+    assert flex.run(["mount", str(target), json.dumps(options)]) == {"status": "Success"}
+    mounted = fake.mounts[target]
+    assert mounted.read_only and mounted.credentials.secret_access_key == SECRET
+    assert mounted.cache.ram_bytes == 512 << 20
+    assert flex.run(["unmount", str(target)]) == {"status": "Success"}
+    assert fake.mounts == {} and not target.exists()
+    assert flex.run(["attach", "{}", "node"])["status"] == "Not supported"
+    bad = flex.run(["mount", str(target), json.dumps({**options, "ramCache": "many"})])
+    assert bad["status"] == "Failure" and "ramCache" in bad["message"]
+    bad = flex.run(["mount", str(target), json.dumps({**options, "kubernetes.io/secret/secretAccessKey": "%%%"})])
+    assert bad["status"] == "Failure" and SECRET not in json.dumps(bad)
+
+
+# --------------------------------------------------------------------------------------- metrics
+def test_metrics_merge_labels_every_sample_and_keeps_families_together() -> None:
+    from csi_driver.metrics import merge
+
+    doc = ("# HELP cachefs_hits_total Hits.\n# TYPE cachefs_hits_total counter\n"
+           'cachefs_hits_total{tier="ram"} 3.0\ncachefs_hits_total{tier="disk"} 1.0\n'
+           "# HELP cachefs_up Up.\n# TYPE cachefs_up gauge\ncachefs_up 1.0\n")
+    lines = merge([({"volume_id": "a"}, doc), ({"volume_id": 'b"x'}, doc)])
+    assert lines == [
+        "# HELP cachefs_hits_total Hits.", "# TYPE cachefs_hits_total counter",
+        'cachefs_hits_total{volume_id="a",tier="ram"} 3.0', 'cachefs_hits_total{volume_id="a",tier="disk"} 1.0',
+        'cachefs_hits_total{volume_id="b\\"x",tier="ram"} 3.0', 'cachefs_hits_total{volume_id="b\\"x",tier="disk"} 1.0',
+        "# HELP cachefs_up Up.", "# TYPE cachefs_up gauge",
+        'cachefs_up{volume_id="a"} 1.0', 'cachefs_up{volume_id="b\\"x"} 1.0',
+    ]

@@ -1,0 +1,222 @@
+"""Every manifest under deploy/, validated offline, and the kustomize base rendered and validated.
+
+``kubernetes-validate --strict`` checks each object against the OpenAPI schemas of a current
+Kubernetes release and of the oldest release deploy/README.md supports (unknown fields are errors).
+kustomize itself is not available offline, so ``render_kustomization`` implements exactly the
+kustomization fields the base uses (``resources`` of local files, ``namespace``, ``images``) and the
+test refuses any other field: what is validated is what ``kubectl apply -k`` would apply.
+
+Beyond the schemas, the manifests are checked against the code: the driver name everywhere, the
+driver's flags (parsed by ``cachefs-csi``'s own argument parser), the StorageClass parameters and
+every example's volume attributes and FlexVolume options (parsed by the driver's own parsers), the
+mount options, the ports, and the ``cachefs prefetch`` command line of the training Job.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Iterator
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from csi_driver import DRIVER_NAME, attributes
+from csi_driver.main import build_parser
+from csi_driver.server import KNOWN_FLAGS
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+BASE = DEPLOY / "base"
+# The newest release the installed kubernetes-validate knows, and the oldest one deploy/README.md
+# promises to support (CSIDriver fsGroupPolicy and inline volumes are GA well before it).
+OLDEST_SUPPORTED = "1.30.0"
+VERSIONS = sorted({kubernetes_validate.latest_version(), OLDEST_SUPPORTED})
+SUPPORTED_KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images"}
+CLUSTER_SCOPED = {"Namespace", "CSIDriver", "StorageClass", "ClusterRole", "ClusterRoleBinding",
+                  "PersistentVolume", "PriorityClass"}
+
+
+def load_documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def _set_image(container: dict[str, Any], images: list[dict[str, Any]]) -> None:
+    name, _, tag = container["image"].partition(":")
+    for image in images:
+        if image["name"] == name:
+            new = image.get("newName", name)
+            if "digest" in image:
+                container["image"] = f"{new}@{image['digest']}"
+            else:
+                container["image"] = f"{new}:{image.get('newTag', tag or 'latest')}"
+
+
+def render_kustomization(directory: Path) -> list[dict[str, Any]]:
+    """``kustomize build`` for the fields the base uses; any other field fails the test."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unsupported = set(spec) - SUPPORTED_KUSTOMIZE_FIELDS
+    assert not unsupported, f"the test renderer does not implement kustomization fields {unsupported}"
+    out = []
+    for resource in spec["resources"]:
+        path = directory / resource
+        assert path.is_file(), f"{resource}: only local files are supported by the test renderer"
+        out += load_documents(path)
+    namespace = spec.get("namespace")
+    images = spec.get("images", [])
+    for obj in out:
+        if namespace:
+            if obj["kind"] == "Namespace":
+                obj["metadata"]["name"] = namespace
+            elif obj["kind"] not in CLUSTER_SCOPED:
+                obj["metadata"]["namespace"] = namespace
+            for subject in obj.get("subjects", []):
+                if subject.get("kind") == "ServiceAccount":
+                    subject["namespace"] = namespace
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            _set_image(container, images)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return render_kustomization(BASE)
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def containers(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    spec = obj["spec"]["template"]["spec"] if "template" in obj["spec"] else obj["spec"]
+    if obj["kind"] == "Job":
+        spec = obj["spec"]["template"]["spec"]
+    yield from spec.get("initContainers", [])
+    yield from spec.get("containers", [])
+
+
+def pod_volumes(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj["spec"]["template"]["spec"] if "template" in obj["spec"] else obj["spec"]
+    return spec.get("volumes", [])
+
+
+# ------------------------------------------------------------------------------------ schemas
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_manifest_is_valid_kubernetes(path: Path, version: str) -> None:
+    documents = load_documents(path)
+    assert documents, f"{path} holds no objects"
+    for doc in documents:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rendered_base_is_valid_kubernetes(rendered, version: str) -> None:
+    kinds = sorted(obj["kind"] for obj in rendered)
+    assert kinds == sorted(["Namespace", "CSIDriver", "ServiceAccount", "ServiceAccount", "ClusterRole",
+                            "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Deployment", "StorageClass"])
+    for obj in rendered:
+        kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)
+        if obj["kind"] not in CLUSTER_SCOPED:
+            assert obj["metadata"]["namespace"] == "cachefs"
+    images = [c["image"] for obj in rendered if obj["kind"] in ("DaemonSet", "Deployment") for c in containers(obj)]
+    assert "ghcr.io/cachefs/cachefs-csi:0.1.0" in images
+    assert all(":" in image or "@" in image for image in images), images  # every image pinned
+
+
+# ------------------------------------------------------------------------------------ against the code
+def test_driver_name_and_capabilities_are_consistent(rendered) -> None:
+    (driver,) = by_kind(rendered, "CSIDriver")
+    assert driver["metadata"]["name"] == DRIVER_NAME
+    assert driver["spec"]["attachRequired"] is False and driver["spec"]["podInfoOnMount"] is True
+    assert set(driver["spec"]["volumeLifecycleModes"]) == {"Persistent", "Ephemeral"}
+    (storage_class,) = by_kind(rendered, "StorageClass")
+    assert storage_class["provisioner"] == DRIVER_NAME
+    (daemonset,) = by_kind(rendered, "DaemonSet")
+    registrar = next(c for c in containers(daemonset) if c["name"] == "node-driver-registrar")
+    assert f"--kubelet-registration-path=/var/lib/kubelet/plugins/{DRIVER_NAME}/csi.sock" in registrar["args"]
+    plugin_dir = next(v for v in pod_volumes(daemonset) if v["name"] == "plugin-dir")
+    assert plugin_dir["hostPath"]["path"] == f"/var/lib/kubelet/plugins/{DRIVER_NAME}"
+    for doc in load_documents(DEPLOY / "examples" / "static-pv-pvc.yaml"):
+        if doc["kind"] == "PersistentVolume":
+            assert doc["spec"]["csi"]["driver"] == DRIVER_NAME
+
+
+def test_node_plugin_is_set_up_for_fuse(rendered) -> None:
+    (daemonset,) = by_kind(rendered, "DaemonSet")
+    plugin = next(c for c in containers(daemonset) if c["name"] == "cachefs-csi")
+    assert plugin["securityContext"]["privileged"] is True
+    mounts = {m["name"]: m for m in plugin["volumeMounts"]}
+    assert mounts["kubelet-dir"]["mountPropagation"] == "Bidirectional"
+    volumes = {v["name"]: v for v in pod_volumes(daemonset)}
+    assert volumes["dev-fuse"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
+    assert volumes["cache-root"]["hostPath"]["path"] == "/var/cache/cachefs-csi"
+    assert plugin["resources"]["limits"]["memory"] and plugin["resources"]["requests"]["memory"]
+    # The flags are the driver's own (its parser refuses unknown ones), and the ports line up.
+    args = build_parser().parse_args([a.replace("$(NODE_NAME)", "node-1") for a in plugin["args"]])
+    assert args.mode == "node" and args.node_id == "node-1"
+    assert str(args.cache_root) == mounts["cache-root"]["mountPath"]
+    ports = {p["name"]: p["containerPort"] for p in plugin["ports"]}
+    assert args.metrics_addr.endswith(f":{ports['metrics']}")
+    probe = next(c for c in containers(daemonset) if c["name"] == "liveness-probe")
+    assert f"--health-port={ports['healthz']}" in probe["args"]
+    assert plugin["livenessProbe"]["httpGet"]["port"] == "healthz"
+    (deployment,) = by_kind(rendered, "Deployment")
+    controller = next(c for c in containers(deployment) if c["name"] == "cachefs-csi")
+    assert build_parser().parse_args(controller["args"]).mode == "controller"
+    assert any(c["name"] == "csi-provisioner" for c in containers(deployment))
+
+
+def test_storage_class_parameters_parse(rendered) -> None:
+    (storage_class,) = by_kind(rendered, "StorageClass")
+    settings = attributes.parse_provision_parameters(storage_class["parameters"])
+    assert settings.on_delete is attributes.DeletePolicy.RETAIN
+
+
+def test_example_volume_attributes_and_options_parse() -> None:
+    examples = {p.name: load_documents(p) for p in (DEPLOY / "examples").glob("*.yaml")}
+    seen = 0
+    for name, documents in examples.items():
+        for doc in documents:
+            if doc["kind"] == "PersistentVolume":
+                attributes.parse_volume_attributes(doc["spec"]["csi"]["volumeAttributes"])
+                assert set(doc["spec"].get("mountOptions", [])) <= KNOWN_FLAGS
+                seen += 1
+            if doc["kind"] in ("Pod", "Job"):
+                for volume in pod_volumes(doc) if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]["volumes"]:
+                    if "csi" in volume:
+                        assert volume["csi"]["driver"] == DRIVER_NAME
+                        attributes.parse_volume_attributes(volume["csi"]["volumeAttributes"])
+                        seen += 1
+                    if "flexVolume" in volume:
+                        assert volume["flexVolume"]["driver"] == "cachefs.io/cachefs"
+                        attributes.parse_volume_attributes(volume["flexVolume"]["options"])
+                        seen += 1
+            if doc["kind"] == "Secret" and doc["type"] != "kubernetes.io/service-account-token":
+                assert attributes.parse_credentials(doc["stringData"]) is not None
+    assert seen >= 3
+
+
+def test_training_job_runs_a_real_prefetch_command() -> None:
+    from cachefs.cli import build_parser as cachefs_parser
+
+    (job,) = load_documents(DEPLOY / "examples" / "training-job-prefetch.yaml")
+    (init,) = job["spec"]["template"]["spec"]["initContainers"]
+    command = init["command"]
+    assert command[:2] == ["cachefs", "prefetch"]
+    args = cachefs_parser().parse_args(command[1:])
+    mount_paths = {m["mountPath"] for m in init["volumeMounts"]}
+    assert str(args.mountpoint) in mount_paths and "/run/cachefs" in mount_paths
+
+
+def test_the_validator_rejects_what_it_should(rendered) -> None:
+    (daemonset,) = copy.deepcopy(by_kind(rendered, "DaemonSet"))
+    daemonset["spec"]["template"]["spec"]["containers"][0]["mountPropagaton"] = "Bidirectional"  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(daemonset, VERSIONS[-1], strict=True)
