@@ -3,13 +3,16 @@
 ``BlockTier``   a bounded cache of whole blocks (RAM, local disk). Synchronous: the RAM tier is
                 called on the event loop, the disk tier through a thread pool by the engine.
 ``ObjectStore`` the source of truth (S3, a local directory, an in-memory dict). Asynchronous, on the
-                same event loop as FUSE.
+                same event loop as FUSE. Reads, and the writes of write-back: ``put`` (atomic create or
+                replace), ``delete``, ``copy`` (server side, for rename).
+``SpaceBudget`` bytes of local disk that staged (dirty) data may take; the disk tier implements it,
+                so staged bytes and cached blocks share one capacity and only clean blocks are evicted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 from tiering.blocks import BlockKey
 
@@ -89,6 +92,16 @@ class ObjectStoreStats:
     get_requests: int = 0
     list_requests: int = 0
     head_requests: int = 0
+    put_requests: int = 0  # PUTs, multipart parts and completions count one each
+    delete_requests: int = 0
+    copy_requests: int = 0
+    bytes_written: int = 0
+
+
+# ``read(start, end)`` returns bytes ``[start, end)`` of the content to upload. It is blocking (it
+# reads a staged file) and is called from a worker thread, possibly from several at once for
+# different ranges; it must return exactly ``end - start`` bytes.
+ReadRange = Callable[[int, int], bytes]
 
 
 @runtime_checkable
@@ -113,4 +126,41 @@ class ObjectStore(Protocol):
         it is gone, ``ObjectStoreUnavailableError`` on timeouts and connection failures.
         """
 
+    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+        """Create or replace ``key`` with ``size`` bytes taken from ``read``; the new object's info.
+
+        Atomic: a reader sees the old object or the whole new one, never a part or a mix (S3 PUT and
+        CompleteMultipartUpload are atomic; the local store writes a temp file and renames it).
+        Idempotent: putting the same bytes again leaves the same content. A key ending in ``/`` is a
+        directory marker (``size`` 0). A failed put leaves the old object (or nothing) in place.
+        """
+
+    async def delete(self, key: str) -> None:
+        """Remove ``key``; an absent key is not an error (as S3's DeleteObject)."""
+
+    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+        """Server-side copy of ``src`` (only while its ETag is ``etag``) to ``dst``; ``dst``'s info.
+
+        ``ObjectChangedError`` if ``src`` has another ETag now, ``ObjectNotFoundError`` if absent.
+        """
+
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SpaceBudget(Protocol):
+    """Bytes of local disk that staged write-back data may use, shared with the disk cache.
+
+    ``reserve_space`` makes room by evicting clean cached blocks (never staged data, never pinned
+    blocks) and returns False when even that cannot fit ``nbytes`` under the capacity; with
+    ``force`` it always succeeds (staged data found at start-up must be kept even if the capacity
+    was lowered). Thread-safe; may do file I/O (eviction), so call it from a worker thread.
+    """
+
+    capacity_bytes: int
+
+    def reserve_space(self, nbytes: int, *, force: bool = False) -> bool: ...
+
+    def release_space(self, nbytes: int) -> None: ...
+
+    def reserved_space(self) -> int: ...

@@ -9,6 +9,9 @@ renamed into place, dict inserts).
 The local and S3 stores are opened on a root prefix (``ds/``) inside their bucket or directory, so
 every case also checks that keys are relative to that root and that nothing beside it leaks in.
 The in-memory store has no root prefix; the one case about objects outside the root skips it.
+
+The write half (``put``, ``delete``, ``copy``: what write-back uploads with) is checked the same
+way; every write is read back through the store and, for S3, through the server's own client.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import AsyncIterator, Callable, Iterable
 
 import pytest
 
-from tiering.errors import ObjectChangedError, ObjectNotFoundError
+from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.objectstore import InMemoryObjectStore, LocalObjectStore, S3ObjectStore
 from tiering.protocols import ObjectStore
 
@@ -34,6 +37,8 @@ PAGINATED_DIRS = 60
 # The large-directory case (in-memory and local stores only: uploading 100,000 objects to moto or
 # SeaweedFS takes minutes on 2 cores, ~7 ms a PUT; the paging logic is covered above).
 LARGE_DIR_ENTRIES = 100_000
+# Part size of the S3 stores here: S3's minimum, so a 12 MiB upload is a three-part multipart upload.
+PART_SIZE = 5 * 1024 * 1024
 # Timeouts for the S3 stores in these tests: loopback servers answer in milliseconds.
 CONNECT_TIMEOUT_S = 2.0
 READ_TIMEOUT_S = 10.0
@@ -105,6 +110,7 @@ def _s3_backend(name: str, server, bucket: str) -> Backend:
             endpoint_url=server.endpoint_url,
             connect_timeout_s=CONNECT_TIMEOUT_S,
             read_timeout_s=READ_TIMEOUT_S,
+            part_size=PART_SIZE,
             environ=server.env(),
         )
 
@@ -356,3 +362,187 @@ async def test_stats_are_counted(backend: Backend, store: ObjectStore) -> None:
 
 async def test_check_passes_on_a_readable_root(store: ObjectStore) -> None:
     await store.check()
+
+
+# -- writes (put, delete, copy) -----------------------------------------------------------------------
+
+
+def reader(data: bytes, calls: list[tuple[int, int]] | None = None):
+    """A ``ReadRange`` over ``data`` that records the ranges asked for."""
+
+    def read(start: int, end: int) -> bytes:
+        if calls is not None:
+            calls.append((start, end))
+        return data[start:end]
+
+    return read
+
+
+async def content(store: ObjectStore, key: str) -> bytes:
+    info = await store.head(key)
+    return await store.get_range(key, info.etag, 0, info.size)
+
+
+async def test_put_creates_and_replaces(store: ObjectStore) -> None:
+    first = os.urandom(3000)
+    info = await store.put("w/new.bin", len(first), reader(first))
+    assert info.key == "w/new.bin" and info.size == len(first) and info.etag
+    assert await content(store, "w/new.bin") == first
+    assert (await store.head("w/new.bin")).etag == info.etag
+    assert set((await store.list_dir("w/")).files) == {"new.bin"}
+    assert "w" in (await store.list_dir("")).dirs
+
+    second = os.urandom(3000)  # same size, other bytes: a new version
+    again = await store.put("w/new.bin", len(second), reader(second))
+    assert again.etag != info.etag
+    assert await content(store, "w/new.bin") == second
+    with pytest.raises(ObjectChangedError):
+        await store.get_range("w/new.bin", info.etag, 0, 10)
+
+
+async def test_put_of_an_empty_object_and_a_directory_marker(store: ObjectStore) -> None:
+    info = await store.put("empty.txt", 0, reader(b""))
+    assert info.size == 0 and (await store.head("empty.txt")).size == 0
+    await store.put("made/", 0, reader(b""))
+    root = await store.list_dir("")
+    assert "made" in root.dirs and "empty.txt" in root.files
+    inside = await store.list_dir("made/")
+    assert inside.files == {} and inside.dirs == set()
+
+
+async def test_put_is_idempotent(store: ObjectStore) -> None:
+    data = os.urandom(10_000)
+    one = await store.put("idem", len(data), reader(data))
+    two = await store.put("idem", len(data), reader(data))
+    assert await content(store, "idem") == data
+    assert (await store.head("idem")).size == len(data)
+    if not isinstance(store, LocalObjectStore):  # a local file's tag is its stat: a new inode each time
+        assert one.etag == two.etag
+
+
+async def test_multipart_put_reads_each_range_once(backend: Backend, store: ObjectStore) -> None:
+    data = os.urandom(12 * 1024 * 1024 + 12345)  # three parts of 5 MiB on S3
+    calls: list[tuple[int, int]] = []
+    info = await store.put("big/blob", len(data), reader(data, calls))
+    assert info.size == len(data)
+    assert await content(store, "big/blob") == data
+    covered = sorted(calls)
+    assert covered[0][0] == 0 and covered[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "ranges must tile the content exactly"
+    if backend.is_s3:
+        assert len(calls) == 3
+        assert store.stats.put_requests >= 5  # create, three parts, complete
+        assert "-" in info.etag.strip('"'), "a multipart ETag ends in -<parts>"
+
+
+async def test_a_failed_put_leaves_the_old_object(store: ObjectStore) -> None:
+    old = os.urandom(2000)
+    await store.put("keep", len(old), reader(old))
+
+    def short(start: int, end: int) -> bytes:
+        return b"x" * max(0, end - start - 1)
+
+    with pytest.raises(ObjectStoreError):
+        await store.put("keep", 5000, short)
+    assert await content(store, "keep") == old
+
+    def broken(start: int, end: int) -> bytes:
+        raise OSError(5, "staged file unreadable")
+
+    with pytest.raises((ObjectStoreError, OSError)):
+        await store.put("keep", 5000, broken)
+    assert await content(store, "keep") == old
+
+
+async def test_failed_multipart_put_leaves_the_old_object(backend: Backend, store: ObjectStore) -> None:
+    old = os.urandom(1000)
+    await store.put("mp", len(old), reader(old))
+    big = os.urandom(11 * 1024 * 1024)
+
+    def fails_late(start: int, end: int) -> bytes:
+        if end > 10 * 1024 * 1024:
+            raise OSError(5, "disk error in the last part")
+        return big[start:end]
+
+    with pytest.raises((ObjectStoreError, OSError)):
+        await store.put("mp", len(big), fails_late)
+    assert await content(store, "mp") == old
+
+
+async def test_delete(backend: Backend, store: ObjectStore) -> None:
+    backend.put("d/a", b"a")
+    backend.put("d/b", b"b")
+    await store.delete("d/a")
+    assert set((await store.list_dir("d/")).files) == {"b"}
+    with pytest.raises(ObjectNotFoundError):
+        await store.head("d/a")
+    await store.delete("d/a")  # absent: not an error
+    await store.delete("never/was")
+    await store.delete("d/b")
+    assert (await store.list_dir("d/")).files == {}
+    # Whether "d" is still listed now is up to the server: S3 and moto drop a prefix with no keys,
+    # SeaweedFS and a local directory keep the directory until its marker ("d/") is deleted.
+    await store.delete("d/")
+    assert "d" not in (await store.list_dir("")).dirs
+
+
+async def test_delete_of_a_marker(store: ObjectStore) -> None:
+    await store.put("m/", 0, reader(b""))
+    assert "m" in (await store.list_dir("")).dirs
+    await store.delete("m/")
+    assert "m" not in (await store.list_dir("")).dirs
+    await store.delete("m/")
+
+
+async def test_copy(store: ObjectStore) -> None:
+    data = os.urandom(50_000)
+    src = await store.put("c/src", len(data), reader(data))
+    info = await store.copy("c/src", src.etag, "c/dst")
+    assert info.key == "c/dst" and info.size == len(data)
+    assert await content(store, "c/dst") == data
+    assert await content(store, "c/src") == data
+    assert (await store.head("c/dst")).etag == info.etag
+
+    newer = os.urandom(50_000)
+    await store.put("c/src", len(newer), reader(newer))
+    with pytest.raises(ObjectChangedError):
+        await store.copy("c/src", src.etag, "c/other")
+    with pytest.raises(ObjectNotFoundError):
+        await store.head("c/other")
+    with pytest.raises(ObjectNotFoundError):
+        await store.copy("c/missing", src.etag, "c/x")
+
+
+async def test_copy_above_the_single_request_limit(backend: Backend, store: ObjectStore,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if not backend.is_s3:
+        pytest.skip("only S3 has a size limit on CopyObject")
+    from tiering.objectstore import s3
+
+    monkeypatch.setattr(s3, "MAX_COPY_OBJECT_BYTES", 6 * 1024 * 1024)
+    monkeypatch.setattr(s3, "COPY_PART_SIZE", 5 * 1024 * 1024)
+    data = os.urandom(12 * 1024 * 1024 + 7)
+    src = await store.put("cp/src", len(data), reader(data))
+    info = await store.copy("cp/src", src.etag, "cp/dst")
+    assert info.size == len(data)
+    assert await content(store, "cp/dst") == data
+
+
+async def test_write_stats_are_counted(store: ObjectStore) -> None:
+    stats = store.stats
+    before = (stats.put_requests, stats.delete_requests, stats.copy_requests, stats.bytes_written)
+    info = await store.put("s/w", 700, reader(b"q" * 700))
+    await store.copy("s/w", info.etag, "s/w2")
+    await store.delete("s/w")
+    assert stats.put_requests == before[0] + 1
+    assert stats.delete_requests == before[1] + 1
+    assert stats.copy_requests >= before[2] + 1
+    assert stats.bytes_written == before[3] + 700
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a//b", "a/../b", "./a", "a/.", "x\x00y", "//"])
+async def test_bad_keys_are_never_written(store: ObjectStore, key: str) -> None:
+    with pytest.raises(ValueError):
+        await store.put(key, 1, reader(b"x"))
+    with pytest.raises(ValueError):
+        await store.delete(key)

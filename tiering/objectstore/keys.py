@@ -35,6 +35,19 @@ def check_key(key: str) -> None:
         raise ObjectNotFoundError(f"no such object: {key!r}")
 
 
+def check_write_key(key: str) -> None:
+    """A key to write: what ``check_key`` allows, plus no empty component and no leading ``/``.
+
+    A trailing ``/`` is allowed (a directory marker ``a/b/``). Refusals are ``ValueError``: the
+    filesystem never asks for such a key, so one reaching a store is a bug, not a missing object.
+    """
+    body = key[:-1] if key.endswith("/") else key
+    if not body or "\x00" in key or key.startswith("/"):
+        raise ValueError(f"cannot write object key {key!r}")
+    if any(part in ("", ".", "..") for part in body.split("/")):
+        raise ValueError(f"cannot write object key {key!r}: empty, '.' or '..' component")
+
+
 def check_range(start: int, end: int) -> None:
     """A byte range ``[start, end)`` must be non-negative and not reversed."""
     if start < 0 or end < start:

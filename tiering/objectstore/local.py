@@ -18,6 +18,15 @@ refused unless it still lies under the resolved root. Refusals are ``ObjectNotFo
 reader's side such a key simply does not exist. The final open uses ``O_NOFOLLOW`` on the resolved
 path, so a symlink swapped in after the check is not followed either.
 
+Writes (write-back). ``put`` writes the new content to a temp file in the key's own directory
+(``.cachefs-tmp-<random>``), fsyncs it, renames it over the key and fsyncs the directory: a reader
+sees the old file or the whole new one, and once ``put`` returns the bytes survive a power loss,
+which write-back relies on before it drops its staged copy. Temp files are never listed. ``copy``
+does the same with the source's bytes (after checking its ETag on the open file). A directory
+marker ``a/b/`` is the directory itself: putting it creates the directory, deleting it removes the
+directory if it is empty (a non-empty one stays, as a marker's directory stays on S3 while keys
+remain under it). ``delete`` of an absent key succeeds, as on S3.
+
 All blocking calls go through ``asyncio.to_thread``: an NFS server that stalls must not stall the
 event loop that also serves FUSE requests from the RAM tier.
 """
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -38,14 +48,22 @@ from tiering.errors import (
     ObjectStoreError,
     ObjectStoreUnavailableError,
 )
-from tiering.objectstore.keys import check_list_prefix, check_range, clamp_range
-from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats
+from tiering.objectstore.keys import check_list_prefix, check_range, check_write_key, clamp_range
+from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
 
 T = TypeVar("T")
 
 # errnos that mean "the storage behind the path is not answering" rather than "this key is bad".
 _UNAVAILABLE_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN,
                                  errno.ENETUNREACH, errno.ECONNREFUSED, errno.ECONNRESET, errno.ESTALE})
+
+
+# Temp files of puts and copies, in the key's directory so the final rename stays on one filesystem.
+# Never listed, so a reader of the store does not see half-written content under a name.
+TMP_PREFIX = ".cachefs-tmp-"
+# Bytes read from the source (or a copied file) per call: large enough that the per-call overhead
+# vanishes, small enough to keep the memory of one put flat.
+WRITE_CHUNK = 8 * 1024 * 1024
 
 
 def stat_etag(st: os.stat_result) -> str:
@@ -143,6 +161,8 @@ class LocalObjectStore:
                     st = entry.stat()  # follows a (confined) symlink
                 except OSError:
                     continue  # vanished or dangling between readdir and stat: not listed
+                if entry.name.startswith(TMP_PREFIX):
+                    continue  # a put in progress (or one a crash left behind): not an object
                 if stat.S_ISDIR(st.st_mode):
                     listing.dirs.add(entry.name)
                 elif stat.S_ISREG(st.st_mode):
@@ -187,6 +207,122 @@ class LocalObjectStore:
         finally:
             os.close(fd)
 
+    def _write_target(self, key: str) -> str:
+        """The path a write of ``key`` goes to; its directory is created (inside the root) if needed."""
+        check_write_key(key)
+        rel = key[:-1] if key.endswith("/") else key
+        real_root = self._real_root()
+        parent_rel, _, name = rel.rpartition("/")
+        parent = os.path.realpath(os.path.join(real_root, *parent_rel.split("/"))) if parent_rel else real_root
+        if not self._inside(real_root, parent):
+            raise ObjectNotFoundError(f"cannot write {key!r}: outside the store root")
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise _classify(exc, repr(key)) from exc
+        return os.path.join(parent, name)
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _replace_sync(self, key: str, target: str, fill: Callable[[int], None]) -> ObjectInfo:
+        """Write a temp file with ``fill(fd)``, fsync it, rename it over ``target``, fsync the dir."""
+        directory = os.path.dirname(target)
+        tmp = os.path.join(directory, TMP_PREFIX + secrets.token_hex(8))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                fill(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if os.path.isdir(target) and not os.path.islink(target):
+                raise IsADirectoryError(errno.EISDIR, f"{key!r} is a directory")
+            os.replace(tmp, target)
+            self._fsync_dir(directory)
+            st = os.stat(target, follow_symlinks=False)  # after the rename: it may change ctime
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _classify(exc, repr(key)) from exc
+        return _info(key, st)
+
+    def _put_sync(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+        target = self._write_target(key)
+        if key.endswith("/"):
+            try:
+                os.makedirs(target, exist_ok=True)
+                self._fsync_dir(os.path.dirname(target))
+                st = os.stat(target)
+            except OSError as exc:
+                raise _classify(exc, repr(key)) from exc
+            return ObjectInfo(key=key, size=0, etag=stat_etag(st), mtime=st.st_mtime)
+
+        def fill(fd: int) -> None:
+            pos = 0
+            while pos < size:
+                chunk = read(pos, min(size, pos + WRITE_CHUNK))
+                if not chunk:
+                    raise ObjectStoreError(f"put {key!r}: the source ended at {pos} of {size} bytes")
+                _write_all(fd, chunk)
+                pos += len(chunk)
+
+        return self._replace_sync(key, target, fill)
+
+    def _delete_sync(self, key: str) -> None:
+        check_write_key(key)
+        rel = key[:-1] if key.endswith("/") else key
+        try:
+            path = self._resolve(rel, directory=False)
+        except ObjectNotFoundError:
+            return
+        try:
+            if key.endswith("/"):
+                os.rmdir(path)
+            else:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    return  # a file key that names a directory: no such object
+                os.unlink(path)
+            self._fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
+                return  # absent, or a directory that still has entries (it stays, as on S3)
+            raise _classify(exc, repr(key)) from exc
+
+    def _copy_sync(self, src: str, etag: str, dst: str) -> ObjectInfo:
+        path = self._resolve(src, directory=False)
+        try:
+            src_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _classify(exc, repr(src)) from exc
+        try:
+            st = os.fstat(src_fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ObjectNotFoundError(f"no such object: {src!r}")
+            if stat_etag(st) != etag:
+                raise ObjectChangedError(f"object {src!r} changed: ETag is now {stat_etag(st)}, not {etag}")
+            target = self._write_target(dst)
+
+            def fill(fd: int) -> None:
+                pos = 0
+                while pos < st.st_size:
+                    chunk = os.pread(src_fd, min(WRITE_CHUNK, st.st_size - pos), pos)
+                    if not chunk:
+                        break
+                    _write_all(fd, chunk)
+                    pos += len(chunk)
+
+            return self._replace_sync(dst, target, fill)
+        finally:
+            os.close(src_fd)
+
     # -- ObjectStore --------------------------------------------------------------------------------
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
@@ -218,5 +354,26 @@ class LocalObjectStore:
         self.stats.bytes_read += len(data)
         return data
 
+    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+        self.stats.put_requests += 1
+        info = await self._run(self._put_sync, key, size, read)
+        self.stats.bytes_written += size
+        return info
+
+    async def delete(self, key: str) -> None:
+        self.stats.delete_requests += 1
+        await self._run(self._delete_sync, key)
+
+    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+        self.stats.copy_requests += 1
+        return await self._run(self._copy_sync, src, etag, dst)
+
     async def close(self) -> None:
         pass
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]

@@ -12,8 +12,11 @@ suite in ``tests/contract`` runs the same cases on both):
 - ``get_range`` refuses to read an object whose ETag is no longer the one asked for
   (``ObjectChangedError``), like a GET with ``If-Match``, and clamps the range to the object's end.
 
+- ``put`` replaces an object in one step (as a PUT or a completed multipart upload), ``delete`` of an
+  absent key succeeds, ``copy`` refuses a source whose ETag is no longer the one given.
+
 ``FailingObjectStore`` wraps any store to inject failures and latency; its flags are plain mutable
-attributes so a test can break and heal the store in the middle of a read.
+attributes so a test can break and heal the store in the middle of a read or an upload.
 
 Every call awaits ``asyncio.sleep(0)`` once so that concurrent callers interleave as they would
 against a real store, instead of each call completing without ever yielding the loop.
@@ -27,12 +30,22 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreUnavailableError
-from tiering.objectstore.keys import check_key, check_list_prefix, check_range, clamp_range, split_listing_key
-from tiering.protocols import Listing, ObjectInfo, ObjectStore, ObjectStoreStats
+from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError
+from tiering.objectstore.keys import (
+    check_key,
+    check_list_prefix,
+    check_range,
+    check_write_key,
+    clamp_range,
+    split_listing_key,
+)
+from tiering.protocols import Listing, ObjectInfo, ObjectStore, ObjectStoreStats, ReadRange
 
 # Called as on_get(key, start, end) at the start of every get_range, before any failure is injected.
 GetHook = Callable[[str, int, int], None]
+# Called as on_write(op, key) at the start of every put/delete/copy ("put", "delete", "copy"), before
+# any failure is injected; it may raise to inject an error of its choice.
+WriteHook = Callable[[str, str], None]
 
 
 def md5_etag(data: bytes) -> str:
@@ -126,6 +139,35 @@ class InMemoryObjectStore:
         self.stats.bytes_read += len(data)
         return data
 
+    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+        check_write_key(key)
+        self.stats.requests += 1
+        self.stats.put_requests += 1
+        data = await asyncio.to_thread(read, 0, size) if size else b""
+        if len(data) != size:
+            self.stats.errors += 1
+            raise ObjectStoreError(f"put {key!r}: the source gave {len(data)} bytes, not {size}")
+        self.stats.bytes_written += size
+        return self.put_object(key, data)
+
+    async def delete(self, key: str) -> None:
+        check_write_key(key)
+        self.stats.requests += 1
+        self.stats.delete_requests += 1
+        await asyncio.sleep(0)
+        self._objects.pop(key, None)
+
+    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+        check_write_key(dst)
+        self.stats.requests += 1
+        self.stats.copy_requests += 1
+        await asyncio.sleep(0)
+        stored = self._lookup(src)
+        if stored.info.etag != etag:
+            self.stats.errors += 1
+            raise ObjectChangedError(f"object {src!r} changed: ETag is now {stored.info.etag}, not {etag}")
+        return self.put_object(dst, stored.data)
+
     async def close(self) -> None:
         pass
 
@@ -146,10 +188,13 @@ class FailingObjectStore:
     """Wraps a store to inject failures and latency.
 
     ``fail_gets`` makes ``get_range`` raise ``ObjectStoreUnavailableError``; ``fail_lists`` does the
-    same for ``list_dir`` and ``check``; ``fail_heads`` for ``head``. ``delay_s`` makes every call
-    sleep first (to simulate a slow or hanging store; the caller's timeout decides what happens).
+    same for ``list_dir`` and ``check``; ``fail_heads`` for ``head``; ``fail_writes`` for ``put``,
+    ``delete`` and ``copy`` (``write_error``, if set, is raised instead: an ``AccessDeniedError`` to
+    test a store that refuses writes). ``delay_s`` makes every call sleep first (to simulate a slow
+    or hanging store; the caller's timeout decides what happens); ``write_delay_s`` only the writes.
     All are plain attributes: flip them at any time. ``stats`` is the inner store's, with injected
-    failures counted as errors. ``on_get(key, start, end)`` is called on every ``get_range``.
+    failures counted as errors. ``on_get(key, start, end)`` is called on every ``get_range``,
+    ``on_write(op, key)`` on every write.
     """
 
     def __init__(
@@ -159,15 +204,23 @@ class FailingObjectStore:
         fail_gets: bool = False,
         fail_lists: bool = False,
         fail_heads: bool = False,
+        fail_writes: bool = False,
+        write_error: ObjectStoreError | None = None,
         delay_s: float = 0.0,
+        write_delay_s: float = 0.0,
         on_get: GetHook | None = None,
+        on_write: WriteHook | None = None,
     ) -> None:
         self.inner = inner
         self.fail_gets = fail_gets
         self.fail_lists = fail_lists
         self.fail_heads = fail_heads
+        self.fail_writes = fail_writes
+        self.write_error = write_error
         self.delay_s = delay_s
+        self.write_delay_s = write_delay_s
         self.on_get = on_get
+        self.on_write = on_write
 
     @property
     def stats(self) -> ObjectStoreStats:
@@ -198,6 +251,29 @@ class FailingObjectStore:
             self.on_get(key, start, end)
         await self._before(self.fail_gets, f"get {key!r} [{start}, {end})")
         return await self.inner.get_range(key, etag, start, end)
+
+    async def _before_write(self, op: str, key: str) -> None:
+        if self.on_write is not None:
+            self.on_write(op, key)
+        if self.write_delay_s > 0:
+            await asyncio.sleep(self.write_delay_s)
+        await self._before(self.fail_writes and self.write_error is None, f"{op} {key!r}")
+        if self.fail_writes and self.write_error is not None:
+            self.inner.stats.requests += 1
+            self.inner.stats.errors += 1
+            raise self.write_error
+
+    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+        await self._before_write("put", key)
+        return await self.inner.put(key, size, read)
+
+    async def delete(self, key: str) -> None:
+        await self._before_write("delete", key)
+        await self.inner.delete(key)
+
+    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+        await self._before_write("copy", dst)
+        return await self.inner.copy(src, etag, dst)
 
     async def close(self) -> None:
         await self.inner.close()
