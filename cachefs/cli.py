@@ -43,6 +43,7 @@ from tiering.settings import (
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_FETCHES,
     DEFAULT_RAM_BYTES,
+    DEFAULT_MAX_PINNED_FRACTION,
     DEFAULT_READAHEAD_MAX_BYTES,
     CacheSettings,
 )
@@ -53,7 +54,7 @@ log = logging.getLogger("cachefs")
 # Feature modules that add subcommands: each has ``register(subparsers)``, which adds its parsers
 # with ``set_defaults(handler=fn)``; ``fn(args, environ) -> int`` runs the command and may raise
 # ``UsageError``.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("cachefs.cli_prefetch",)
 
 # How long `cachefs mount` waits for the daemon to report. The daemon's own start-up check is
 # bounded at 20 s (cachefs.daemon); this leaves room for scanning a large disk tier on start.
@@ -87,6 +88,26 @@ def _seconds(text: str) -> float:
     if value < 0 or value != value:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: must not be negative")
     return value
+
+
+def _fraction_or_size(text: str) -> tuple[str, float | int]:
+    """``0.5`` or ``50%`` (a fraction of --disk-cache) or ``20GiB`` (a size); a bare integer above 1
+    is ambiguous (bytes? a typo for a fraction?) and refused."""
+    body = text.strip()
+    try:
+        if body.endswith("%"):
+            value = float(body[:-1]) / 100
+        elif body.replace(".", "", 1).isdigit() and ("." in body or body in ("0", "1")):
+            value = float(body)
+        elif body.isdigit():
+            raise ValueError(f"ambiguous pin limit {text!r}: use a fraction such as 0.5 or a size such as 20GiB")
+        else:
+            return ("bytes", parse_size(body))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"invalid fraction {text!r}: expected 0 to 1 (or 0% to 100%)")
+    return ("fraction", value)
 
 
 def _addr(text: str) -> str:
@@ -130,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)
     m.add_argument("--read-timeout", type=_seconds, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
                    help=argparse.SUPPRESS)
+    m.add_argument("--max-pinned", type=_fraction_or_size, default=None, metavar="FRACTION|SIZE",
+                   help=f"most data 'cachefs prefetch --pin' may pin: a fraction of --disk-cache "
+                        f"(default {DEFAULT_MAX_PINNED_FRACTION:g}) or a size such as 20GiB")
     m.add_argument("--stats-addr", type=_addr, default=None, metavar="HOST:PORT",
                    help="also serve /stats and /healthz over HTTP here (loopback unless a host is given)")
     m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
@@ -157,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------- mount
+def _pin_limit(value: tuple[str, float | int] | None, disk_bytes: int) -> int | None:
+    if value is None:
+        return None
+    kind, amount = value
+    return int(amount * disk_bytes) if kind == "fraction" else int(amount)
+
+
 def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSettings:
     try:
         cache = CacheSettings(
@@ -166,6 +197,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
             max_concurrent_fetches=args.max_fetches,
             readahead_max_bytes=args.readahead,
             fetch_timeout_s=args.fetch_timeout,
+            max_pinned_bytes=_pin_limit(args.max_pinned, args.disk_cache),
         )
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=True)
     except ValueError as exc:

@@ -11,6 +11,7 @@ Cache directory layout, per source (so several mounts may share one ``--cache-di
         source.json   what this directory caches (for humans and tools)
         lock          flock'd by the daemon using it: two daemons never share a disk tier
         blocks/       the disk tier (see tiering.disk)
+        pins.json     pinned objects (see tiering.pins, cachefs.prefetch)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tiering.disk import DiskTier
 from tiering.engine import BlockCache
 from tiering.errors import CacheError
 from tiering.objectstore import open_object_store
+from tiering.pins import PIN_FILENAME, pinned_block_keys
 from tiering.protocols import ObjectStore
 from tiering.ram import RamTier
 
@@ -61,7 +63,7 @@ ReadyCallback = Callable[[str | None], None]
 # called before the control API starts (so it can add routes); its ``start()`` runs before the
 # kernel mount (so a replay or a warm-up finishes first) and its ``stop()`` after the unmount, in
 # reverse order, also when the mount failed.
-FEATURE_MODULES: tuple[str, ...] = ()
+FEATURE_MODULES: tuple[str, ...] = ("cachefs.prefetch", "cachefs.metrics")
 
 
 @dataclass
@@ -146,6 +148,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 cs.disk_bytes,
                 high_watermark=cs.high_watermark,
                 low_watermark=cs.low_watermark,
+                pinned=pinned_block_keys(cache_dir / PIN_FILENAME, cs.block_size),
             )
         ram = RamTier(cs.ram_bytes)
         cache = BlockCache(cs, store, ram, disk)

@@ -473,6 +473,12 @@ class CacheFS:
                 "errors": st.errors,
                 "corrupt_blocks": st.corrupt_blocks,
             }
+            # Bytes reads had to load from below this tier because it missed (see EngineStats).
+            entry["miss_bytes"] = (self.cache.stats.ram_miss_bytes if tier is self.cache.ram
+                                   else self.cache.stats.disk_miss_bytes)
+            pinned_bytes = getattr(tier, "pinned_bytes", None)
+            if pinned_bytes is not None:
+                entry["pinned_bytes"] = pinned_bytes()
             health = getattr(tier, "health", None)
             if health is not None:
                 entry["state"] = health.state
@@ -501,7 +507,20 @@ class CacheFS:
                 "readahead_blocks": engine.readahead_blocks,
                 "readahead_bytes": engine.readahead_bytes,
                 "singleflight_joins": engine.singleflight_joins,
+                "dropped_blocks": engine.dropped_blocks,
+                "dropped_bytes": engine.dropped_bytes,
             },
+            # Warming the disk tier (cachefs prefetch), pinned objects, request latency.
+            "prefetch": {
+                "blocks": engine.prefetch_blocks,
+                "bytes": engine.prefetch_bytes,
+                "from_ram_blocks": engine.prefetch_from_ram_blocks,
+                "skipped_blocks": engine.prefetch_skipped_blocks,
+                "skipped_bytes": engine.prefetch_skipped_bytes,
+                "not_stored_blocks": engine.prefetch_not_stored,
+            },
+            "pins": self.cache.pin_stats(),
+            "latency": {op: hist.snapshot() for op, hist in self.cache.latency.items()},
             "filesystem": {
                 "inodes": len(self._nodes),
                 "open_handles": len(self._handles),

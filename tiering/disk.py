@@ -73,6 +73,32 @@ in ``stats.errors`` and reported to ``self.health`` (a ``TierHealth``), which lo
 change. While the tier is down it is skipped without any I/O, until a probe after the cool-down
 succeeds. A failed write leaves neither a temp file nor an index entry behind.
 
+Pinning
+-------
+``pin(keys)`` marks blocks that eviction must never take (``_evictable`` skips them), present or not:
+a block pinned before it is written is protected from the moment it lands. ``pinned_bytes()`` counts
+the pinned blocks on disk; the engine bounds the total pinned (``tiering.pins``), so eviction always
+has unpinned blocks to work with. Pins are in memory: the daemon restores them at start-up (the
+``pinned`` argument, applied before the start-up scan may evict) from the pin file it keeps. The one
+case that overrides a pin is a capacity lowered below the pinned bytes: the capacity is a hard limit,
+so the start-up scan then evicts pinned blocks too, least recently used first, with a warning.
+``discard`` and corrupt-block drops also remove pinned blocks (the pin stays; the block is fetched
+again on the next read or prefetch). ``touch(key)`` refreshes a block's recency in memory only (no
+I/O), for the prefetcher, which must keep blocks it skips from being the next eviction victims.
+``evict_unpinned()`` drops every block that eviction may take, for ``cachefs evict``.
+
+Staged write-back data
+----------------------
+The tier is also the ``SpaceBudget`` of write-back (``tiering.writeback``): ``reserve_space(n)``
+adds ``n`` staged bytes to ``used_bytes()`` and evicts clean, unpinned blocks exactly as a put does
+(a batch down to the low watermark when the high one is crossed), so dirty data and cached blocks
+share one capacity and the capacity is never exceeded. Staged bytes are never evicted: they are
+not blocks of this tier, only counted here, and go when write-back releases them after upload.
+When no clean block is left to evict the reservation is refused and the writer waits or gets
+ENOSPC. ``force`` (start-up replay of staged data) reserves even beyond the capacity, since
+acknowledged data must not be dropped when the capacity was lowered; block puts are then refused
+until uploads bring usage back under it.
+
 One cache directory belongs to one process at a time; two daemons sharing one would evict each
 other's files without knowing it.
 """
@@ -89,6 +115,7 @@ import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
+from typing import Iterable
 
 from tiering.blocks import BlockKey
 from tiering.clock import Clock, SystemClock
@@ -161,6 +188,22 @@ def check_cache_dir(path: Path) -> None:
         raise OSError(exc.errno, f"cache directory {path} is not writable: {exc.strerror or exc}") from exc
 
 
+def object_footprint(key: str, etag: str, size: int, block_size: int) -> int:
+    """Bytes on disk of every block of one object version: data plus one header per block.
+
+    Closed form of ``sum(block_file_size(BlockKey(key, etag, i), len_i))`` over the blocks (the
+    token holds the decimal block index, so header sizes grow by a byte per power of ten).
+    """
+    blocks = (size + block_size - 1) // block_size
+    fixed = _FIXED.size + _HEADER_CRC.size + len(encode_token(BlockKey(key, etag, 0))) - 1
+    digits, width, start = 0, 1, 0
+    while start < blocks:
+        stop = min(blocks, 10**width)
+        digits += (stop - start) * width
+        start, width = stop, width + 1
+    return size + blocks * fixed + digits
+
+
 def _is_hex(text: str) -> bool:
     return all(c in _HEX for c in text)
 
@@ -177,6 +220,7 @@ class DiskTier:
         low_watermark: float = DEFAULT_LOW_WATERMARK,
         clock: Clock = SystemClock(),
         name: str = "disk",
+        pinned: Iterable[BlockKey] = (),
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
@@ -205,6 +249,9 @@ class DiskTier:
         self._generations = itertools.count(1)
         self._tmp_seq = itertools.count()
         self._last_stamp_ns = 0
+        self._pinned: set[str] = {key.digest() for key in pinned}  # digests eviction must skip
+        self._pinned_used = 0  # file sizes of indexed pinned blocks
+        self._staged = 0  # bytes reserved by write-back staging (SpaceBudget), part of _used
 
         check_cache_dir(self.directory)
         try:
@@ -287,6 +334,8 @@ class DiskTier:
             old = self._index.pop(digest, None)
             if old is not None:
                 self._used -= old[0]
+                if digest in self._pinned:
+                    self._pinned_used -= old[0]
                 self._known.pop(digest, None)
             victims: list[str] = []
             if self._used + size > self._high_bytes:
@@ -320,6 +369,8 @@ class DiskTier:
         self.health.record_success()
         with self._lock:
             self._index[digest] = (size, next(self._generations))
+            if digest in self._pinned:
+                self._pinned_used += size
             self._known[digest] = key
             self._busy.discard(digest)
             self.stats.inserts += 1
@@ -336,12 +387,92 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    # -- staged write-back data (tiering.protocols.SpaceBudget) -----------------------------------
+
+    def reserve_space(self, nbytes: int, *, force: bool = False) -> bool:
+        """Reserve room for staged (dirty) bytes, evicting clean blocks as a put does; see the docstring."""
+        if nbytes < 0:
+            raise ValueError("cannot reserve a negative number of bytes")
+        with self._lock:
+            victims: list[str] = []
+            if self._used + nbytes > self._high_bytes:
+                victims = self._evict_until(self._low_bytes - nbytes)
+            fits = self._used + nbytes <= self.capacity_bytes
+            if fits or force:
+                self._used += nbytes
+                self._staged += nbytes
+        self._unlink_all(victims)
+        return fits or force
+
+    def release_space(self, nbytes: int) -> None:
+        with self._lock:
+            nbytes = min(nbytes, self._staged)
+            self._used -= nbytes
+            self._staged -= nbytes
+
+    def reserved_space(self) -> int:
+        """Bytes held by staged write-back data (included in ``used_bytes()``)."""
+        return self._staged
+
     # -- extras ---------------------------------------------------------------------------------
 
     def keys(self) -> list[BlockKey]:
         """Held keys seen in this process, least recently used first (see the module docstring)."""
         with self._lock:
             return [self._known[d] for d in self._index if d in self._known]
+
+    def pin(self, keys: Iterable[BlockKey]) -> None:
+        """Keep these blocks from eviction, whether they are on disk yet or not (no I/O)."""
+        digests = [key.digest() for key in keys]
+        with self._lock:
+            for digest in digests:
+                if digest not in self._pinned:
+                    self._pinned.add(digest)
+                    entry = self._index.get(digest)
+                    if entry is not None:
+                        self._pinned_used += entry[0]
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        """Let eviction take these blocks again; they keep their place in the LRU order."""
+        digests = [key.digest() for key in keys]
+        with self._lock:
+            for digest in digests:
+                if digest in self._pinned:
+                    self._pinned.discard(digest)
+                    entry = self._index.get(digest)
+                    if entry is not None:
+                        self._pinned_used -= entry[0]
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        return key.digest() in self._pinned
+
+    def pinned_bytes(self) -> int:
+        """File sizes of the pinned blocks that are on disk now."""
+        return self._pinned_used
+
+    def touch(self, key: BlockKey) -> bool:
+        """Mark a held block most recently used, in memory only (no I/O); False if not held."""
+        digest = key.digest()
+        with self._lock:
+            if digest not in self._index or digest in self._busy:
+                return False
+            self._index.move_to_end(digest)
+            self._known[digest] = key
+            return True
+
+    def evict_unpinned(self) -> tuple[int, int]:
+        """Drop every block eviction may take (all but pinned and busy ones): ``(blocks, bytes)``."""
+        with self._lock:
+            victims = [d for d in self._index if self._evictable(d)]
+            freed = 0
+            for digest in victims:
+                size, _gen = self._index.pop(digest)
+                self._used -= size
+                freed += size
+                self._known.pop(digest, None)
+                self._busy.add(digest)
+        self._unlink_all(victims)
+        return len(victims), freed
 
     def __repr__(self) -> str:
         return (
@@ -352,8 +483,8 @@ class DiskTier:
     # -- eviction (call with the lock held) -----------------------------------------------------
 
     def _evictable(self, digest: str) -> bool:
-        """Whether eviction may take ``digest``. The hook for pinned and dirty blocks."""
-        return digest not in self._busy
+        """Whether eviction may take ``digest``: not being written or deleted, and not pinned."""
+        return digest not in self._busy and digest not in self._pinned
 
     def _evict_until(self, target_bytes: int) -> list[str]:
         """Take LRU evictable blocks out of the index until ``used <= target_bytes``.
@@ -379,6 +510,27 @@ class DiskTier:
             self._busy.add(digest)
             self.stats.evictions += 1
             self.stats.evicted_bytes += size
+        return victims
+
+    def _evict_pinned_until(self, target_bytes: int) -> list[str]:
+        """Start-up only, capacity below the pinned bytes: evict pinned blocks too (see Pinning)."""
+        victims: list[str] = []
+        for digest, (size, _gen) in self._index.items():
+            if self._used <= target_bytes:
+                break
+            victims.append(digest)
+            self._used -= size
+            if digest in self._pinned:
+                self._pinned_used -= size
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += size
+        for digest in victims:
+            del self._index[digest]
+            self._known.pop(digest, None)
+            self._busy.add(digest)
+        if victims:
+            log.warning("%s tier: capacity %d bytes is below the pinned data: evicted %d blocks, pinned ones included",
+                        self.name, self.capacity_bytes, len(victims))
         return victims
 
     # -- helpers --------------------------------------------------------------------------------
@@ -422,6 +574,8 @@ class DiskTier:
                 return
             del self._index[digest]
             self._used -= entry[0]
+            if digest in self._pinned:
+                self._pinned_used -= entry[0]
             self._known.pop(digest, None)
             self._busy.add(digest)
         self._unlink_all([digest])
@@ -529,10 +683,14 @@ class DiskTier:
         for mtime_ns, digest, size in found:
             self._index[digest] = (size, 0)
             self._used += size
+            if digest in self._pinned:
+                self._pinned_used += size
             self._last_stamp_ns = max(self._last_stamp_ns, mtime_ns)
         evicted = 0
         if self._used > self.capacity_bytes:  # capacity was lowered since the blocks were written
             victims = self._evict_until(self._low_bytes)
+            if self._used > self.capacity_bytes:
+                victims += self._evict_pinned_until(self.capacity_bytes)
             evicted = len(victims)
             self._unlink_all(victims)
         log.info(

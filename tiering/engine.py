@@ -18,19 +18,50 @@ tracks its health. The engine does not rely on that alone: whatever a disk-tier 
 counted in ``disk_errors``, logged (with its traceback the first time) and taken as a miss or a
 skipped write, so a broken or buggy tier costs speed, never a read. A failing store is an error for
 the reader: ``ObjectStoreError`` with its errno, after at most ``fetch_timeout_s``.
+
+Warming (prefetch into the disk tier)
+-------------------------------------
+``warm_block(ref, index)`` makes one block present on the *disk* tier without putting it in RAM:
+a dataset warmed before a job starts must not push the job's working set out of RAM, and RAM does
+not outlive the daemon anyway. A block already on disk is skipped with an index lookup (no I/O),
+but its recency is refreshed in memory, so blocks a prefetch skips are not the next ones its own
+inserts evict. A block in RAM only is written from RAM, without a GET. Otherwise the block is
+fetched with the same single-flight table and fetch slots as reads: a reader arriving while a warm
+load is in flight joins it, a warm arriving while a read load is in flight waits for that load
+(including its disk write) instead of fetching again. A warm load holds its slot until the block is
+on disk, like any load. Cancelling a warm (a cancelled prefetch job) never cancels the load itself:
+the block still lands on disk and a second run skips it.
+
+Pins and evict
+--------------
+``pin(refs)`` records pinned object versions in a ``PinTable`` and marks their blocks in the disk
+tier, which then never evicts them. The table's footprint is bounded by ``pin_limit_bytes``
+(``PinLimitError`` beyond, nothing changed). ``evict(ref, ...)`` drops the cached blocks of one
+object version from RAM and/or disk, keeping pinned ones; ``evict_all`` does it for every block.
+The block cache holds clean data only (write-back stages dirty data outside it), so anything it
+drops can be fetched again.
+
+Latency: every GET the engine issues is timed with the injected clock into ``latency["get"]``, a
+fixed-bucket ``LatencyHistogram`` that the metrics endpoint exports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range, spans
+from tiering.clock import Clock, SystemClock
+from tiering.disk import object_footprint
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
+from tiering.latency import LatencyHistogram
+from tiering.pins import PinError, PinLimitError, PinTable, block_keys
 from tiering.protocols import BlockTier, ObjectStore
 from tiering.settings import CacheSettings
+from tiering.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +88,34 @@ class EngineStats:
     readahead_bytes: int = 0
     singleflight_joins: int = 0
     disk_errors: int = 0  # disk-tier calls that raised instead of answering (each one a miss)
+    # Bytes a read had to load from below a tier because that tier missed (once per load, however
+    # many readers joined it): RAM misses are served by disk or a fetch, disk misses by a fetch.
+    ram_miss_bytes: int = 0
+    disk_miss_bytes: int = 0
+    # warm_block (prefetch into the disk tier)
+    prefetch_blocks: int = 0  # fetched from the store by a warm
+    prefetch_bytes: int = 0
+    prefetch_from_ram_blocks: int = 0  # written to disk from RAM, no GET
+    prefetch_skipped_blocks: int = 0  # already on disk
+    prefetch_skipped_bytes: int = 0
+    prefetch_not_stored: int = 0  # the disk tier refused the block (full of pinned data, or failing)
+    # evict / evict_all: blocks dropped on request (not capacity evictions)
+    dropped_blocks: int = 0
+    dropped_bytes: int = 0
+
+
+class WarmOutcome(enum.Enum):
+    """What ``warm_block`` did for one block."""
+
+    SKIPPED = "skipped"  # already on disk
+    FETCHED = "fetched"  # fetched from the store and written to disk
+    FROM_RAM = "from_ram"  # written to disk from the RAM tier
+    JOINED = "joined"  # another load (a read or another warm) put it on disk
+    NOT_STORED = "not_stored"  # the disk tier did not store it (full of pinned data, failing, absent)
+
+    @property
+    def cached(self) -> bool:
+        return self is not WarmOutcome.NOT_STORED
 
 
 class BlockCache:
@@ -66,15 +125,22 @@ class BlockCache:
         store: ObjectStore,
         ram: BlockTier,
         disk: BlockTier | None = None,
+        *,
+        clock: Clock | None = None,
     ) -> None:
         self.settings = settings
         self.block_size = settings.block_size
         self.store = store
         self.ram = ram
         self.disk = disk
+        self.clock = clock or SystemClock()
         self.stats = EngineStats()
+        self.latency: dict[str, LatencyHistogram] = {"get": LatencyHistogram()}
+        self.pins = PinTable(lambda ref: object_footprint(ref.key, ref.etag, ref.size, self.block_size))
         self._inflight: dict[BlockKey, asyncio.Future[bytes]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Every load task until it is completely done (its disk write included), by block.
+        self._load_tasks: dict[BlockKey, asyncio.Task[WarmOutcome | None]] = {}
+        self._tasks: set[asyncio.Task[WarmOutcome | None]] = set()
         self._slots = asyncio.Semaphore(settings.max_concurrent_fetches)
 
     @property
@@ -143,6 +209,218 @@ class BlockCache:
     def is_cached(self, key: BlockKey) -> bool:
         return self.ram.contains(key) or (self.disk is not None and self.disk.contains(key))
 
+    # ------------------------------------------------------------------ warming (prefetch to disk)
+    async def warm_block(self, ref: ObjectRef, index: int) -> tuple[WarmOutcome, int]:
+        """Make block ``index`` of ``ref`` present on the disk tier, not in RAM (module docstring).
+
+        Returns what was done and the block's length. Raises the store's error if the block had to
+        be fetched and the fetch failed (``ObjectChangedError`` if the object changed meanwhile).
+        """
+        start, end = block_range(index, ref.size, self.block_size)
+        length = end - start
+        disk = self.disk
+        if disk is None:
+            self.stats.prefetch_not_stored += 1
+            return WarmOutcome.NOT_STORED, length
+        key = BlockKey(ref.key, ref.etag, index)
+        joined = False
+        for _ in range(2):  # a joined load that left nothing on disk gets one load of our own
+            if disk.contains(key):
+                touch = getattr(disk, "touch", None)
+                if touch is not None:
+                    touch(key)
+                if joined:
+                    return WarmOutcome.JOINED, length
+                self.stats.prefetch_skipped_blocks += 1
+                self.stats.prefetch_skipped_bytes += length
+                return WarmOutcome.SKIPPED, length
+            fut = self._inflight.get(key)
+            task = self._load_tasks.get(key)
+            if fut is None and task is None:
+                own = self._start_warm_load(ref, key)
+                outcome = await asyncio.shield(own)
+                assert outcome is not None
+                return outcome, length
+            if fut is not None:
+                await asyncio.shield(fut)  # a failed load raises its error here
+            if task is not None:
+                await asyncio.shield(task)  # until its disk write is done
+            joined = True
+        self.stats.prefetch_not_stored += 1
+        return WarmOutcome.NOT_STORED, length
+
+    async def warm(self, ref: ObjectRef, *, parallel: int | None = None) -> dict[WarmOutcome, int]:
+        """Warm every block of ``ref``, at most ``parallel`` at once; counts blocks per outcome."""
+        limit = asyncio.Semaphore(parallel or self.settings.max_concurrent_fetches)
+        counts: dict[WarmOutcome, int] = {}
+
+        async def one(index: int) -> None:
+            async with limit:
+                outcome, _ = await self.warm_block(ref, index)
+            counts[outcome] = counts.get(outcome, 0) + 1
+
+        await asyncio.gather(*(one(i) for i in range(block_count(ref.size, self.block_size))))
+        return counts
+
+    def cached_blocks(self, ref: ObjectRef) -> int:
+        """How many blocks of ``ref`` are on the disk tier (index lookups only, no I/O)."""
+        if self.disk is None:
+            return 0
+        return sum(1 for key in block_keys(ref, self.block_size) if self.disk.contains(key))
+
+    def _start_warm_load(self, ref: ObjectRef, key: BlockKey) -> asyncio.Task[WarmOutcome | None]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bytes] = loop.create_future()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._inflight[key] = fut
+        task = loop.create_task(self._warm_load(ref, key, fut))
+        # The warm that started it may be cancelled and never look at the outcome.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._track(key, task)
+        return task
+
+    async def _warm_load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes]) -> WarmOutcome:
+        assert self.disk is not None
+        # Unlike a read load, the future stays in the single-flight table until the block is on
+        # disk: the block is not in RAM, so a reader arriving in between must join, not refetch.
+        try:
+            data = self.ram.get(key) if self.ram.contains(key) else None
+            if data is not None:
+                fut.set_result(data)
+                stored = await self._disk_call("put", self.disk.put, key, data)
+                outcome = WarmOutcome.FROM_RAM if stored else WarmOutcome.NOT_STORED
+                if stored:
+                    self.stats.prefetch_from_ram_blocks += 1
+            else:
+                async with self._slots:
+                    data = await self._fetch(ref, key)
+                    self.stats.prefetch_blocks += 1
+                    self.stats.prefetch_bytes += len(data)
+                    fut.set_result(data)
+                    stored = await self._disk_call("put", self.disk.put, key, data)
+                outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED
+            if not stored:
+                self.stats.prefetch_not_stored += 1
+            return outcome
+        except BaseException as exc:
+            if not fut.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    fut.cancel()
+                else:
+                    fut.set_exception(exc)
+            raise
+        finally:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+
+    # ------------------------------------------------------------------ pins and evict
+    @property
+    def pin_limit_bytes(self) -> int:
+        return self.settings.pin_limit_bytes if self.disk is not None else 0
+
+    def pin(self, refs: Iterable[ObjectRef], *, enforce_limit: bool = True) -> None:
+        """Pin these object versions (replacing pins of other versions of the same keys).
+
+        ``PinLimitError`` (and nothing changed) if that takes the pinned footprint above the limit;
+        ``enforce_limit=False`` is for restoring pins saved under an older, larger limit.
+        """
+        refs = list(refs)
+        if not refs:
+            return
+        disk = self.disk
+        if disk is None or not hasattr(disk, "pin"):
+            raise PinError("this mount has no disk tier to pin blocks in (--disk-cache 0)")
+        if enforce_limit:
+            before, after, limit = self.pins.bytes, self.pins.bytes_after(refs), self.pin_limit_bytes
+            if after > limit and after > before:
+                if limit == 0:
+                    raise PinLimitError("pinning is disabled on this mount (--max-pinned 0)")
+                raise PinLimitError(
+                    f"pin limit exceeded: pinning {format_size(after - before)} more would take pinned data to "
+                    f"{format_size(after)}, above the limit of {format_size(limit)} (--max-pinned); "
+                    f"{format_size(before)} is pinned now"
+                )
+        for old in self.pins.add(refs):
+            disk.unpin(block_keys(old, self.block_size))  # type: ignore[attr-defined]
+        for ref in refs:
+            disk.pin(block_keys(ref, self.block_size))  # type: ignore[attr-defined]
+
+    def unpin(self, keys: Iterable[str]) -> list[ObjectRef]:
+        """Unpin the objects with these keys; returns the refs that were pinned."""
+        removed = self.pins.remove(keys)
+        if self.disk is not None and hasattr(self.disk, "unpin"):
+            for ref in removed:
+                self.disk.unpin(block_keys(ref, self.block_size))
+        return removed
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        is_pinned = getattr(self.disk, "is_pinned", None)
+        return bool(is_pinned and is_pinned(key))
+
+    async def evict(self, ref: ObjectRef, *, ram: bool = True, disk: bool = True) -> tuple[int, int, int]:
+        """Drop the cached blocks of one object version, except pinned ones on disk.
+
+        Returns ``(blocks dropped, data bytes dropped, pinned blocks kept)``; a block dropped from
+        both tiers counts once.
+        """
+        dropped = dropped_bytes = kept = 0
+        on_disk: list[BlockKey] = []
+        for key in block_keys(ref, self.block_size):
+            start, end = block_range(key.index, ref.size, self.block_size)
+            hit = False
+            if ram and self.ram.contains(key):
+                self.ram.discard(key)
+                hit = True
+            if disk and self.disk is not None and self.disk.contains(key):
+                if self.is_pinned(key):
+                    kept += 1
+                else:
+                    on_disk.append(key)
+                    hit = True
+            if hit:
+                dropped += 1
+                dropped_bytes += end - start
+        if on_disk:
+            assert self.disk is not None
+            tier = self.disk
+            await self._disk_call("discard", lambda: [tier.discard(k) for k in on_disk])
+        self.stats.dropped_blocks += dropped
+        self.stats.dropped_bytes += dropped_bytes
+        return dropped, dropped_bytes, kept
+
+    async def evict_all(self, *, ram: bool = True, disk: bool = True) -> tuple[int, int]:
+        """Drop every cached block but pinned ones on disk: ``(blocks, bytes)`` per tier, summed.
+
+        Bytes are RAM payload plus disk file sizes; a block held by both tiers counts twice.
+        """
+        blocks = freed = 0
+        if ram:
+            keys = getattr(self.ram, "keys", None)
+            for key in list(keys() if keys else []):
+                before = self.ram.used_bytes()
+                self.ram.discard(key)
+                blocks += 1
+                freed += before - self.ram.used_bytes()
+        if disk and self.disk is not None:
+            evict_unpinned = getattr(self.disk, "evict_unpinned", None)
+            if evict_unpinned is not None:
+                result = await self._disk_call("evict", evict_unpinned)
+                if result is not None:
+                    blocks += result[0]
+                    freed += result[1]
+        self.stats.dropped_blocks += blocks
+        self.stats.dropped_bytes += freed
+        return blocks, freed
+
+    def pin_stats(self) -> dict[str, int]:
+        pinned_bytes = getattr(self.disk, "pinned_bytes", None)
+        return {
+            "objects": len(self.pins),
+            "bytes": self.pins.bytes,
+            "cached_bytes": pinned_bytes() if pinned_bytes else 0,
+            "limit_bytes": self.pin_limit_bytes,
+        }
+
     # ------------------------------------------------------------------ loading
     def _start_load(self, ref: ObjectRef, key: BlockKey, readahead: bool = False) -> asyncio.Future[bytes]:
         loop = asyncio.get_running_loop()
@@ -151,9 +429,19 @@ class BlockCache:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._inflight[key] = fut
         task = loop.create_task(self._load(ref, key, fut, readahead))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._track(key, task)
         return fut
+
+    def _track(self, key: BlockKey, task: asyncio.Task[WarmOutcome | None]) -> None:
+        self._tasks.add(task)
+        self._load_tasks[key] = task
+
+        def done(t: asyncio.Task[WarmOutcome | None]) -> None:
+            self._tasks.discard(t)
+            if self._load_tasks.get(key) is t:
+                del self._load_tasks[key]
+
+        task.add_done_callback(done)
 
     async def _load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes], readahead: bool) -> None:
         try:
@@ -161,11 +449,15 @@ class BlockCache:
                 data = await self._disk_call("get", self.disk.get, key)
                 if data is not None:
                     self.stats.disk_served += 1
+                    self.stats.ram_miss_bytes += len(data)
                     self.ram.put(key, data)
                     fut.set_result(data)
                     return
             async with self._slots:
                 data = await self._fetch(ref, key)
+                self.stats.ram_miss_bytes += len(data)
+                if self.disk is not None:
+                    self.stats.disk_miss_bytes += len(data)
                 if readahead:
                     self.stats.readahead_blocks += 1
                     self.stats.readahead_bytes += len(data)
@@ -203,16 +495,22 @@ class BlockCache:
     async def _fetch(self, ref: ObjectRef, key: BlockKey) -> bytes:
         start, end = block_range(key.index, ref.size, self.block_size)
         timeout = self.settings.fetch_timeout_s
+        began = self.clock.monotonic()
         try:
             data = await asyncio.wait_for(self.store.get_range(ref.key, ref.etag, start, end), timeout)
         except TimeoutError as exc:
+            self.latency["get"].observe(self.clock.monotonic() - began)
             self.stats.fetch_errors += 1
             raise ObjectStoreUnavailableError(
                 f"object store did not answer within {timeout:g} s reading {ref.key!r}"
             ) from exc
         except ObjectStoreError:
+            self.latency["get"].observe(self.clock.monotonic() - began)
             self.stats.fetch_errors += 1
             raise
+        # Failed requests are timed too (a slow 503 is as interesting as a slow 200); a cancelled
+        # one is not: it did not finish.
+        self.latency["get"].observe(self.clock.monotonic() - began)
         if len(data) != end - start:
             self.stats.fetch_errors += 1
             raise ObjectStoreError(f"short read of {ref.key!r}: got {len(data)} of {end - start} bytes")
@@ -230,6 +528,7 @@ class BlockCache:
 
     # ------------------------------------------------------------------ stats
     def hit_ratio(self) -> float:
+        """Share of the blocks reads asked for that a tier served; prefetch fetches are not reads."""
         served = self.stats.ram_served + self.stats.disk_served
-        total = served + self.stats.store_fetches
+        total = served + self.stats.store_fetches - self.stats.prefetch_blocks
         return served / total if total else 0.0

@@ -26,6 +26,10 @@ DEFAULT_MAX_CONCURRENT_FETCHES = 16
 DEFAULT_READAHEAD_MAX_BYTES = 128 * MiB
 # A GET that has not completed in this time is failed with EIO: a reader never hangs on a dead store.
 DEFAULT_FETCH_TIMEOUT_S = 30.0
+# Pinned data may take at most this share of the disk tier by default: half keeps the other half
+# for the working set of unpinned reads, so pinning a dataset never turns the tier into a thrashing
+# buffer for everything else. ``--max-pinned`` changes it (up to the low watermark, see below).
+DEFAULT_MAX_PINNED_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class CacheSettings:
     max_concurrent_fetches: int = DEFAULT_MAX_CONCURRENT_FETCHES
     readahead_max_bytes: int = DEFAULT_READAHEAD_MAX_BYTES
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    # Upper bound on pinned bytes (footprint on the disk tier); None: DEFAULT_MAX_PINNED_FRACTION of it.
+    max_pinned_bytes: int | None = None
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -63,4 +69,20 @@ class CacheSettings:
             out.append("read-ahead size must not be negative")
         if not 0 < self.fetch_timeout_s <= 3600:
             out.append("fetch timeout must be between 0 and 3600 seconds")
+        if self.max_pinned_bytes is not None:
+            # At most the low watermark: eviction frees down to it, and it must always find unpinned
+            # blocks to take, or every insert past the high watermark would be refused.
+            most = int(self.disk_bytes * self.low_watermark)
+            if self.max_pinned_bytes < 0:
+                out.append("max pinned size must not be negative")
+            elif self.max_pinned_bytes > most:
+                out.append(f"max pinned size ({self.max_pinned_bytes} bytes) exceeds {self.low_watermark:.0%} of the "
+                           f"disk cache ({most} bytes): eviction needs room for unpinned blocks")
         return out
+
+    @property
+    def pin_limit_bytes(self) -> int:
+        """The most bytes pinned blocks may take on the disk tier."""
+        if self.max_pinned_bytes is not None:
+            return self.max_pinned_bytes
+        return int(self.disk_bytes * DEFAULT_MAX_PINNED_FRACTION)

@@ -1,0 +1,387 @@
+"""The cache-management commands: ``prefetch``, ``snapshot``, ``unpin`` and ``evict``.
+
+Each finds the mount's daemon from the mountpoint alone (``cachefs.client``), turns the paths a user
+typed into paths relative to the mount root (relative to the mountpoint, or absolute inside it; a
+path that climbs out is refused), and asks the daemon, which does the work (``cachefs.prefetch``).
+
+``prefetch`` starts a job in the daemon and polls it every ``POLL_INTERVAL_S``: on a terminal it
+draws a progress bar (bytes, files, fetch rate, ETA) on stderr, otherwise it prints one summary
+line at the end. Ctrl-C, SIGTERM and SIGHUP cancel the job in the daemon before exiting; a CLI
+killed outright stops polling, and the daemon cancels the job when its lease runs out.
+
+Exit status: 0 when everything asked for is cached on the disk tier (``--check``: is already
+cached); 1 when some of it is not (failed, changed since the manifest, evicted, not cached), with
+the files listed on stderr; 2 for a bad request (a missing path, a path outside the mount, an
+unusable manifest, not a cachefs mount, a dataset that does not fit, the pin limit), one line on
+stderr; 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from cachefs.client import UsageError, control_socket
+from cachefs.control import CONTROL_TIMEOUT_S, ControlError, request_json
+from cachefs.manifest import ManifestError, format_manifest, read_manifest
+from cachefs.resolver import PathError, mount_relative
+from tiering.units import format_size
+
+# How often the CLI polls a job: 5 per second keeps a progress bar fluid at the cost of a few
+# hundred tiny requests a minute on the control socket (answered from memory).
+POLL_INTERVAL_S = 0.2
+# Lease the CLI asks for: the daemon cancels a job not polled for this long (a CLI killed by
+# SIGKILL). 30 s rides out a stopped terminal (Ctrl-Z) for a while and keeps a dead CLI cheap.
+JOB_LEASE_S = 30.0
+# Resolving paths, snapshots and evictions list the store first: a tree of 100,000 directories is
+# minutes of LISTs on a slow store. Requests that answer only after listing get this long.
+LISTING_TIMEOUT_S = 600.0
+# Starting a job with a large manifest ships every entry in one request body.
+START_TIMEOUT_S = 60.0
+# Files listed per category (failed, changed, not cached) on stderr; the rest are counted.
+MAX_LISTED_LINES = 50
+
+EXIT_OK, EXIT_INCOMPLETE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _parallel(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected an integer from 1 to 1024") from None
+    if not 1 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: expected an integer from 1 to 1024")
+    return value
+
+
+def _intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let options and PATHs come in any order (``prefetch MNT --recursive data``).
+
+    Plain argparse fills a ``nargs="*"`` positional at its first chance, so a PATH after an option
+    would be "unrecognized". ``parse_known_intermixed_args`` handles that, but only when called on
+    the parser itself, and a subcommand's parser is called by its parent with ``parse_known_args``:
+    route that call through the intermixed variant (which calls ``parse_known_args`` back itself).
+    """
+    base = type(parser)
+
+    class IntermixedParser(base):  # type: ignore[valid-type, misc]
+        _intermixing = False
+
+        def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+            if self._intermixing:
+                return super().parse_known_args(args, namespace)
+            self._intermixing = True
+            try:
+                return self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._intermixing = False
+
+    parser.__class__ = IntermixedParser
+    return parser
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("prefetch", help="warm the disk cache of a mount with files, directories or a manifest")
+    p.add_argument("mountpoint", type=Path)
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="files or directories, relative to the mountpoint or absolute inside it (default: all)")
+    p.add_argument("--manifest", metavar="FILE",
+                   help="file of paths, one per line, or JSON lines from 'cachefs snapshot' (- for stdin)")
+    p.add_argument("--recursive", "-r", action="store_true", help="prefetch directories with everything below them")
+    p.add_argument("--parallel", type=_parallel, default=None, metavar="N",
+                   help="ranged GETs in flight for this prefetch (default: the mount's --max-fetches)")
+    p.add_argument("--check", action="store_true", help="only report how much is cached; fetch nothing")
+    p.add_argument("--pin", action="store_true", help="keep the files on the disk tier until 'cachefs unpin'")
+    p.add_argument("--json", action="store_true", help="print the final job document as JSON")
+    p.set_defaults(handler=cmd_prefetch)
+    _intermixed(p)
+
+    s = sub.add_parser("snapshot", help="write the path, ETag and size of every file to a manifest")
+    s.add_argument("mountpoint", type=Path)
+    s.add_argument("path", nargs="?", default=None, metavar="PATH", help="a file or directory (default: all)")
+    s.add_argument("-o", "--output", default="-", metavar="FILE", help="manifest to write (default: stdout)")
+    s.set_defaults(handler=cmd_snapshot)
+    _intermixed(s)
+
+    u = sub.add_parser("unpin", help="let pinned files be evicted again")
+    u.add_argument("mountpoint", type=Path)
+    u.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (default: everything pinned)")
+    u.add_argument("--json", action="store_true", help="machine-readable output")
+    u.set_defaults(handler=cmd_unpin)
+    _intermixed(u)
+
+    e = sub.add_parser("evict", help="drop cached data of files (all without PATH) from RAM and disk")
+    e.add_argument("mountpoint", type=Path)
+    e.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (default: everything)")
+    e.add_argument("--tier", choices=["all", "ram", "disk"], default="all", help="which tier(s) to drop from")
+    e.add_argument("--json", action="store_true", help="machine-readable output")
+    e.set_defaults(handler=cmd_evict)
+    _intermixed(e)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _mountpoint(args: argparse.Namespace) -> tuple[str, str]:
+    """``(absolute mountpoint, control socket)``; UsageError if it is not a running cachefs mount."""
+    mountpoint = os.path.abspath(args.mountpoint)
+    return mountpoint, control_socket(Path(mountpoint))
+
+
+def _relative(paths: list[str], mountpoint: str) -> list[str]:
+    try:
+        return [mount_relative(p, mountpoint) for p in paths]
+    except PathError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _request(socket: str, route: str, *, method: str = "GET", body: Any = None,
+             timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
+    try:
+        return request_json(socket, route, method=method, body=body, timeout_s=timeout_s)
+    except ControlError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=True))
+
+
+def _err(line: str) -> None:
+    print(f"cachefs: {line}", file=sys.stderr)
+
+
+@contextmanager
+def _interrupts_as_keyboard_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the command like Ctrl-C does: by cancelling the job first."""
+
+    def raise_interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------------------------- prefetch
+def prefetch_body(args: argparse.Namespace, mountpoint: str) -> dict[str, Any]:
+    """The request for ``POST /prefetch``; UsageError for anything wrong with the input."""
+    if args.check and args.pin:
+        raise UsageError("--check and --pin do not go together: --check changes nothing")
+    paths = _relative(args.paths, mountpoint)
+    manifest: list[dict[str, Any]] = []
+    name = "manifest"
+    if args.manifest is not None:
+        name = "<stdin>" if args.manifest == "-" else args.manifest
+        try:
+            entries = read_manifest(args.manifest)
+        except ManifestError as exc:
+            raise UsageError(str(exc)) from None
+        for entry in entries:
+            try:
+                path = mount_relative(entry.path, mountpoint)
+            except PathError as exc:
+                raise UsageError(f"manifest {name} line {entry.line}: {exc}") from None
+            item: dict[str, Any] = {"path": path, "line": entry.line}
+            if entry.etag is not None:
+                item["etag"] = entry.etag
+            if entry.size is not None:
+                item["size"] = entry.size
+            manifest.append(item)
+        if not manifest:
+            raise UsageError(f"manifest {name} lists no files")
+    elif not paths:
+        paths = [""]  # the whole mount
+    return {"paths": paths, "manifest": manifest, "manifest_name": name, "recursive": args.recursive,
+            "parallel": args.parallel, "check": args.check, "pin": args.pin, "lease_s": JOB_LEASE_S}
+
+
+def cmd_prefetch(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    mountpoint, socket = _mountpoint(args)
+    body = prefetch_body(args, mountpoint)
+    tty = sys.stderr.isatty() and not args.json
+    with _interrupts_as_keyboard_interrupt():
+        doc = _request(socket, "/prefetch", method="POST", body=body, timeout_s=START_TIMEOUT_S)
+        job_id = doc["id"]
+        try:
+            doc = _follow(socket, job_id, tty, doc)
+        except KeyboardInterrupt:
+            try:
+                doc = _request(socket, f"/prefetch/{job_id}", method="DELETE")
+            except UsageError:
+                pass  # the daemon is gone: there is no job left to cancel
+            if args.json:
+                _print_json(doc)
+            _err(f"prefetch cancelled: {format_size(doc.get('bytes_done', 0))} of "
+                 f"{format_size(doc.get('bytes_total', 0))} cached; run it again to resume")
+            return EXIT_INTERRUPTED
+    return report(doc, as_json=args.json)
+
+
+def _follow(socket: str, job_id: str, tty: bool, doc: dict[str, Any]) -> dict[str, Any]:
+    """Poll the job until it ends, drawing a progress bar on a terminal."""
+    if not tty:
+        while doc["state"] in ("resolving", "running"):
+            time.sleep(POLL_INTERVAL_S)
+            doc = _request(socket, f"/prefetch/{job_id}")
+        return doc
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TextColumn("{task.fields[files]}"),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("{task.fields[eta]}"),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("listing", total=None, files="", rate="", eta="")
+        while True:
+            _update(progress, task, doc)
+            if doc["state"] not in ("resolving", "running"):
+                return doc
+            time.sleep(POLL_INTERVAL_S)
+            doc = _request(socket, f"/prefetch/{job_id}")
+
+
+def _update(progress: Any, task: Any, doc: dict[str, Any]) -> None:
+    if doc["state"] == "resolving" and not doc["files_total"]:
+        progress.update(task, description="listing", total=None)
+        return
+    rate = doc["rate_bytes_per_s"]
+    left = doc["bytes_total"] - doc["bytes_done"]
+    eta = f"ETA {_duration(left / rate)}" if rate > 0 and left > 0 else ""
+    progress.update(
+        task,
+        description="checking" if doc["check"] else "prefetch",
+        total=doc["bytes_total"] or 1,
+        completed=doc["bytes_done"] if doc["bytes_total"] else 1,
+        files=f"{doc['files_done']}/{doc['files_total']} files",
+        rate=f"{format_size(int(rate))}/s" if rate > 0 else "",
+        eta=eta,
+    )
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds + 0.5)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _listed(label: str, lines: list[str], total: int) -> None:
+    for line in lines[:MAX_LISTED_LINES]:
+        _err(f"{label}: {line}")
+    if total > min(len(lines), MAX_LISTED_LINES):
+        _err(f"{label}: ... and {total - min(len(lines), MAX_LISTED_LINES)} more")
+
+
+def report(doc: dict[str, Any], *, as_json: bool = False) -> int:
+    """Print the outcome of a finished job; returns the exit status."""
+    state = doc["state"]
+    if as_json:
+        _print_json(doc)
+    if state == "rejected":
+        _err(f"error: {doc['error']}")
+        return EXIT_USAGE
+    if state in ("failed", "cancelled"):
+        _err(f"error: prefetch {state}: {doc['error']}")
+        return EXIT_INCOMPLETE
+    total, cached = doc["bytes_total"], doc["bytes_cached"]
+    percent = 100.0 * cached / total if total else 100.0
+    if doc["check"]:
+        summary = (f"{percent:.1f}% cached: {format_size(cached)} of {format_size(total)}, "
+                   f"{doc['files_cached']} of {doc['files_total']} files complete")
+    else:
+        rate = doc["rate_bytes_per_s"]
+        summary = (f"prefetched {doc['files_cached']} of {doc['files_total']} files, {format_size(cached)} of "
+                   f"{format_size(total)} cached: {format_size(doc['bytes_fetched'])} fetched, "
+                   f"{format_size(doc['bytes_skipped'])} already cached, in {doc['elapsed_s']:.1f} s"
+                   + (f" ({format_size(int(rate))}/s)" if rate > 0 else "")
+                   + (", pinned" if doc["pin"] else ""))
+    if not as_json:
+        print(f"cachefs: {summary}")
+    _listed("failed", [f"{f['path']}: {f['error']}" for f in doc["failures"]], doc["failures_count"])
+    changed = [
+        f"{c['path']} (manifest line {c['line']}: {c['reason']}"
+        + (f", ETag was {c['expected_etag']}, now {c['etag']}" if c["reason"] == "ETag differs" else "")
+        + (f", size was {c['expected_size']}, now {c['size']}" if c["reason"] == "size differs" else "")
+        + ")"
+        for c in doc["changed"]
+    ]
+    _listed("changed since the manifest", changed, doc["changed_count"])
+    if doc["check"]:
+        _listed("not cached", doc["not_cached"], doc["not_cached_count"])
+    if doc["changed_count"]:
+        _err(f"error: {doc['changed_count']} file(s) changed since the manifest was written; they were not prefetched")
+    return EXIT_OK if doc["ok"] else EXIT_INCOMPLETE
+
+
+# ---------------------------------------------------------------------------------------- others
+def cmd_snapshot(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    mountpoint, socket = _mountpoint(args)
+    path = _relative([args.path], mountpoint)[0] if args.path is not None else ""
+    doc = _request(socket, "/snapshot", method="POST", body={"path": path}, timeout_s=LISTING_TIMEOUT_S)
+    files = doc["files"]
+    text = format_manifest((f["path"], f["etag"], f["size"]) for f in files)
+    if args.output == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        _write_atomically(Path(args.output), text)
+    total = sum(f["size"] for f in files)
+    where = "stdout" if args.output == "-" else args.output
+    skipped = f"; {doc['skipped_keys']} keys skipped (not valid file names)" if doc.get("skipped_keys") else ""
+    _err(f"wrote {len(files)} files ({format_size(total)}) to {where}{skipped}")
+    return EXIT_OK
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def cmd_unpin(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    mountpoint, socket = _mountpoint(args)
+    body = {"paths": _relative(args.paths, mountpoint)}
+    doc = _request(socket, "/unpin", method="POST", body=body, timeout_s=LISTING_TIMEOUT_S)
+    if args.json:
+        _print_json(doc)
+    else:
+        print(f"cachefs: unpinned {doc['files']} files ({format_size(doc['bytes'])}); "
+              f"{doc['pinned_objects']} files ({format_size(doc['pinned_bytes'])}) still pinned")
+    return EXIT_OK
+
+
+def cmd_evict(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    mountpoint, socket = _mountpoint(args)
+    body = {"paths": _relative(args.paths, mountpoint), "tier": args.tier}
+    doc = _request(socket, "/evict", method="POST", body=body, timeout_s=LISTING_TIMEOUT_S)
+    if args.json:
+        _print_json(doc)
+        return EXIT_OK
+    tiers = "RAM and disk" if args.tier == "all" else args.tier.upper() if args.tier == "ram" else "disk"
+    files = f" of {doc['files']} files" if doc["files"] is not None else ""
+    kept = ""
+    if doc.get("pinned_blocks_kept"):
+        kept = f"; {doc['pinned_blocks_kept']} pinned blocks kept on disk ('cachefs unpin' first)"
+    elif doc.get("pinned_bytes_kept"):
+        kept = f"; {format_size(doc['pinned_bytes_kept'])} of pinned blocks kept on disk ('cachefs unpin' first)"
+    print(f"cachefs: dropped {doc['blocks']} blocks ({format_size(doc['bytes'])}){files} from {tiers}{kept}")
+    return EXIT_OK

@@ -1,0 +1,107 @@
+"""Dataset manifests: what ``cachefs snapshot`` writes and ``cachefs prefetch --manifest`` reads.
+
+A manifest is a text file of one entry per line, in UTF-8. Two line forms are accepted and may be
+mixed:
+
+- a plain path (relative to the mount root, or absolute inside the mountpoint), as a user would
+  write by hand or produce with ``find``; it is prefetched like a PATH argument;
+- a JSON object ``{"path": ..., "etag": ..., "size": ...}`` (``etag`` and ``size`` optional), as
+  ``snapshot`` writes; with an ETag, prefetch verifies the file still has that version and reports it
+  as changed otherwise. Other keys are ignored, so later versions may add fields.
+
+Blank lines are skipped. A line that starts with ``{`` is JSON; anything wrong with one (invalid
+JSON, not an object, a missing or mistyped field) is a ``ManifestError`` naming the file and line
+number, and nothing is prefetched: a half-read manifest would be a silent partial dataset.
+
+``format_manifest`` writes the JSON form, one line per file, sorted by path, keys sorted, no
+timestamps: the same dataset version always gives byte-identical manifests, so a manifest can be
+checked in, diffed and hashed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; one line naming the file and, where it applies, the line."""
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    path: str
+    line: int
+    etag: str | None = None
+    size: int | None = None
+
+
+def parse_manifest(lines: Iterable[str], name: str) -> list[ManifestEntry]:
+    entries: list[ManifestEntry] = []
+    for number, raw in enumerate(lines, start=1):
+        text = raw.rstrip("\r\n")
+        if not text.strip():
+            continue
+        if not text.lstrip().startswith("{"):
+            entries.append(ManifestEntry(text, number))
+            continue
+        where = f"manifest {name} line {number}"
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            raise ManifestError(f"{where}: invalid JSON ({exc.args[0] if exc.args else exc})") from None
+        if not isinstance(doc, dict):
+            raise ManifestError(f"{where}: expected a JSON object with a \"path\"")
+        path, etag, size = doc.get("path"), doc.get("etag"), doc.get("size")
+        if not isinstance(path, str) or not path:
+            raise ManifestError(f"{where}: \"path\" must be a non-empty string")
+        if etag is not None and (not isinstance(etag, str) or not etag):
+            raise ManifestError(f"{where}: \"etag\" must be a non-empty string")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ManifestError(f"{where}: \"size\" must be a non-negative integer")
+        entries.append(ManifestEntry(path, number, etag, size))
+    return entries
+
+
+def read_manifest(path: str) -> list[ManifestEntry]:
+    """Read and parse a manifest file (``-`` for standard input)."""
+    if path == "-":
+        return parse_manifest(sys.stdin, "<stdin>")
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"manifest {path} does not exist") from None
+    except IsADirectoryError:
+        raise ManifestError(f"manifest {path} is a directory") from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    decoded: list[str] = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            decoded.append(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ManifestError(f"manifest {path} line {number}: not valid UTF-8") from None
+    return parse_manifest(decoded, path)
+
+
+def manifest_line(path: str, etag: str, size: int) -> str:
+    doc = {"etag": etag, "path": path, "size": size}
+    line = json.dumps(doc, sort_keys=True, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        # A name that is not UTF-8 (a file:// source; held as surrogate escapes) is written with
+        # \u escapes, which read back to the same name, so the manifest stays valid UTF-8.
+        line = json.dumps(doc, sort_keys=True, ensure_ascii=True)
+    return line
+
+
+def format_manifest(files: Iterable[tuple[str, str, int]]) -> str:
+    """The manifest of ``(path, etag, size)`` files: sorted by path, one JSON object per line."""
+    return "".join(manifest_line(p, e, s) + "\n" for p, e, s in sorted(files))

@@ -1,0 +1,260 @@
+"""Prometheus metrics of one mount (``GET /metrics``), and every metric name, in one place.
+
+No double bookkeeping: nothing here counts anything. The daemon's counters live where the events
+happen (tier stats, engine stats, object-store stats, filesystem stats, the engine's latency
+histograms), and ``CacheFSCollector`` turns them into metric families *at scrape time*, from the
+same ``stats_snapshot()`` document that ``/stats`` and ``cachefs stats --json`` serve, so the two
+views can never disagree. The latency histograms come from ``tiering.latency`` (fixed buckets,
+recorded by the engine without knowing Prometheus) and are exported as Prometheus histograms.
+
+Conventions (https://prometheus.io/docs/practices/naming/): every name starts with ``cachefs_``;
+counters end in ``_total``; sizes are in bytes and end in ``_bytes``; durations are in seconds.
+Per-tier series carry a ``tier`` label (``ram``, ``disk``; ``object_store`` where a block was served
+by a fetch), object-store requests an ``operation`` label (``get``, ``list``, ``head``, and whatever
+other ``<op>_requests`` counter the store reports, so new operations appear without a change here).
+The registry is private to the mount (not the process-global default one) and also carries the
+standard ``process_*`` metrics (memory, CPU, open files) of the daemon.
+
+``/metrics``, ``/stats`` and ``/healthz`` are public routes: served on the control socket and, with
+``--stats-addr``, on TCP. They are read-only views; nothing that changes the cache is on TCP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tiering.latency import LatencyHistogram
+
+if TYPE_CHECKING:
+    from cachefs.daemon import DaemonContext
+
+# ---------------------------------------------------------------------------------------- names
+# Per tier (label "tier": ram, disk).
+TIER_HITS_TOTAL = "cachefs_tier_hits_total"
+TIER_MISSES_TOTAL = "cachefs_tier_misses_total"
+TIER_HIT_BYTES_TOTAL = "cachefs_tier_hit_bytes_total"
+TIER_MISS_BYTES_TOTAL = "cachefs_tier_miss_bytes_total"
+TIER_INSERTS_TOTAL = "cachefs_tier_inserts_total"
+TIER_EVICTIONS_TOTAL = "cachefs_tier_evictions_total"
+TIER_EVICTED_BYTES_TOTAL = "cachefs_tier_evicted_bytes_total"
+TIER_ERRORS_TOTAL = "cachefs_tier_errors_total"
+TIER_CORRUPT_BLOCKS_TOTAL = "cachefs_tier_corrupt_blocks_total"
+TIER_USED_BYTES = "cachefs_tier_used_bytes"
+TIER_CAPACITY_BYTES = "cachefs_tier_capacity_bytes"
+TIER_ENTRIES = "cachefs_tier_entries"
+TIER_STATE = "cachefs_tier_state"  # labels tier, state; 1 for the current state (disk tier health)
+TIER_STATES = ("healthy", "unstable", "down")
+# Object store (label "operation" on requests and latency).
+STORE_REQUESTS_TOTAL = "cachefs_object_store_requests_total"
+STORE_READ_BYTES_TOTAL = "cachefs_object_store_read_bytes_total"
+STORE_ERRORS_TOTAL = "cachefs_object_store_errors_total"
+STORE_REQUEST_DURATION_SECONDS = "cachefs_object_store_request_duration_seconds"
+# Block cache.
+BLOCK_REQUESTS_TOTAL = "cachefs_block_requests_total"
+BLOCKS_SERVED_TOTAL = "cachefs_blocks_served_total"  # label "tier": ram, disk, object_store
+FETCH_ERRORS_TOTAL = "cachefs_fetch_errors_total"
+READAHEAD_BYTES_TOTAL = "cachefs_readahead_bytes_total"
+SINGLEFLIGHT_JOINS_TOTAL = "cachefs_singleflight_joins_total"
+DROPPED_BYTES_TOTAL = "cachefs_dropped_bytes_total"  # dropped on request (cachefs evict)
+HIT_RATIO = "cachefs_hit_ratio"
+# Prefetch and pins.
+PREFETCH_BYTES_TOTAL = "cachefs_prefetch_bytes_total"  # fetched from the store by prefetch
+PREFETCH_BLOCKS_TOTAL = "cachefs_prefetch_blocks_total"
+PREFETCH_SKIPPED_BYTES_TOTAL = "cachefs_prefetch_skipped_bytes_total"  # already on disk
+PREFETCH_NOT_STORED_BLOCKS_TOTAL = "cachefs_prefetch_not_stored_blocks_total"
+PINNED_BYTES = "cachefs_pinned_bytes"  # pinned blocks on the disk tier now
+PINNED_DECLARED_BYTES = "cachefs_pinned_declared_bytes"  # footprint of every pinned object, cached or not
+PINNED_OBJECTS = "cachefs_pinned_objects"
+PIN_LIMIT_BYTES = "cachefs_pin_limit_bytes"
+# Filesystem.
+FS_OPERATIONS_TOTAL = "cachefs_fs_operations_total"  # label "operation": lookup, listing, open, read
+FS_READ_BYTES_TOTAL = "cachefs_fs_read_bytes_total"
+FS_LISTING_ERRORS_TOTAL = "cachefs_fs_listing_errors_total"
+FS_SKIPPED_KEYS_TOTAL = "cachefs_fs_skipped_keys_total"
+FS_INODES = "cachefs_fs_inodes"
+FS_OPEN_HANDLES = "cachefs_fs_open_handles"
+# Write-back, exported when the stats document has a "writeback" section (dirty data is staged
+# outside the block cache; see the write-back feature).
+DIRTY_BYTES = "cachefs_dirty_bytes"
+UPLOAD_BACKLOG = "cachefs_upload_backlog"
+UPLOAD_BACKLOG_BYTES = "cachefs_upload_backlog_bytes"
+
+_REQUESTS_SUFFIX = "_requests"
+
+
+def _histogram_buckets(hist: LatencyHistogram) -> list[tuple[str, float]]:
+    return [("+Inf" if math.isinf(bound) else repr(bound), float(n)) for bound, n in hist.cumulative()]
+
+
+class CacheFSCollector(Collector):
+    """Builds every ``cachefs_*`` family from the stats document and the latency histograms."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]],
+                 latency: Callable[[], Mapping[str, LatencyHistogram]]) -> None:
+        self._snapshot = snapshot
+        self._latency = latency
+
+    def collect(self) -> Iterator[Metric]:
+        doc = self._snapshot()
+        yield from self._tiers(doc.get("tiers", {}))
+        yield from self._store(doc.get("object_store", {}))
+        yield from self._blocks(doc)
+        yield from self._prefetch(doc.get("prefetch", {}), doc.get("pins", {}))
+        yield from self._filesystem(doc.get("filesystem", {}))
+        yield from self._writeback(doc.get("writeback"))
+
+    @staticmethod
+    def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        counters = [
+            (TIER_HITS_TOTAL, "hits", "Block lookups answered by the tier."),
+            (TIER_MISSES_TOTAL, "misses", "Block lookups the tier could not answer."),
+            (TIER_HIT_BYTES_TOTAL, "hit_bytes", "Bytes served by the tier."),
+            (TIER_MISS_BYTES_TOTAL, "miss_bytes", "Bytes reads had to load from below the tier because it missed."),
+            (TIER_INSERTS_TOTAL, "inserts", "Blocks stored in the tier."),
+            (TIER_EVICTIONS_TOTAL, "evictions", "Blocks evicted to make room."),
+            (TIER_EVICTED_BYTES_TOTAL, "evicted_bytes", "Bytes evicted to make room."),
+            (TIER_ERRORS_TOTAL, "errors", "I/O errors of the tier (each one served as a miss)."),
+            (TIER_CORRUPT_BLOCKS_TOTAL, "corrupt_blocks", "Blocks that failed their checks and were dropped."),
+        ]
+        for name, field, doc in counters:
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, values in tiers.items():
+                family.add_metric([tier], values.get(field, 0))
+            yield family
+        gauges = [
+            (TIER_USED_BYTES, "used_bytes", "Bytes held by the tier (on disk: whole block files)."),
+            (TIER_CAPACITY_BYTES, "capacity_bytes", "Configured capacity of the tier."),
+            (TIER_ENTRIES, "entries", "Blocks held by the tier."),
+        ]
+        for name, field, doc in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, values in tiers.items():
+                family.add_metric([tier], values.get(field, 0))
+            yield family
+        state = GaugeMetricFamily(TIER_STATE, "Health of the tier: 1 for its current state.", labels=["tier", "state"])
+        for tier, values in tiers.items():
+            if "state" in values:
+                for name in TIER_STATES:
+                    state.add_metric([tier, name], 1.0 if str(values["state"]) == name else 0.0)
+        yield state
+
+    def _store(self, store: dict[str, Any]) -> Iterator[Metric]:
+        requests = CounterMetricFamily(STORE_REQUESTS_TOTAL, "Requests sent to the object store.",
+                                       labels=["operation"])
+        for field, value in sorted(store.items()):
+            if field.endswith(_REQUESTS_SUFFIX) and isinstance(value, (int, float)):
+                requests.add_metric([field[: -len(_REQUESTS_SUFFIX)]], value)
+        yield requests
+        yield CounterMetricFamily(STORE_READ_BYTES_TOTAL, "Bytes read from the object store.",
+                                  value=store.get("bytes_read", 0))
+        yield CounterMetricFamily(STORE_ERRORS_TOTAL, "Failed object-store requests.", value=store.get("errors", 0))
+        latency = HistogramMetricFamily(STORE_REQUEST_DURATION_SECONDS,
+                                        "Duration of object-store requests made by the block cache.",
+                                        labels=["operation"])
+        for op, hist in sorted(self._latency().items()):
+            latency.add_metric([op], _histogram_buckets(hist), sum_value=hist.sum_s)
+        yield latency
+
+    @staticmethod
+    def _blocks(doc: dict[str, Any]) -> Iterator[Metric]:
+        blocks = doc.get("blocks", {})
+        yield CounterMetricFamily(BLOCK_REQUESTS_TOTAL, "Blocks requested by reads.", value=blocks.get("requests", 0))
+        served = CounterMetricFamily(BLOCKS_SERVED_TOTAL, "Blocks served to reads, by where they came from.",
+                                     labels=["tier"])
+        served.add_metric(["ram"], blocks.get("ram_served", 0))
+        served.add_metric(["disk"], blocks.get("disk_served", 0))
+        served.add_metric(["object_store"], blocks.get("fetched", 0))
+        yield served
+        yield CounterMetricFamily(FETCH_ERRORS_TOTAL, "Block fetches that failed.", value=blocks.get("fetch_errors", 0))
+        yield CounterMetricFamily(READAHEAD_BYTES_TOTAL, "Bytes fetched by read-ahead.",
+                                  value=blocks.get("readahead_bytes", 0))
+        yield CounterMetricFamily(SINGLEFLIGHT_JOINS_TOTAL, "Block requests that joined a fetch in flight.",
+                                  value=blocks.get("singleflight_joins", 0))
+        yield CounterMetricFamily(DROPPED_BYTES_TOTAL, "Bytes dropped from the tiers on request (cachefs evict).",
+                                  value=blocks.get("dropped_bytes", 0))
+        yield GaugeMetricFamily(HIT_RATIO, "Share of block requests served by RAM or disk since the mount.",
+                                value=doc.get("hit_ratio", 0.0))
+
+    @staticmethod
+    def _prefetch(prefetch: dict[str, Any], pins: dict[str, Any]) -> Iterator[Metric]:
+        yield CounterMetricFamily(PREFETCH_BYTES_TOTAL, "Bytes fetched from the object store by prefetch.",
+                                  value=prefetch.get("bytes", 0))
+        yield CounterMetricFamily(PREFETCH_BLOCKS_TOTAL, "Blocks fetched from the object store by prefetch.",
+                                  value=prefetch.get("blocks", 0))
+        yield CounterMetricFamily(PREFETCH_SKIPPED_BYTES_TOTAL, "Bytes prefetch found on the disk tier already.",
+                                  value=prefetch.get("skipped_bytes", 0))
+        yield CounterMetricFamily(PREFETCH_NOT_STORED_BLOCKS_TOTAL,
+                                  "Blocks prefetch could not store on the disk tier.",
+                                  value=prefetch.get("not_stored_blocks", 0))
+        yield GaugeMetricFamily(PINNED_BYTES, "Bytes of pinned blocks on the disk tier.",
+                                value=pins.get("cached_bytes", 0))
+        yield GaugeMetricFamily(PINNED_DECLARED_BYTES, "Disk footprint of every pinned object, cached or not.",
+                                value=pins.get("bytes", 0))
+        yield GaugeMetricFamily(PINNED_OBJECTS, "Pinned objects.", value=pins.get("objects", 0))
+        yield GaugeMetricFamily(PIN_LIMIT_BYTES, "Most bytes that may be pinned (--max-pinned).",
+                                value=pins.get("limit_bytes", 0))
+
+    @staticmethod
+    def _filesystem(fs: dict[str, Any]) -> Iterator[Metric]:
+        ops = CounterMetricFamily(FS_OPERATIONS_TOTAL, "Filesystem operations served.", labels=["operation"])
+        for op, field in (("lookup", "lookups"), ("listing", "listings"), ("open", "opens"), ("read", "reads")):
+            ops.add_metric([op], fs.get(field, 0))
+        yield ops
+        yield CounterMetricFamily(FS_READ_BYTES_TOTAL, "Bytes returned by reads.", value=fs.get("read_bytes", 0))
+        yield CounterMetricFamily(FS_LISTING_ERRORS_TOTAL, "Directory listings that failed.",
+                                  value=fs.get("listing_errors", 0))
+        yield CounterMetricFamily(FS_SKIPPED_KEYS_TOTAL, "Object keys skipped because they cannot be file names.",
+                                  value=fs.get("skipped_keys", 0))
+        yield GaugeMetricFamily(FS_INODES, "Inodes known to the kernel.", value=fs.get("inodes", 0))
+        yield GaugeMetricFamily(FS_OPEN_HANDLES, "Open file and directory handles.", value=fs.get("open_handles", 0))
+
+    @staticmethod
+    def _writeback(section: Any) -> Iterator[Metric]:
+        if not isinstance(section, dict):
+            return
+        for name, field, doc in (
+            (DIRTY_BYTES, "dirty_bytes", "Written bytes not yet uploaded to the object store."),
+            (UPLOAD_BACKLOG, "upload_backlog", "Files waiting to be uploaded."),
+            (UPLOAD_BACKLOG_BYTES, "upload_backlog_bytes", "Bytes waiting to be uploaded."),
+        ):
+            value = section.get(field)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield GaugeMetricFamily(name, doc, value=value)
+
+
+def make_registry(snapshot: Callable[[], dict[str, Any]],
+                  latency: Callable[[], Mapping[str, LatencyHistogram]], *, process: bool = True) -> CollectorRegistry:
+    """A private registry with the cachefs collector (and the daemon's ``process_*`` metrics)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheFSCollector(snapshot, latency))
+    if process:
+        ProcessCollector(registry=registry)
+    return registry
+
+
+def metrics_handler(registry: CollectorRegistry) -> Callable[[web.Request], Any]:
+    async def handle(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handle
+
+
+class MetricsFeature:
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def install(ctx: "DaemonContext") -> MetricsFeature:
+    registry = make_registry(ctx.fs.stats_snapshot, lambda: ctx.cache.latency)
+    ctx.control.add_route("GET", "/metrics", metrics_handler(registry), public=True)
+    return MetricsFeature()

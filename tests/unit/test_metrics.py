@@ -1,0 +1,118 @@
+"""/metrics: every family is built from the stats document at scrape time and follows the conventions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachefs import metrics
+from cachefs.control import ControlServer
+from cachefs.fs import CacheFS
+from cachefs.settings import FsSettings
+from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
+from tiering.disk import DiskTier
+from tiering.engine import BlockCache
+from tiering.objectstore.memory import InMemoryObjectStore
+from tiering.ram import RamTier
+from tiering.settings import CacheSettings
+
+BS = MIN_BLOCK_SIZE
+
+
+@pytest.fixture
+async def fs(tmp_path: Path) -> CacheFS:
+    store = InMemoryObjectStore()
+    info = store.put_object("d/f.bin", b"z" * (3 * BS))
+    cache = BlockCache(CacheSettings(block_size=BS, ram_bytes=8 * BS, disk_bytes=64 * BS), store,
+                       RamTier(8 * BS), DiskTier(tmp_path / "c", 64 * BS))
+    filesystem = CacheFS(store, cache, FsSettings())
+    ref = ObjectRef(info.key, info.etag, info.size)
+    await cache.read(ref, 0, ref.size)
+    await cache.read(ref, 0, ref.size)
+    await cache.close()  # the loads' disk writes are done
+    await cache.warm(ref)
+    await filesystem.lookup(1, b"d")
+    return filesystem
+
+
+def families(fs: CacheFS) -> dict:
+    registry = metrics.make_registry(fs.stats_snapshot, lambda: fs.cache.latency)
+    text = generate_latest(registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(family, **labels) -> float:
+    for sample in family.samples:
+        if all(sample.labels.get(k) == v for k, v in labels.items()) and not sample.name.endswith("_created"):
+            return sample.value
+    raise AssertionError(f"no sample {labels} in {family.name}")
+
+
+def test_every_name_is_a_constant_and_follows_the_conventions() -> None:
+    names = [v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str) and v.startswith("cachefs_")]
+    assert len(names) == len(set(names)) >= 40
+    for name in names:
+        assert name == name.lower() and " " not in name
+        assert not name.endswith("_total_total")
+
+
+async def test_metrics_parse_and_match_the_stats_document(fs: CacheFS) -> None:
+    got = families(fs)
+    snap = fs.stats_snapshot()
+    # Counters: the parser strips "_total" from the family name; samples keep it.
+    counters = {n for n, f in got.items() if f.type == "counter"}
+    for name in (metrics.TIER_HITS_TOTAL, metrics.TIER_MISSES_TOTAL, metrics.TIER_HIT_BYTES_TOTAL,
+                 metrics.TIER_MISS_BYTES_TOTAL, metrics.TIER_EVICTIONS_TOTAL, metrics.STORE_REQUESTS_TOTAL,
+                 metrics.STORE_ERRORS_TOTAL, metrics.PREFETCH_BYTES_TOTAL, metrics.FETCH_ERRORS_TOTAL):
+        assert name.removesuffix("_total") in counters, name
+    for tier in ("ram", "disk"):
+        assert value(got["cachefs_tier_hits"], tier=tier) == snap["tiers"][tier]["hits"]
+        assert value(got["cachefs_tier_misses"], tier=tier) == snap["tiers"][tier]["misses"]
+        assert value(got[metrics.TIER_USED_BYTES], tier=tier) == snap["tiers"][tier]["used_bytes"]
+        assert value(got[metrics.TIER_CAPACITY_BYTES], tier=tier) == snap["tiers"][tier]["capacity_bytes"]
+        assert got[metrics.TIER_USED_BYTES].type == "gauge"
+    assert value(got["cachefs_tier_miss_bytes"], tier="ram") == 3 * BS  # one fetch of each block
+    assert value(got[metrics.TIER_STATE], tier="disk", state="healthy") == 1.0
+    assert value(got["cachefs_object_store_requests"], operation="get") == snap["object_store"]["get_requests"] == 3
+    assert value(got["cachefs_object_store_requests"], operation="list") == 1
+    assert value(got["cachefs_blocks_served"], tier="ram") == snap["blocks"]["ram_served"]
+    assert value(got["cachefs_prefetch_bytes"]) == snap["prefetch"]["bytes"]
+    assert value(got["cachefs_prefetch_skipped_bytes"]) == 3 * BS  # warm found them on disk
+    assert value(got[metrics.PINNED_BYTES]) == 0
+    assert value(got[metrics.PIN_LIMIT_BYTES]) == snap["pins"]["limit_bytes"] == 32 * BS
+    hist = got[metrics.STORE_REQUEST_DURATION_SECONDS]
+    assert hist.type == "histogram"
+    count = [s for s in hist.samples if s.name.endswith("_count") and s.labels["operation"] == "get"]
+    assert count[0].value == 3
+    inf = [s for s in hist.samples if s.name.endswith("_bucket") and s.labels["le"] == "+Inf"]
+    assert inf[0].value == 3
+    assert "process_resident_memory_bytes" in got or "process_cpu_seconds" in got
+
+
+async def test_writeback_section_is_exported_when_present(fs: CacheFS) -> None:
+    def snapshot():
+        return {**fs.stats_snapshot(), "writeback": {"dirty_bytes": 5, "upload_backlog": 2}}
+
+    registry = metrics.make_registry(snapshot, lambda: {}, process=False)
+    got = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert value(got[metrics.DIRTY_BYTES]) == 5 and value(got[metrics.UPLOAD_BACKLOG]) == 2
+    assert metrics.UPLOAD_BACKLOG_BYTES not in got
+
+
+async def test_metrics_route_is_public(fs: CacheFS, tmp_path: Path) -> None:
+    control = ControlServer(tmp_path / "c.sock", fs.stats_snapshot, {})
+    control.add_route("GET", "/metrics", metrics.metrics_handler(
+        metrics.make_registry(fs.stats_snapshot, lambda: fs.cache.latency)), public=True)
+    await control.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{control.tcp_port}/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                text = await r.text()
+        assert "cachefs_tier_hits_total{tier=\"ram\"}" in text
+    finally:
+        await control.stop()
