@@ -11,32 +11,13 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.support.s3servers import SeaweedS3  # noqa: E402
-from tiering.objectstore.s3 import S3ObjectStore  # noqa: E402
+from benchmarks.common import raw_parallel_get  # noqa: E402
 
 MiB = 1024 * 1024
-
-
-async def measure(server: SeaweedS3, bucket: str, key: str, size: int, block: int, parallel: int) -> float:
-    store = S3ObjectStore(bucket, "", endpoint_url=server.endpoint_url, connect_timeout_s=5, read_timeout_s=30,
-                          max_pool_connections=parallel, environ=server.env())
-    info = await store.head(key)
-    slots = asyncio.Semaphore(parallel)
-
-    async def one(start: int) -> int:
-        async with slots:
-            return len(await store.get_range(key, info.etag, start, min(start + block, size)))
-
-    start = time.perf_counter()
-    total = sum(await asyncio.gather(*(one(s) for s in range(0, size, block))))
-    elapsed = time.perf_counter() - start
-    await store.close()
-    assert total == size
-    return size / elapsed / MiB
 
 
 def main() -> None:
@@ -53,7 +34,7 @@ def main() -> None:
         print(f"object {args.size_mib} MiB, {args.parallel} GETs in flight, median of {args.repeat}")
         for block_mib in (0.25, 1, 2, 4, 8, 16):
             block = int(block_mib * MiB)
-            rates = sorted(asyncio.run(measure(server, "bench", "obj", size, block, args.parallel))
+            rates = sorted(asyncio.run(raw_parallel_get(server, "bench", "", ["obj"], block, args.parallel))
                            for _ in range(args.repeat))
             print(f"  block {block_mib:>5} MiB: {rates[len(rates) // 2]:8.1f} MiB/s")
 

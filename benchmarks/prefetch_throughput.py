@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.support.s3servers import SeaweedS3  # noqa: E402
 from tiering.blocks import DEFAULT_BLOCK_SIZE  # noqa: E402
-from tiering.objectstore.s3 import S3ObjectStore  # noqa: E402
+from benchmarks.common import raw_parallel_get  # noqa: E402
 from tiering.settings import DEFAULT_MAX_CONCURRENT_FETCHES  # noqa: E402
 
 MiB = 1024 * 1024
@@ -46,25 +46,7 @@ PREFIX = "ds"
 
 async def raw_get(server: SeaweedS3, objects: dict[str, int], parallel: int = DEFAULT_MAX_CONCURRENT_FETCHES) -> float:
     """MiB/s of fetching every object once, ``parallel`` ranged GETs of one block each in flight."""
-    store = S3ObjectStore(BUCKET, PREFIX + "/", endpoint_url=server.endpoint_url, connect_timeout_s=5,
-                          read_timeout_s=60, max_pool_connections=parallel * 2, environ=server.env())
-    listing = {}
-    for directory in ("large/", "small/"):
-        listing.update((info.key, info) for info in (await store.list_dir(directory)).files.values())
-    slots = asyncio.Semaphore(parallel)
-
-    async def one(key: str, etag: str, start: int, end: int) -> int:
-        async with slots:
-            return len(await store.get_range(key, etag, start, end))
-
-    ranges = [(key, info.etag, start, min(start + DEFAULT_BLOCK_SIZE, info.size))
-              for key, info in listing.items() for start in range(0, info.size, DEFAULT_BLOCK_SIZE)]
-    begin = time.perf_counter()
-    total = sum(await asyncio.gather(*(one(*r) for r in ranges)))
-    elapsed = time.perf_counter() - begin
-    await store.close()
-    assert total == sum(objects.values()), (total, sum(objects.values()))
-    return total / elapsed / MiB
+    return await raw_parallel_get(server, BUCKET, PREFIX + "/", list(objects), DEFAULT_BLOCK_SIZE, parallel)
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.support.s3servers import SeaweedS3  # noqa: E402
 from tiering.blocks import DEFAULT_BLOCK_SIZE  # noqa: E402
-from tiering.objectstore.s3 import S3ObjectStore  # noqa: E402
+from benchmarks.common import raw_parallel_get  # noqa: E402
 
 MiB = 1024 * 1024
 READ_CHUNK = 1 * MiB
@@ -53,24 +53,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-async def raw_get(server: SeaweedS3, bucket: str, key: str, size: int, parallel: int = 16) -> float:
-    store = S3ObjectStore(bucket, "", endpoint_url=server.endpoint_url, connect_timeout_s=5, read_timeout_s=60,
-                          max_pool_connections=parallel, environ=server.env())
-    info = await store.head(key)
-    slots = asyncio.Semaphore(parallel)
-
-    async def one(offset: int) -> int:
-        async with slots:
-            return len(await store.get_range(key, info.etag, offset, min(offset + DEFAULT_BLOCK_SIZE, size)))
-
-    start = time.perf_counter()
-    total = sum(await asyncio.gather(*(one(o) for o in range(0, size, DEFAULT_BLOCK_SIZE))))
-    elapsed = time.perf_counter() - start
-    await store.close()
-    assert total == size
-    return size / elapsed / MiB
 
 
 def daemon_peak_rss_mib(mnt: Path, env: dict[str, str]) -> float:
@@ -113,7 +95,7 @@ def main() -> None:
                 results.setdefault("local disk", []).append(read_file(local))
             read_file(local)
             results.setdefault("page cache", []).append(read_file(local))
-            results.setdefault("raw GET", []).append(asyncio.run(raw_get(server, "bench", "ds/big.bin", size)))
+            results.setdefault("raw GET", []).append(asyncio.run(raw_parallel_get(server, "bench", "ds/", ["big.bin"], DEFAULT_BLOCK_SIZE)))
             mnt, cache = work / f"mnt{run}", work / f"cache{run}"
             mnt.mkdir()
             ram = f"{max(args.size_mib * 2, 64)}MiB"
