@@ -445,7 +445,7 @@ class CacheFS:
             data = await self.writeback.read(sf, offset, size)  # type: ignore[union-attr]
         else:
             ref = handle.ref
-            if ref is None or handle.local_gen != node.local_gen:
+            if ref is None or ref.etag == STAGED_ETAG or handle.local_gen != node.local_gen:
                 # Changed through the mount since this handle took its version: follow the change.
                 if node.info is not None and node.info.etag == STAGED_ETAG:
                     await self._refresh(node)
@@ -778,6 +778,12 @@ class CacheFS:
             sf = self._staged(handle.node)
             if sf is not None:
                 await self.writeback.commit(sf)
+
+    def fsyncdir(self, fh: int) -> None:
+        """Nothing to do: unlink, rename, mkdir and rmdir are journaled durably before they return, and
+        a file (its name included) is durable once it is closed or fsync'd."""
+        if not isinstance(self._handles.get(fh), DirHandleState):
+            raise FsError(errno.EBADF)
 
     async def setattr(
         self,

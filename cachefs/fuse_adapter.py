@@ -155,6 +155,10 @@ class FuseOperations(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         await self.fs.fsync(fh, datasync)
 
+    @_translate
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        self.fs.fsyncdir(fh)
+
     # Modifying operations (EROFS on a read-only mount: the filesystem decides).
     @_translate
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any = None) -> Any:

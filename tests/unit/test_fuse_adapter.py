@@ -266,6 +266,9 @@ async def test_write_path_through_the_adapter(writable) -> None:
     await ops.release(fi.fh)
     d = await ops.mkdir(ROOT_INODE, b"made", 0o755, None)
     assert stat.S_ISDIR(d.st_mode)
+    dh = await ops.opendir(d.st_ino, None)
+    assert await ops.fsyncdir(dh, False) is None  # namespace changes are journaled when they return
+    await ops.releasedir(dh)
     await ops.rename(ROOT_INODE, b"new.txt", d.st_ino, b"moved.txt", 0, None)
     await ops.unlink(d.st_ino, b"moved.txt", None)
     await ops.rmdir(ROOT_INODE, b"made", None)
