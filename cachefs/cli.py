@@ -34,6 +34,7 @@ from cachefs.settings import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_DIR_TTL_S,
     DEFAULT_READ_TIMEOUT_S,
+    DEFAULT_RENAME_DIR_LIMIT,
     FsSettings,
     MountSettings,
 )
@@ -48,18 +49,28 @@ from tiering.settings import (
     CacheSettings,
 )
 from tiering.units import format_size, parse_size
+from tiering.writeback.settings import (
+    DEFAULT_MAX_UPLOADS,
+    DEFAULT_SPACE_WAIT_S,
+    DEFAULT_UPLOAD_DELAY_S,
+    WriteBackSettings,
+)
 
 log = logging.getLogger("cachefs")
 
 # Feature modules that add subcommands: each has ``register(subparsers)``, which adds its parsers
 # with ``set_defaults(handler=fn)``; ``fn(args, environ) -> int`` runs the command and may raise
 # ``UsageError``.
-COMMAND_MODULES: tuple[str, ...] = ("cachefs.cli_prefetch",)
+COMMAND_MODULES: tuple[str, ...] = ("cachefs.cli_prefetch", "cachefs.cli_writeback")
 
 # How long `cachefs mount` waits for the daemon to report. The daemon's own start-up check is
 # bounded at 20 s (cachefs.daemon); this leaves room for scanning a large disk tier on start.
 MOUNT_WAIT_S = 120.0
 DEFAULT_UNMOUNT_TIMEOUT_S = 30.0
+# `cachefs unmount` flushes first and waits this long for the backlog to reach the store before it
+# refuses: a minute drains gigabytes on a healthy link, and a store that is down is reported to the
+# user (who may retry, flush longer, or --force) instead of holding the command for many minutes.
+DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S = 60.0
 # Logs of a background daemon: rotated so a long-lived mount cannot fill the disk with them.
 LOG_MAX_BYTES = 10 * 1024 * 1024
 LOG_BACKUPS = 3
@@ -157,7 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--stats-addr", type=_addr, default=None, metavar="HOST:PORT",
                    help="also serve /stats and /healthz over HTTP here (loopback unless a host is given)")
     m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
-    m.add_argument("--read-only", action="store_true", default=True, help="read-only mount (the only mode for now)")
+    m.add_argument("--read-only", action="store_true", default=False,
+                   help="read-only mount: every change answers EROFS (default: writable, with write-back)")
+    m.add_argument("--write-through", action="store_true", default=False,
+                   help="close() and fsync() return only once the upload succeeded, and report its failure")
+    m.add_argument("--upload-delay", type=_seconds, default=DEFAULT_UPLOAD_DELAY_S, metavar="S",
+                   help=f"wait this long after a file is closed before uploading it, so quick rewrites and "
+                        f"renames are uploaded once (default {DEFAULT_UPLOAD_DELAY_S:g})")
+    m.add_argument("--max-uploads", type=int, default=DEFAULT_MAX_UPLOADS, metavar="N",
+                   help=f"objects uploaded at once (default {DEFAULT_MAX_UPLOADS})")
+    m.add_argument("--dirty-wait", type=_seconds, default=DEFAULT_SPACE_WAIT_S, metavar="S",
+                   help=f"when staged data fills the disk cache, a writer waits this long for uploads to make "
+                        f"room before failing with ENOSPC (default {DEFAULT_SPACE_WAIT_S:g})")
+    m.add_argument("--rename-dir-limit", type=int, default=DEFAULT_RENAME_DIR_LIMIT, metavar="N",
+                   help=f"largest directory (entries below it) rename may move; beyond it rename fails with "
+                        f"E2BIG (default {DEFAULT_RENAME_DIR_LIMIT})")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for containers)")
     m.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
@@ -169,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint", type=Path)
     u.add_argument("--timeout", type=_seconds, default=DEFAULT_UNMOUNT_TIMEOUT_S, metavar="S",
                    help="how long to wait for the daemon to exit")
+    u.add_argument("--flush-timeout", type=_seconds, default=DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S, metavar="S",
+                   help=f"how long to wait for written data to reach the object store before refusing "
+                        f"(default {DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S:g})")
+    u.add_argument("--force", action="store_true",
+                   help="unmount without flushing; staged data stays in the cache dir and the next mount uploads it")
 
     s = sub.add_parser("stats", help="show cache statistics of a mount")
     s.add_argument("mountpoint", type=Path)
@@ -199,9 +229,16 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
             fetch_timeout_s=args.fetch_timeout,
             max_pinned_bytes=_pin_limit(args.max_pinned, args.disk_cache),
         )
-        fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=True)
+        fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
+                        rename_dir_limit=args.rename_dir_limit)
+        writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
+                                      space_wait_s=args.dirty_wait, write_through=args.write_through)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not args.read_only and args.disk_cache == 0:
+        raise UsageError("a writable mount stages writes in the disk cache: give --disk-cache a size, or use --read-only")
+    if args.read_only and args.write_through:
+        raise UsageError("--write-through applies to writable mounts only (drop --read-only or --write-through)")
     if args.connect_timeout <= 0 or args.read_timeout <= 0:
         raise UsageError("timeouts must be positive")
     endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
@@ -212,6 +249,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         endpoint_url=endpoint,
         cache=cache,
         fs=fs,
+        writeback=writeback,
         connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout,
         stats_addr=args.stats_addr,
@@ -376,6 +414,11 @@ def render_stats(stats: dict[str, Any]) -> Any:
     store = stats["object_store"]
     table.caption = (f"object store: {store['requests']} requests, {format_size(store['bytes_read'])} read, "
                      f"{store['errors']} errors  |  hit ratio {stats['hit_ratio']:.1%}")
+    wb = stats.get("writeback")
+    if wb is not None:
+        table.caption += (f"\nwrite-back: {wb['dirty_files']} dirty files ({format_size(wb['dirty_bytes'])}), "
+                          f"{wb['uploads_in_flight']} uploading, {format_size(wb['bytes_uploaded'])} uploaded, "
+                          f"{wb['failed_attempts']} failed attempts, store {wb['store_state']}")
     return table
 
 
@@ -412,10 +455,14 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     if entry.fstype != mounts.FSTYPE:
         raise UsageError(f"{path} is not a cachefs mount (it is {entry.fstype})")
     pid = None
+    info: dict[str, Any] = {}
     try:
-        pid = int(call(path, "/info")["pid"])
+        info = call(path, "/info")
+        pid = int(info["pid"])
     except (UsageError, KeyError, ValueError, TypeError):
         pass  # a dead daemon: unmount the stale mount anyway
+    if pid is not None and not args.force and not _flushed_for_unmount(path, args.flush_timeout, info):
+        return 1
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if fusermount is None:
         raise UsageError("fusermount3 not found (install the fuse3 package)")
@@ -435,6 +482,27 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         return 1
     print(f"cachefs: unmounted {path}", file=sys.stderr)
     return 0
+
+
+def _flushed_for_unmount(path: Path, timeout_s: float, info: dict[str, Any]) -> bool:
+    """Flush before unmounting; False (with the reason on stderr) when something is still pending."""
+    from cachefs.cli_writeback import flush_mount, print_pending
+
+    staging = Path(str(info.get("cache_dir", "the cache directory"))) / "staging"
+    try:
+        report = flush_mount(path, timeout_s)
+    except UsageError as exc:
+        print(f"cachefs: error: not unmounting {path}: cannot flush it ({exc}); use --force to unmount anyway "
+              f"(staged data stays in {staging} and the next mount uploads it)", file=sys.stderr)
+        return False
+    if report.get("ok"):
+        return True
+    pending = report.get("pending", [])
+    print_pending(pending, sys.stderr)
+    print(f"cachefs: error: not unmounting {path}: {len(pending)} changes are not in the object store after "
+          f"{timeout_s:g} s (listed above). Retry, run 'cachefs flush {path}' with a longer --timeout, or use "
+          f"--force (staged data stays in {staging} and the next mount uploads it)", file=sys.stderr)
+    return False
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:

@@ -12,6 +12,7 @@ Cache directory layout, per source (so several mounts may share one ``--cache-di
         lock          flock'd by the daemon using it: two daemons never share a disk tier
         blocks/       the disk tier (see tiering.disk)
         pins.json     pinned objects (see tiering.pins, cachefs.prefetch)
+        staging/      staged writes and their journal, on a writable mount (see tiering.writeback)
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ ReadyCallback = Callable[[str | None], None]
 # called before the control API starts (so it can add routes); its ``start()`` runs before the
 # kernel mount (so a replay or a warm-up finishes first) and its ``stop()`` after the unmount, in
 # reverse order, also when the mount failed.
-FEATURE_MODULES: tuple[str, ...] = ("cachefs.prefetch", "cachefs.metrics")
+FEATURE_MODULES: tuple[str, ...] = ("cachefs.writeback", "cachefs.prefetch", "cachefs.metrics")
 
 
 @dataclass

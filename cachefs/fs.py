@@ -17,17 +17,36 @@ mount. It owns three tables:
 The kernel's page cache is used across opens (``keep_cache``) as long as the object's ETag is the
 one seen at the previous open; when it changed, the open answers without ``keep_cache`` and the
 kernel drops its cached pages of the file.
+
+Writes (write-back, see ``tiering.writeback``). A writable mount stages every change durably on
+local disk and uploads it later; this class keeps the POSIX view consistent meanwhile. Lookups and
+listings overlay the pending changes on the store's listings (``WriteBack.resolve``/``merge``), a
+file with staged data is read from staging, and its attributes are its staged size and mtime. A
+file with staged data is never opened with ``keep_cache``, and its ETag changes when its upload
+lands, so the kernel never keeps pages of an older version; an open handle follows the changes made
+through the mount (it pins a version only against changes made elsewhere). When an upload lands,
+the cached listing of its directory is patched (and a listing being fetched at that moment is
+patched when it arrives), so no view goes back to the old version.
+
+Directories are marker objects (``dir/``): ``mkdir`` writes one, ``rmdir`` deletes it (after the
+deletes below it), and a directory that loses an entry through the mount gets one too, because a
+directory lives until rmdir even where the store would drop an empty prefix. Keys below a directory
+still imply it, as on the read path. Rename of a staged file is journaled (its content is
+acknowledged first); of a file only in the store, a server-side copy then a journaled delete; of a
+directory, the same for every entry, refused beyond ``rename_dir_limit`` entries (E2BIG). None of
+these renames is atomic: a crash can leave both names, never neither.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import os
 import stat
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Iterator, NewType
 
@@ -40,6 +59,8 @@ from tiering.engine import BlockCache
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.readahead import ReadAhead
+from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
+from tiering.writeback.staged import StagedFile
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +74,14 @@ MAX_CACHED_LISTING_ENTRIES = 500_000
 # Blocks reported to statfs are in units of this size (the usual 4 KiB page).
 STATFS_BLOCK_SIZE = 4096
 CONTROL_XATTR = "user.cachefs.control"
+# Store changes remembered for patching listings that were being fetched when the change landed; a
+# LIST outlived by more changes than this is answered but not cached.
+MAX_APPLIED_LOG = 10_000
+# Server-side copies in flight while a directory is renamed.
+RENAME_CONCURRENCY = 16
+# rename(2) flags (linux/fs.h).
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -86,6 +115,10 @@ class Node:
     lookups: int = 0
     open_handles: int = 0
     page_cache_etag: str | None = None  # ETag the kernel's page cache holds for this file
+    staged: StagedFile | None = None  # write-back data of this file, while it has any
+    writers: int = 0  # open handles that may write
+    deleted: bool = False  # unlinked (or replaced by a rename) while the kernel still knows it
+    local_gen: int = 0  # bumped by every change made through the mount (handles follow it)
 
 
 @dataclass
@@ -99,8 +132,10 @@ class Listing:
 @dataclass
 class FileHandleState:
     node: Node
-    ref: ObjectRef
+    ref: ObjectRef | None  # the store version read through this handle (None: staged data)
     readahead: ReadAhead
+    writable: bool = False
+    local_gen: int = 0  # node.local_gen when ref was taken
 
 
 @dataclass
@@ -136,6 +171,27 @@ class FsStats:
     reads: int = 0
     read_bytes: int = 0
     skipped_keys: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    creates: int = 0
+    unlinks: int = 0
+    mkdirs: int = 0
+    rmdirs: int = 0
+    renames: int = 0
+    truncates: int = 0
+    fsyncs: int = 0
+
+
+def _patch_entries(entries: dict[str, ObjectInfo | None], name: str, info: ObjectInfo | None, marker: bool) -> None:
+    """Apply one store change to a listing: a file put or delete, or a directory marker put."""
+    if marker:
+        if info is not None:
+            entries[name] = None
+    elif info is None:
+        if entries.get(name) is not None:
+            del entries[name]
+    elif entries.get(name, MISSING) is not None:
+        entries[name] = info
 
 
 def join(parent: str, name: str) -> str:
@@ -170,12 +226,18 @@ class CacheFS:
         self._handles: dict[int, FileHandleState | DirHandleState] = {}
         self._next_fh = 1
         self._bad_keys = WarnOnce()
+        self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount
+        self._applied_log: deque[tuple[str, str, ObjectInfo | None, bool]] = deque()
+        self._applied_total = 0
 
     # ------------------------------------------------------------------ attributes
     def _attributes(self, node: Node) -> Attributes:
         s = self.settings
+        sf = node.staged
         if node.is_dir:
             mode, size, mtime = stat.S_IFDIR | s.dir_mode, 0, node.mtime
+        elif sf is not None and not sf.disposed:
+            mode, size, mtime = stat.S_IFREG | s.file_mode, sf.size, sf.mtime
         else:
             assert node.info is not None
             mode, size, mtime = stat.S_IFREG | s.file_mode, node.info.size, node.info.mtime
@@ -212,7 +274,13 @@ class CacheFS:
             self._nodes[node.inode] = node
             self._by_path[path] = node
         if info is not None:
-            node.info = info
+            if info.etag == STAGED_ETAG and self.writeback is not None:
+                # A staged file: its attributes come from staging; node.info stays the store's.
+                self._staged(node)
+                if node.info is None:
+                    node.info = info
+            else:
+                node.info = info
         return node
 
     # ------------------------------------------------------------------ listings
@@ -234,6 +302,7 @@ class CacheFS:
 
     async def _fetch_listing(self, path: str, stale: Listing | None) -> Listing:
         self.stats.listings += 1
+        mark = self._applied_total
         try:
             raw = await self.store.list_dir(path + "/" if path else "")
         except ObjectStoreUnavailableError as exc:
@@ -242,6 +311,9 @@ class CacheFS:
                 self.stats.stale_listings_served += 1
                 log.warning("serving cached listing of /%s: %s", path, exc)
                 return stale
+            if self.writeback is not None and self.writeback.created_dir(path):
+                # Made through this mount and not yet in the store: the store has nothing below it.
+                return Listing({}, self.clock.monotonic() + self.settings.dir_ttl_s)
             raise
         except ObjectStoreError:
             self.stats.listing_errors += 1
@@ -262,7 +334,8 @@ class CacheFS:
             else:
                 entries[name] = info
         listing = Listing(entries, self.clock.monotonic() + self.settings.dir_ttl_s)
-        self._remember_listing(path, listing)
+        if self._replay_applied(path, listing, mark):
+            self._remember_listing(path, listing)
         # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
         for name, info in entries.items():
             node = self._by_path.get(join(path, name))
@@ -289,12 +362,11 @@ class CacheFS:
 
     async def _refresh(self, node: Node) -> None:
         """Bring a file node's ObjectInfo up to date if its attributes expired."""
-        if node.is_dir or node.inode == ROOT_INODE:
+        if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
             return
         parent, _, name = node.path.rpartition("/")
-        listing = await self._listing(parent)
-        info = listing.entries.get(name, False)
-        if info is False or info is None:
+        info = self._resolve(parent, name, await self._listing(parent))
+        if not isinstance(info, ObjectInfo) or info.etag == STAGED_ETAG:
             # Gone from the store (or became a directory): keep serving what the kernel knows
             # until it looks the name up again; reads of a deleted object fail with ENOENT.
             return
@@ -315,10 +387,10 @@ class CacheFS:
         elif text == "..":
             node = self._by_path.get(parent.path.rpartition("/")[0], self._nodes[ROOT_INODE])
         else:
-            listing = await self._listing(parent.path)
-            if text not in listing.entries:
+            value = self._resolve(parent.path, text, await self._listing(parent.path))
+            if value is MISSING:
                 raise FsError(errno.ENOENT)
-            node = self._node_for(join(parent.path, text), listing.entries[text])
+            node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
         node.lookups += 1
         return self._attributes(node)
 
@@ -351,21 +423,14 @@ class CacheFS:
             raise FsError(errno.EISDIR)
         if flags & _WRITE_FLAGS and self.settings.read_only:
             raise FsError(errno.EROFS)
-        await self._refresh(node)
-        assert node.info is not None
-        info = node.info
-        keep_cache = node.page_cache_etag == info.etag
-        node.page_cache_etag = info.etag
-        self.stats.opens += 1
-        fh = self._new_handle(
-            FileHandleState(
-                node,
-                ObjectRef(info.key, info.etag, info.size),
-                ReadAhead(self.cache.block_size, self.cache.readahead_limit),
-            )
-        )
-        node.open_handles += 1
-        return fh, keep_cache
+        writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        if writable or flags & os.O_TRUNC:
+            self._writer()
+        if self._staged(node) is None:
+            await self._refresh(node)
+        if flags & os.O_TRUNC:
+            await self._truncate_node(node, 0)  # nothing to copy in: the new content starts empty
+        return self._open_handle(node, writable=writable)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handles.get(fh)
@@ -373,17 +438,37 @@ class CacheFS:
             raise FsError(errno.EBADF)
         if offset < 0 or size < 0:
             raise FsError(errno.EINVAL)
+        node = handle.node
         window = handle.readahead.on_read(offset, size)
-        data = await self.cache.read(handle.ref, offset, size, readahead_bytes=window)
+        sf = self._staged(node) if self.writeback is not None else None
+        if sf is not None:
+            data = await self.writeback.read(sf, offset, size)  # type: ignore[union-attr]
+        else:
+            ref = handle.ref
+            if ref is None or handle.local_gen != node.local_gen:
+                # Changed through the mount since this handle took its version: follow the change.
+                if node.info is not None and node.info.etag == STAGED_ETAG:
+                    await self._refresh(node)
+                ref = handle.ref = self._ref(node)
+                handle.local_gen = node.local_gen
+            data = await self.cache.read(ref, offset, size, readahead_bytes=window)
         self.stats.reads += 1
         self.stats.read_bytes += len(data)
         return data
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
-        if handle is not None:
-            handle.node.open_handles -= 1
-            self._maybe_drop(handle.node)
+        if handle is None:
+            return
+        node = handle.node
+        node.open_handles -= 1
+        if isinstance(handle, FileHandleState):
+            if handle.writable:
+                node.writers -= 1
+            if node.staged is not None and self.writeback is not None:
+                # The last handle going commits what close() did not (mmap writeback after close).
+                self.writeback.unhold(node.staged)
+        self._maybe_drop(node)
 
     async def opendir(self, inode: int) -> FileHandle:
         node = self._node(inode)
@@ -391,7 +476,7 @@ class CacheFS:
             raise FsError(errno.ENOTDIR)
         listing = await self._listing(node.path)
         # A snapshot per handle: offsets stay meaningful while the listing is refreshed.
-        entries = sorted(listing.entries.items())
+        entries = sorted(self._merged(node.path, listing).items())
         node.open_handles += 1
         return self._new_handle(DirHandleState(node, entries))
 
@@ -443,8 +528,506 @@ class CacheFS:
         return []
 
     def refuse_write(self) -> None:
-        """Every modifying operation on a read-only mount."""
+        """Modifying operations cachefs never supports on any mount (links, symlinks, xattrs) go
+        through here on a read-only mount, so they answer EROFS there as everything else does."""
         raise FsError(errno.EROFS)
+
+    def unsupported(self, what: str) -> None:
+        """Hard links, symlinks and extended attributes: no object-store equivalent."""
+        if self.settings.read_only or self.writeback is None:
+            raise FsError(errno.EROFS)
+        raise FsError(errno.EPERM if what in ("link", "symlink") else errno.ENOTSUP, f"{what} is not supported")
+
+    # ------------------------------------------------------------------ write-back: wiring and views
+    def attach_writeback(self, writeback: WriteBack) -> None:
+        """Make the mount writable through ``writeback`` (the daemon's write-back feature calls this)."""
+        self.writeback = writeback
+        writeback.on_applied = self._on_applied
+
+    def _writer(self) -> WriteBack:
+        """The write-back engine, or EROFS: a read-only mount (or one without staging) changes nothing."""
+        if self.settings.read_only or self.writeback is None:
+            raise FsError(errno.EROFS)
+        return self.writeback
+
+    def _resolve(self, path: str, name: str, listing: Listing) -> object:
+        """``name`` in directory ``path`` with pending changes applied: info, None (a directory), MISSING."""
+        stored = listing.entries.get(name, MISSING)
+        if self.writeback is None:
+            return stored
+        return self.writeback.resolve(path, name, stored)
+
+    def _merged(self, path: str, listing: Listing) -> dict[str, ObjectInfo | None]:
+        if self.writeback is None:
+            return listing.entries
+        return self.writeback.merge(path, listing.entries)
+
+    async def _resolve_path(self, path: str) -> object:
+        """What ``path`` (relative to the root) is in the merged view: info, None (a directory), MISSING."""
+        if path == "":
+            return None
+        parent, _, name = path.rpartition("/")
+        if await self._resolve_path(parent) is not None:
+            return MISSING
+        return self._resolve(parent, name, await self._listing(parent))
+
+    def _staged(self, node: Node) -> StagedFile | None:
+        """The staged file behind a file node, if any (attached lazily: the kernel may have looked the
+        name up before it was written, or after an earlier node for it was forgotten)."""
+        sf = node.staged
+        if sf is not None and sf.disposed:
+            self._set_staged(node, None)
+            sf = None
+        if sf is None and self.writeback is not None and not node.is_dir and not node.deleted:
+            sf = self.writeback.file(node.path)
+            if sf is not None:
+                self._set_staged(node, sf)
+        return sf
+
+    def _set_staged(self, node: Node, sf: StagedFile | None) -> None:
+        """Attach a staged file to a node; the node's open handles hold it (it is kept while they are open)."""
+        old = node.staged
+        if old is sf:
+            return
+        wb = self.writeback
+        if old is not None and wb is not None and node.open_handles:
+            wb.unhold(old, node.open_handles)
+        node.staged = sf
+        if sf is not None and wb is not None and node.open_handles:
+            wb.hold(sf, node.open_handles)
+        node.local_gen += 1
+
+    def _ref(self, node: Node) -> ObjectRef:
+        info = node.info
+        if info is None:
+            raise FsError(errno.ENOENT)
+        return ObjectRef(info.key, info.etag, info.size)
+
+    def _on_applied(self, key: str, info: ObjectInfo | None) -> None:
+        """A pending change reached the store: bring the cached store listing and the node up to date
+        (the overlay stops covering it now). Listings being fetched right now are patched when they
+        land (``_replay_applied``)."""
+        marker = key.endswith("/")
+        path = key[:-1] if marker else key
+        parent, _, name = path.rpartition("/")
+        self._applied_log.append((parent, name, info, marker))
+        self._applied_total += 1
+        if len(self._applied_log) > MAX_APPLIED_LOG:
+            self._applied_log.popleft()
+        listing = self._listings.get(parent)
+        if listing is not None:
+            if marker and info is None:
+                self._forget_listing(parent)  # other keys may still imply the directory: list again
+            else:
+                before = len(listing.entries)
+                _patch_entries(listing.entries, name, info, marker)
+                self._listing_entries += len(listing.entries) - before
+        node = self._by_path.get(path)
+        if not marker and node is not None and not node.is_dir and info is not None:
+            node.info = info
+            node.local_gen += 1
+
+    def _replay_applied(self, path: str, listing: Listing, mark: int) -> bool:
+        """Apply to a listing fetched since ``mark`` the changes that reached the store meanwhile.
+
+        False when it cannot be made exact (too many changes, or a removed directory marker): then
+        the listing is answered to its waiters but not cached.
+        """
+        first = self._applied_total - len(self._applied_log)
+        if mark < first:
+            return False
+        for parent, name, info, marker in itertools.islice(self._applied_log, mark - first, None):
+            if parent != path:
+                continue
+            if marker and info is None:
+                return False
+            _patch_entries(listing.entries, name, info, marker)
+        return True
+
+    def _forget_listing(self, path: str) -> None:
+        old = self._listings.pop(path, None)
+        if old is not None:
+            self._listing_entries -= len(old.entries)
+
+    def _forget_listings_under(self, path: str) -> None:
+        prefix = path + "/"
+        for cached in [p for p in self._listings if p == path or p.startswith(prefix)]:
+            self._forget_listing(cached)
+
+    def _text(self, name: bytes) -> str:
+        """A new name as text: valid UTF-8 (object keys are), and a valid POSIX name."""
+        try:
+            text = name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FsError(errno.EINVAL, "file names must be valid UTF-8 to become object keys") from None
+        reason = invalid_name_reason(text)
+        if reason:
+            raise FsError(errno.ENAMETOOLONG if "longer" in reason else errno.EINVAL, reason)
+        return text
+
+    def _dir(self, inode: int) -> Node:
+        node = self._node(inode)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    def _open_handle(self, node: Node, *, writable: bool) -> tuple[FileHandle, bool]:
+        """A new handle; the kernel may keep its cached pages only of an unchanged store version."""
+        sf = self._staged(node)
+        ref: ObjectRef | None = None
+        if sf is not None:
+            keep_cache = False
+            node.page_cache_etag = None  # the kernel's pages are of no store version: never kept
+        else:
+            ref = self._ref(node)
+            keep_cache = node.page_cache_etag == ref.etag
+            node.page_cache_etag = ref.etag
+        self.stats.opens += 1
+        fh = self._new_handle(FileHandleState(
+            node, ref, ReadAhead(self.cache.block_size, self.cache.readahead_limit),
+            writable=writable, local_gen=node.local_gen,
+        ))
+        node.open_handles += 1
+        if writable:
+            node.writers += 1
+        if sf is not None and self.writeback is not None:
+            self.writeback.hold(sf)
+        return fh, keep_cache
+
+    async def _stage_for_write(self, node: Node) -> StagedFile:
+        """The node's staged file, staging the store version (copied in on the first change) if needed."""
+        wb = self._writer()
+        sf = self._staged(node)
+        if sf is not None:
+            return sf
+        if node.deleted:
+            raise FsError(errno.ESTALE, f"/{node.path} was removed")
+        if node.info is not None and node.info.etag == STAGED_ETAG:
+            await self._refresh(node)
+        sf = wb.stage(node.path, self._ref(node))
+        self._set_staged(node, sf)
+        return sf
+
+    async def _truncate_node(self, node: Node, size: int) -> StagedFile:
+        wb = self._writer()
+        sf = self._staged(node)
+        if sf is None and size == 0 and not node.deleted:
+            sf = await wb.create(node.path, may_exist=True)  # nothing to copy in
+            self._set_staged(node, sf)
+            return sf
+        sf = await self._stage_for_write(node)
+        with wb.held(sf):
+            await wb.truncate(sf, size)
+        return sf
+
+    # ------------------------------------------------------------------ write operations
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int) -> tuple[FileHandle, bool, Attributes]:
+        """creat/open(O_CREAT): a new empty file (staged), or the existing one opened with ``flags``."""
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        path = join(parent.path, text)
+        value = self._resolve(parent.path, text, await self._listing(parent.path))
+        if value is None:
+            raise FsError(errno.EISDIR)
+        if value is not MISSING:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            node = self._node_for(path, value)  # type: ignore[arg-type]
+            node.lookups += 1
+            fh, keep = await self.open(node.inode, flags)
+            return fh, keep, self._attributes(node)
+        sf = await wb.create(path, may_exist=False)
+        node = self._node_for(path, wb.staged_info(sf))
+        self._set_staged(node, sf)
+        node.lookups += 1
+        self.stats.creates += 1
+        fh, keep = self._open_handle(node, writable=True)
+        return fh, keep, self._attributes(node)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        wb = self._writer()
+        handle = self._handles.get(fh)
+        if not isinstance(handle, FileHandleState) or not handle.writable:
+            raise FsError(errno.EBADF)
+        if offset < 0:
+            raise FsError(errno.EINVAL)
+        sf = await self._stage_for_write(handle.node)
+        written = await wb.write(sf, offset, data)
+        self.stats.writes += 1
+        self.stats.write_bytes += written
+        return written
+
+    async def flush(self, fh: int) -> None:
+        """close(2) of a descriptor: a file written through it is made durable (and, with
+        write-through, uploaded) before close returns."""
+        handle = self._handles.get(fh)
+        if not isinstance(handle, FileHandleState):
+            raise FsError(errno.EBADF)
+        if handle.writable and self.writeback is not None:
+            sf = self._staged(handle.node)
+            if sf is not None:
+                await self.writeback.commit(sf)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self._handles.get(fh)
+        if not isinstance(handle, FileHandleState):
+            raise FsError(errno.EBADF)
+        self.stats.fsyncs += 1
+        if self.writeback is not None:
+            sf = self._staged(handle.node)
+            if sf is not None:
+                await self.writeback.commit(sf)
+
+    async def setattr(
+        self,
+        inode: int,
+        *,
+        size: int | None = None,
+        mtime: float | None = None,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        fh: int | None = None,
+    ) -> Attributes:
+        """truncate/ftruncate, utimens (shown on staged files; the store sets its own LastModified),
+        and chmod/chown only to what is already shown (anything else: EPERM)."""
+        node = self._node(inode)
+        self._writer()
+        current = self._attributes(node)
+        if (mode is not None and stat.S_IMODE(mode) != stat.S_IMODE(current.mode)) or (
+            uid is not None and uid != current.uid) or (gid is not None and gid != current.gid):
+            raise FsError(errno.EPERM, "cachefs shows fixed owners and modes")
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if size < 0:
+                raise FsError(errno.EINVAL)
+            sf = await self._truncate_node(node, size)
+            self.stats.truncates += 1
+            if fh is None and node.writers == 0 and self.writeback is not None:
+                await self.writeback.commit(sf)  # truncate(2) by path: nothing else will acknowledge it
+        if mtime is not None and not node.is_dir:
+            sf = self._staged(node)
+            if sf is not None and self.writeback is not None:
+                self.writeback.set_mtime(sf, mtime)
+        return self._attributes(node)
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
+        if not stat.S_ISREG(mode):
+            self._writer()
+            raise FsError(errno.EPERM, "only regular files and directories can be objects")
+        fh, _, attrs = await self.create(parent_inode, name, mode, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        await self.flush(fh)
+        self.release(fh)
+        return attrs
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        if self._resolve(parent.path, text, await self._listing(parent.path)) is not MISSING:
+            raise FsError(errno.EEXIST)
+        path = join(parent.path, text)
+        await wb.mkdir(path)
+        self.stats.mkdirs += 1
+        node = self._node_for(path, None)
+        node.lookups += 1
+        return self._attributes(node)
+
+    async def unlink(self, parent_inode: int, name: bytes) -> None:
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        value = self._resolve(parent.path, text, await self._listing(parent.path))
+        if value is MISSING:
+            raise FsError(errno.ENOENT)
+        if value is None:
+            raise FsError(errno.EISDIR)
+        path = join(parent.path, text)
+        node = self._by_path.get(path)
+        if node is not None and node.writers and self._staged(node) is None:
+            await self._stage_for_write(node)  # an open writer keeps writing to it (not copied in yet)
+        staged = value.etag == STAGED_ETAG  # type: ignore[union-attr]
+        await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes
+        await wb.remove(path, may_exist=not staged)
+        self.stats.unlinks += 1
+        if node is not None:
+            self._unlink_node(node)
+
+    def _unlink_node(self, node: Node) -> None:
+        """The name is gone; the node lives on for the kernel's references and open handles."""
+        node.deleted = True
+        if self._by_path.get(node.path) is node:
+            del self._by_path[node.path]
+
+    async def rmdir(self, parent_inode: int, name: bytes) -> None:
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        value = self._resolve(parent.path, text, await self._listing(parent.path))
+        if value is MISSING:
+            raise FsError(errno.ENOENT)
+        if value is not None:
+            raise FsError(errno.ENOTDIR)
+        path = join(parent.path, text)
+        if self._merged(path, await self._listing(path)):
+            raise FsError(errno.ENOTEMPTY)
+        await wb.ensure_dir(parent.path)
+        await wb.rmdir(path)
+        self.stats.rmdirs += 1
+        self._forget_listings_under(path)
+        node = self._by_path.get(path)
+        if node is not None:
+            self._unlink_node(node)
+
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int) -> None:
+        """rename(2). Not atomic on an object store (see the module docstring and the README)."""
+        wb = self._writer()
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
+        src_name, dst_name = self._text(old_name), self._text(new_name)
+        src = join(src_dir.path, src_name)
+        dst = join(dst_dir.path, dst_name)
+        src_value = self._resolve(src_dir.path, src_name, await self._listing(src_dir.path))
+        if src_value is MISSING:
+            raise FsError(errno.ENOENT)
+        dst_value = self._resolve(dst_dir.path, dst_name, await self._listing(dst_dir.path))
+        if dst_value is not MISSING and flags & RENAME_NOREPLACE:
+            raise FsError(errno.EEXIST)
+        if src == dst:
+            return
+        if src_value is None:
+            if dst_value is not None and dst_value is not MISSING:
+                raise FsError(errno.ENOTDIR)
+            if dst.startswith(src + "/"):
+                raise FsError(errno.EINVAL, "cannot move a directory into itself")
+            if dst_value is None and self._merged(dst, await self._listing(dst)):
+                raise FsError(errno.ENOTEMPTY)
+            await self._rename_dir(src, dst)
+        else:
+            if dst_value is None:
+                raise FsError(errno.EISDIR)
+            if src_dir.path != dst_dir.path:
+                await wb.ensure_dir(src_dir.path)  # it loses an entry, and lives on until rmdir
+            await self._rename_file(src, dst, src_value, dst_value)  # type: ignore[arg-type]
+            self._move_node(src, dst)
+        self.stats.renames += 1
+
+    async def _rename_file(self, src: str, dst: str, info: ObjectInfo, dst_value: object) -> None:
+        wb = self._writer()
+        dst_may_exist = dst_value is not MISSING and getattr(dst_value, "etag", STAGED_ETAG) != STAGED_ETAG
+        sf = wb.file(src)
+        if sf is not None and sf.materialized:
+            await wb.move(src, dst, dst_may_exist=dst_may_exist)
+            return
+        if info.etag == STAGED_ETAG:
+            # Its upload landed (and the staged copy went) since the caller looked: take the store's.
+            value = await self._resolve_path(src)
+            sf = wb.file(src)
+            if sf is not None and sf.materialized:
+                await wb.move(src, dst, dst_may_exist=dst_may_exist)
+                return
+            if not isinstance(value, ObjectInfo) or value.etag == STAGED_ETAG:
+                raise FsError(errno.ENOENT, f"/{src} changed while it was renamed")
+            info = value
+        # Only in the store: a server-side copy, then the source is deleted (journaled). The
+        # destination's own pending upload must not land after the copy: it is held off meanwhile.
+        async with wb.quiesce(dst):
+            copied = await self.store.copy(src, info.etag, dst)
+            await wb.forget(dst)
+        await wb.remove(src, may_exist=True)
+        self._on_applied(dst, copied)
+        node = self._by_path.get(src)
+        if node is not None:
+            node.info = copied  # its key is rewritten to dst when the node moves
+
+    def _move_node(self, src: str, dst: str) -> None:
+        """The inode keeps its number under its new name (and so do the nodes below a directory)."""
+        replaced = self._by_path.get(dst)
+        if replaced is not None:
+            self._unlink_node(replaced)
+        node = self._by_path.get(src)
+        if node is not None and not node.is_dir:
+            moving = [node]
+        else:
+            prefix = src + "/"
+            moving = [n for p, n in self._by_path.items() if p == src or p.startswith(prefix)]
+        for node in moving:
+            del self._by_path[node.path]
+        for node in moving:
+            node.path = dst + node.path[len(src):]
+            self._by_path[node.path] = node
+            if node.info is not None and not node.is_dir:
+                node.info = ObjectInfo(node.path, node.info.size, node.info.etag, node.info.mtime)
+            node.local_gen += 1
+
+    async def _rename_dir(self, src: str, dst: str) -> None:
+        """Every entry below ``src`` (merged view) is renamed; refused beyond ``rename_dir_limit``."""
+        wb = self._writer()
+        files: list[tuple[str, ObjectInfo]] = []
+        dirs: list[str] = [""]
+        limit = self.settings.rename_dir_limit
+        pending = [""]
+        while pending:
+            rel = pending.pop()
+            here = join(src, rel) if rel else src
+            for name, value in sorted(self._merged(here, await self._listing(here)).items()):
+                child = f"{rel}/{name}" if rel else name
+                if value is None:
+                    dirs.append(child)
+                    pending.append(child)
+                else:
+                    files.append((child, value))
+                if len(files) + len(dirs) - 1 > limit:
+                    log.warning("rename of directory /%s refused: it has more than %d entries (--rename-dir-limit)",
+                                src, limit)
+                    raise FsError(errno.E2BIG, f"/{src} has more than {limit} entries to rename")
+        src_parent = src.rpartition("/")[0]
+        await wb.ensure_dir(src_parent)
+        for rel in dirs:
+            await wb.mkdir(join(dst, rel) if rel else dst)
+        slots = asyncio.Semaphore(RENAME_CONCURRENCY)
+
+        async def move_one(rel: str, info: ObjectInfo) -> None:
+            async with slots:
+                await self._rename_file(f"{src}/{rel}", f"{dst}/{rel}", info, MISSING)
+
+        await asyncio.gather(*(move_one(rel, info) for rel, info in files))
+        for rel in sorted(dirs, key=lambda d: -d.count("/") - (d != "")):
+            await wb.rmdir(join(src, rel) if rel else src)
+        self._forget_listings_under(src)
+        self._forget_listings_under(dst)
+        self._move_node(src, dst)
+
+    # ------------------------------------------------------------------ durability status
+    async def path_status(self, path: str) -> dict[str, Any]:
+        """``cachefs status``: the durability stage of one path (a directory: of what is pending below it)."""
+        path = path.strip("/")
+        value = await self._resolve_path(path)
+        out: dict[str, Any] = {"path": path}
+        wb = self.writeback
+        if value is MISSING:
+            pending = wb.status(path) if wb is not None else None
+            out.update(pending or {"stage": "missing"})
+            out["path"] = path
+            return out
+        if value is None:
+            below = wb.pending(path + "/" if path else "") if wb is not None else []
+            own = wb.status(path + "/") if wb is not None and path else None
+            out.update({"kind": "directory", "stage": "dirty" if below or own else "clean",
+                        "pending": below + ([own] if own else [])})
+            return out
+        status = wb.status(path) if wb is not None else None
+        if status is None:
+            info = value
+            out.update({"kind": "file", "stage": "clean", "size": info.size, "etag": info.etag})  # type: ignore[union-attr]
+        else:
+            out.update(status)
+            out["path"] = path
+        return out
+
 
     def _new_handle(self, state: FileHandleState | DirHandleState) -> FileHandle:
         fh = FileHandle(self._next_fh)
@@ -494,6 +1077,10 @@ class CacheFS:
                 "get_requests": store.get_requests,
                 "list_requests": store.list_requests,
                 "head_requests": store.head_requests,
+                "put_requests": store.put_requests,
+                "delete_requests": store.delete_requests,
+                "copy_requests": store.copy_requests,
+                "bytes_written": store.bytes_written,
             },
             "hit_ratio": round(self.cache.hit_ratio(), 6),
             "blocks": {
@@ -534,5 +1121,16 @@ class CacheFS:
                 "reads": self.stats.reads,
                 "read_bytes": self.stats.read_bytes,
                 "skipped_keys": self.stats.skipped_keys,
+                "writes": self.stats.writes,
+                "write_bytes": self.stats.write_bytes,
+                "creates": self.stats.creates,
+                "unlinks": self.stats.unlinks,
+                "mkdirs": self.stats.mkdirs,
+                "rmdirs": self.stats.rmdirs,
+                "renames": self.stats.renames,
+                "truncates": self.stats.truncates,
+                "fsyncs": self.stats.fsyncs,
             },
+            # Staged writes and their uploads (tiering.writeback); absent on a read-only mount.
+            **({"writeback": self.writeback.stats_snapshot()} if self.writeback is not None else {}),
         }

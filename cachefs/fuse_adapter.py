@@ -149,61 +149,73 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translate
     async def flush(self, fh: int) -> None:
-        return None
+        await self.fs.flush(fh)
 
     @_translate
     async def fsync(self, fh: int, datasync: bool) -> None:
-        return None
+        await self.fs.fsync(fh, datasync)
 
-    # Every modifying operation: the mount is read-only.
+    # Modifying operations (EROFS on a read-only mount: the filesystem decides).
     @_translate
     async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any = None) -> Any:
-        self.fs.refuse_write()
+        changes: dict[str, Any] = {}
+        if fields is not None:
+            if fields.update_size:
+                changes["size"] = attr.st_size
+            if fields.update_mtime:
+                changes["mtime"] = attr.st_mtime_ns / 1e9
+            if fields.update_mode:
+                changes["mode"] = attr.st_mode
+            if fields.update_uid:
+                changes["uid"] = attr.st_uid
+            if fields.update_gid:
+                changes["gid"] = attr.st_gid
+        return entry_attributes(await self.fs.setattr(inode, fh=fh, **changes))
 
     @_translate
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any = None) -> Any:
-        self.fs.refuse_write()
+        return entry_attributes(await self.fs.mknod(parent_inode, name, mode))
 
     @_translate
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any = None) -> Any:
-        self.fs.refuse_write()
+        return entry_attributes(await self.fs.mkdir(parent_inode, name, mode))
 
     @_translate
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any = None) -> None:
-        self.fs.refuse_write()
+        await self.fs.unlink(parent_inode, name)
 
     @_translate
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any = None) -> None:
-        self.fs.refuse_write()
+        await self.fs.rmdir(parent_inode, name)
 
     @_translate
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any = None) -> Any:
-        self.fs.refuse_write()
+        self.fs.unsupported("symlink")
 
     @_translate
     async def rename(self, p_old: int, n_old: bytes, p_new: int, n_new: bytes, flags: int, ctx: Any = None) -> None:
-        self.fs.refuse_write()
+        await self.fs.rename(p_old, n_old, p_new, n_new, flags)
 
     @_translate
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any = None) -> Any:
-        self.fs.refuse_write()
+        self.fs.unsupported("link")
 
     @_translate
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any = None) -> Any:
-        self.fs.refuse_write()
+        fh, keep_cache, attrs = await self.fs.create(parent_inode, name, mode, flags)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False), entry_attributes(attrs)
 
     @_translate
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        self.fs.refuse_write()
-        return 0
+        return await self.fs.write(fh, off, buf)
 
     @_translate
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any = None) -> None:
-        self.fs.refuse_write()
+        self.fs.unsupported("setxattr")
 
     @_translate
     async def removexattr(self, inode: int, name: bytes, ctx: Any = None) -> None:
-        self.fs.refuse_write()
+        self.fs.unsupported("removexattr")
 
 
 class FuseSession:

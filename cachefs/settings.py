@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiering.settings import CacheSettings
+from tiering.writeback.settings import WriteBackSettings
 
 # Metadata TTLs. Training datasets are written once and read for many epochs, so a minute of
 # staleness costs nothing and saves a LIST per directory per minute; users who need fresher views
@@ -26,21 +27,36 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_STATS_ADDR = "127.0.0.1:9750"
 
 
+# Renaming a directory renames every object below it (a server-side copy and a delete each, for
+# those already in the store). 10,000 entries take well under a minute against S3 with 16 copies in
+# flight; beyond that a rename would hold up the caller (and the FUSE request) for minutes, so it is
+# refused with E2BIG and a log line, and ``--rename-dir-limit`` raises the bound deliberately.
+DEFAULT_RENAME_DIR_LIMIT = 10_000
+
+
 @dataclass(frozen=True)
 class FsSettings:
     attr_ttl_s: float = DEFAULT_ATTR_TTL_S
     dir_ttl_s: float = DEFAULT_DIR_TTL_S
     uid: int = field(default_factory=os.getuid)
     gid: int = field(default_factory=os.getgid)
-    file_mode: int = 0o444
-    dir_mode: int = 0o555
-    read_only: bool = True
+    # None: 0o444/0o555 on a read-only mount, 0o644/0o755 on a writable one.
+    file_mode: int | None = None
+    dir_mode: int | None = None
+    read_only: bool = False
+    rename_dir_limit: int = DEFAULT_RENAME_DIR_LIMIT
 
     def __post_init__(self) -> None:
         for name in ("attr_ttl_s", "dir_ttl_s"):
             value = getattr(self, name)
             if not 0 <= value <= 86400:
                 raise ValueError(f"{name.replace('_s', '').replace('_', '-')} must be between 0 and 86400 seconds")
+        if not 0 <= self.rename_dir_limit <= 10_000_000:
+            raise ValueError("rename-dir-limit must be between 0 and 10000000 entries")
+        if self.file_mode is None:
+            object.__setattr__(self, "file_mode", 0o444 if self.read_only else 0o644)
+        if self.dir_mode is None:
+            object.__setattr__(self, "dir_mode", 0o555 if self.read_only else 0o755)
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,7 @@ class MountSettings:
     endpoint_url: str | None = None
     cache: CacheSettings = field(default_factory=CacheSettings)
     fs: FsSettings = field(default_factory=FsSettings)
+    writeback: WriteBackSettings = field(default_factory=WriteBackSettings)
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     stats_addr: str | None = None

@@ -10,7 +10,8 @@ nodes. The driver's own series:
   gone: the mount answers "Transport endpoint is not connected" until republished; or a daemon
   that did not answer the scrape in time).
 
-Mounts are found in the mount table (fstype ``fuse.cachefs``); a broken one is counted, never
+Mounts are found in the mount table (fstype ``fuse.cachefs``) and counted when this plugin's cache
+root holds their publish record, so other cachefs mounts on the host are left out; a broken one is counted, never
 waited on. Each mount's scrape is bounded by ``MOUNT_SCRAPE_TIMEOUT_S``.
 """
 
@@ -159,9 +160,19 @@ def render(targets: Callable[[], dict[str, str]]) -> str:
 
 
 def cachefs_targets(volume_of: Callable[[str], str | None]) -> dict[str, str]:
-    """Every cachefs mount on the node -> its volume id (``""`` when unknown)."""
-    return {entry.mountpoint: volume_of(entry.mountpoint) or "" for entry in mounts.mount_entries()
-            if entry.fstype == mounts.FSTYPE}
+    """Every cachefs mount this driver published -> its volume id.
+
+    A cachefs mount on the node without a publish record in the driver's cache root (one an
+    administrator made by hand, or another driver instance's) is not this plugin's to report.
+    """
+    found = {}
+    for entry in mounts.mount_entries():
+        if entry.fstype != mounts.FSTYPE:
+            continue
+        volume_id = volume_of(entry.mountpoint)
+        if volume_id is not None:
+            found[entry.mountpoint] = volume_id
+    return found
 
 
 def serve(address: str, targets: Callable[[], dict[str, str]]) -> http.server.ThreadingHTTPServer:

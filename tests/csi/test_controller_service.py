@@ -41,8 +41,6 @@ def delete(csi, seaweed, volume_id: str) -> None:
 
 
 @pytest.mark.fuse
-@pytest.mark.xfail(strict=True, reason="writes through the mount need write-back (issue #3), reverted from main "
-                   "pending a flaky CSI metrics test; strict, so it fails loudly once write-back lands")
 def test_dynamic_volume_create_publish_write_unpublish_delete(csi, seaweed, bucket) -> None:
     seaweed.put(bucket, "scratch/pvc-other/keep.txt", b"another volume's data")
     volume = create(csi, seaweed, "pvc-0001", bucket=bucket, prefix="scratch", onDelete="delete", ramCache="64MiB")

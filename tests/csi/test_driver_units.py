@@ -357,3 +357,15 @@ def test_metrics_merge_labels_every_sample_and_keeps_families_together() -> None
         "# HELP cachefs_up Up.", "# TYPE cachefs_up gauge",
         'cachefs_up{volume_id="a"} 1.0', 'cachefs_up{volume_id="b\\"x"} 1.0',
     ]
+
+
+def test_metrics_count_only_the_mounts_this_plugin_published(monkeypatch) -> None:
+    from cachefs import mounts
+    from csi_driver import metrics
+
+    entries = [mounts.MountEntry("/pods/a/vol", mounts.FSTYPE, "cachefs"),
+               mounts.MountEntry("/mnt/by-hand", mounts.FSTYPE, "cachefs"),
+               mounts.MountEntry("/pods/b/vol", "ext4", "/dev/sda1")]
+    monkeypatch.setattr(mounts, "mount_entries", lambda: entries)
+    published = {"/pods/a/vol": "vol-a", "/pods/b/vol": "vol-b"}
+    assert metrics.cachefs_targets(published.get) == {"/pods/a/vol": "vol-a"}

@@ -206,7 +206,7 @@ def test_changed_object_same_size_is_never_served_stale(backend: Backend, mounte
 
 def test_writes_are_refused_read_only(backend: Backend, mounter) -> None:
     fill(backend)
-    m = mounter.mount(backend.source, env=backend.env)
+    m = mounter.mount(backend.source, "--read-only", env=backend.env)
     attempts = [
         lambda: open(m.path / "new.txt", "wb"),
         lambda: open(m.path / "README", "r+b"),

@@ -82,6 +82,13 @@ def mount_args(source: str, mountpoint: Path, cache_dir: Path, *extra: str) -> l
         (["--log-level", "LOUD"], ["--log-level"]),
         (["--endpoint-url", "ftp://host"], ["endpoint URL", "'ftp://host'"]),
         (["--no-such-flag"], ["--no-such-flag"]),
+        (["--disk-cache", "0"], ["writable mount", "--disk-cache", "--read-only"]),
+        (["--read-only", "--write-through"], ["--write-through", "writable"]),
+        (["--upload-delay", "-1"], ["--upload-delay", "negative"]),
+        (["--upload-delay", "99999"], ["upload delay"]),
+        (["--max-uploads", "0"], ["max uploads"]),
+        (["--dirty-wait", "7200"], ["dirty-data wait"]),
+        (["--rename-dir-limit", "-1"], ["rename-dir-limit"]),
     ],
 )
 def test_bad_mount_options(extra: list[str], needles: list[str], mnt: Path, cache_dir: Path, capsys) -> None:
@@ -195,7 +202,9 @@ def test_mount_settings_from_arguments(mnt: Path, cache_dir: Path) -> None:
     assert settings.cache.readahead_max_bytes == 0
     assert settings.cache.max_concurrent_fetches == 8
     assert settings.cache.fetch_timeout_s == 2.5
-    assert settings.fs.dir_ttl_s == 0 and settings.fs.attr_ttl_s == 1 and settings.fs.read_only
+    assert settings.fs.dir_ttl_s == 0 and settings.fs.attr_ttl_s == 1 and not settings.fs.read_only
+    assert settings.fs.file_mode == 0o644 and settings.fs.dir_mode == 0o755
+    assert not settings.writeback.write_through and settings.writeback.upload_delay_s == 2
     assert settings.stats_addr == "127.0.0.1:9999"
     # An explicit flag wins over the environment.
     args = build_parser().parse_args(mount_args("s3://my-bucket", mnt, cache_dir, "--endpoint-url", "https://s3.example"))
@@ -208,3 +217,32 @@ def test_preflight_accepts_good_settings_without_contacting_anything(mnt: Path, 
     assert cache_dir.is_dir()  # created and probed
     assert list(cache_dir.iterdir()) == []  # the probe file is gone
     assert list(mnt.iterdir()) == []
+
+
+def test_write_back_options(mnt: Path, cache_dir: Path) -> None:
+    args = build_parser().parse_args(mount_args(
+        "s3://my-bucket", mnt, cache_dir, "--write-through", "--upload-delay", "0.5", "--max-uploads", "9",
+        "--dirty-wait", "3", "--rename-dir-limit", "12",
+    ))
+    settings = mount_settings(args, {})
+    assert settings.writeback.write_through and settings.writeback.upload_delay_s == 0.5
+    assert settings.writeback.max_uploads == 9 and settings.writeback.space_wait_s == 3
+    assert settings.fs.rename_dir_limit == 12 and not settings.fs.read_only
+
+
+def test_read_only_mount_settings(mnt: Path, cache_dir: Path) -> None:
+    args = build_parser().parse_args(mount_args("s3://my-bucket", mnt, cache_dir, "--read-only", "--disk-cache", "0"))
+    settings = mount_settings(args, {})
+    assert settings.fs.read_only and settings.fs.file_mode == 0o444 and settings.fs.dir_mode == 0o555
+
+
+def test_flush_and_status_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) -> None:
+    code, err = run(["flush", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, "not a mountpoint")
+    code, err = run(["status", str(tmp_path / "x")], capsys)
+    assert_one_line_error(code, err, "not inside a cachefs mount")
+
+
+def test_flush_timeout_must_be_a_duration(tmp_path: Path, capsys) -> None:
+    code, err = run(["flush", str(tmp_path), "--timeout", "soon"], capsys)
+    assert code == 2 and "--timeout" in err

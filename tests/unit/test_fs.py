@@ -31,9 +31,10 @@ RAM_BYTES = 32 * BS
 
 
 def make_fs(store, clock: FakeClock, *, disk: DiskTier | None = None, control_path: str | None = None) -> CacheFS:
+    """A read-only CacheFS (the read path; writes are in test_fs_writes.py)."""
     settings = CacheSettings(block_size=BS, ram_bytes=RAM_BYTES, readahead_max_bytes=4 * BS)
     cache = BlockCache(settings, store, RamTier(RAM_BYTES), disk)
-    fs_settings = FsSettings(attr_ttl_s=TTL, dir_ttl_s=TTL, uid=1234, gid=5678)
+    fs_settings = FsSettings(attr_ttl_s=TTL, dir_ttl_s=TTL, uid=1234, gid=5678, read_only=True)
     return CacheFS(store, cache, fs_settings, clock=clock, control_path=control_path)
 
 

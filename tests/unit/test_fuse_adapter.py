@@ -131,7 +131,8 @@ def store() -> InMemoryObjectStore:
 def ops(store: InMemoryObjectStore) -> FuseOperations:
     settings = CacheSettings(block_size=BS, ram_bytes=16 * BS)
     cache = BlockCache(settings, store, RamTier(16 * BS))
-    fs = CacheFS(store, cache, FsSettings(attr_ttl_s=5, dir_ttl_s=5), clock=FakeClock(), control_path="/run/c.sock")
+    settings = FsSettings(attr_ttl_s=5, dir_ttl_s=5, read_only=True)
+    fs = CacheFS(store, cache, settings, clock=FakeClock(), control_path="/run/c.sock")
     return FuseOperations(fs)
 
 
@@ -209,6 +210,84 @@ async def test_write_handlers_are_erofs(ops: FuseOperations, handler: str, args:
     assert info.value.errno == errno.EROFS
 
 
-async def test_flush_and_fsync_are_accepted(ops: FuseOperations) -> None:
-    assert await ops.flush(1) is None
-    assert await ops.fsync(1, True) is None
+async def test_flush_and_fsync_of_a_read_only_file(ops: FuseOperations) -> None:
+    d = await ops.lookup(ROOT_INODE, b"dir", None)
+    f = await ops.lookup(d.st_ino, b"file.bin", None)
+    fi = await ops.open(f.st_ino, os.O_RDONLY, None)
+    assert await ops.flush(fi.fh) is None
+    assert await ops.fsync(fi.fh, True) is None
+    await ops.release(fi.fh)
+    for call in (ops.flush(999), ops.fsync(999, False)):
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await call
+        assert info.value.errno == errno.EBADF
+
+
+# ------------------------------------------------------------------------------------------ writable
+@pytest.fixture
+async def writable(tmp_path):
+    from tiering.disk import DiskTier
+    from tiering.writeback import WriteBack, WriteBackSettings
+
+    store = InMemoryObjectStore()
+    store.put_object("dir/file.bin", b"0123456789", mtime=1_700_000_000)
+    disk = DiskTier(tmp_path / "cache", 16 * 1024 * 1024)
+    cache = BlockCache(CacheSettings(block_size=BS, ram_bytes=16 * BS), store, RamTier(16 * BS), disk)
+    fs = CacheFS(store, cache, FsSettings(attr_ttl_s=5, dir_ttl_s=5), clock=FakeClock())
+    wb = WriteBack(WriteBackSettings(upload_delay_s=0), tmp_path / "cache" / "staging", store, cache, disk)
+    fs.attach_writeback(wb)
+    await wb.start()
+    try:
+        yield FuseOperations(fs), store, wb
+    finally:
+        await wb.stop()
+
+
+def _fields(**updates: bool) -> object:
+    import types
+
+    names = ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid", "update_gid",
+             "update_size")
+    return types.SimpleNamespace(**{name: updates.get(name, False) for name in names})
+
+
+async def test_write_path_through_the_adapter(writable) -> None:
+    ops, store, wb = writable
+    fi, entry = await ops.create(ROOT_INODE, b"new.txt", 0o644, os.O_WRONLY | os.O_CREAT, None)
+    assert stat.S_ISREG(entry.st_mode) and entry.st_size == 0 and fi.keep_cache is False
+    assert await ops.write(fi.fh, 0, b"hello") == 5
+    await ops.flush(fi.fh)
+    await ops.fsync(fi.fh, False)
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 3
+    attr.st_mtime_ns = 1_600_000_000 * 10**9
+    out = await ops.setattr(entry.st_ino, attr, _fields(update_size=True, update_mtime=True), fi.fh, None)
+    assert out.st_size == 3 and out.st_mtime_ns == 1_600_000_000 * 10**9
+    await ops.release(fi.fh)
+    d = await ops.mkdir(ROOT_INODE, b"made", 0o755, None)
+    assert stat.S_ISDIR(d.st_mode)
+    await ops.rename(ROOT_INODE, b"new.txt", d.st_ino, b"moved.txt", 0, None)
+    await ops.unlink(d.st_ino, b"moved.txt", None)
+    await ops.rmdir(ROOT_INODE, b"made", None)
+    report = await wb.flush(5)
+    assert report.ok, report.pending
+    assert store.keys() == ["dir/file.bin"]
+
+
+async def test_unsupported_operations_through_the_adapter(writable) -> None:
+    ops, _store, _wb = writable
+    cases = [
+        (ops.symlink(ROOT_INODE, b"l", b"target", None), errno.EPERM),
+        (ops.link(ROOT_INODE, ROOT_INODE, b"l", None), errno.EPERM),
+        (ops.setxattr(ROOT_INODE, b"user.x", b"v", None), errno.ENOTSUP),
+        (ops.removexattr(ROOT_INODE, b"user.x", None), errno.ENOTSUP),
+        (ops.mknod(ROOT_INODE, b"p", stat.S_IFIFO | 0o644, 0, None), errno.EPERM),
+        (ops.unlink(ROOT_INODE, b"nope", None), errno.ENOENT),
+        (ops.rmdir(ROOT_INODE, b"dir", None), errno.ENOTEMPTY),
+        (ops.mkdir(ROOT_INODE, b"dir", 0o755, None), errno.EEXIST),
+        (ops.write(4242, 0, b"x"), errno.EBADF),
+    ]
+    for call, code in cases:
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await call
+        assert info.value.errno == code

@@ -1,0 +1,132 @@
+"""The daemon's write-back feature: staging and uploads for a writable mount, and their control routes.
+
+``install(ctx)`` (listed in ``cachefs.daemon.FEATURE_MODULES``) builds, on a writable mount, the
+``tiering.writeback.WriteBack`` engine over ``<per-source cache dir>/staging`` with the disk tier
+as its space budget (staged bytes and cached blocks share ``--disk-cache``), and attaches it to the
+filesystem. ``start()`` replays the journal before the kernel mount, so what an earlier mount left
+(after a crash or ``unmount --force``) is visible and queued before the first request; ``stop()``
+runs after the unmount and leaves whatever is not yet in the store journaled for the next mount.
+
+Control routes (unix socket only: they act on the mount):
+
+``POST /writeback/flush``   ``{"timeout_s": S}`` -> ``{"ok", "pending": [...], "unsynced": [...],
+                            "elapsed_s"}``: waits until every acknowledged change is in the store, or
+                            S seconds. Each pending entry names its path, stage and error; ``unsynced``
+                            lists open files with writes not yet closed or fsync'd (not flushed).
+``POST /writeback/status``  ``{"paths": ["a/b", ...]}`` (relative to the mount root) ->
+                            ``{"paths": [...]}``: the durability stage of each (see ``CacheFS.path_status``).
+
+On a read-only mount nothing is staged: flush answers ``ok`` at once, status says ``clean``. Staged
+data an earlier writable mount left is not uploaded by a read-only one (it may have no write
+permission); it is reported in the log and waits for the next writable mount.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cachefs.control import ControlRequestError
+from cachefs.daemon import DaemonContext
+from cachefs.errors import FsError, SetupError
+from tiering.errors import CacheError
+from tiering.writeback import WriteBack
+from tiering.writeback.journal import RECORD_SUFFIX, RECORDS_DIR, StagingFormatError
+
+log = logging.getLogger(__name__)
+
+STAGING_DIRNAME = "staging"
+# The longest flush a control request may ask for; `cachefs flush` and `unmount` pass their own.
+MAX_FLUSH_TIMEOUT_S = 24 * 3600.0
+# Paths per status request.
+MAX_STATUS_PATHS = 10_000
+
+
+def install(ctx: DaemonContext) -> "WriteBackFeature":
+    return WriteBackFeature(ctx)
+
+
+class WriteBackFeature:
+    def __init__(self, ctx: DaemonContext) -> None:
+        self.ctx = ctx
+        self.staging_dir = ctx.cache_dir / STAGING_DIRNAME
+        self.writeback: WriteBack | None = None
+        if not ctx.settings.fs.read_only:
+            disk = ctx.cache.disk
+            if disk is None:
+                raise SetupError("a writable mount stages writes in the disk cache: give --disk-cache a size, "
+                                 "or mount with --read-only")
+            try:
+                self.writeback = WriteBack(
+                    ctx.settings.writeback,
+                    self.staging_dir,
+                    ctx.store,
+                    ctx.cache,
+                    disk,
+                    eager_fraction=ctx.settings.cache.high_watermark,
+                )
+            except (OSError, StagingFormatError) as exc:
+                raise SetupError(f"cannot use the staging area {self.staging_dir}: {exc}") from exc
+            ctx.fs.attach_writeback(self.writeback)
+        ctx.control.add_json_route("POST", "/writeback/flush", self._flush)
+        ctx.control.add_json_route("POST", "/writeback/status", self._status)
+
+    async def start(self) -> None:
+        if self.writeback is not None:
+            await self.writeback.start()
+            return
+        records = self.staging_dir / RECORDS_DIR
+        if records.is_dir():
+            left = sum(1 for p in records.iterdir() if p.name.endswith(RECORD_SUFFIX))
+            if left:
+                log.warning("write-back: %d staged operations from an earlier writable mount wait in %s; a read-only "
+                            "mount does not upload them (mount writable to do so)", left, self.staging_dir)
+
+    async def stop(self) -> None:
+        if self.writeback is not None:
+            await self.writeback.stop()
+
+    # -- routes ------------------------------------------------------------------------------------
+
+    async def _flush(self, params: dict[str, Any]) -> dict[str, Any]:
+        try:
+            timeout_s = float(params.get("timeout_s", 60))
+        except (TypeError, ValueError):
+            raise ControlRequestError(400, "timeout_s must be a number of seconds") from None
+        if not 0 <= timeout_s <= MAX_FLUSH_TIMEOUT_S:
+            raise ControlRequestError(400, f"timeout_s must be between 0 and {MAX_FLUSH_TIMEOUT_S:g}")
+        if self.writeback is None:
+            return {"ok": True, "pending": [], "elapsed_s": 0.0, "read_only": True}
+        report = await self.writeback.flush(timeout_s)
+        return {
+            "ok": report.ok,
+            "pending": [_describe(entry) for entry in report.pending],
+            "unsynced": [_describe(entry) for entry in report.unsynced],
+            "elapsed_s": round(report.elapsed_s, 3),
+        }
+
+    async def _status(self, params: dict[str, Any]) -> dict[str, Any]:
+        paths = params.get("paths")
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise ControlRequestError(400, "paths must be a list of paths relative to the mount root")
+        if len(paths) > MAX_STATUS_PATHS:
+            raise ControlRequestError(400, f"at most {MAX_STATUS_PATHS} paths per request")
+        out = []
+        for path in paths:
+            try:
+                status = await self.ctx.fs.path_status(path)
+            except (FsError, CacheError, OSError) as exc:
+                status = {"path": path.strip("/"), "stage": "unknown", "error": str(exc) or type(exc).__name__}
+            if "pending" in status:
+                status["pending"] = [_describe(entry) for entry in status["pending"]]
+            out.append(status)
+        return {"paths": out, "write_through": self.ctx.settings.writeback.write_through,
+                "read_only": self.writeback is None}
+
+
+def _describe(entry: dict[str, Any]) -> dict[str, Any]:
+    """A pending entry for the CLI: its key turned into a path (a directory marker ``a/`` is ``a``)."""
+    out = dict(entry)
+    key = str(out.pop("key", out.get("path", "")))
+    out["path"] = key[:-1] if key.endswith("/") else key
+    return out

@@ -1,0 +1,274 @@
+"""Write-back through a real mount on SeaweedFS: what a user does, checked in the bucket with boto3.
+
+Files of several sizes (one above the 16 MiB multipart threshold) read back at once and land in the
+bucket byte for byte after ``cachefs flush``; rename, unlink, mkdir/rmdir, truncate and append show
+at once and end up in the bucket as the same tree; ``cachefs status`` names the durability stages;
+``flush`` and ``unmount`` report what they cannot upload while the server is down, and succeed when
+it is back; staged data survives kill -9 and ``unmount --force`` and is uploaded by the next mount;
+``--write-through`` uploads before close returns and reports a failed upload to close.
+
+The heavy campaigns (random operation model, fio, 20 crash trials, back-pressure) are in the
+``test_writeback_*.py`` files next to this one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.fuse.conftest import run_cli
+from tests.support.s3servers import SeaweedS3
+
+KiB, MiB = 1024, 1024 * 1024
+PREFIX = "wb/"
+# Uploads of a few MiB to a loopback SeaweedFS take well under a second; this is for a loaded runner.
+FLUSH_S = 120
+
+
+def s3env(server) -> dict[str, str]:
+    return {**server.env(), "AWS_ENDPOINT_URL": server.endpoint_url}
+
+
+def payload(seed: str, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def bucket_tree(server, bucket: str) -> tuple[dict[str, bytes], set[str]]:
+    """Objects under PREFIX (relative key -> bytes) and directory markers (relative paths)."""
+    client = server.client()
+    files: dict[str, bytes] = {}
+    markers: set[str] = set()
+    token = None
+    while True:
+        kwargs = {"Bucket": bucket, "Prefix": PREFIX, **({"ContinuationToken": token} if token else {})}
+        page = client.list_objects_v2(**kwargs)
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(PREFIX):]
+            if rel.endswith("/"):
+                markers.add(rel[:-1])
+            elif rel:
+                files[rel] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+        if not page.get("IsTruncated"):
+            return files, markers
+        token = page["NextContinuationToken"]
+
+
+def flush(m, timeout: float = FLUSH_S):
+    return run_cli("flush", str(m.path), "--timeout", f"{timeout:g}", env=m.env, timeout=timeout + 60)
+
+
+def flush_ok(m) -> None:
+    result = flush(m)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture
+def bucket(seaweed) -> str:
+    name = f"wb-{uuid.uuid4().hex[:12]}"
+    seaweed.make_bucket(name)
+    return name
+
+
+def test_files_of_every_size_read_back_at_once_and_land_in_the_bucket(seaweed, bucket: str, mounter) -> None:
+    m = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", env=s3env(seaweed))
+    files = {
+        "empty": b"",
+        "one": b"1",
+        "small.txt": payload("small", 100 * KiB),
+        "nested/deeper/mid.bin": payload("mid", 3 * MiB + 17),
+        "big.bin": payload("big", 40 * MiB + 5),  # above the multipart threshold (16 MiB parts)
+    }
+    (m.path / "nested" / "deeper").mkdir(parents=True)
+    for name, data in files.items():
+        (m.path / name).write_bytes(data)
+        assert (m.path / name).read_bytes() == data  # before any upload, from staging
+        assert os.stat(m.path / name).st_size == len(data)
+    flush_ok(m)
+    got, markers = bucket_tree(seaweed, bucket)
+    assert got == files
+    assert markers <= {"nested", "nested/deeper"}
+    head = seaweed.client().head_object(Bucket=bucket, Key=PREFIX + "big.bin")
+    assert head["ETag"].strip('"').endswith("-3"), "40 MiB must go up as a 3-part multipart upload"
+    for name, data in files.items():  # after the upload: the store's version, same bytes
+        assert (m.path / name).read_bytes() == data
+    stats = m.stats()
+    assert stats["writeback"]["dirty_files"] == 0 and stats["writeback"]["files_uploaded"] == len(files)
+    assert stats["object_store"]["bytes_written"] >= sum(map(len, files.values()))
+
+
+def test_namespace_changes_show_at_once_and_end_up_in_the_bucket(seaweed, bucket: str, mounter) -> None:
+    seaweed.put(bucket, PREFIX + "old/a.txt", b"a" * 1000)
+    seaweed.put(bucket, PREFIX + "old/sub/b.txt", b"b" * 10)
+    seaweed.put(bucket, PREFIX + "keep.txt", b"keep")
+    seaweed.put(bucket, PREFIX + "gone.txt", b"gone")
+    m = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", "--block-size", "256KiB", env=s3env(seaweed))
+    root = m.path
+    # append to an object in the store, truncate another, overwrite a third
+    with open(root / "keep.txt", "ab") as fh:
+        fh.write(b"+more")
+    os.truncate(root / "old" / "a.txt", 10)
+    (root / "gone.txt").unlink()
+    # a write-then-rename save, over an existing name
+    (root / "keep.txt.tmp").write_bytes(b"replaced")
+    os.rename(root / "keep.txt.tmp", root / "replaced.txt")
+    # directories: make, fill, rename, remove
+    (root / "made" / "inner").mkdir(parents=True)
+    (root / "made" / "inner" / "f").write_bytes(b"f")
+    os.rename(root / "old", root / "renamed")
+    (root / "empty").mkdir()
+    (root / "doomed").mkdir()
+    (root / "doomed" / "x").write_bytes(b"x")
+    (root / "doomed" / "x").unlink()
+    (root / "doomed").rmdir()
+    with pytest.raises(OSError) as info:
+        (root / "made").rmdir()
+    assert info.value.errno == errno.ENOTEMPTY
+    # random writes into a staged file
+    with open(root / "made" / "inner" / "f", "r+b") as fh:
+        fh.seek(5)
+        fh.write(b"Z")
+    expected = {
+        "keep.txt": b"keep+more",
+        "replaced.txt": b"replaced",
+        "renamed/a.txt": b"a" * 10,
+        "renamed/sub/b.txt": b"b" * 10,
+        "made/inner/f": b"f\0\0\0\0Z",
+    }
+    seen = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath) / name
+            seen[str(path.relative_to(root))] = path.read_bytes()
+    assert seen == expected
+    assert sorted(os.listdir(root)) == ["empty", "keep.txt", "made", "renamed", "replaced.txt"]
+    flush_ok(m)
+    files, markers = bucket_tree(seaweed, bucket)
+    assert files == expected
+    assert "empty" in markers and not {"old", "doomed"} & markers
+    # A fresh mount (nothing cached) sees the same tree.
+    assert m.unmount().returncode == 0
+    m2 = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", env=s3env(seaweed))
+    assert sorted(os.listdir(m2.path)) == ["empty", "keep.txt", "made", "renamed", "replaced.txt"]
+    assert (m2.path / "renamed" / "sub" / "b.txt").read_bytes() == b"b" * 10
+
+
+def test_status_names_the_durability_stage(seaweed, bucket: str, mounter) -> None:
+    seaweed.put(bucket, PREFIX + "clean.txt", b"clean")
+    m = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", "--upload-delay", "600", env=s3env(seaweed))
+    (m.path / "dirty.bin").write_bytes(b"d" * 5000)
+    result = run_cli("status", str(m.path / "dirty.bin"), str(m.path / "clean.txt"), str(m.path), env=m.env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[0] == "dirty" and "dirty.bin" in lines[0]
+    assert lines[1].split()[0] == "clean" and "clean.txt" in lines[1]
+    assert lines[2].split()[0] == "dirty"  # the mount root: something below it is pending
+    doc = json.loads(run_cli("status", "--json", str(m.path / "dirty.bin"), env=m.env).stdout)
+    assert doc[0]["stage"] == "dirty" and doc[0]["size"] == 5000
+    missing = run_cli("status", str(m.path / "nope"), env=m.env)
+    assert missing.returncode == 1 and "nope" in missing.stderr
+    flush_ok(m)  # flush does not wait for the upload delay
+    after = run_cli("status", str(m.path / "dirty.bin"), env=m.env)
+    assert after.stdout.split()[0] == "clean"
+
+
+def test_outage_flush_reports_unmount_refuses_force_and_the_next_mount_uploads(mounter, tmp_path: Path) -> None:
+    with SeaweedS3() as server:
+        bucket = f"wbo-{uuid.uuid4().hex[:8]}"
+        server.make_bucket(bucket)
+        env = s3env(server)
+        cache = tmp_path / "shared-cache"
+        source = f"s3://{bucket}/{PREFIX.rstrip('/')}"
+        m = mounter.mount(source, "--connect-timeout", "1", "--read-timeout", "2", env=env, cache_dir=cache)
+        (m.path / "before.txt").write_bytes(b"before")
+        flush_ok(m)
+        server.stop_keep_data()
+        try:
+            started = time.monotonic()
+            (m.path / "during.bin").write_bytes(payload("during", 2 * MiB))
+            with open(m.path / "during.bin", "ab") as fh:
+                fh.write(b"+tail")
+            (m.path / "dir").mkdir()
+            (m.path / "dir" / "in.txt").write_bytes(b"in")
+            (m.path / "before.txt").unlink()
+            assert time.monotonic() - started < 20, "writes must not wait for a store that is down"
+            assert (m.path / "during.bin").read_bytes() == payload("during", 2 * MiB) + b"+tail"
+
+            result = flush(m, 3)
+            assert result.returncode == 1
+            for name in ("during.bin", "dir/in.txt", "before.txt"):
+                assert name in result.stdout, result.stdout
+            assert m.stats()["writeback"]["store_state"] == "unreachable"
+
+            refused = run_cli("unmount", str(m.path), "--flush-timeout", "2", env=env)
+            assert refused.returncode == 1 and m.mounted
+            assert "--force" in refused.stderr and "during.bin" in refused.stderr
+            forced = run_cli("unmount", str(m.path), "--force", env=env)
+            assert forced.returncode == 0, forced.stderr
+            assert not m.mounted
+        finally:
+            server.start()
+        m2 = mounter.mount(source, env=env, cache_dir=cache, mountpoint=m.path)
+        assert (m2.path / "during.bin").read_bytes() == payload("during", 2 * MiB) + b"+tail"
+        flush_ok(m2)
+        files, _markers = bucket_tree(server, bucket)
+        assert files == {"during.bin": payload("during", 2 * MiB) + b"+tail", "dir/in.txt": b"in"}
+
+
+def test_acknowledged_data_survives_kill_9(seaweed, bucket: str, mounter, tmp_path: Path) -> None:
+    cache = tmp_path / "crash-cache"
+    source = f"s3://{bucket}/{PREFIX.rstrip('/')}"
+    m = mounter.mount(source, "--upload-delay", "600", env=s3env(seaweed), cache_dir=cache)
+    closed = payload("closed", 3 * MiB)
+    (m.path / "closed.bin").write_bytes(closed)
+    fd = os.open(m.path / "synced.bin", os.O_WRONLY | os.O_CREAT)
+    os.write(fd, b"fsynced")
+    os.fsync(fd)
+    os.write(fd, b" and more, never synced")  # may be lost, must not corrupt the object
+    os.kill(m.pid, signal.SIGKILL)
+    try:  # the descriptor died with the daemon: closing it may fail
+        os.close(fd)
+    except OSError:
+        pass
+    for _ in range(200):
+        if not Path(f"/proc/{m.pid}").exists():
+            break
+        time.sleep(0.05)
+    assert run_cli("unmount", str(m.path), env=m.env).returncode == 0
+    m2 = mounter.mount(source, env=s3env(seaweed), cache_dir=cache, mountpoint=m.path)
+    flush_ok(m2)
+    files, _ = bucket_tree(seaweed, bucket)
+    assert files["closed.bin"] == closed
+    assert files["synced.bin"] in (b"fsynced", b"fsynced and more, never synced")
+
+
+def test_write_through_uploads_before_close_returns_and_reports_failures(moto, mounter) -> None:
+    # moto, because SeaweedFS quietly recreates a deleted bucket on the next PUT.
+    bucket = f"wbt-{uuid.uuid4().hex[:12]}"
+    moto.make_bucket(bucket)
+    m = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", "--write-through", env=s3env(moto))
+    client = moto.client()
+    (m.path / "now.txt").write_bytes(b"in the bucket when close returns")
+    assert client.get_object(Bucket=bucket, Key=PREFIX + "now.txt")["Body"].read() == b"in the bucket when close returns"
+    # The bucket goes away under the mount: uploads fail with NoSuchBucket, close() reports it.
+    client.delete_object(Bucket=bucket, Key=PREFIX + "now.txt")
+    client.delete_bucket(Bucket=bucket)
+    with pytest.raises(OSError) as info:
+        with open(m.path / "fails.txt", "wb") as fh:
+            fh.write(b"not uploaded")
+    assert info.value.errno == errno.EIO
+    assert (m.path / "fails.txt").read_bytes() == b"not uploaded"  # still staged, retried later
+    status = run_cli("status", str(m.path / "fails.txt"), env=m.env)
+    assert status.stdout.split()[0] == "dirty" and "does not exist" in status.stdout, status.stdout
+    wb = m.stats()["writeback"]
+    assert wb["failed_attempts"] >= 1 and "does not exist" in (wb["last_error"] or "")
+    moto.make_bucket(bucket)
+    flush_ok(m)
+    assert client.get_object(Bucket=bucket, Key=PREFIX + "fails.txt")["Body"].read() == b"not uploaded"

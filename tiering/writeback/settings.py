@@ -1,0 +1,62 @@
+"""Settings of write-back, and the tuning numbers behind them (each with its reason)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+
+# How long an acknowledged file waits before its upload starts. Tools that save by writing a temp
+# file and renaming it, or that close and reopen a file to append, would otherwise upload every
+# intermediate version (and delete the temp object again); two seconds absorbs those sequences while
+# a checkpoint still reaches the store within seconds. `cachefs flush`, --write-through and a disk
+# tier near its high watermark skip the wait.
+DEFAULT_UPLOAD_DELAY_S = 2.0
+# Objects uploaded (or deleted) at once. Each large upload already sends several parts in parallel
+# (the store bounds those, see tiering.objectstore.s3), so a few files at once keep the link busy
+# while small files are not stuck behind a large one.
+DEFAULT_MAX_UPLOADS = 4
+# How long a writer waits for staging space (uploads freeing it) before failing with ENOSPC. A minute
+# rides out a store that is briefly slow or a burst larger than the disk tier; a writer is never
+# parked indefinitely on a store that is down.
+DEFAULT_SPACE_WAIT_S = 60.0
+
+# Retries of a failed upload: capped exponential backoff with jitter. The S3 client already retried
+# each request (3 attempts), so our first retry can wait a second; doubling to at most a minute means
+# a store that comes back is noticed within a minute, while a dead one costs each pending file less
+# than one request a minute. The delay is drawn from [half, all] of the step ("equal jitter"), so
+# thousands of pending files do not retry in lockstep. `cachefs flush` retries at once.
+UPLOAD_BACKOFF_BASE_S = 1.0
+UPLOAD_BACKOFF_CAP_S = 60.0
+
+# Staging space is reserved from the disk tier in chunks of this size as a file grows: one reservation
+# (a lock and possibly an eviction batch) per 4 MiB instead of one per 128 KiB FUSE write. A file that
+# stops growing gives the rest back when it is acknowledged.
+RESERVE_CHUNK = 4 * MiB
+# Space is counted in filesystem blocks: a staged file of 1 byte still takes one 4 KiB block, and each
+# journal record (a small file) takes one as well, so 100,000 small staged files are counted as the
+# 400 MiB they occupy, not as their byte sizes.
+FS_BLOCK = 4096
+RECORD_BYTES = FS_BLOCK
+
+# Blocks fetched at once when a file already in the store is first modified and its content is
+# copied into staging (through the block cache). Enough to keep a few fetch slots busy without
+# taking all of them from readers.
+MATERIALIZE_WINDOW = 4
+
+
+@dataclass(frozen=True)
+class WriteBackSettings:
+    upload_delay_s: float = DEFAULT_UPLOAD_DELAY_S
+    max_uploads: int = DEFAULT_MAX_UPLOADS
+    space_wait_s: float = DEFAULT_SPACE_WAIT_S
+    # close() and fsync() return only after the upload succeeded, and report its failure.
+    write_through: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.upload_delay_s <= 3600:
+            raise ValueError("upload delay must be between 0 and 3600 seconds")
+        if not 1 <= self.max_uploads <= 256:
+            raise ValueError("max uploads must be between 1 and 256")
+        if not 0 <= self.space_wait_s <= 3600:
+            raise ValueError("dirty-data wait must be between 0 and 3600 seconds")
