@@ -24,6 +24,7 @@ from tiering.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.writeback import InMemoryBudget, UploadError, WriteBack, WriteBackSettings
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, decode_record, encode_record, record_name
+from tiering.writeback.settings import STORE_PROBE_CAP_S
 
 BS = MIN_BLOCK_SIZE
 MiB = 1024 * 1024
@@ -507,6 +508,9 @@ async def test_backoff_grows_and_is_capped(rig: Rig) -> None:
     delays = [rig.wb._backoff(n) for n in range(1, 12)]
     assert all(0.5 * min(60, 2 ** (n - 1)) <= d <= min(60, 2 ** (n - 1)) for n, d in zip(range(1, 12), delays))
     assert max(delays) <= 60
+    # An unreachable store is probed more often: once it is back, the backlog drains within seconds.
+    probes = [rig.wb._backoff(n, STORE_PROBE_CAP_S) for n in range(1, 12)]
+    assert max(probes) <= STORE_PROBE_CAP_S < 60 and probes[-1] >= STORE_PROBE_CAP_S / 2
 
 
 async def test_write_through_waits_for_the_upload_and_reports_failure(tmp_path: Path) -> None:

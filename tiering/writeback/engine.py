@@ -88,6 +88,7 @@ from tiering.writeback.settings import (
     MATERIALIZE_WINDOW,
     RECORD_BYTES,
     RESERVE_CHUNK,
+    STORE_PROBE_CAP_S,
     UPLOAD_BACKOFF_BASE_S,
     UPLOAD_BACKOFF_CAP_S,
     WriteBackSettings,
@@ -1377,7 +1378,7 @@ class WriteBack:
         entry.last_error = text
         if isinstance(error, ObjectStoreUnavailableError):
             self._store_failures += 1
-            delay = self._backoff(self._store_failures)
+            delay = self._backoff(self._store_failures, STORE_PROBE_CAP_S)
             self._store_down_until = now + delay
             entry.retry_at = self._store_down_until
             if self._store_failures == 1:
@@ -1399,8 +1400,8 @@ class WriteBack:
                 barrier.error = error
                 barrier.done.set()
 
-    def _backoff(self, attempts: int) -> float:
-        step = min(UPLOAD_BACKOFF_CAP_S, UPLOAD_BACKOFF_BASE_S * 2 ** min(attempts - 1, 30))
+    def _backoff(self, attempts: int, cap: float = UPLOAD_BACKOFF_CAP_S) -> float:
+        step = min(cap, UPLOAD_BACKOFF_BASE_S * 2 ** min(attempts - 1, 30))
         return step * self.rng.uniform(0.5, 1.0)
 
     # ================================================================== barriers

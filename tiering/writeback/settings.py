@@ -28,6 +28,10 @@ DEFAULT_SPACE_WAIT_S = 60.0
 # thousands of pending files do not retry in lockstep. `cachefs flush` retries at once.
 UPLOAD_BACKOFF_BASE_S = 1.0
 UPLOAD_BACKOFF_CAP_S = 60.0
+# While the store is unreachable, nothing is sent but one probe (the next due operation) per backoff
+# step, whatever the backlog: a probe every 10 s at most costs nothing, and a store that comes back
+# is noticed within seconds instead of a minute, so the backlog starts draining at once.
+STORE_PROBE_CAP_S = 10.0
 
 # Staging space is reserved from the disk tier in chunks of this size as a file grows: one reservation
 # (a lock and possibly an eviction batch) per 4 MiB instead of one per 128 KiB FUSE write. A file that
