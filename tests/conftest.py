@@ -20,8 +20,14 @@ import uuid
 from typing import Callable, Iterator
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from tests.support.s3servers import MotoS3, SeaweedS3, S3Server
+
+# No per-example deadline: it is a timing assertion, and on a loaded 2-core CI runner (or with the
+# suite running on two workers) a pure function can take 250 ms once and 130 ms the next time.
+hypothesis_settings.register_profile("cachefs", deadline=None)
+hypothesis_settings.load_profile("cachefs")
 
 
 def unique_bucket_name(tag: str = "t") -> str:
