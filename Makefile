@@ -6,9 +6,13 @@ PY     := $(VENV)/bin/python
 # -p no:cacheprovider: no .pytest_cache in the tree; -ra: a one-line reason for every test that did
 # not pass (skips included, so a skipped FUSE suite is visible); --strict-markers: a typo in a
 # marker is an error, not a silently unselected test.
-PYTEST_FLAGS ?= -q -p no:cacheprovider -ra --strict-markers
+# -n $(PYTEST_WORKERS) --dist loadfile: test files run on two workers (pytest-xdist), each file whole on
+# one worker, so module fixtures stay together; most tests wait on FUSE, S3 and subprocesses, so two
+# workers shorten the wall time even on 2 cores. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_FLAGS ?= -q -p no:cacheprovider -ra --strict-markers -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: all setup demo test pytest lint-imports clean help
+.PHONY: all setup demo test pytest lint-imports bench clean help
 
 all: test
 
@@ -17,6 +21,8 @@ help:
 	@echo "make demo          a local SeaweedFS + a sample dataset, mounted, read twice, verified"
 	@echo "make test          the test suite and the import-layer contracts"
 	@echo "make lint-imports  the import-layer contracts only"
+	@echo "make bench         cachefs vs rclone mount vs s3fs-fuse on a local SeaweedFS (root; ~20 min;"
+	@echo "                   BENCH_ARGS=\"--size 256MiB --files 1000 --runs 1\" for a short one); see docs/benchmarks.md"
 	@echo "make clean         remove $(VENV), build outputs and caches"
 
 setup:
@@ -38,6 +44,13 @@ pytest: setup
 
 lint-imports: setup
 	$(VENV)/bin/lint-imports
+
+# The side-by-side benchmark (benchmarks/bench.py): not part of `make test` (its smoke test is).
+# setup.sh --bench also checks that the peers (rclone, s3fs) run; results go to bench-results/.
+BENCH_ARGS ?=
+bench:
+	bash scripts/setup.sh --bench
+	$(PY) -m benchmarks.bench $(BENCH_ARGS)
 
 # Refuses while anything under the tree is still mounted: rm -rf would otherwise walk into a live
 # mount (a demo interrupted with kill -9 can leave one behind).

