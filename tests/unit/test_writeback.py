@@ -659,3 +659,35 @@ async def test_unavailable_store_backs_off_globally(rig: Rig) -> None:
     # Backing off: no storm of retries while the store is down.
     assert rig.wb.stats_snapshot()["failed_attempts"] - attempts <= 3
     assert isinstance(ObjectStoreUnavailableError("x"), Exception)
+
+
+# ----------------------------------------------------------------------------------- write-behind
+def test_write_behind_starts_write_out_every_so_many_bytes(tmp_path: Path, monkeypatch) -> None:
+    from tiering.writeback import staged
+    from tiering.writeback.settings import WRITE_BEHIND_BYTES
+
+    calls: list[int] = []
+    monkeypatch.setattr(staged, "start_write_out", lambda fd: calls.append(fd) or True)
+    fd = os.open(tmp_path / "d.dat", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        df = staged.DataFile("d.dat", fd, 0)
+        chunk = WRITE_BEHIND_BYTES // 4
+        for _ in range(7):
+            df.wrote(chunk)
+        assert calls == [fd] and df.unflushed == 3 * chunk
+        df.wrote(chunk)
+        assert calls == [fd, fd] and df.unflushed == 0
+    finally:
+        os.close(fd)
+
+
+def test_start_write_out_really_writes_dirty_pages_out(tmp_path: Path) -> None:
+    from tiering.writeback.staged import start_write_out
+
+    fd = os.open(tmp_path / "d.dat", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, b"x" * (1 << 20), 0)
+        assert start_write_out(fd)  # glibc's sync_file_range on Linux
+        assert not start_write_out(-1)  # EBADF: reported, never raised
+    finally:
+        os.close(fd)

@@ -43,6 +43,12 @@ RESERVE_CHUNK = 4 * MiB
 FS_BLOCK = 4096
 RECORD_BYTES = FS_BLOCK
 
+# Write-behind: once this many bytes were written to a staged data file since the last time, the
+# writer thread asks the kernel to start writing them to disk (sync_file_range WRITE, which does not
+# wait), so the fsync in close() finds most of a large file on disk already instead of writing all
+# of it then. Large enough to be one request per many FUSE writes.
+WRITE_BEHIND_BYTES = 16 * MiB
+
 # Blocks fetched at once when a file already in the store is first modified and its content is
 # copied into staging (through the block cache). Enough to keep a few fetch slots busy without
 # taking all of them from readers.

@@ -26,18 +26,44 @@ and gives its space back to the budget.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiering.blocks import ObjectRef
 from tiering.writeback.journal import pwrite_all
+from tiering.writeback.settings import WRITE_BEHIND_BYTES
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    # Python's os module has no sync_file_range(2); glibc has had it since 2.6.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc among them
+        fn = libc.sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start write-out of dirty pages not already under write-out
+
+
+def start_write_out(fd: int) -> bool:
+    """Ask the kernel to start writing ``fd``'s dirty pages to disk, without waiting; False if it cannot."""
+    if _SYNC_FILE_RANGE is None:
+        return False
+    return _SYNC_FILE_RANGE(fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0
 
 
 class DataFile:
     """One staged data file: an open descriptor, the space reserved for it, its references."""
 
-    __slots__ = ("name", "fd", "reserved", "refs", "dir_synced")
+    __slots__ = ("name", "fd", "reserved", "refs", "dir_synced", "unflushed")
 
     def __init__(self, name: str, fd: int, reserved: int, *, dir_synced: bool = False) -> None:
         self.name = name
@@ -45,6 +71,19 @@ class DataFile:
         self.reserved = reserved
         self.refs = 1
         self.dir_synced = dir_synced  # its directory entry has been fsync'd
+        self.unflushed = 0  # bytes written since write-behind last started writing them out
+
+    def wrote(self, nbytes: int) -> None:
+        """Count ``nbytes`` written; past ``WRITE_BEHIND_BYTES``, start their write-out (no waiting).
+
+        Only a head start for the fsync that acknowledges the file: durability still comes from that
+        fsync, so a kernel or filesystem without ``sync_file_range`` just skips it.
+        """
+        self.unflushed += nbytes
+        if self.unflushed < WRITE_BEHIND_BYTES:
+            return
+        self.unflushed = 0
+        start_write_out(self.fd)
 
     def __repr__(self) -> str:
         return f"DataFile({self.name}, reserved={self.reserved}, refs={self.refs})"
@@ -125,6 +164,7 @@ class StagedFile:
         if offset < self.crc_upto:
             self.reset_crc(offset)
         pwrite_all(self.current.fd, data, offset)
+        self.current.wrote(len(data))
         if offset == self.crc_upto:
             self.crc_value = zlib.crc32(data, self.crc_value)
             self.crc_upto += len(data)
