@@ -39,18 +39,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cachefs import mounts
-from cachefs.control import ControlError, request_json
+from cachefs.client import UsageError, call
+from cachefs.settings import DEFAULT_ATTR_TTL_S
+from tiering.blocks import DEFAULT_BLOCK_SIZE
+from tiering.objectstore.s3 import DEFAULT_PART_SIZE, MAX_UPLOAD_PARTS_IN_FLIGHT
+from tiering.settings import DEFAULT_MAX_CONCURRENT_FETCHES
 from tests.support.s3servers import REGION, SeaweedS3, _die_with_parent
 
 MiB = 1024 * 1024
 # cachefs's --attr-ttl/--dir-ttl default; given to the peers too (see the module docstring).
-METADATA_TTL_S = 60
+METADATA_TTL_S = int(DEFAULT_ATTR_TTL_S)
 # cachefs's default --max-fetches and --block-size: the peers' parallel-read knobs get the same.
-PARALLEL_FETCHES = 16
-CHUNK = 8 * MiB
+PARALLEL_FETCHES = DEFAULT_MAX_CONCURRENT_FETCHES
+CHUNK = DEFAULT_BLOCK_SIZE
 # Upload part size and parts in flight: cachefs's uploader (tiering.objectstore.s3), given to rclone.
-PART_SIZE = 16 * MiB
-PARTS_IN_FLIGHT = 8
+PART_SIZE = DEFAULT_PART_SIZE
+PARTS_IN_FLIGHT = MAX_UPLOAD_PARTS_IN_FLIGHT
 # A mount is up within seconds; a minute covers a loaded 2-core machine without hanging a run.
 MOUNT_TIMEOUT_S = 60.0
 # Unmounting cachefs flushes write-back first: allow for a 1 GiB upload on a slow machine.
@@ -199,9 +203,8 @@ class CachefsTool(Tool):
         pid = None
         try:
             try:
-                sock = os.getxattr(path, "user.cachefs.control").decode()
-                pid = int(request_json(sock, "/info")["pid"])
-            except ControlError as exc:
+                pid = int(call(path, "/info")["pid"])
+            except UsageError as exc:
                 raise PeerError(f"cachefs daemon did not answer /info: {exc}") from exc
             yield Mounted(path, cache_dir, pid, log)
         finally:

@@ -22,49 +22,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.support.s3servers import SeaweedS3  # noqa: E402
 from tiering.blocks import DEFAULT_BLOCK_SIZE  # noqa: E402
-from benchmarks.common import raw_parallel_get  # noqa: E402
+from benchmarks.common import drop_page_cache, peak_rss_mib, raw_parallel_get, read_mib_s  # noqa: E402
+from cachefs.client import call  # noqa: E402
 
 MiB = 1024 * 1024
-READ_CHUNK = 1 * MiB
 CLI = [sys.executable, "-m", "cachefs"]
-
-
-def read_file(path: Path) -> float:
-    """MiB/s of one sequential read of ``path`` in 1 MiB chunks."""
-    n = 0
-    start = time.perf_counter()
-    with open(path, "rb", buffering=0) as fh:
-        while chunk := fh.read(READ_CHUNK):
-            n += len(chunk)
-    return n / (time.perf_counter() - start) / MiB
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def daemon_peak_rss_mib(mnt: Path, env: dict[str, str]) -> float:
     """Peak resident memory (VmHWM) of the daemon serving ``mnt``."""
-    sock = os.getxattr(mnt, "user.cachefs.control").decode()
-    from cachefs.control import request_json
-
-    pid = request_json(sock, "/info")["pid"]
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return peak_rss_mib(int(call(mnt, "/info")["pid"]))
 
 
 def cli(*args: str, env: dict[str, str]) -> None:
@@ -88,29 +61,29 @@ def main() -> None:
         server.make_bucket("bench")
         server.put("bench", "ds/big.bin", data)
         del data
-        can_drop = drop_caches()
+        can_drop = drop_page_cache()
         for run in range(args.repeat):
             if can_drop:
-                drop_caches()
-                results.setdefault("local disk", []).append(read_file(local))
-            read_file(local)
-            results.setdefault("page cache", []).append(read_file(local))
+                drop_page_cache()
+                results.setdefault("local disk", []).append(read_mib_s(local))
+            read_mib_s(local)
+            results.setdefault("page cache", []).append(read_mib_s(local))
             results.setdefault("raw GET", []).append(asyncio.run(raw_parallel_get(server, "bench", "ds/", ["big.bin"], DEFAULT_BLOCK_SIZE)))
             mnt, cache = work / f"mnt{run}", work / f"cache{run}"
             mnt.mkdir()
             ram = f"{max(args.size_mib * 2, 64)}MiB"
             cli("mount", "s3://bench/ds", str(mnt), "--cache-dir", str(cache), "--ram-cache", ram, env=env)
             try:
-                results.setdefault("cold", []).append(read_file(mnt / "big.bin"))
-                results.setdefault("warm", []).append(read_file(mnt / "big.bin"))
+                results.setdefault("cold", []).append(read_mib_s(mnt / "big.bin"))
+                results.setdefault("warm", []).append(read_mib_s(mnt / "big.bin"))
                 results.setdefault(f"daemon peak RSS MiB (RAM tier {ram})", []).append(daemon_peak_rss_mib(mnt, env))
             finally:
                 cli("unmount", str(mnt), env=env)
             if can_drop:
-                drop_caches()
+                drop_page_cache()
                 cli("mount", "s3://bench/ds", str(mnt), "--cache-dir", str(cache), "--ram-cache", "64MiB", env=env)
                 try:
-                    results.setdefault("disk tier", []).append(read_file(mnt / "big.bin"))
+                    results.setdefault("disk tier", []).append(read_mib_s(mnt / "big.bin"))
                     results.setdefault("daemon peak RSS MiB (RAM tier 64MiB)", []).append(daemon_peak_rss_mib(mnt, env))
                 finally:
                     cli("unmount", str(mnt), env=env)

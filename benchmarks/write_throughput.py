@@ -20,7 +20,6 @@ Run: .venv/bin/python -m benchmarks.write_throughput [--size-mib 1024] [--repeat
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
@@ -32,33 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from boto3.s3.transfer import TransferConfig  # noqa: E402
-
+from benchmarks.common import raw_multipart_upload, write_seconds  # noqa: E402
+from benchmarks.peers import PART_SIZE, PARTS_IN_FLIGHT  # noqa: E402
 from tests.support.s3servers import SeaweedS3  # noqa: E402
 
 MiB = 1024 * 1024
-WRITE_CHUNK = 1 * MiB
 CLI = [sys.executable, "-m", "cachefs"]
-# cachefs's uploader: tiering.objectstore.s3 DEFAULT_PART_SIZE and MAX_UPLOAD_PARTS_IN_FLIGHT.
-PART_SIZE = 16 * MiB
-PARTS_IN_FLIGHT = 8
-
-
-def write_file(path: Path, data: bytes, *, fsync: bool) -> float:
-    """Seconds to write ``data`` to ``path`` in 1 MiB writes (then fsync if asked) and close it."""
-    view = memoryview(data)
-    start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for offset in range(0, len(data), WRITE_CHUNK):
-            chunk = view[offset:offset + WRITE_CHUNK]
-            while chunk:
-                chunk = chunk[os.write(fd, chunk):]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - start
 
 
 def cli(*args: str, env: dict[str, str], timeout: float = 900) -> float:
@@ -67,18 +45,6 @@ def cli(*args: str, env: dict[str, str], timeout: float = 900) -> float:
     elapsed = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"cachefs {' '.join(args)} failed (exit {result.returncode}): {result.stderr.strip()}")
-    return elapsed
-
-
-def raw_multipart(server: SeaweedS3, bucket: str, key: str, data: bytes) -> float:
-    client = server.make_client()
-    config = TransferConfig(multipart_threshold=PART_SIZE, multipart_chunksize=PART_SIZE,
-                            max_concurrency=PARTS_IN_FLIGHT, use_threads=True)
-    start = time.perf_counter()
-    client.upload_fileobj(io.BytesIO(data), bucket, key, Config=config)
-    elapsed = time.perf_counter() - start
-    head = client.head_object(Bucket=bucket, Key=key)
-    assert head["ContentLength"] == len(data)
     return elapsed
 
 
@@ -97,7 +63,7 @@ def main() -> None:
         data = os.urandom(size)
         for run in range(args.repeat):
             local = work / "local.bin"
-            seconds.setdefault("local write (write+fsync+close)", []).append(write_file(local, data, fsync=True))
+            seconds.setdefault("local write (write+fsync+close)", []).append(write_seconds(local, data, fsync=True))
             local.unlink()
 
             mnt, cache = work / f"mnt{run}", work / f"cache{run}"
@@ -105,7 +71,7 @@ def main() -> None:
             cli("mount", f"s3://bench/run{run}", str(mnt), "--cache-dir", str(cache),
                 "--disk-cache", f"{4 * args.size_mib}MiB", env=env)
             try:
-                wrote = write_file(mnt / "big.bin", data, fsync=False)
+                wrote = write_seconds(mnt / "big.bin", data, fsync=False)
                 drained = cli("flush", str(mnt), "--timeout", "900", env=env)
             finally:
                 cli("unmount", str(mnt), env=env)
@@ -114,7 +80,7 @@ def main() -> None:
             seconds.setdefault("mount write (write+close)", []).append(wrote)
             seconds.setdefault("drain (cachefs flush)", []).append(drained)
             seconds.setdefault("mount write + drain", []).append(wrote + drained)
-            seconds.setdefault("raw multipart upload", []).append(raw_multipart(server, "bench", f"raw{run}.bin", data))
+            seconds.setdefault("raw multipart upload", []).append(raw_multipart_upload(server, "bench", f"raw{run}.bin", data, part_size=PART_SIZE, parallel=PARTS_IN_FLIGHT))
             print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), flush=True)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     print(f"\nwriting a {args.size_mib} MiB file, median of {args.repeat} runs:")

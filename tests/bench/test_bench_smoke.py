@@ -9,7 +9,6 @@ machine cannot judge speed. It also checks that the harness left nothing mounted
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cachefs import mounts
-from tests.fuse.conftest import fuse_unavailable_reason
+from tests.fuse.conftest import require_fuse
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3, pytest.mark.timeout(240)]
 
@@ -31,12 +30,7 @@ RUN_TIMEOUT_S = 200
 
 @pytest.fixture(autouse=True)
 def _require_fuse() -> None:
-    reason = fuse_unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("CACHEFS_REQUIRE_FUSE") == "1":
-        pytest.fail(f"FUSE tests cannot run: {reason} (CACHEFS_REQUIRE_FUSE=1)")
-    pytest.skip(f"the benchmark needs a working FUSE: {reason}")
+    require_fuse("benchmark smoke tests")
 
 
 def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:

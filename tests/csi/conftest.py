@@ -31,7 +31,7 @@ import pytest
 
 from cachefs import mounts
 from csi_driver.proto import csi_pb2, csi_pb2_grpc
-from tests.fuse.conftest import fuse_unavailable_reason
+from tests.fuse.conftest import require_fuse
 
 DRIVER_START_TIMEOUT_S = 30.0
 # Deadline of one gRPC call from a test: a publish waits for `cachefs mount` (bounded at 130 s),
@@ -44,14 +44,8 @@ AccessMode = csi_pb2.VolumeCapability.AccessMode
 
 @pytest.fixture(autouse=True)
 def _require_fuse(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("fuse") is None:
-        return
-    reason = fuse_unavailable_reason()
-    if reason is None:
-        return
-    if os.environ.get("CACHEFS_REQUIRE_FUSE") == "1":
-        pytest.fail(f"CSI FUSE tests cannot run: {reason} (CACHEFS_REQUIRE_FUSE=1)")
-    pytest.skip(f"CSI FUSE tests need a working FUSE: {reason}")
+    if request.node.get_closest_marker("fuse") is not None:
+        require_fuse("CSI FUSE tests")
 
 
 def driver_environ() -> dict[str, str]:
@@ -140,10 +134,9 @@ def cleanup_mount(target: Path) -> None:
 
 def daemon_pid(target: Path) -> int:
     """The PID of the cachefs daemon serving ``target``, from its control API."""
-    from cachefs.control import request_json
+    from cachefs.client import call
 
-    sock = os.getxattr(target, "user.cachefs.control").decode()
-    return int(request_json(sock, "/info")["pid"])
+    return int(call(target, "/info")["pid"])
 
 
 def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None) -> Driver:

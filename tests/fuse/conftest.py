@@ -34,14 +34,19 @@ def fuse_unavailable_reason() -> str | None:
     return None
 
 
-@pytest.fixture(autouse=True)
-def _require_fuse() -> None:
+def require_fuse(what: str = "FUSE tests") -> None:
+    """Skip the calling test where FUSE cannot run; fail it instead under CACHEFS_REQUIRE_FUSE=1 (CI)."""
     reason = fuse_unavailable_reason()
     if reason is None:
         return
     if os.environ.get("CACHEFS_REQUIRE_FUSE") == "1":
-        pytest.fail(f"FUSE tests cannot run: {reason} (CACHEFS_REQUIRE_FUSE=1)")
-    pytest.skip(f"FUSE tests need a working FUSE: {reason}")
+        pytest.fail(f"{what} cannot run: {reason} (CACHEFS_REQUIRE_FUSE=1)")
+    pytest.skip(f"{what} need a working FUSE: {reason}")
+
+
+@pytest.fixture(autouse=True)
+def _require_fuse() -> None:
+    require_fuse()
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -107,10 +112,9 @@ class Mounter:
         return mount
 
     def _info(self, mount: Mount) -> dict:
-        from cachefs.control import request_json
+        from cachefs.client import call
 
-        sock = os.getxattr(mount.path, "user.cachefs.control").decode()
-        return request_json(sock, "/info")
+        return call(mount.path, "/info")
 
     def cleanup(self) -> None:
         for mount in reversed(self.mounts):
