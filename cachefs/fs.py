@@ -365,7 +365,7 @@ class CacheFS:
         if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
             return
         parent, _, name = node.path.rpartition("/")
-        info = self._resolve(parent, name, await self._listing(parent))
+        info = await self._lookup_entry(parent, name)
         if not isinstance(info, ObjectInfo) or info.etag == STAGED_ETAG:
             # Gone from the store (or became a directory): keep serving what the kernel knows
             # until it looks the name up again; reads of a deleted object fail with ENOENT.
@@ -387,7 +387,7 @@ class CacheFS:
         elif text == "..":
             node = self._by_path.get(parent.path.rpartition("/")[0], self._nodes[ROOT_INODE])
         else:
-            value = self._resolve(parent.path, text, await self._listing(parent.path))
+            value = await self._lookup_entry(parent.path, text)
             if value is MISSING:
                 raise FsError(errno.ENOENT)
             node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
@@ -557,6 +557,10 @@ class CacheFS:
             return stored
         return self.writeback.resolve(path, name, stored)
 
+    async def _lookup_entry(self, path: str, name: str) -> object:
+        """``_resolve`` against directory ``path``'s listing (fetched or from the listing cache)."""
+        return self._resolve(path, name, await self._listing(path))
+
     def _merged(self, path: str, listing: Listing) -> dict[str, ObjectInfo | None]:
         if self.writeback is None:
             return listing.entries
@@ -569,7 +573,7 @@ class CacheFS:
         parent, _, name = path.rpartition("/")
         if await self._resolve_path(parent) is not None:
             return MISSING
-        return self._resolve(parent, name, await self._listing(parent))
+        return await self._lookup_entry(parent, name)
 
     def _staged(self, node: Node) -> StagedFile | None:
         """The staged file behind a file node, if any (attached lazily: the kernel may have looked the
@@ -727,7 +731,7 @@ class CacheFS:
         parent = self._dir(parent_inode)
         text = self._text(name)
         path = join(parent.path, text)
-        value = self._resolve(parent.path, text, await self._listing(parent.path))
+        value = await self._lookup_entry(parent.path, text)
         if value is None:
             raise FsError(errno.EISDIR)
         if value is not MISSING:
@@ -826,7 +830,7 @@ class CacheFS:
         wb = self._writer()
         parent = self._dir(parent_inode)
         text = self._text(name)
-        if self._resolve(parent.path, text, await self._listing(parent.path)) is not MISSING:
+        if await self._lookup_entry(parent.path, text) is not MISSING:
             raise FsError(errno.EEXIST)
         path = join(parent.path, text)
         await wb.mkdir(path)
@@ -839,7 +843,7 @@ class CacheFS:
         wb = self._writer()
         parent = self._dir(parent_inode)
         text = self._text(name)
-        value = self._resolve(parent.path, text, await self._listing(parent.path))
+        value = await self._lookup_entry(parent.path, text)
         if value is MISSING:
             raise FsError(errno.ENOENT)
         if value is None:
@@ -865,7 +869,7 @@ class CacheFS:
         wb = self._writer()
         parent = self._dir(parent_inode)
         text = self._text(name)
-        value = self._resolve(parent.path, text, await self._listing(parent.path))
+        value = await self._lookup_entry(parent.path, text)
         if value is MISSING:
             raise FsError(errno.ENOENT)
         if value is not None:
@@ -890,10 +894,10 @@ class CacheFS:
         src_name, dst_name = self._text(old_name), self._text(new_name)
         src = join(src_dir.path, src_name)
         dst = join(dst_dir.path, dst_name)
-        src_value = self._resolve(src_dir.path, src_name, await self._listing(src_dir.path))
+        src_value = await self._lookup_entry(src_dir.path, src_name)
         if src_value is MISSING:
             raise FsError(errno.ENOENT)
-        dst_value = self._resolve(dst_dir.path, dst_name, await self._listing(dst_dir.path))
+        dst_value = await self._lookup_entry(dst_dir.path, dst_name)
         if dst_value is not MISSING and flags & RENAME_NOREPLACE:
             raise FsError(errno.EEXIST)
         if src == dst:

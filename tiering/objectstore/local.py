@@ -48,6 +48,7 @@ from tiering.errors import (
     ObjectStoreError,
     ObjectStoreUnavailableError,
 )
+from tiering.fileio import fsync_dir
 from tiering.objectstore.keys import check_list_prefix, check_range, check_write_key, clamp_range
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
 
@@ -222,14 +223,6 @@ class LocalObjectStore:
             raise _classify(exc, repr(key)) from exc
         return os.path.join(parent, name)
 
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     def _replace_sync(self, key: str, target: str, fill: Callable[[int], None]) -> ObjectInfo:
         """Write a temp file with ``fill(fd)``, fsync it, rename it over ``target``, fsync the dir."""
         directory = os.path.dirname(target)
@@ -244,7 +237,7 @@ class LocalObjectStore:
             if os.path.isdir(target) and not os.path.islink(target):
                 raise IsADirectoryError(errno.EISDIR, f"{key!r} is a directory")
             os.replace(tmp, target)
-            self._fsync_dir(directory)
+            fsync_dir(directory)
             st = os.stat(target, follow_symlinks=False)  # after the rename: it may change ctime
         except OSError as exc:
             try:
@@ -259,7 +252,7 @@ class LocalObjectStore:
         if key.endswith("/"):
             try:
                 os.makedirs(target, exist_ok=True)
-                self._fsync_dir(os.path.dirname(target))
+                fsync_dir(os.path.dirname(target))
                 st = os.stat(target)
             except OSError as exc:
                 raise _classify(exc, repr(key)) from exc
@@ -290,7 +283,7 @@ class LocalObjectStore:
                 if os.path.isdir(path) and not os.path.islink(path):
                     return  # a file key that names a directory: no such object
                 os.unlink(path)
-            self._fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
                 return  # absent, or a directory that still has entries (it stays, as on S3)

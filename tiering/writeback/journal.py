@@ -54,6 +54,8 @@ import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from tiering.fileio import fsync_dir
+
 log = logging.getLogger("tiering.writeback")
 
 FORMAT_FILE = "FORMAT"
@@ -174,14 +176,6 @@ def copy_range(src_fd: int, dst_fd: int, length: int) -> None:
         elif n == 0:
             raise OSError(errno.EIO, f"staged data file ends at {done}, expected {length} bytes")
         done += n
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
