@@ -432,7 +432,7 @@ class CacheFS:
             await self._truncate_node(node, 0)  # nothing to copy in: the new content starts empty
         return self._open_handle(node, writable=writable)
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         handle = self._handles.get(fh)
         if not isinstance(handle, FileHandleState):
             raise FsError(errno.EBADF)

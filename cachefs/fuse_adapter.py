@@ -102,7 +102,7 @@ class FuseOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False)
 
     @_translate
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         return await self.fs.read(fh, off, size)
 
     @_translate

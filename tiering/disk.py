@@ -13,7 +13,7 @@ File format (version 1), all integers little-endian::
     4             2     format version (u16) = 1
     6             4     token length T (u32), in bytes
     10            8     data length D (u64)
-    18            4     CRC-32 of the data (zlib.crc32, u32)
+    18            4     CRC-32 of the data (u32, zlib polynomial)
     22            T     key token: BlockKey.token() encoded utf-8 with surrogateescape
     22+T          4     CRC-32 of bytes [0, 22+T) (u32): the header checks itself
     26+T          D     data
@@ -112,12 +112,12 @@ import os
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable
 
 from tiering.blocks import BlockKey
+from tiering.checksum import crc32
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.protocols import TierStats
@@ -153,8 +153,8 @@ def encode_token(key: BlockKey) -> bytes:
 def encode_header(key: BlockKey, data: bytes) -> bytes:
     """The header of the block file holding ``data`` for ``key`` (see the module docstring)."""
     token = encode_token(key)
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(token), len(data), zlib.crc32(data))
-    return fixed + token + _HEADER_CRC.pack(zlib.crc32(token, zlib.crc32(fixed)))
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(token), len(data), crc32(data))
+    return fixed + token + _HEADER_CRC.pack(crc32(token, crc32(fixed)))
 
 
 def block_file_size(key: BlockKey, data_len: int) -> int:
@@ -631,7 +631,7 @@ class DiskTier:
                 raise CorruptBlockError("truncated header")
             stored_token = rest[:token_len]
             (header_crc,) = _HEADER_CRC.unpack_from(rest, token_len)
-            if zlib.crc32(stored_token, zlib.crc32(fixed)) != header_crc:
+            if crc32(stored_token, crc32(fixed)) != header_crc:
                 raise CorruptBlockError("header checksum mismatch")
             if stored_token != token:
                 raise CorruptBlockError("block belongs to another key")
@@ -643,7 +643,7 @@ class DiskTier:
                 raise CorruptBlockError("truncated data")
             if f.read(1):
                 raise CorruptBlockError("trailing bytes after the data")
-        if zlib.crc32(data) != data_crc:
+        if crc32(data) != data_crc:
             raise CorruptBlockError("data checksum mismatch")
         return data
 

@@ -152,8 +152,12 @@ class BlockCache:
         return limit
 
     # ------------------------------------------------------------------ reads
-    async def read(self, ref: ObjectRef, offset: int, length: int, readahead_bytes: int = 0) -> bytes:
-        """Bytes ``[offset, offset+length)`` of ``ref``, clipped to its size.
+    async def read(self, ref: ObjectRef, offset: int, length: int, readahead_bytes: int = 0) -> bytes | memoryview:
+        """Bytes ``[offset, offset+length)`` of ``ref``, clipped to its size, as a read-only buffer.
+
+        A range inside one block is a view of the cached block, not a copy: a FUSE read of 1 MiB
+        is handed to the kernel straight from the block (pyfuse3 takes any buffer). A range across
+        blocks is joined into new bytes.
 
         ``readahead_bytes`` past the end of the read are prefetched; the loads this read needs are
         started first, so they get fetch slots before read-ahead does.
@@ -166,7 +170,9 @@ class BlockCache:
             return b""
         blocks = [b if isinstance(b, bytes) else await asyncio.shield(b) for b in pending]
         if len(parts) == 1:
-            return blocks[0][parts[0].start : parts[0].end]
+            span = parts[0]
+            block = blocks[0]
+            return block if span.start == 0 and span.end == len(block) else memoryview(block)[span.start : span.end]
         return b"".join(memoryview(b)[s.start : s.end] for b, s in zip(blocks, parts))
 
     async def get_block(self, ref: ObjectRef, index: int) -> bytes:

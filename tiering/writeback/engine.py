@@ -71,13 +71,13 @@ import logging
 import os
 import random
 import time
-import zlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from tiering.blocks import BlockKey, ObjectRef
+from tiering.checksum import crc32
 from tiering.clock import Clock, SystemClock
 from tiering.engine import BlockCache
 from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError, ObjectStoreUnavailableError
@@ -509,7 +509,7 @@ class WriteBack:
             sf.size = size
             self._modified(sf)
 
-    async def read(self, sf: StagedFile, offset: int, size: int) -> bytes:
+    async def read(self, sf: StagedFile, offset: int, size: int) -> bytes | memoryview:
         df = sf.current
         if df is None:
             assert sf.base is not None
@@ -1456,4 +1456,4 @@ def _read_range(fd: int, start: int, end: int) -> bytes:
 
 def _write_crc(fd: int, data: bytes, offset: int, crc: int) -> int:
     pwrite_all(fd, data, offset)
-    return zlib.crc32(data, crc)
+    return crc32(data, crc)

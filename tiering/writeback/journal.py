@@ -50,10 +50,10 @@ import logging
 import os
 import secrets
 import time
-import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from tiering.checksum import crc32
 from tiering.fileio import fsync_dir
 
 log = logging.getLogger("tiering.writeback")
@@ -103,7 +103,7 @@ def encode_record(record: Record) -> bytes:
     body = asdict(record)
     body["format"] = RECORD_FORMAT
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-    return b"%08x " % zlib.crc32(text) + text + b"\n"
+    return b"%08x " % crc32(text) + text + b"\n"
 
 
 def decode_record(raw: bytes) -> Record:
@@ -111,7 +111,7 @@ def decode_record(raw: bytes) -> Record:
     if not raw.endswith(b"\n") or len(raw) < 11 or raw[8:9] != b" ":
         raise ValueError("truncated or malformed record")
     text = raw[9:-1]
-    if int(raw[:8], 16) != zlib.crc32(text):
+    if int(raw[:8], 16) != crc32(text):
         raise ValueError("record checksum mismatch")
     body = json.loads(text)
     if body.pop("format", None) != RECORD_FORMAT:
@@ -152,7 +152,7 @@ def crc_range(fd: int, start: int, end: int, crc: int = 0) -> int:
         chunk = pread_exact(fd, min(IO_CHUNK, end - pos), pos)
         if not chunk:
             raise OSError(errno.EIO, f"staged data file ends at {pos}, expected {end} bytes")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         pos += len(chunk)
     return crc
 

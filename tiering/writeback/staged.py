@@ -28,11 +28,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiering.blocks import ObjectRef
+from tiering.checksum import crc32
 from tiering.writeback.journal import pwrite_all
 from tiering.writeback.settings import WRITE_BEHIND_BYTES
 
@@ -166,7 +166,7 @@ class StagedFile:
         pwrite_all(self.current.fd, data, offset)
         self.current.wrote(len(data))
         if offset == self.crc_upto:
-            self.crc_value = zlib.crc32(data, self.crc_value)
+            self.crc_value = crc32(data, self.crc_value)
             self.crc_upto += len(data)
 
     def truncate_sync(self, size: int) -> None:
