@@ -316,6 +316,15 @@ class DiskTier:
         with self._lock:
             return digest in self._index
 
+    def absent(self, key: BlockKey) -> bool:
+        """Index lookup only, no I/O; a block not indexed (or being written) is counted as a miss."""
+        digest = key.digest()
+        with self._lock:
+            if digest in self._index and digest not in self._busy:
+                return False
+            self.stats.misses += 1
+            return True
+
     def put(self, key: BlockKey, data: bytes) -> bool:
         digest = key.digest()
         header = encode_header(key, data)

@@ -46,6 +46,12 @@ class BlockTier(Protocol):
     def contains(self, key: BlockKey) -> bool:
         """Whether the block is held, without counting or refreshing anything."""
 
+    def absent(self, key: BlockKey) -> bool:
+        """True, counting a miss as ``get`` would, when the block is not held; False when it may be.
+
+        No I/O: the engine asks on the event loop, so a miss costs no trip to a worker thread.
+        """
+
     def put(self, key: BlockKey, data: bytes) -> bool:
         """Store a block, evicting least-recently-used clean blocks to make room.
 
@@ -96,6 +102,8 @@ class ObjectStoreStats:
     delete_requests: int = 0
     copy_requests: int = 0
     bytes_written: int = 0
+    presigned_gets: int = 0  # ranged GETs answered on a presigned URL (S3 store; counted in get_requests)
+    presigned_fallbacks: int = 0  # ... that botocore had to repeat (403, 5xx, connection error, ...)
 
 
 # ``read(start, end)`` returns bytes ``[start, end)`` of the content to upload. It is blocking (it

@@ -57,6 +57,12 @@ class RamTier:
     def contains(self, key: BlockKey) -> bool:
         return key in self._blocks
 
+    def absent(self, key: BlockKey) -> bool:
+        if key in self._blocks:
+            return False
+        self.stats.misses += 1
+        return True
+
     def put(self, key: BlockKey, data: bytes) -> bool:
         # The old version (if any) goes first, even when the new one is refused: a tier never keeps
         # bytes that differ from the last ones offered for a key.

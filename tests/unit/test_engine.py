@@ -110,6 +110,10 @@ class BrokenTier:
     def contains(self, key: BlockKey) -> bool:
         return False
 
+    def absent(self, key: BlockKey) -> bool:
+        self.calls += 1
+        raise self.exc  # the engine must then try get(), which fails too: still a miss for the reader
+
     def discard(self, key: BlockKey) -> None:
         pass
 
@@ -469,7 +473,7 @@ async def test_a_disk_tier_that_raises_is_a_miss(exc: Exception, caplog: pytest.
     assert await cache.read(ref, 0, SIZE) == SOURCE
     assert await cache.read(ref, BS, 10, readahead_bytes=2 * BS) == SOURCE[BS : BS + 10]
     await cache.close()
-    assert disk.calls == 12  # every block: one get, one put
+    assert disk.calls == 18  # every block: one index lookup, one get, one put
     assert cache.stats.disk_errors == 12
     assert len(store.gets) == 6
     assert cache.ram.contains(bkey(ref, 0))
@@ -574,3 +578,28 @@ async def test_close_with_nothing_pending_returns() -> None:
     cache = make_cache(InMemoryObjectStore())
     await cache.close()
     assert cache.hit_ratio() == 0.0
+
+
+async def test_a_block_the_disk_tier_lacks_is_a_counted_miss_without_a_disk_read(tmp_path) -> None:
+    """The engine asks the disk tier's index on the loop; only indexed blocks cost a read."""
+    store = CountingStore()
+    ref = put(store)
+    disk = DiskTier(tmp_path / "disk", capacity_bytes=64 * BS)
+    reads: list[BlockKey] = []
+    real_get = disk.get
+
+    def counting_get(key: BlockKey) -> bytes | None:
+        reads.append(key)
+        return real_get(key)
+
+    disk.get = counting_get  # type: ignore[method-assign]
+    cache = make_cache(store, disk=disk)
+    assert await cache.read(ref, 0, SIZE) == SOURCE
+    await cache.close()
+    assert reads == []  # nothing was on disk: no block read
+    assert disk.stats.misses == 6 and disk.stats.hits == 0
+    warm = make_cache(store, disk=disk)  # a new engine (empty RAM tier) over the filled disk tier
+    assert await warm.read(ref, 0, SIZE) == SOURCE
+    await warm.close()
+    assert len(reads) == 6 and disk.stats.hits == 6
+    assert len(store.gets) == 6  # the second pass fetched nothing

@@ -68,6 +68,17 @@ def test_get_of_an_absent_block_is_a_miss(make_tier: MakeTier) -> None:
     assert tier.stats.misses == 1 and tier.stats.hits == 0
 
 
+def test_absent_answers_from_the_index_and_counts_a_miss(make_tier: MakeTier) -> None:
+    tier = make_tier(10**6)
+    assert tier.absent(key(1))
+    assert tier.stats.misses == 1
+    assert tier.put(key(1), b"x" * 100)
+    assert not tier.absent(key(1))
+    assert tier.stats.misses == 1 and tier.stats.hits == 0  # "may be held" counts nothing
+    tier.discard(key(1))
+    assert tier.absent(key(1))
+
+
 def test_put_then_get_returns_the_same_bytes(make_tier: MakeTier) -> None:
     tier = make_tier(10**6)
     data = bytes(range(256)) * 7

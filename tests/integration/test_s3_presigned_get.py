@@ -1,0 +1,130 @@
+"""Ranged GETs on presigned URLs (``S3ObjectStore._presigned_get``), against a real SeaweedFS.
+
+The fast path must return exactly what botocore would, hand every answer it cannot read back to
+botocore (so errors stay classified as before), and never let the URL (signature, key ID) reach a
+log line or an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from tests.support.s3servers import SeaweedS3
+from tiering.errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError
+from tiering.objectstore import S3ObjectStore
+from tiering.objectstore import s3 as s3_module
+
+pytestmark = [pytest.mark.s3, pytest.mark.timeout(60)]
+
+DATA = os.urandom(300_000)
+
+
+def make_store(server: SeaweedS3, bucket: str, environ: dict[str, str] | None = None) -> S3ObjectStore:
+    return S3ObjectStore(bucket, "p/", endpoint_url=server.endpoint_url, connect_timeout_s=2,
+                         read_timeout_s=5, environ=server.env() if environ is None else environ)
+
+
+def tamper(url: str) -> str:
+    """The same URL with a wrong signature: the server must refuse it (403)."""
+    head, sep, signature = url.rpartition("X-Amz-Signature=")
+    assert sep, "a SigV4 presigned URL ends with its signature"
+    return head + sep + ("0" if signature[0] != "0" else "1") + signature[1:]
+
+
+async def test_ranges_come_from_presigned_urls(seaweed: SeaweedS3, seaweed_bucket: str) -> None:
+    seaweed.put(seaweed_bucket, "p/obj.bin", DATA)
+    store = make_store(seaweed, seaweed_bucket)
+    try:
+        etag = (await store.head("obj.bin")).etag
+        ranges = [(0, 1), (0, len(DATA)), (4096, 70_000), (len(DATA) - 10, len(DATA))]
+        for start, end in ranges:
+            assert await store.get_range("obj.bin", etag, start, end) == DATA[start:end]
+        assert await store.get_range("obj.bin", etag, len(DATA) + 5, len(DATA) + 10) == b""
+        assert store.stats.presigned_gets == len(ranges)
+        assert store.stats.presigned_fallbacks == 0
+        assert store.stats.get_requests == len(ranges) + 1
+        assert store.stats.bytes_read == sum(end - start for start, end in ranges)
+
+        seaweed.put(seaweed_bucket, "p/obj.bin", DATA[::-1])  # a new version: 412 on the old ETag
+        with pytest.raises(ObjectChangedError, match="obj.bin"):
+            await store.get_range("obj.bin", etag, 0, 10)
+    finally:
+        await store.close()
+
+
+async def test_a_refused_url_is_retried_through_botocore_and_never_logged(
+        seaweed: SeaweedS3, seaweed_bucket: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    seaweed.put(seaweed_bucket, "p/obj.bin", DATA)
+    env = seaweed.env()
+    store = make_store(seaweed, seaweed_bucket, env)
+    try:
+        etag = (await store.head("obj.bin")).etag
+        assert await store.get_range("obj.bin", etag, 0, 100) == DATA[:100]
+        url, until = store._presigned["p/obj.bin".removeprefix("p/")]
+        store._presigned["obj.bin"] = (tamper(url), until)
+        assert await store.get_range("obj.bin", etag, 100, 200) == DATA[100:200]
+        assert store.stats.presigned_fallbacks == 1
+        assert store.stats.presigned_gets == 1
+        # The refused URL was dropped: the next GET presigns again and takes the fast path.
+        assert await store.get_range("obj.bin", etag, 200, 300) == DATA[200:300]
+        assert store.stats.presigned_gets == 2
+        with pytest.raises(ObjectNotFoundError) as missing:
+            await store.get_range("gone.bin", etag, 0, 10)  # 404 goes to botocore, classified there
+        assert "gone.bin" in str(missing.value)
+    finally:
+        await store.close()
+    # Our own log lines (botocore's DEBUG output is silenced by the daemon, cachefs/cli.py).
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith(("tiering", "cachefs"))]
+    assert any("presigned GET" in line for line in ours), "the fallback is logged (without the URL)"
+    text = "\n".join(ours) + str(missing.value)
+    assert "X-Amz-Signature" not in text and "X-Amz-Credential" not in text
+    assert env["AWS_SECRET_ACCESS_KEY"] not in text and env["AWS_ACCESS_KEY_ID"] not in text
+
+
+async def test_a_store_that_keeps_refusing_urls_stops_presigning(
+        seaweed: SeaweedS3, seaweed_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seaweed.put(seaweed_bucket, "p/obj.bin", DATA)
+    store = make_store(seaweed, seaweed_bucket)
+    try:
+        etag = (await store.head("obj.bin")).etag
+        client = store._client
+        real = client.generate_presigned_url
+
+        async def refused(*args: object, **kwargs: object) -> str:
+            return tamper(await real(*args, **kwargs))
+
+        monkeypatch.setattr(client, "generate_presigned_url", refused)
+        for i in range(s3_module.PRESIGN_MAX_FALLBACKS + 5):
+            assert await store.get_range("obj.bin", etag, i, i + 50) == DATA[i:i + 50]
+        assert store.stats.presigned_fallbacks == s3_module.PRESIGN_MAX_FALLBACKS
+        assert store.stats.presigned_gets == 0
+    finally:
+        await store.close()
+
+
+async def test_without_credentials_gets_go_through_botocore(seaweed: SeaweedS3, seaweed_bucket: str) -> None:
+    seaweed.put(seaweed_bucket, "p/obj.bin", DATA)
+    env = {k: v for k, v in seaweed.env().items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    store = make_store(seaweed, seaweed_bucket, env)
+    try:
+        with pytest.raises(AccessDeniedError):
+            await store.get_range("obj.bin", '"0"', 0, 10)
+        assert store.stats.presigned_gets == 0
+    finally:
+        await store.close()
+
+
+def test_proxy_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
+                 "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert not s3_module._proxied("https://bucket.s3.amazonaws.com/k?X-Amz-Signature=1")
+    monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
+    assert s3_module._proxied("https://bucket.s3.amazonaws.com/k")
+    assert not s3_module._proxied("http://127.0.0.1:8333/k")  # only https is proxied
+    monkeypatch.setenv("no_proxy", "amazonaws.com")
+    assert not s3_module._proxied("https://bucket.s3.amazonaws.com/k")
