@@ -113,6 +113,9 @@ PRESIGN_MAX_FALLBACKS = 8
 LIST_PAGE_SIZE = 1000
 
 MiB = 1024 * 1024
+# Bytes aiohttp buffers per response before it stops reading the socket until the body is consumed
+# (its default, 64 KiB, pauses and resumes the socket every 128 KiB of an 8 MiB block).
+READ_BUFFER_BYTES = 4 * MiB
 # Multipart part size (and the size above which an upload is multipart): 16 MiB. S3 wants at least
 # 5 MiB per part; per-request costs flatten out around 8-16 MiB (benchmarks/blocksize.py measured
 # GETs, which pay the same fixed costs), and 10,000 parts of 16 MiB cover objects up to 156 GiB
@@ -476,6 +479,7 @@ class S3ObjectStore:
                 connector=aiohttp.TCPConnector(limit=self.max_pool_connections, ssl=tls),
                 timeout=aiohttp.ClientTimeout(sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s),
                 auto_decompress=False,  # the bytes of the object, as botocore returns them
+                read_bufsize=READ_BUFFER_BYTES,
                 skip_auto_headers=("Accept-Encoding",),
                 trust_env=False,  # proxied endpoints never get here (see _presign)
             )
