@@ -9,12 +9,10 @@ matters because every block read from or written to the disk tier is checked in 
 
 from __future__ import annotations
 
+# crc32(data, value=0), with zlib.crc32's semantics either way.
 try:
-    from isal.isal_zlib import crc32 as _crc32
+    from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - exercised only where no isal wheel exists
-    from zlib import crc32 as _crc32
+    from zlib import crc32
 
-
-def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC-32 of ``data`` continued from ``value`` (``zlib.crc32`` semantics)."""
-    return _crc32(data, value)
+__all__ = ["crc32"]

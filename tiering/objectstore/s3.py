@@ -190,6 +190,10 @@ def client_error_code(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def _changed(where: str) -> ObjectChangedError:
+    return ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
+
+
 def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endpoint: str) -> ObjectStoreError:
     """Map any failure of an S3 call to a ``tiering.errors`` type, by exception type and error code.
 
@@ -206,7 +210,7 @@ def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endp
         if code in _NO_BUCKET_CODES:
             return ObjectNotFoundError(f"bucket {bucket!r} does not exist at {endpoint}")
         if code in _CHANGED_CODES or status == 412:
-            return ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
+            return _changed(where)
         if code in _NOT_FOUND_CODES or status == 404:
             return ObjectNotFoundError(f"{op} {where}: not found")
         if code in _DENIED_CODES or status in (401, 403):
@@ -371,6 +375,12 @@ class S3ObjectStore:
             self._fs = fs
         return self._fs
 
+    async def _session(self) -> Any:
+        """The aiobotocore S3 client of the s3fs filesystem, opened on first use."""
+        if self._client is None:
+            self._client = await self._filesystem().set_session()
+        return self._client
+
     async def _call(self, method: str, *, op: str, where: str, tolerate: frozenset[str] = frozenset(),
                     **kwargs: Any) -> Any:
         """One S3 request through s3fs, counted, with every failure classified.
@@ -380,8 +390,7 @@ class S3ObjectStore:
         fs = self._filesystem()
         self.stats.requests += 1
         try:
-            if self._client is None:
-                self._client = await fs.set_session()
+            await self._session()
             return await fs._call_s3(method, Bucket=self.bucket, **kwargs)
         except Exception as exc:
             coded = client_error_code(exc)
@@ -440,6 +449,12 @@ class S3ObjectStore:
                 self.stats.errors += 1
                 raise ObjectStoreError(f"LIST {self._where(prefix)}: truncated page without a continuation token")
 
+    def _check_returned_etag(self, returned: str | None, etag: str, where: str) -> None:
+        """For servers that ignore If-Match: a GET answered with another version is a change."""
+        if returned is not None and _strip_etag(returned) != _strip_etag(etag):
+            self.stats.errors += 1
+            raise _changed(where)
+
     async def _presign(self, key: str) -> str | None:
         """A presigned GetObject URL for ``key`` (cached), or None where the store cannot presign."""
         now = time.monotonic()
@@ -449,11 +464,9 @@ class S3ObjectStore:
             return cached[0]
         if not self._presign_ok:
             return None
-        fs = self._filesystem()
         try:
-            if self._client is None:
-                self._client = await fs.set_session()
-            url = await self._client.generate_presigned_url(
+            client = await self._session()
+            url = await client.generate_presigned_url(
                 "get_object", Params={"Bucket": self.bucket, "Key": self.prefix + key}, ExpiresIn=PRESIGN_TTL_S)
         except Exception as exc:  # noqa: BLE001 - no presigning (no credentials, ...): botocore serves GETs
             self._presign_ok = False
@@ -500,14 +513,11 @@ class S3ObjectStore:
                 status = response.status
                 if status == 412:
                     self.stats.errors += 1
-                    raise ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
+                    raise _changed(where)
                 if status == 416:
                     return b""
                 if status in (200, 206):
-                    returned = response.headers.get("ETag")
-                    if returned is not None and _strip_etag(returned) != _strip_etag(etag):
-                        self.stats.errors += 1
-                        raise ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
+                    self._check_returned_etag(response.headers.get("ETag"), etag, where)
                     if response.content_length == end - start:
                         data = await response.read()
                         if len(data) == end - start:
@@ -562,10 +572,7 @@ class S3ObjectStore:
             return b""
         body = response["Body"]
         try:
-            returned = response.get("ETag")
-            if returned is not None and _strip_etag(returned) != _strip_etag(etag):
-                self.stats.errors += 1
-                raise ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
+            self._check_returned_etag(response.get("ETag"), etag, where)
             data = await body.read()
         except ObjectStoreError:
             raise
@@ -666,7 +673,7 @@ class S3ObjectStore:
         check_write_key(dst)
         source = await self.head(src)  # the size decides CopyObject or UploadPartCopy
         if _strip_etag(source.etag) != _strip_etag(etag):
-            raise ObjectChangedError(f"{self._where(src)} changed on the server (its ETag no longer matches)")
+            raise _changed(self._where(src))
         where = self._where(dst)
         copy_source = {"Bucket": self.bucket, "Key": self.prefix + src}
         self.stats.copy_requests += 1
