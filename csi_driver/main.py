@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from csi_driver import DRIVER_NAME
 from csi_driver.redact import RedactingFormatter
@@ -41,7 +41,7 @@ NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "grpc")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"cachefs-csi: error: {message}\n")
 
 

@@ -59,7 +59,7 @@ from tiering.disk import object_footprint
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
 from tiering.latency import LatencyHistogram
 from tiering.pins import PinError, PinLimitError, PinTable, block_keys
-from tiering.protocols import BlockTier, ObjectStore
+from tiering.protocols import BlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
 from tiering.units import format_size
 
@@ -124,7 +124,7 @@ class BlockCache:
         settings: CacheSettings,
         store: ObjectStore,
         ram: BlockTier,
-        disk: BlockTier | None = None,
+        disk: DiskBlockTier | None = None,
         *,
         clock: Clock | None = None,
     ) -> None:
@@ -232,9 +232,7 @@ class BlockCache:
         joined = False
         for _ in range(2):  # a joined load that left nothing on disk gets one load of our own
             if disk.contains(key):
-                touch = getattr(disk, "touch", None)
-                if touch is not None:
-                    touch(key)
+                disk.touch(key)
                 if joined:
                     return WarmOutcome.JOINED, length
                 self.stats.prefetch_skipped_blocks += 1
@@ -334,7 +332,7 @@ class BlockCache:
         if not refs:
             return
         disk = self.disk
-        if disk is None or not hasattr(disk, "pin"):
+        if disk is None:
             raise PinError("this mount has no disk tier to pin blocks in (--disk-cache 0)")
         if enforce_limit:
             before, after, limit = self.pins.bytes, self.pins.bytes_after(refs), self.pin_limit_bytes
@@ -347,21 +345,20 @@ class BlockCache:
                     f"{format_size(before)} is pinned now"
                 )
         for old in self.pins.add(refs):
-            disk.unpin(block_keys(old, self.block_size))  # type: ignore[attr-defined]
+            disk.unpin(block_keys(old, self.block_size))
         for ref in refs:
-            disk.pin(block_keys(ref, self.block_size))  # type: ignore[attr-defined]
+            disk.pin(block_keys(ref, self.block_size))
 
     def unpin(self, keys: Iterable[str]) -> list[ObjectRef]:
         """Unpin the objects with these keys; returns the refs that were pinned."""
         removed = self.pins.remove(keys)
-        if self.disk is not None and hasattr(self.disk, "unpin"):
+        if self.disk is not None:
             for ref in removed:
                 self.disk.unpin(block_keys(ref, self.block_size))
         return removed
 
     def is_pinned(self, key: BlockKey) -> bool:
-        is_pinned = getattr(self.disk, "is_pinned", None)
-        return bool(is_pinned and is_pinned(key))
+        return self.disk is not None and self.disk.is_pinned(key)
 
     async def evict(self, ref: ObjectRef, *, ram: bool = True, disk: bool = True) -> tuple[int, int, int]:
         """Drop the cached blocks of one object version, except pinned ones on disk.
@@ -389,7 +386,12 @@ class BlockCache:
         if on_disk:
             assert self.disk is not None
             tier = self.disk
-            await self._disk_call("discard", lambda: [tier.discard(k) for k in on_disk])
+
+            def discard_all() -> None:
+                for k in on_disk:
+                    tier.discard(k)
+
+            await self._disk_call("discard", discard_all)
         self.stats.dropped_blocks += dropped
         self.stats.dropped_bytes += dropped_bytes
         return dropped, dropped_bytes, kept
@@ -401,29 +403,25 @@ class BlockCache:
         """
         blocks = freed = 0
         if ram:
-            keys = getattr(self.ram, "keys", None)
-            for key in list(keys() if keys else []):
+            for key in self.ram.keys():
                 before = self.ram.used_bytes()
                 self.ram.discard(key)
                 blocks += 1
                 freed += before - self.ram.used_bytes()
         if disk and self.disk is not None:
-            evict_unpinned = getattr(self.disk, "evict_unpinned", None)
-            if evict_unpinned is not None:
-                result = await self._disk_call("evict", evict_unpinned)
-                if result is not None:
-                    blocks += result[0]
-                    freed += result[1]
+            result = await self._disk_call("evict", self.disk.evict_unpinned)
+            if result is not None:
+                blocks += result[0]
+                freed += result[1]
         self.stats.dropped_blocks += blocks
         self.stats.dropped_bytes += freed
         return blocks, freed
 
     def pin_stats(self) -> dict[str, int]:
-        pinned_bytes = getattr(self.disk, "pinned_bytes", None)
         return {
             "objects": len(self.pins),
             "bytes": self.pins.bytes,
-            "cached_bytes": pinned_bytes() if pinned_bytes else 0,
+            "cached_bytes": self.disk.pinned_bytes() if self.disk is not None else 0,
             "limit_bytes": self.pin_limit_bytes,
         }
 

@@ -1,20 +1,29 @@
 """The seams of the engine: one small Protocol each, with in-memory implementations in the package.
 
-``BlockTier``   a bounded cache of whole blocks (RAM, local disk). Synchronous: the RAM tier is
-                called on the event loop, the disk tier through a thread pool by the engine.
-``ObjectStore`` the source of truth (S3, a local directory, an in-memory dict). Asynchronous, on the
-                same event loop as FUSE. Reads, and the writes of write-back: ``put`` (atomic create or
-                replace), ``delete``, ``copy`` (server side, for rename).
-``SpaceBudget`` bytes of local disk that staged (dirty) data may take; the disk tier implements it,
-                so staged bytes and cached blocks share one capacity and only clean blocks are evicted.
+``BlockTier``      a bounded cache of whole blocks (RAM, local disk). Synchronous: the RAM tier is
+                   called on the event loop, the disk tier through a thread pool by the engine.
+``DiskBlockTier``  the ``BlockTier`` below RAM, with what only that tier has: pins, health,
+                   eviction watermarks, a recency refresh without I/O, and the ``SpaceBudget`` of
+                   staged write-back data (why two Protocols: its docstring).
+``ObjectStore``    the source of truth (S3, a local directory, an in-memory dict). Asynchronous, on
+                   the same event loop as FUSE. Reads, and the writes of write-back: ``put`` (atomic
+                   create or replace), ``delete``, ``copy`` (server side, for rename).
+``SpaceBudget``    bytes of local disk that staged (dirty) data may take; the disk tier implements
+                   it, so staged bytes and cached blocks share one capacity and only clean blocks
+                   are evicted.
+
+Every member a caller uses is stated in its Protocol, and the callers use no ``getattr``/``hasattr``
+on these seams: mypy (``make test``) then turns a misspelt member into a failed build instead of a
+feature that silently turns itself off.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Iterable, Protocol, runtime_checkable
 
 from tiering.blocks import BlockKey
+from tiering.health import TierHealth
 
 
 @dataclass
@@ -33,8 +42,32 @@ class TierStats:
 
 
 @runtime_checkable
+class SpaceBudget(Protocol):
+    """Bytes of local disk that staged write-back data may use, shared with the disk cache.
+
+    ``reserve_space`` makes room by evicting clean cached blocks (never staged data, never pinned
+    blocks) and returns False when even that cannot fit ``nbytes`` under the capacity; with
+    ``force`` it always succeeds (staged data found at start-up must be kept even if the capacity
+    was lowered). Thread-safe; may do file I/O (eviction), so call it from a worker thread.
+    """
+
+    capacity_bytes: int
+
+    def reserve_space(self, nbytes: int, *, force: bool = False) -> bool: ...
+
+    def release_space(self, nbytes: int) -> None: ...
+
+    def reserved_space(self) -> int: ...
+
+
+@runtime_checkable
 class BlockTier(Protocol):
-    """A byte-bounded cache of blocks. ``used_bytes() <= capacity_bytes`` holds after every call."""
+    """A byte-bounded cache of blocks. ``used_bytes() <= capacity_bytes`` holds after every call.
+
+    Everything the engine and the features call on *any* tier is here, so a misspelt name is a type
+    error, not a feature that silently turns off. What only the disk tier can answer is in
+    ``DiskBlockTier`` below.
+    """
 
     name: str
     capacity_bytes: int
@@ -61,9 +94,55 @@ class BlockTier(Protocol):
     def discard(self, key: BlockKey) -> None:
         """Drop a block if held."""
 
+    def keys(self) -> list[BlockKey]:
+        """Held keys, least recently used first, as a new list (callers discard while iterating).
+
+        A tier may list only the keys it has seen: the disk tier does not list blocks found at
+        start-up until they are touched.
+        """
+
     def used_bytes(self) -> int: ...
 
     def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class DiskBlockTier(BlockTier, SpaceBudget, Protocol):
+    """The tier below RAM: a ``BlockTier`` that can also pin blocks, fail, and hold staged data.
+
+    Why a second Protocol rather than one with neutral answers on the RAM tier: these members
+    describe state the RAM tier does not have. RAM holds the working set of reads on the event
+    loop, cannot fail (so it has no health to report), loses everything at a restart (so a pin,
+    which must survive one, has no meaning there) and never holds staged write-back data (so it is
+    no ``SpaceBudget`` and has no watermarks to bound it). A RAM tier answering ``pin`` with a no-op
+    would claim a guarantee it does not give. The engine takes ``ram: BlockTier`` and
+    ``disk: DiskBlockTier | None``, and features reach the disk tier through the engine's typed
+    ``disk`` attribute, so every member they use is stated here and checked by the type checker.
+
+    ``reserve_space``/``release_space``/``reserved_space`` (``SpaceBudget``) count staged bytes in
+    ``used_bytes()``; they are never evicted.
+    """
+
+    health: TierHealth
+    high_watermark: float  # an insert that would take usage above this share of the capacity evicts ...
+    low_watermark: float  # ... a batch, down to this share
+
+    def pin(self, keys: Iterable[BlockKey]) -> None:
+        """Keep these blocks from eviction, whether they are held yet or not (no I/O)."""
+
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        """Let eviction take these blocks again."""
+
+    def is_pinned(self, key: BlockKey) -> bool: ...
+
+    def pinned_bytes(self) -> int:
+        """Bytes of the pinned blocks held now."""
+
+    def touch(self, key: BlockKey) -> bool:
+        """Mark a held block most recently used, in memory only (no I/O); False if not held."""
+
+    def evict_unpinned(self) -> tuple[int, int]:
+        """Drop every block eviction may take (all but pinned ones): ``(blocks, bytes)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,22 +232,3 @@ class ObjectStore(Protocol):
         """
 
     async def close(self) -> None: ...
-
-
-@runtime_checkable
-class SpaceBudget(Protocol):
-    """Bytes of local disk that staged write-back data may use, shared with the disk cache.
-
-    ``reserve_space`` makes room by evicting clean cached blocks (never staged data, never pinned
-    blocks) and returns False when even that cannot fit ``nbytes`` under the capacity; with
-    ``force`` it always succeeds (staged data found at start-up must be kept even if the capacity
-    was lowered). Thread-safe; may do file I/O (eviction), so call it from a worker thread.
-    """
-
-    capacity_bytes: int
-
-    def reserve_space(self, nbytes: int, *, force: bool = False) -> bool: ...
-
-    def release_space(self, nbytes: int) -> None: ...
-
-    def reserved_space(self) -> int: ...

@@ -7,20 +7,23 @@ import errno
 import random
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
+from tiering.clock import SystemClock
 from tiering.disk import DiskTier
 from tiering.engine import BlockCache
 from tiering.errors import ObjectChangedError, ObjectStoreError, ObjectStoreUnavailableError
+from tiering.health import TierHealth
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.protocols import Listing, ObjectInfo, TierStats
+from tiering.protocols import DiskBlockTier, Listing, ObjectInfo, TierStats
 from tiering.ram import RamTier
 from tiering.readahead import ReadAhead
-from tiering.settings import CacheSettings
+from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, CacheSettings
 
 BS = MIN_BLOCK_SIZE  # 64 KiB: the smallest block the settings allow
 KEY = "data/shard-0000.bin"
@@ -90,12 +93,19 @@ class YieldingStore(GatedStore):
 
 
 class BrokenTier:
-    """A BlockTier whose every operation fails, as a dead disk would without its own guard."""
+    """A DiskBlockTier whose every I/O operation fails, as a dead disk would without its own guard.
+
+    It holds nothing: the calls that need no I/O answer as an empty tier would (not held, nothing
+    pinned); only ``get``, ``put`` and ``absent`` count in ``calls``.
+    """
 
     def __init__(self, exc: Exception, name: str = "disk") -> None:
         self.name = name
         self.capacity_bytes = 10 * BS
         self.stats = TierStats()
+        self.health = TierHealth(SystemClock(), name=name)
+        self.high_watermark = DEFAULT_HIGH_WATERMARK
+        self.low_watermark = DEFAULT_LOW_WATERMARK
         self.exc = exc
         self.calls = 0
 
@@ -117,14 +127,48 @@ class BrokenTier:
     def discard(self, key: BlockKey) -> None:
         pass
 
+    def keys(self) -> list[BlockKey]:
+        return []
+
     def used_bytes(self) -> int:
         return 0
 
     def __len__(self) -> int:
         return 0
 
+    def pin(self, keys: Iterable[BlockKey]) -> None:
+        pass
 
-def make_cache(store, *, ram_blocks: int = 64, disk: DiskTier | None = None, ram: RamTier | None = None, **kw) -> BlockCache:
+    def unpin(self, keys: Iterable[BlockKey]) -> None:
+        pass
+
+    def is_pinned(self, key: BlockKey) -> bool:
+        return False
+
+    def pinned_bytes(self) -> int:
+        return 0
+
+    def touch(self, key: BlockKey) -> bool:
+        return False
+
+    def evict_unpinned(self) -> tuple[int, int]:
+        raise self.exc
+
+    def reserve_space(self, nbytes: int, *, force: bool = False) -> bool:
+        raise self.exc
+
+    def release_space(self, nbytes: int) -> None:
+        pass
+
+    def reserved_space(self) -> int:
+        return 0
+
+
+def test_the_broken_tier_is_a_whole_disk_tier() -> None:
+    assert isinstance(BrokenTier(OSError(errno.EIO, "dead disk")), DiskBlockTier)
+
+
+def make_cache(store, *, ram_blocks: int = 64, disk: DiskBlockTier | None = None, ram: RamTier | None = None, **kw) -> BlockCache:
     settings = CacheSettings(block_size=BS, ram_bytes=ram_blocks * BS, **kw)
     return BlockCache(settings, store, ram if ram is not None else RamTier(ram_blocks * BS), disk)
 
@@ -469,7 +513,7 @@ async def test_a_disk_tier_that_raises_is_a_miss(exc: Exception, caplog: pytest.
     store = CountingStore()
     ref = put(store)
     disk = BrokenTier(exc)
-    cache = make_cache(store, disk=disk)  # type: ignore[arg-type]
+    cache = make_cache(store, disk=disk)
     assert await cache.read(ref, 0, SIZE) == SOURCE
     assert await cache.read(ref, BS, 10, readahead_bytes=2 * BS) == SOURCE[BS : BS + 10]
     await cache.close()

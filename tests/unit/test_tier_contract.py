@@ -1,6 +1,12 @@
-"""One contract for every ``BlockTier``: the same test bodies run on the RAM and the disk tier.
+"""One contract per tier Protocol, run on every implementation.
 
-The fixture hands out a factory ``make(capacity_bytes)`` rather than a tier, so each test picks the
+``BlockTier`` tests run on the RAM and the disk tier; ``DiskBlockTier`` tests (pins, recency
+refresh, eviction of all unpinned blocks, staged space, health, watermarks) on every disk-tier
+implementation. Every member of each Protocol is exercised on every implementation, and
+``test_every_protocol_member_is_exercised`` fails when a member is added to a Protocol without being
+listed here (and so, without a contract test).
+
+The fixtures hand out a factory ``make(capacity_bytes)`` rather than a tier, so each test picks the
 capacity it needs in units of one block's footprint (the disk tier counts its header too). All keys
 used for capacity arithmetic have tokens of equal length, so every block of a test has the same
 footprint.
@@ -8,19 +14,23 @@ footprint.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import typing
 from typing import Callable
 
 import pytest
 
 from tiering.blocks import BlockKey
 from tiering.disk import DiskTier
-from tiering.protocols import BlockTier
+from tiering.health import TierState
+from tiering.protocols import BlockTier, DiskBlockTier, SpaceBudget
 from tiering.ram import RamTier
 
 BLOCK_LEN = 1000
 
 MakeTier = Callable[[int], BlockTier]
+MakeDiskTier = Callable[[int], DiskBlockTier]
 
 
 def key(i: int, etag: str = "etag-1") -> BlockKey:
@@ -56,8 +66,57 @@ def held(tier: BlockTier, n: int = 10) -> list[int]:
     return [i for i in range(n) if tier.contains(key(i))]
 
 
+@pytest.fixture(params=["disk"])
+def make_disk_tier(request: pytest.FixtureRequest, tmp_path) -> MakeDiskTier:
+    counter = itertools.count()
+
+    def make(capacity_bytes: int) -> DiskBlockTier:
+        return DiskTier(tmp_path / f"disk-{next(counter)}", capacity_bytes)
+
+    return make
+
+
+@pytest.fixture
+def disk_footprint(make_disk_tier: MakeDiskTier) -> int:
+    probe = make_disk_tier(10**9)
+    assert probe.put(key(0), block(0))
+    return probe.used_bytes()
+
+
+def protocol_members(protocol: type) -> set[str]:
+    """The attributes and methods a Protocol (with its Protocol bases) declares."""
+    members: set[str] = set()
+    for cls in protocol.__mro__:
+        if cls in (object, typing.Protocol, typing.Generic) or not getattr(cls, "_is_protocol", False):
+            continue
+        members |= set(vars(cls).get("__annotations__", {}))
+        members |= {name for name, value in vars(cls).items()
+                    if callable(value) and (not name.startswith("_") or name == "__len__")}
+    return members
+
+
+# What the tests below exercise. A member added to a Protocol must be added here, with its test.
+EXERCISED = {
+    BlockTier: {"name", "capacity_bytes", "stats", "get", "contains", "absent", "put", "discard", "keys",
+                "used_bytes", "__len__"},
+    DiskBlockTier: {"health", "high_watermark", "low_watermark", "pin", "unpin", "is_pinned", "pinned_bytes",
+                    "touch", "evict_unpinned", "reserve_space", "release_space", "reserved_space"},
+}
+
+
+def test_every_protocol_member_is_exercised() -> None:
+    assert protocol_members(BlockTier) == EXERCISED[BlockTier]
+    assert protocol_members(DiskBlockTier) == EXERCISED[BlockTier] | EXERCISED[DiskBlockTier]
+
+
 def test_implements_the_protocol(make_tier: MakeTier) -> None:
     assert isinstance(make_tier(10**6), BlockTier)
+
+
+def test_name_and_capacity(make_tier: MakeTier) -> None:
+    tier = make_tier(12345)
+    assert isinstance(tier.name, str) and tier.name
+    assert tier.capacity_bytes == 12345
 
 
 def test_get_of_an_absent_block_is_a_miss(make_tier: MakeTier) -> None:
@@ -208,4 +267,108 @@ def test_keys_lists_held_blocks_in_lru_order(make_tier: MakeTier, footprint: int
     for i in range(3):
         tier.put(key(i), block(i))
     tier.get(key(0))
-    assert tier.keys() == [key(1), key(2), key(0)]  # type: ignore[attr-defined]
+    assert tier.keys() == [key(1), key(2), key(0)]
+    tier.discard(key(2))
+    assert tier.keys() == [key(1), key(0)]
+
+
+# ------------------------------------------------------------------------------------------ DiskBlockTier
+
+
+def test_disk_tier_implements_both_protocols(make_disk_tier: MakeDiskTier) -> None:
+    tier = make_disk_tier(10**6)
+    assert isinstance(tier, DiskBlockTier) and isinstance(tier, BlockTier) and isinstance(tier, SpaceBudget)
+
+
+def test_a_new_disk_tier_is_healthy_with_ordered_watermarks(make_disk_tier: MakeDiskTier) -> None:
+    tier = make_disk_tier(10**6)
+    assert tier.health.state is TierState.HEALTHY
+    assert 0 < tier.low_watermark < tier.high_watermark <= 1
+
+
+def test_eviction_crossing_the_high_watermark_goes_down_to_the_low_one(
+    make_disk_tier: MakeDiskTier, disk_footprint: int
+) -> None:
+    tier = make_disk_tier(10 * disk_footprint)
+    high, low = tier.high_watermark * tier.capacity_bytes, tier.low_watermark * tier.capacity_bytes
+    for i in range(10):
+        before = tier.used_bytes()
+        assert tier.put(key(i), block(i))
+        if before + disk_footprint > high:  # this put crossed the high watermark: a batch went first
+            assert tier.used_bytes() <= max(low, disk_footprint)
+            assert tier.stats.evictions >= 1
+            break
+        assert tier.stats.evictions == 0
+    else:
+        pytest.fail("ten blocks in a ten-block tier never crossed the high watermark")
+
+
+def test_pinned_blocks_survive_eviction_and_are_counted(make_disk_tier: MakeDiskTier, disk_footprint: int) -> None:
+    tier = make_disk_tier(3 * disk_footprint)
+    tier.pin([key(0), key(5)])  # key(5) is pinned before it is written
+    assert tier.is_pinned(key(0)) and tier.is_pinned(key(5)) and not tier.is_pinned(key(1))
+    assert tier.pinned_bytes() == 0  # nothing pinned is held yet
+    assert tier.put(key(0), block(0))
+    assert tier.pinned_bytes() == disk_footprint
+    for i in range(1, 5):
+        assert tier.put(key(i), block(i))
+    assert tier.contains(key(0)), "a pinned block was evicted"
+    assert tier.put(key(5), block(5))
+    assert tier.pinned_bytes() == 2 * disk_footprint
+    tier.unpin([key(0)])
+    assert not tier.is_pinned(key(0))
+    assert tier.pinned_bytes() == disk_footprint
+    for i in range(6, 9):
+        assert tier.put(key(i), block(i))
+    assert not tier.contains(key(0)), "an unpinned block is evictable again"
+    assert tier.contains(key(5))
+
+
+def test_touch_refreshes_recency_without_counting(make_disk_tier: MakeDiskTier, disk_footprint: int) -> None:
+    tier = make_disk_tier(10 * disk_footprint)
+    for i in range(3):
+        assert tier.put(key(i), block(i))
+    stats = dataclasses.replace(tier.stats)
+    assert tier.touch(key(0))
+    assert not tier.touch(key(7))  # not held
+    assert tier.stats == stats  # no hit, no miss
+    assert tier.keys() == [key(1), key(2), key(0)]
+
+
+def test_evict_unpinned_keeps_only_pinned_blocks(make_disk_tier: MakeDiskTier, disk_footprint: int) -> None:
+    tier = make_disk_tier(10 * disk_footprint)
+    for i in range(4):
+        assert tier.put(key(i), block(i))
+    tier.pin([key(2)])
+    assert tier.evict_unpinned() == (3, 3 * disk_footprint)
+    assert held(tier) == [2]
+    assert tier.used_bytes() == disk_footprint == tier.pinned_bytes()
+    assert tier.evict_unpinned() == (0, 0)
+
+
+def test_reserved_space_is_used_space_and_evicts_clean_blocks(
+    make_disk_tier: MakeDiskTier, disk_footprint: int
+) -> None:
+    tier = make_disk_tier(10 * disk_footprint)
+    for i in range(4):
+        assert tier.put(key(i), block(i))
+    tier.pin([key(0)])
+    assert tier.reserved_space() == 0
+    assert tier.reserve_space(2 * disk_footprint)
+    assert tier.reserved_space() == 2 * disk_footprint
+    assert tier.used_bytes() == 6 * disk_footprint
+    # Room for staged data beyond what is free comes from clean, unpinned blocks only.
+    assert tier.reserve_space(6 * disk_footprint)
+    assert tier.used_bytes() <= tier.capacity_bytes
+    assert tier.contains(key(0))
+    assert tier.reserved_space() == 8 * disk_footprint
+    assert not tier.reserve_space(2 * disk_footprint)  # only the pinned block and staged data left
+    assert tier.reserved_space() == 8 * disk_footprint
+    assert tier.reserve_space(2 * disk_footprint, force=True)  # replayed staged data is always kept
+    assert tier.used_bytes() > tier.capacity_bytes
+    assert not tier.put(key(5), block(5))  # blocks are refused until staged data is released
+    tier.release_space(10 * disk_footprint)
+    assert tier.reserved_space() == 0
+    assert tier.used_bytes() == disk_footprint
+    tier.release_space(disk_footprint)  # more than reserved: nothing goes below zero
+    assert tier.reserved_space() == 0 and tier.used_bytes() == disk_footprint
