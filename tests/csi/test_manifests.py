@@ -2,9 +2,9 @@
 
 ``kubernetes-validate --strict`` checks each object against the OpenAPI schemas of a current
 Kubernetes release and of the oldest release deploy/README.md supports (unknown fields are errors).
-kustomize itself is not available offline, so ``render_kustomization`` implements exactly the
-kustomization fields the base uses (``resources`` of local files, ``namespace``, ``images``) and the
-test refuses any other field: what is validated is what ``kubectl apply -k`` would apply.
+The base is rendered by real kustomize (``kubectl kustomize``, tests/csi/kustomize.py), so what is
+validated is what ``kubectl apply -k`` would apply; the documented overlay is rendered the same way
+in tests/csi/test_kustomize_overlay.py.
 
 Beyond the schemas, the manifests are checked against the code: the driver name everywhere, the
 driver's flags (parsed by ``cachefs-csi``'s own argument parser), the StorageClass parameters and
@@ -25,6 +25,7 @@ import yaml
 from csi_driver import DRIVER_NAME, attributes
 from csi_driver.main import build_parser
 from csi_driver.server import KNOWN_FLAGS
+from tests.csi.kustomize import kustomize_build
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -33,7 +34,8 @@ BASE = DEPLOY / "base"
 # promises to support (CSIDriver fsGroupPolicy and inline volumes are GA well before it).
 OLDEST_SUPPORTED = "1.30.0"
 VERSIONS = sorted({kubernetes_validate.latest_version(), OLDEST_SUPPORTED})
-SUPPORTED_KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images"}
+# kustomize's own files (a Kustomization, a transformer configuration) are not Kubernetes objects.
+KUSTOMIZE_FILES = {"kustomization.yaml", "kustomizeconfig.yaml"}
 CLUSTER_SCOPED = {"Namespace", "CSIDriver", "StorageClass", "ClusterRole", "ClusterRoleBinding",
                   "PersistentVolume", "PriorityClass"}
 
@@ -43,50 +45,24 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 
 
 def manifest_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name != "kustomization.yaml")
+    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name not in KUSTOMIZE_FILES)
 
 
-def _set_image(container: dict[str, Any], images: list[dict[str, Any]]) -> None:
-    name, _, tag = container["image"].partition(":")
-    for image in images:
-        if image["name"] == name:
-            new = image.get("newName", name)
-            if "digest" in image:
-                container["image"] = f"{new}@{image['digest']}"
-            else:
-                container["image"] = f"{new}:{image.get('newTag', tag or 'latest')}"
-
-
-def render_kustomization(directory: Path) -> list[dict[str, Any]]:
-    """``kustomize build`` for the fields the base uses; any other field fails the test."""
-    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unsupported = set(spec) - SUPPORTED_KUSTOMIZE_FIELDS
-    assert not unsupported, f"the test renderer does not implement kustomization fields {unsupported}"
-    out = []
-    for resource in spec["resources"]:
-        path = directory / resource
-        assert path.is_file(), f"{resource}: only local files are supported by the test renderer"
-        out += load_documents(path)
-    namespace = spec.get("namespace")
-    images = spec.get("images", [])
-    for obj in out:
-        if namespace:
-            if obj["kind"] == "Namespace":
-                obj["metadata"]["name"] = namespace
-            elif obj["kind"] not in CLUSTER_SCOPED:
-                obj["metadata"]["namespace"] = namespace
-            for subject in obj.get("subjects", []):
-                if subject.get("kind") == "ServiceAccount":
-                    subject["namespace"] = namespace
-        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
-        for container in pod.get("containers", []) + pod.get("initContainers", []):
-            _set_image(container, images)
-    return out
+def base_resources() -> list[dict[str, Any]]:
+    """The base's objects as written, before kustomize: what the checks against the code read
+    (kustomize changes only namespaces and images), so they run where kubectl is missing too."""
+    spec = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    return [doc for resource in spec["resources"] for doc in load_documents(BASE / resource)]
 
 
 @pytest.fixture(scope="module")
 def rendered() -> list[dict[str, Any]]:
-    return render_kustomization(BASE)
+    return kustomize_build(BASE)
+
+
+@pytest.fixture(scope="module")
+def base_objects() -> list[dict[str, Any]]:
+    return base_resources()
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -125,20 +101,22 @@ def test_rendered_base_is_valid_kubernetes(rendered, version: str) -> None:
         kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)
         if obj["kind"] not in CLUSTER_SCOPED:
             assert obj["metadata"]["namespace"] == "cachefs"
+        for subject in obj.get("subjects", []):
+            assert subject["namespace"] == "cachefs", obj["metadata"]["name"]
     images = [c["image"] for obj in rendered if obj["kind"] in ("DaemonSet", "Deployment") for c in containers(obj)]
     assert "ghcr.io/cachefs/cachefs-csi:0.1.0" in images
     assert all(":" in image or "@" in image for image in images), images  # every image pinned
 
 
 # ------------------------------------------------------------------------------------ against the code
-def test_driver_name_and_capabilities_are_consistent(rendered) -> None:
-    (driver,) = by_kind(rendered, "CSIDriver")
+def test_driver_name_and_capabilities_are_consistent(base_objects) -> None:
+    (driver,) = by_kind(base_objects, "CSIDriver")
     assert driver["metadata"]["name"] == DRIVER_NAME
     assert driver["spec"]["attachRequired"] is False and driver["spec"]["podInfoOnMount"] is True
     assert set(driver["spec"]["volumeLifecycleModes"]) == {"Persistent", "Ephemeral"}
-    (storage_class,) = by_kind(rendered, "StorageClass")
+    (storage_class,) = by_kind(base_objects, "StorageClass")
     assert storage_class["provisioner"] == DRIVER_NAME
-    (daemonset,) = by_kind(rendered, "DaemonSet")
+    (daemonset,) = by_kind(base_objects, "DaemonSet")
     registrar = next(c for c in containers(daemonset) if c["name"] == "node-driver-registrar")
     assert f"--kubelet-registration-path=/var/lib/kubelet/plugins/{DRIVER_NAME}/csi.sock" in registrar["args"]
     plugin_dir = next(v for v in pod_volumes(daemonset) if v["name"] == "plugin-dir")
@@ -148,8 +126,8 @@ def test_driver_name_and_capabilities_are_consistent(rendered) -> None:
             assert doc["spec"]["csi"]["driver"] == DRIVER_NAME
 
 
-def test_node_plugin_is_set_up_for_fuse(rendered) -> None:
-    (daemonset,) = by_kind(rendered, "DaemonSet")
+def test_node_plugin_is_set_up_for_fuse(base_objects) -> None:
+    (daemonset,) = by_kind(base_objects, "DaemonSet")
     plugin = next(c for c in containers(daemonset) if c["name"] == "cachefs-csi")
     assert plugin["securityContext"]["privileged"] is True
     mounts = {m["name"]: m for m in plugin["volumeMounts"]}
@@ -167,14 +145,14 @@ def test_node_plugin_is_set_up_for_fuse(rendered) -> None:
     probe = next(c for c in containers(daemonset) if c["name"] == "liveness-probe")
     assert f"--health-port={ports['healthz']}" in probe["args"]
     assert plugin["livenessProbe"]["httpGet"]["port"] == "healthz"
-    (deployment,) = by_kind(rendered, "Deployment")
+    (deployment,) = by_kind(base_objects, "Deployment")
     controller = next(c for c in containers(deployment) if c["name"] == "cachefs-csi")
     assert build_parser().parse_args(controller["args"]).mode == "controller"
     assert any(c["name"] == "csi-provisioner" for c in containers(deployment))
 
 
-def test_storage_class_parameters_parse(rendered) -> None:
-    (storage_class,) = by_kind(rendered, "StorageClass")
+def test_storage_class_parameters_parse(base_objects) -> None:
+    (storage_class,) = by_kind(base_objects, "StorageClass")
     settings = attributes.parse_provision_parameters(storage_class["parameters"])
     assert settings.on_delete is attributes.DeletePolicy.RETAIN
 
@@ -215,8 +193,8 @@ def test_training_job_runs_a_real_prefetch_command() -> None:
     assert str(args.mountpoint) in mount_paths and "/run/cachefs" in mount_paths
 
 
-def test_the_validator_rejects_what_it_should(rendered) -> None:
-    (daemonset,) = copy.deepcopy(by_kind(rendered, "DaemonSet"))
+def test_the_validator_rejects_what_it_should(base_objects) -> None:
+    (daemonset,) = copy.deepcopy(by_kind(base_objects, "DaemonSet"))
     daemonset["spec"]["template"]["spec"]["containers"][0]["mountPropagaton"] = "Bidirectional"  # a typo
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(daemonset, VERSIONS[-1], strict=True)
