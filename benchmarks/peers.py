@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from cachefs import mounts
+from cachefs import mounts, package_version
 from cachefs.client import UsageError, call
 from cachefs.settings import DEFAULT_ATTR_TTL_S
 from tiering.blocks import DEFAULT_BLOCK_SIZE
@@ -180,9 +180,7 @@ class CachefsTool(Tool):
         return None
 
     def version(self) -> str:
-        from importlib.metadata import version
-
-        return version("cachefs")
+        return package_version()
 
     def _env(self) -> dict[str, str]:
         return {**clean_env(), **self.server.env()}

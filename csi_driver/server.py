@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 import grpc
 from google.protobuf import wrappers_pb2
 
+from cachefs import package_version
 from csi_driver import DRIVER_NAME, metrics
 from csi_driver.attributes import (
     Credentials,
@@ -53,15 +54,6 @@ KNOWN_FLAGS = READ_ONLY_FLAGS | {"rw"}
 # logged at DEBUG so the INFO log shows volume operations.
 QUIET_METHODS = frozenset({"Probe", "GetPluginInfo", "GetPluginCapabilities", "NodeGetCapabilities",
                            "NodeGetInfo", "ControllerGetCapabilities"})
-
-
-def package_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("cachefs")
-    except Exception:  # noqa: BLE001 - a missing distribution must not stop the driver
-        return "0.0.0+unknown"
 
 
 # ------------------------------------------------------------------------------------------- edge
