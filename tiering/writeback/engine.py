@@ -907,23 +907,9 @@ class WriteBack:
         """Copy an uploaded version into the disk tier as clean blocks under its new ETag, so reading
         back what was just written needs no GET. Its acknowledged prefix stays copy-on-write meanwhile
         (``sf.acked`` is kept), so the blocks are exactly the uploaded bytes."""
-        disk = self.cache.disk
-        block = self.cache.block_size
-
-        def copy_blocks() -> int:
-            assert disk is not None
-            stored = 0
-            for index in range(-(-acked.size // block)):
-                start = index * block
-                data = pread_exact(acked.data.fd, min(block, acked.size - start), start)
-                if len(data) != min(block, acked.size - start) or not disk.put(
-                        BlockKey(info.key, info.etag, index), data):
-                    break
-                stored += len(data)
-            return stored
-
         try:
-            self.stats.promoted_bytes += await asyncio.to_thread(copy_blocks)
+            self.stats.promoted_bytes += await self.cache.promote(
+                ObjectRef(info.key, info.etag, info.size), functools.partial(_read_range, acked.data.fd))
         except Exception as exc:  # noqa: BLE001 - a cache fill is an optimisation, never an error
             log.debug("write-back: could not cache the uploaded %r: %s", info.key, exc)
         finally:
