@@ -334,15 +334,17 @@ class BlockCache:
         if disk is None:
             return 0
 
-        def _chain(load: asyncio.Future[bytes], joined: asyncio.Future[bytes]) -> None:
-            if joined.done():
-                return
-            if load.cancelled():
-                joined.cancel()
-            elif (error := load.exception()) is not None:
-                joined.set_exception(error)
-            else:
-                joined.set_result(load.result())
+        def hand_over(joined: asyncio.Future[bytes]) -> Callable[[asyncio.Future[bytes]], None]:
+            def done(load: asyncio.Future[bytes]) -> None:
+                if joined.done():
+                    return
+                if load.cancelled():
+                    joined.cancel()
+                elif (error := load.exception()) is not None:
+                    joined.set_exception(error)
+                else:
+                    joined.set_result(load.result())
+            return done
 
         stored = 0
         loop = asyncio.get_running_loop()
@@ -363,7 +365,7 @@ class BlockCache:
                 if self._inflight.get(key) is fut:
                     del self._inflight[key]
                 if not fut.done():  # whoever joined gets a load of their own
-                    self._start_load(ref, key).add_done_callback(lambda load, fut=fut: _chain(load, fut))
+                    self._start_load(ref, key).add_done_callback(hand_over(fut))
                 if not isinstance(exc, Exception):
                     raise
                 log.debug("promoting %r into the disk tier stopped at block %d: %s", ref.key, index, exc)

@@ -52,12 +52,11 @@ class Rig:
     async def crash_and_restart(self) -> WriteBack:
         """kill -9 and the next mount: the old engine's tasks die, a new one replays the disk."""
         old = self.wb
-        for task in [old._loop_task, *old._running, *old._background]:
+        for task in [old.uploader.task, *old.uploader.running, *old._background]:
             if task is not None:
                 task.cancel()
         await asyncio.sleep(0)
-        for df in list(old._datafiles):
-            old._close_fd(df)
+        old.datafiles.close_all()
         self.budget = InMemoryBudget(self.budget.capacity_bytes)
         self.wb = self.new_engine()
         await self.wb.start()
@@ -505,11 +504,11 @@ async def test_access_denied_surfaces_in_status_and_stats(rig: Rig) -> None:
 
 
 async def test_backoff_grows_and_is_capped(rig: Rig) -> None:
-    delays = [rig.wb._backoff(n) for n in range(1, 12)]
+    delays = [rig.wb.uploader.backoff(n) for n in range(1, 12)]
     assert all(0.5 * min(60, 2 ** (n - 1)) <= d <= min(60, 2 ** (n - 1)) for n, d in zip(range(1, 12), delays))
     assert max(delays) <= 60
     # An unreachable store is probed more often: once it is back, the backlog drains within seconds.
-    probes = [rig.wb._backoff(n, STORE_PROBE_CAP_S) for n in range(1, 12)]
+    probes = [rig.wb.uploader.backoff(n, STORE_PROBE_CAP_S) for n in range(1, 12)]
     assert max(probes) <= STORE_PROBE_CAP_S < 60 and probes[-1] >= STORE_PROBE_CAP_S / 2
 
 
@@ -546,7 +545,7 @@ async def test_writers_wait_for_space_then_get_enospc(tmp_path: Path) -> None:
         assert stats["enospc_errors"] == 1 and stats["space_waits"] >= 1
         # With the store back, a waiting writer gets its room as soon as uploads free it.
         r.store.fail_writes = False
-        r.wb._kick()
+        r.wb.uploader.kick()
         await write_file(r.wb, "after", b"z" * 100 * 1024)
         await settle(r.wb)
         assert r.data("fill") == b"x" * 200 * 1024 and r.data("after") == b"z" * 100 * 1024
@@ -625,7 +624,7 @@ async def test_replay_reserves_staged_bytes_even_past_the_capacity(tmp_path: Pat
     r.budget = InMemoryBudget(64 * 1024)  # the capacity was lowered before the next mount
 
     old = r.wb
-    for task in [old._loop_task, *old._running, *old._background]:
+    for task in [old.uploader.task, *old.uploader.running, *old._background]:
         if task is not None:
             task.cancel()
     r.wb = r.new_engine()
