@@ -317,6 +317,65 @@ class BlockCache:
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
 
+    # ------------------------------------------------------------------ promotion (after an upload)
+    async def promote(self, ref: ObjectRef, read: Callable[[int, int], bytes]) -> int:
+        """Put a version the caller holds locally (an upload just made) into the disk tier as clean
+        blocks, so reading it back needs no GET; returns the bytes stored. Not into RAM, as warming.
+
+        ``read(start, end)`` runs in a worker thread and gives those bytes of the version. Each block
+        goes through the single-flight table: one with a load in flight is left to that load (it
+        writes it to disk); otherwise the block is registered while it is read, so a reader arriving
+        then joins it instead of fetching, and written with the same guarded disk call as loads (a
+        failing tier stores nothing and raises nothing). Stops at the first block not stored.
+        """
+        disk = self.disk
+        if disk is None:
+            return 0
+
+        def hand_over(joined: asyncio.Future[bytes]) -> Callable[[asyncio.Future[bytes]], None]:
+            def done(load: asyncio.Future[bytes]) -> None:
+                if joined.done():
+                    return
+                if load.cancelled():
+                    joined.cancel()
+                elif (error := load.exception()) is not None:
+                    joined.set_exception(error)
+                else:
+                    joined.set_result(load.result())
+            return done
+
+        stored = 0
+        loop = asyncio.get_running_loop()
+        for index in range(block_count(ref.size, self.block_size)):
+            key = BlockKey(ref.key, ref.etag, index)
+            if key in self._inflight or key in self._load_tasks:
+                continue
+            start, end = block_range(index, ref.size, self.block_size)
+            fut: asyncio.Future[bytes] = loop.create_future()
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._inflight[key] = fut
+            try:
+                data = await asyncio.to_thread(read, start, end)
+                if len(data) != end - start:
+                    raise OSError(f"promoting {ref.key!r}: {len(data)} of {end - start} bytes of block {index}")
+                fut.set_result(data)
+            except BaseException as exc:
+                if self._inflight.get(key) is fut:
+                    del self._inflight[key]
+                if not fut.done():  # whoever joined gets a load of their own
+                    self._start_load(ref, key).add_done_callback(hand_over(fut))
+                if not isinstance(exc, Exception):
+                    raise
+                log.debug("promoting %r into the disk tier stopped at block %d: %s", ref.key, index, exc)
+                break
+            finally:
+                if self._inflight.get(key) is fut:
+                    del self._inflight[key]
+            if not await self._disk_call("put", disk.put, key, data):
+                break
+            stored += len(data)
+        return stored
+
     # ------------------------------------------------------------------ pins and evict
     @property
     def pin_limit_bytes(self) -> int:
@@ -546,3 +605,4 @@ class BlockCache:
         served = self.stats.ram_served + self.stats.disk_served
         total = served + self.stats.store_fetches - self.stats.prefetch_blocks
         return served / total if total else 0.0
+

@@ -6,6 +6,7 @@ import asyncio
 import errno
 import random
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -647,3 +648,63 @@ async def test_a_block_the_disk_tier_lacks_is_a_counted_miss_without_a_disk_read
     await warm.close()
     assert len(reads) == 6 and disk.stats.hits == 6
     assert len(store.gets) == 6  # the second pass fetched nothing
+
+
+# ------------------------------------------------------------------------------------------ promote
+async def test_promote_puts_a_local_version_on_disk_and_readers_join_it(tmp_path: Path) -> None:
+    """An upload's bytes go to the disk tier (not RAM) through the single-flight table: a reader
+    arriving while a block is being promoted joins it (no GET), and later reads are disk hits."""
+    store = CountingStore()
+    ref = put(store)  # the version "just uploaded"
+    disk = DiskTier(tmp_path / "disk", 100 * BS)
+    cache = make_cache(store, disk=disk)
+    gate = threading.Event()
+    reads: list[tuple[int, int]] = []
+
+    def read(start: int, end: int) -> bytes:
+        reads.append((start, end))
+        assert gate.wait(5.0)
+        return SOURCE[start:end]
+
+    promoting = asyncio.ensure_future(cache.promote(ref, read))
+    await until(lambda: bool(reads), "the promotion reads its first block")
+    joined = asyncio.ensure_future(cache.read(ref, 10, 20))  # block 0 is being promoted: join it
+    await asyncio.sleep(0)
+    gate.set()
+    assert await joined == SOURCE[10:30]
+    assert await promoting == SIZE
+    assert store.gets == []
+    assert cache.stats.singleflight_joins == 1
+    assert all(disk.contains(bkey(ref, i)) for i in range(block_count(SIZE, BS)))
+    assert not cache.ram.contains(bkey(ref, 3))  # not into RAM
+    assert await cache.read(ref, 3 * BS, BS) == SOURCE[3 * BS : 4 * BS]
+    assert store.gets == [] and cache.stats.disk_served == 1
+
+
+async def test_promote_into_a_failing_disk_tier_stores_nothing_and_raises_nothing() -> None:
+    store = CountingStore()
+    ref = put(store)
+    cache = make_cache(store, disk=BrokenTier(OSError(errno.EIO, "dead disk")))  # type: ignore[arg-type]
+    assert await cache.promote(ref, lambda start, end: SOURCE[start:end]) == 0
+    assert cache.stats.disk_errors == 1  # stopped at the first block not stored
+    assert await cache.read(ref, 0, 10) == SOURCE[:10]  # reads still work (from the store)
+
+
+async def test_promote_hands_a_joined_reader_to_a_load_when_the_local_copy_fails(tmp_path: Path) -> None:
+    store = CountingStore()
+    ref = put(store)
+    cache = make_cache(store, disk=DiskTier(tmp_path / "disk", 100 * BS))
+    gate = threading.Event()
+
+    def read(start: int, end: int) -> bytes:
+        assert gate.wait(5.0)
+        raise OSError(errno.EIO, "staged data file unreadable")
+
+    promoting = asyncio.ensure_future(cache.promote(ref, read))
+    await until(lambda: bool(cache._inflight), "the promotion registers its first block")
+    joined = asyncio.ensure_future(cache.read(ref, 0, 10))
+    await asyncio.sleep(0)
+    gate.set()
+    assert await joined == SOURCE[:10]  # fetched from the store instead
+    assert await promoting == 0
+    assert len(store.gets) == 1

@@ -52,12 +52,11 @@ class Rig:
     async def crash_and_restart(self) -> WriteBack:
         """kill -9 and the next mount: the old engine's tasks die, a new one replays the disk."""
         old = self.wb
-        for task in [old._loop_task, *old._running, *old._background]:
+        for task in [old.uploader.task, *old.uploader.running, *old._background]:
             if task is not None:
                 task.cancel()
         await asyncio.sleep(0)
-        for df in list(old._datafiles):
-            old._close_fd(df)
+        old.datafiles.close_all()
         self.budget = InMemoryBudget(self.budget.capacity_bytes)
         self.wb = self.new_engine()
         await self.wb.start()
@@ -505,11 +504,11 @@ async def test_access_denied_surfaces_in_status_and_stats(rig: Rig) -> None:
 
 
 async def test_backoff_grows_and_is_capped(rig: Rig) -> None:
-    delays = [rig.wb._backoff(n) for n in range(1, 12)]
+    delays = [rig.wb.uploader.backoff(n) for n in range(1, 12)]
     assert all(0.5 * min(60, 2 ** (n - 1)) <= d <= min(60, 2 ** (n - 1)) for n, d in zip(range(1, 12), delays))
     assert max(delays) <= 60
     # An unreachable store is probed more often: once it is back, the backlog drains within seconds.
-    probes = [rig.wb._backoff(n, STORE_PROBE_CAP_S) for n in range(1, 12)]
+    probes = [rig.wb.uploader.backoff(n, STORE_PROBE_CAP_S) for n in range(1, 12)]
     assert max(probes) <= STORE_PROBE_CAP_S < 60 and probes[-1] >= STORE_PROBE_CAP_S / 2
 
 
@@ -546,7 +545,7 @@ async def test_writers_wait_for_space_then_get_enospc(tmp_path: Path) -> None:
         assert stats["enospc_errors"] == 1 and stats["space_waits"] >= 1
         # With the store back, a waiting writer gets its room as soon as uploads free it.
         r.store.fail_writes = False
-        r.wb._kick()
+        r.wb.uploader.kick()
         await write_file(r.wb, "after", b"z" * 100 * 1024)
         await settle(r.wb)
         assert r.data("fill") == b"x" * 200 * 1024 and r.data("after") == b"z" * 100 * 1024
@@ -625,7 +624,7 @@ async def test_replay_reserves_staged_bytes_even_past_the_capacity(tmp_path: Pat
     r.budget = InMemoryBudget(64 * 1024)  # the capacity was lowered before the next mount
 
     old = r.wb
-    for task in [old._loop_task, *old._running, *old._background]:
+    for task in [old.uploader.task, *old.uploader.running, *old._background]:
         if task is not None:
             task.cancel()
     r.wb = r.new_engine()
@@ -691,3 +690,113 @@ def test_start_write_out_really_writes_dirty_pages_out(tmp_path: Path) -> None:
         assert not start_write_out(-1)  # EBADF: reported, never raised
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------------------ directory markers vs a tree
+class DirectoryTreeStore(InMemoryObjectStore):
+    """An in-memory store that behaves like a store keeping a real directory tree (SeaweedFS's filer):
+    a write of a key creates its parent directories, and a directory marker put racing with that
+    creation is lost (measured on SeaweedFS: about 1 in 60 concurrent pairs). A marker put waits on
+    ``gate`` once it started (``marker_started`` is set), so a test can pause the uploader mid-marker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.marker_started = asyncio.Event()
+        self.in_flight: dict[str, bool] = {}  # marker key being put -> lost by a write below it
+        self.overlaps: list[tuple[str, str]] = []  # (marker, key written below it meanwhile)
+
+    def _below(self, key: str) -> None:
+        for marker in self.in_flight:
+            if key != marker and key.startswith(marker):
+                self.in_flight[marker] = True
+                self.overlaps.append((marker, key))
+
+    async def put(self, key: str, size: int, read):  # type: ignore[no-untyped-def]
+        self._below(key)
+        if not key.endswith("/"):
+            return await super().put(key, size, read)
+        self.in_flight[key] = False
+        self.marker_started.set()
+        try:
+            await asyncio.wait_for(self.gate.wait(), 5.0)
+            info = await super().put(key, size, read)
+            if self.in_flight[key]:
+                self.delete_object(key)  # the tree's implicit directory won: no marker object
+            return info
+        finally:
+            del self.in_flight[key]
+
+    async def copy(self, src: str, etag: str, dst: str):  # type: ignore[no-untyped-def]
+        self._below(dst)
+        return await super().copy(src, etag, dst)
+
+
+async def test_a_marker_put_never_overlaps_a_write_below_it_so_a_renamed_tree_keeps_its_markers(
+        tmp_path: Path) -> None:
+    """Regression (tests/fuse/test_writeback_model.py, seed 2513373796): after a directory rename,
+    the marker of a directory made through the mount was missing from the bucket. The marker puts of
+    the destination tree and the uploads below them ran at once (flush starts everything due), and a
+    store with a directory tree lost the marker to the implicit directory its child's put created."""
+    store = DirectoryTreeStore()
+    rig = Rig(tmp_path, store=store, settings=WriteBackSettings(upload_delay_s=60, space_wait_s=0.2))
+    wb = rig.wb
+    await wb.start()
+    try:
+        store.gate.set()
+        await wb.mkdir("d1")
+        await wb.mkdir("d1/sub")
+        await write_file(wb, "d1/sub/f", b"data")
+        await settle(wb)
+        assert rig.keys() == ["d1/", "d1/sub/", "d1/sub/f"]
+        store.gate.clear()
+        store.marker_started.clear()
+        # rename d1 -> d2, as the filesystem journals it: markers of the new tree, the files, then
+        # the old tree's markers removed (deepest first).
+        await wb.mkdir("d2")
+        await wb.mkdir("d2/sub")
+        await wb.move("d1/sub/f", "d2/sub/f", dst_may_exist=False)
+        await wb.rmdir("d1/sub")
+        await wb.rmdir("d1")
+        flushing = asyncio.ensure_future(wb.flush(5.0))
+        await asyncio.wait_for(store.marker_started.wait(), 5.0)  # the uploader is paused mid-marker
+        for _ in range(20):
+            await asyncio.sleep(0)  # whatever else the uploader would start now, it has started
+        store.gate.set()
+        report = await flushing
+        assert report.ok, report.pending
+        assert store.overlaps == []
+        assert rig.keys() == ["d2/", "d2/sub/", "d2/sub/f"]
+    finally:
+        await wb.stop()
+
+
+async def test_quiesce_waits_for_a_marker_put_above_the_key(tmp_path: Path) -> None:
+    """A server-side copy into a directory (rename of a file only in the store) runs inside
+    ``quiesce(dst)``: it must not overlap the directory's marker put either."""
+    store = DirectoryTreeStore()
+    rig = Rig(tmp_path, store=store)
+    wb = rig.wb
+    await wb.start()
+    try:
+        store.put_object("src", b"x")
+        await wb.mkdir("d")
+        await asyncio.wait_for(store.marker_started.wait(), 5.0)
+        entered = asyncio.Event()
+
+        async def copy_in() -> None:
+            async with wb.quiesce("d/f"):
+                entered.set()
+                await store.copy("src", store._objects["src"].info.etag, "d/f")
+
+        copying = asyncio.ensure_future(copy_in())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not entered.is_set()  # held off while the marker above is being put
+        store.gate.set()
+        await asyncio.wait_for(copying, 5.0)
+        await settle(wb)
+        assert store.overlaps == []
+        assert rig.keys() == ["d/", "d/f", "src"]
+    finally:
+        await wb.stop()

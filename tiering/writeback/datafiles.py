@@ -1,0 +1,166 @@
+"""Staged data files: their descriptors, the space reserved for them, and the copies between them.
+
+``DataFiles`` owns every open ``DataFile`` (``staged``) under ``staging/data``: it creates them with
+their space reserved, grows the reservation in chunks as a file grows and trims it back when the
+file is acknowledged, and closes and unlinks a file (giving its space back) when its last reference
+goes. It also does the copying a staged file needs: ``materialize`` (the store's version, through
+the block cache, into a new data file on the first change), ``fork`` (copy-on-write of the
+acknowledged prefix, I3) and ``sync`` (fsync and the CRC-32 of what is acknowledged, I1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any, Callable
+
+from tiering.checksum import crc32
+from tiering.engine import BlockCache
+from tiering.errors import ObjectStoreError
+from tiering.writeback.journal import StagingDir, copy_range, crc_range, pwrite_all
+from tiering.writeback.settings import MATERIALIZE_WINDOW
+from tiering.writeback.space import StagingSpace, round_up
+from tiering.writeback.staged import DataFile, StagedFile
+from tiering.writeback.stats import WriteBackStats
+
+log = logging.getLogger("tiering.writeback")
+
+
+class DataFiles:
+    def __init__(self, staging: StagingDir, space: StagingSpace, cache: BlockCache, stats: WriteBackStats,
+                 spawn: Callable[[Any], None]) -> None:
+        self.staging = staging
+        self._space = space
+        self._cache = cache
+        self._spawn = spawn  # runs a coroutine in the background (waited for by stop)
+        self._stats = stats
+        self._open: set[DataFile] = set()
+
+    async def new(self, size: int) -> DataFile:
+        reserved = round_up(size)
+        await self._space.reserve(reserved)
+        try:
+            name, fd = await asyncio.to_thread(self.staging.create_data)
+        except BaseException:
+            self._space.release(reserved)
+            raise
+        df = DataFile(name, fd, reserved)
+        self._open.add(df)
+        return df
+
+    async def adopt(self, name: str, size: int) -> DataFile:
+        """A data file a journal record names (replay): reopened, its space reserved even past capacity."""
+        fd = await asyncio.to_thread(self.staging.open_data, name)
+        reserved = round_up(size)
+        await self._space.force(reserved)
+        df = DataFile(name, fd, reserved, dir_synced=True)
+        self._open.add(df)
+        return df
+
+    async def grow(self, df: DataFile, length: int) -> None:
+        need = round_up(length) - df.reserved
+        if need <= 0:
+            return
+        chunk = max(need, self._space.chunk)
+        if chunk > need and await self._space.try_reserve(chunk):
+            df.reserved += chunk
+            return
+        await self._space.reserve(need)
+        df.reserved += need
+
+    def trim(self, df: DataFile, size: int) -> None:
+        keep = round_up(size)
+        if df.reserved > keep:
+            self._space.release(df.reserved - keep)
+            df.reserved = keep
+
+    def unref(self, df: DataFile) -> None:
+        df.refs -= 1
+        if df.refs == 0:
+            self._open.discard(df)
+            self._spawn(self._destroy(df))
+
+    async def _destroy(self, df: DataFile) -> None:
+        def close_and_unlink() -> None:
+            close_fd(df)
+            self.staging.unlink_data(df.name)
+
+        try:
+            await asyncio.to_thread(close_and_unlink)
+        except OSError as exc:
+            log.warning("write-back: cannot remove staged data file %s: %s", df.name, exc)
+        self._space.release(df.reserved)
+        df.reserved = 0
+
+    def close_all(self) -> None:
+        """At stop (or a simulated crash): close every descriptor; the files stay for the next mount."""
+        for df in list(self._open):
+            close_fd(df)
+        self._open.clear()
+
+    def sync(self, sf: StagedFile, df: DataFile, size: int) -> int:
+        """fsync the data (and, once, its directory entry); the CRC-32 of its ``size`` bytes. Blocking."""
+        os.fsync(df.fd)
+        if not df.dir_synced:
+            self.staging.sync_data_dir()
+            df.dir_synced = True
+        if sf.crc_upto < size:
+            sf.crc_value = crc_range(df.fd, sf.crc_upto, size, sf.crc_value)
+            sf.crc_upto = size
+        return sf.crc_value
+
+    async def materialize(self, sf: StagedFile, upto: int) -> None:
+        """Copy the first ``upto`` bytes of the store version into a new data file (first modification)."""
+        base = sf.base
+        assert base is not None
+        df = await self.new(upto)
+        block = self._cache.block_size
+        count = -(-upto // block)
+        crc = 0
+        try:
+            for first in range(0, count, MATERIALIZE_WINDOW):
+                indexes = range(first, min(count, first + MATERIALIZE_WINDOW))
+                blocks = await asyncio.gather(*(self._cache.get_block(base, i) for i in indexes))
+                parts = []
+                for index, data in zip(indexes, blocks):
+                    want = min(block, upto - index * block)
+                    if len(data) < want:
+                        raise ObjectStoreError(f"short block {index} of {base.key!r} while copying it into staging")
+                    parts.append(data[:want])
+                chunk = b"".join(parts)
+                crc = await asyncio.to_thread(_write_crc, df.fd, chunk, first * block, crc)
+        except BaseException:
+            self.unref(df)
+            raise
+        self._stats.copy_on_write_bytes += upto
+        sf.current, sf.base, sf.size = df, None, upto
+        sf.crc_upto, sf.crc_value = upto, crc
+
+    async def fork(self, sf: StagedFile, keep: int) -> None:
+        """Copy-on-write: continue in a copy of the current data file's first ``keep`` bytes (I3)."""
+        old = sf.current
+        assert old is not None
+        df = await self.new(keep)
+        try:
+            await asyncio.to_thread(copy_range, old.fd, df.fd, keep)
+        except BaseException:
+            self.unref(df)
+            raise
+        self._stats.copy_on_write_bytes += keep
+        sf.reset_crc(keep)
+        sf.current = df
+        self.unref(old)
+
+
+def close_fd(df: DataFile) -> None:
+    if df.fd >= 0:
+        fd, df.fd = df.fd, -1
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _write_crc(fd: int, data: bytes, offset: int, crc: int) -> int:
+    pwrite_all(fd, data, offset)
+    return crc32(data, crc)

@@ -1,0 +1,56 @@
+"""The journal's acknowledgements: which keys have a record on disk, and the space they take.
+
+Each pending operation is acknowledged by one record file per key (``tiering.writeback.journal``
+is its format; invariants I1-I3 in ``tiering.writeback.engine``). ``Records`` writes and removes
+them, hands out their sequence numbers, and keeps one filesystem block (``RECORD_BYTES``) reserved
+in the staging space for each key that has one, so 100,000 pending deletes are counted as the disk
+they occupy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from tiering.writeback.journal import Record, StagingDir
+from tiering.writeback.settings import RECORD_BYTES
+from tiering.writeback.space import StagingSpace
+
+
+class Records:
+    def __init__(self, staging: StagingDir, space: StagingSpace) -> None:
+        self.staging = staging
+        self._space = space
+        self._recorded: set[str] = set()  # keys with a record on disk (RECORD_BYTES reserved each)
+        self._seq = itertools.count(1)
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    async def adopt(self, record: Record) -> None:
+        """A record found on disk at start (replay): count it, and continue its sequence."""
+        self._seq = itertools.count(max(record.seq + 1, next(self._seq)))
+        await self._space.force(RECORD_BYTES)
+        self._recorded.add(record.key)
+
+    async def write(self, record: Record) -> None:
+        """Write (or atomically replace) the key's record; durable when this returns (I1, I2)."""
+        new = record.key not in self._recorded
+        if new:
+            await self._space.reserve(RECORD_BYTES)
+            self._recorded.add(record.key)
+        try:
+            await asyncio.to_thread(self.staging.write_record, record)
+        except BaseException:
+            if new:
+                self._recorded.discard(record.key)
+                self._space.release(RECORD_BYTES)
+            raise
+
+    async def remove(self, key: str, *, durable: bool = False) -> None:
+        if key not in self._recorded:
+            return
+        remove = self.staging.remove_record_durably if durable else self.staging.remove_record
+        await asyncio.to_thread(remove, key)
+        self._recorded.discard(key)
+        self._space.release(RECORD_BYTES)

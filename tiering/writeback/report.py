@@ -1,0 +1,81 @@
+"""What ``cachefs status``, ``cachefs flush`` and ``/stats`` show of write-back: the durability stage of
+one pending operation, and the engine's counters as one document. Read-only views of the
+collaborators' state; nothing here changes it."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from tiering.writeback.journal import DELETE, PUT
+from tiering.writeback.pending import Entry
+from tiering.writeback.space import StagingSpace
+from tiering.writeback.staged import StagedFile
+from tiering.writeback.stats import WriteBackStats
+from tiering.writeback.uploader import Uploader
+
+WRITING, DIRTY, UPLOADING, DELETING = "writing", "dirty", "uploading", "deleting"
+
+
+def entry_status(entry: Entry, uploader: Uploader, *, wall_now: float, now: float) -> dict[str, Any]:
+    """The durability stage of one pending operation, with its attempts, error and next attempt."""
+    if entry.in_flight:
+        stage = DELETING if entry.op == DELETE else UPLOADING
+    elif entry.op == DELETE:
+        stage = DELETING
+    elif entry.seq is None:
+        stage = WRITING
+    else:
+        stage = DIRTY
+    out: dict[str, Any] = {
+        "key": entry.key,
+        "stage": stage,
+        "kind": "directory" if entry.is_marker else "file",
+        "op": entry.op,
+        "dirty_for_s": round(max(0.0, wall_now - entry.since), 3),
+        "attempts": entry.attempts,
+        "last_error": entry.last_error,
+    }
+    if entry.last_error is None and uploader.store_failures and entry.seq is not None:
+        out["last_error"] = f"waiting: the object store is unreachable ({uploader.store_error})"
+    if entry.sf is not None:
+        out["size"] = entry.sf.size
+        out["unsynced"] = entry.sf.unacked
+    if entry.seq is not None and not entry.in_flight:
+        out["next_attempt_in_s"] = round(max(0.0, uploader.due(entry) - now), 3)
+    return out
+
+
+def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[StagedFile], space: StagingSpace,
+                   uploader: Uploader, *, wall_now: float, write_through: bool) -> dict[str, Any]:
+    """The ``writeback`` section of ``/stats``."""
+    staged = [e for e in entries if e.op == PUT and e.sf is not None]
+    oldest = min((e.since for e in entries), default=None)
+    last_error = next((e.last_error for e in sorted(entries, key=lambda e: -e.attempts) if e.last_error), None)
+    return {
+        "dirty_bytes": sum(e.sf.size for e in staged if e.sf is not None),
+        "dirty_files": len(staged),
+        "pending_deletes": sum(1 for e in entries if e.op == DELETE),
+        "pending_directories": sum(1 for e in entries if e.is_marker and e.op == PUT),
+        "pending_operations": len(entries),
+        "unsynced_files": sum(1 for sf in files if sf.unacked),
+        "staged_bytes": space.reserved,
+        "uploads_in_flight": len(uploader.running),
+        "failed_attempts": s.failed_attempts,
+        "files_uploaded": s.uploads,
+        "bytes_uploaded": s.bytes_uploaded,
+        "deletes_done": s.deletes,
+        "directory_markers_done": s.markers,
+        "commits": s.commits,
+        "copy_on_write_bytes": s.copy_on_write_bytes,
+        "cached_after_upload_bytes": s.promoted_bytes,
+        "space_waits": s.space_waits,
+        "space_waiters": space.waiters,
+        "enospc_errors": s.enospc,
+        "oldest_dirty_age_s": round(max(0.0, wall_now - oldest), 3) if oldest is not None else 0.0,
+        "store_state": "unreachable" if uploader.store_failures else "ok",
+        "store_error": uploader.store_error,
+        "last_error": last_error,
+        "replayed": s.replayed,
+        "quarantined": s.quarantined,
+        "write_through": write_through,
+    }

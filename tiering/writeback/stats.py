@@ -1,0 +1,21 @@
+"""Counters of the write-back engine, shared by its collaborators (``WriteBack.stats_snapshot`` reports them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WriteBackStats:
+    commits: int = 0
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    deletes: int = 0
+    markers: int = 0
+    failed_attempts: int = 0
+    space_waits: int = 0
+    enospc: int = 0
+    copy_on_write_bytes: int = 0  # bytes copied into staging from the store, or between versions
+    promoted_bytes: int = 0  # uploaded bytes also put into the disk tier as clean blocks
+    replayed: int = 0
+    quarantined: int = 0
