@@ -3,8 +3,8 @@
 No double bookkeeping: nothing here counts anything. The daemon's counters live where the events
 happen (tier stats, engine stats, object-store stats, filesystem stats, the engine's latency
 histograms), and ``CacheFSCollector`` turns them into metric families *at scrape time*, from the
-same ``stats_document()`` (``cachefs.daemon.stats``) that ``/stats`` and ``cachefs stats --json`` serve, so the two
-views can never disagree. The latency histograms come from ``tiering.latency`` (fixed buckets,
+same document (``cachefs.daemon.stats``) that ``/stats`` and ``cachefs stats --json`` serve, so the
+two views can never disagree. The latency histograms come from ``tiering.latency`` (fixed buckets,
 recorded by the engine without knowing Prometheus) and are exported as Prometheus histograms.
 
 Conventions (https://prometheus.io/docs/practices/naming/): every name starts with ``cachefs_``;
