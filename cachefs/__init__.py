@@ -1,4 +1,15 @@
-"""cachefs: a tiered (RAM -> local disk -> object store) FUSE cache for ML training data.
+"""cachefs: a FUSE filesystem over tiering, in floors, each importing only those below it.
+
+    cli/      the ``cachefs`` command; talks to a running mount through ``client`` only
+    admin     what the CSI driver needs besides mounting (validation, bucket administration)
+    daemon/   one process per mount: wiring, control API, features (write-back, prefetch jobs,
+              metrics), the /stats document
+    fuse/     the pyfuse3 adapter (the only place pyfuse3 is imported)
+    fs/       POSIX semantics: CacheFS over its inode table, listing cache, handles, rename
+    client, manifest, paths, names, mounts, settings
+              small leaf modules the floors above share
+
+The order is checked by an import-linter ``layers`` contract (pyproject.toml).
 
 The import package is ``cachefs``; the distribution is published as ``cachefs-fuse``, because the
 PyPI name ``cachefs`` belongs to an unrelated project (README, "Install the tool only").

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FSTYPE = "fuse.cachefs"
+# The extended attribute of a mount's root that names its control socket (``cachefs.client`` reads
+# it, the filesystem answers it). Here, beside FSTYPE, so finding a mount imports no filesystem.
+CONTROL_XATTR = "user.cachefs.control"
 MOUNTINFO = Path("/proc/self/mountinfo")
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from cachefs import mounts
-from cachefs.fs import CONTROL_XATTR
+from cachefs.mounts import CONTROL_XATTR
 from csi_driver.mounter import BROKEN_ERRNOS
 
 log = logging.getLogger(__name__)

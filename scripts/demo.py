@@ -74,7 +74,7 @@ READ_CHUNK = 1 * MiB
 # store at all), the disk tier too.
 RAM_CACHE = "512MiB"
 DISK_CACHE = "1GiB"
-# Bounds on every wait. `cachefs mount` itself gives up after 120 s (cachefs.cli.MOUNT_WAIT_S).
+# Bounds on every wait. `cachefs mount` itself gives up after 120 s (cachefs.cli.mount.MOUNT_WAIT_S).
 MOUNT_TIMEOUT_S = 150
 CLI_TIMEOUT_S = 30
 UNMOUNT_TIMEOUT_S = 30

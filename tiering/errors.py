@@ -1,6 +1,6 @@
 """Domain errors of the data engine. Each carries the errno the filesystem edge should answer with.
 
-Errors become errno once, at the FUSE edge (``cachefs.fuse_adapter``); below it code raises these.
+Errors become errno once, at the FUSE edge (``cachefs.fuse.adapter``); below it code raises these.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from tiering.blocks import BlockKey, ObjectRef, block_count
 from tiering.errors import CacheError
 
 PIN_FILE_VERSION = 1
-# The pin file's name in a source's cache directory (next to blocks/, see cachefs.daemon).
+# The pin file's name in a source's cache directory (next to blocks/, see cachefs.daemon.main).
 PIN_FILENAME = "pins.json"
 
 log = logging.getLogger(__name__)

@@ -182,7 +182,7 @@ def test_example_volume_attributes_and_options_parse() -> None:
 
 
 def test_training_job_runs_a_real_prefetch_command() -> None:
-    from cachefs.cli import build_parser as cachefs_parser
+    from cachefs.cli.main import build_parser as cachefs_parser
 
     (job,) = load_documents(DEPLOY / "examples" / "training-job-prefetch.yaml")
     (init,) = job["spec"]["template"]["spec"]["initContainers"]

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import ClientSession, UnixConnector
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefs.control import request_json
+from cachefs.client import request_json
 from tests.fuse.conftest import CLI, Mount, run_cli
 from tests.support.s3servers import free_ports
 
@@ -70,7 +70,7 @@ def store_gets(m: Mount) -> int:
 
 def in_process(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess[str]:
     """The real CLI entry point, in this process: the same code path without a Python start-up."""
-    from cachefs.cli import main
+    from cachefs.cli.main import main
 
     code = main(list(argv))
     out, err = capsys.readouterr()

@@ -77,7 +77,7 @@ async def test_a_refused_url_is_retried_through_botocore_and_never_logged(
         assert "gone.bin" in str(missing.value)
     finally:
         await store.close()
-    # Our own log lines (botocore's DEBUG output is silenced by the daemon, cachefs/cli.py).
+    # Our own log lines (botocore's DEBUG output is silenced by the daemon, cachefs/cli/mount.py).
     ours = [r.getMessage() for r in caplog.records if r.name.startswith(("tiering", "cachefs"))]
     assert any("presigned GET" in line for line in ours), "the fallback is logged (without the URL)"
     text = "\n".join(ours) + str(missing.value)

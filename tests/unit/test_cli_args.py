@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cachefs import cli
-from cachefs.cli import build_parser, main, mount_settings, preflight
+from cachefs.cli import mount as cli_mount
+from cachefs.cli.main import build_parser, main
+from cachefs.cli.mount import mount_settings, preflight
 from tiering.settings import DEFAULT_BLOCK_SIZE
 
 
@@ -19,8 +20,8 @@ def no_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("the CLI tried to start a daemon or run a command")
 
-    monkeypatch.setattr(cli, "spawn_daemon", forbidden)
-    monkeypatch.setattr(cli, "run_foreground", forbidden)
+    monkeypatch.setattr(cli_mount, "spawn_daemon", forbidden)
+    monkeypatch.setattr(cli_mount, "run_foreground", forbidden)
     monkeypatch.setattr(subprocess, "Popen", forbidden)
     monkeypatch.setattr(subprocess, "run", forbidden)
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cachefs import cli_prefetch
-from cachefs.cli import build_parser, main, mount_settings
-from cachefs.cli_prefetch import prefetch_body, report
+from cachefs.cli import prefetch as cli_prefetch
+from cachefs.cli.main import build_parser, main
+from cachefs.cli.mount import mount_settings
+from cachefs.cli.prefetch import prefetch_body, report
 from cachefs.client import UsageError
 
 

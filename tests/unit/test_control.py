@@ -8,7 +8,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cachefs.control import ControlError, ControlRequestError, ControlServer, _request_json
+from cachefs.client import ControlError, _request_json
+from cachefs.daemon.control import ControlRequestError, ControlServer
 
 
 @pytest.fixture

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.errors import FsError
-from cachefs.fs import CONTROL_XATTR, ROOT_INODE, STATFS_BLOCK_SIZE, Attributes, CacheFS
+from cachefs.daemon.stats import stats_document
+from cachefs.fs.errors import FsError
+from cachefs.fs.filesystem import STATFS_BLOCK_SIZE, Attributes, CacheFS
+from cachefs.fs.inodes import ROOT_INODE
+from cachefs.mounts import CONTROL_XATTR
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey
 from tiering.clock import FakeClock
@@ -186,7 +189,7 @@ async def test_invalid_posix_names_are_skipped_counted_and_warned_once(
         with pytest.raises(FsError):
             await fs.lookup(ROOT_INODE, name.encode())
     assert fs.stats.skipped_keys == 6
-    assert fs.stats_snapshot()["filesystem"]["skipped_keys"] == 6
+    assert stats_document(fs)["filesystem"]["skipped_keys"] == 6
     messages = [r.getMessage() for r in caplog.records if r.name == "cachefs.names"]
     assert len(messages) == 6
 
@@ -299,7 +302,7 @@ async def test_open_for_writing_is_erofs(fs: CacheFS, flags: int) -> None:
     with pytest.raises(FsError) as info:
         await fs.open(a.inode, flags)
     assert info.value.errno == errno.EROFS
-    assert fs.stats_snapshot()["filesystem"]["open_handles"] == 0
+    assert stats_document(fs)["filesystem"]["open_handles"] == 0
 
 
 async def test_open_of_a_directory_is_eisdir(fs: CacheFS) -> None:
@@ -401,12 +404,12 @@ async def test_forget_drops_nodes_without_lookups_or_handles(fs: CacheFS) -> Non
 async def test_forget_keeps_a_node_with_an_open_handle_until_release(fs: CacheFS) -> None:
     a = await fs.lookup(ROOT_INODE, b"a.txt")
     fh, _ = await fs.open(a.inode, os.O_RDONLY)
-    inodes = fs.stats_snapshot()["filesystem"]["inodes"]
+    inodes = stats_document(fs)["filesystem"]["inodes"]
     fs.forget(a.inode, 1)
     assert (await fs.getattr(a.inode)).size == 3
     assert await fs.read(fh, 0, 3) == b"abc"
     fs.release(fh)
-    assert fs.stats_snapshot()["filesystem"]["inodes"] == inodes - 1
+    assert stats_document(fs)["filesystem"]["inodes"] == inodes - 1
     with pytest.raises(FsError):
         await fs.getattr(a.inode)
 
@@ -480,13 +483,13 @@ async def test_a_100000_entry_directory(clock: FakeClock) -> None:
     fs = make_fs(store, clock)
     big = await fs.lookup(ROOT_INODE, b"big")
     fh = await fs.opendir(big.inode)
-    inodes_before = fs.stats_snapshot()["filesystem"]["inodes"]
+    inodes_before = stats_document(fs)["filesystem"]["inodes"]
 
     # The kernel reads a directory a buffer at a time; the adapter stops at a full buffer.
     first_page = list(itertools.islice(fs.readdir(fh, 0), 100))
     assert [e.name for e in first_page[:2]] == [b"img000000.jpg", b"img000001.jpg"]
     # Only what was handed out became inodes: the table follows the kernel, not the bucket.
-    assert fs.stats_snapshot()["filesystem"]["inodes"] <= inodes_before + 101
+    assert stats_document(fs)["filesystem"]["inodes"] <= inodes_before + 101
 
     names: list[bytes] = []
     position = 0
@@ -562,7 +565,7 @@ async def test_statfs_without_a_disk_tier_reports_the_ram_tier(fs: CacheFS) -> N
     st = fs.statfs()
     assert st.blocks_free == (RAM_BYTES - used) // STATFS_BLOCK_SIZE
     assert 0 <= st.blocks_free < st.blocks
-    assert st.files == fs.stats_snapshot()["filesystem"]["inodes"]
+    assert st.files == stats_document(fs)["filesystem"]["inodes"]
 
 
 async def test_statfs_with_a_disk_tier_reports_the_disk(store: InMemoryObjectStore, clock: FakeClock, tmp_path: Path) -> None:
@@ -599,10 +602,10 @@ async def test_writes_are_refused(fs: CacheFS) -> None:
     assert info.value.errno == errno.EROFS
 
 
-async def test_stats_snapshot_keys_and_counts(store: InMemoryObjectStore, clock: FakeClock, tmp_path: Path) -> None:
+async def test_stats_document_keys_and_counts(store: InMemoryObjectStore, clock: FakeClock, tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 64 * BS)
     fs = make_fs(store, clock, disk=disk)
-    snap = fs.stats_snapshot()
+    snap = stats_document(fs)
     for tier in ("ram", "disk"):
         assert set(snap["tiers"][tier]) >= {"used_bytes", "capacity_bytes", "hits", "misses"}
         assert snap["tiers"][tier]["used_bytes"] == snap["tiers"][tier]["hits"] == snap["tiers"][tier]["misses"] == 0
@@ -614,7 +617,7 @@ async def test_stats_snapshot_keys_and_counts(store: InMemoryObjectStore, clock:
     e = await lookup_path(fs, "b/d/e.bin")  # three LISTs
     assert await read_all(fs, e.inode) == b"e" * (2 * BS + 5)  # three blocks: RAM and disk miss, GET
     await fs.cache.close()
-    snap = fs.stats_snapshot()
+    snap = stats_document(fs)
     assert snap["tiers"]["ram"]["misses"] == 3 and snap["tiers"]["ram"]["hits"] == 0
     assert snap["tiers"]["disk"]["misses"] == 3
     assert snap["tiers"]["ram"]["used_bytes"] == 2 * BS + 5
@@ -624,7 +627,7 @@ async def test_stats_snapshot_keys_and_counts(store: InMemoryObjectStore, clock:
     assert snap["hit_ratio"] == 0
 
     assert await read_all(fs, e.inode) == b"e" * (2 * BS + 5)
-    snap = fs.stats_snapshot()
+    snap = stats_document(fs)
     assert snap["tiers"]["ram"]["hits"] == 3
     assert snap["object_store"]["requests"] == 6
     assert snap["hit_ratio"] == 0.5

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.errors import FsError
-from cachefs.fs import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, CacheFS
+from cachefs.daemon.stats import stats_document
+from cachefs.daemon.writeback import path_status
+from cachefs.fs.errors import FsError
+from cachefs.fs.filesystem import CacheFS
+from cachefs.fs.inodes import ROOT_INODE
+from cachefs.fs.rename import RENAME_EXCHANGE, RENAME_NOREPLACE
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE
 from tiering.clock import FakeClock
@@ -127,7 +131,7 @@ async def test_create_write_read_back_and_upload(env: Env) -> None:
     await env.flush()
     assert env.obj("new.bin") == b"hello world"
     assert await read_path(fs, "new.bin") == b"hello world"  # after upload: from the store version
-    assert fs.stats_snapshot()["writeback"]["files_uploaded"] == 1
+    assert stats_document(fs)["writeback"]["files_uploaded"] == 1
 
 
 async def test_random_writes_into_an_object_from_the_store(env: Env) -> None:
@@ -451,23 +455,23 @@ async def test_status_and_stats(env: Env) -> None:
     env.wb.settings = WriteBackSettings(upload_delay_s=60, space_wait_s=0.5)
     await create(fs, "s.bin", b"12345")
     fh = await create(fs, "w.bin", b"xx", close=False)
-    status = await fs.path_status("s.bin")
+    status = await path_status(fs, "s.bin")
     assert status["stage"] == "dirty" and status["size"] == 5
-    assert (await fs.path_status("w.bin"))["stage"] == "writing"
-    assert (await fs.path_status("a.txt"))["stage"] == "clean"
-    assert (await fs.path_status("nope"))["stage"] == "missing"
-    root = await fs.path_status("")
+    assert (await path_status(fs, "w.bin"))["stage"] == "writing"
+    assert (await path_status(fs, "a.txt"))["stage"] == "clean"
+    assert (await path_status(fs, "nope"))["stage"] == "missing"
+    root = await path_status(fs, "")
     assert root["kind"] == "directory" and root["stage"] == "dirty" and len(root["pending"]) == 2
     await fs.unlink(ROOT_INODE, b"a.txt")
-    assert (await fs.path_status("a.txt"))["stage"] == "deleting"
-    snap = fs.stats_snapshot()
+    assert (await path_status(fs, "a.txt"))["stage"] == "deleting"
+    snap = stats_document(fs)
     wb = snap["writeback"]
     assert wb["dirty_files"] == 2 and wb["dirty_bytes"] == 7 and wb["pending_deletes"] == 1
     assert snap["filesystem"]["writes"] == 2 and snap["filesystem"]["creates"] == 2
     assert {"put_requests", "delete_requests", "copy_requests", "bytes_written"} <= set(snap["object_store"])
     fs.release(fh)
     await env.flush()
-    assert (await fs.path_status("s.bin"))["stage"] == "clean"
+    assert (await path_status(fs, "s.bin"))["stage"] == "clean"
 
 
 async def test_read_only_refuses_every_change(tmp_path: Path) -> None:
@@ -493,5 +497,5 @@ async def test_read_only_refuses_every_change(tmp_path: Path) -> None:
         with pytest.raises(FsError) as info:
             fs.unsupported(what)
         assert errno_of(info) == errno.EROFS
-    assert "writeback" not in fs.stats_snapshot()
+    assert "writeback" not in stats_document(fs)
     assert stat.S_IMODE(f.mode) == 0o444

@@ -10,9 +10,11 @@ import stat
 import pyfuse3
 import pytest
 
-from cachefs.errors import FsError
-from cachefs.fs import CONTROL_XATTR, ROOT_INODE, CacheFS
-from cachefs.fuse_adapter import FuseOperations, errno_of
+from cachefs.fs.errors import FsError
+from cachefs.fs.filesystem import CacheFS
+from cachefs.fs.inodes import ROOT_INODE
+from cachefs.fuse.adapter import FuseOperations, errno_of
+from cachefs.mounts import CONTROL_XATTR
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE
 from tiering.clock import FakeClock
@@ -84,10 +86,10 @@ async def test_every_failure_becomes_fuse_error_with_its_errno(
 async def test_unexpected_errors_are_logged_with_their_traceback(caplog: pytest.LogCaptureFixture) -> None:
     bug = ValueError("bug")
     ops = FuseOperations(RaisingFs(bug))  # type: ignore[arg-type]
-    with caplog.at_level(logging.WARNING, logger="cachefs.fuse_adapter"):
+    with caplog.at_level(logging.WARNING, logger="cachefs.fuse.adapter"):
         with pytest.raises(pyfuse3.FUSEError):
             await ops.lookup(ROOT_INODE, b"x", None)
-    records = [r for r in caplog.records if r.name == "cachefs.fuse_adapter"]
+    records = [r for r in caplog.records if r.name == "cachefs.fuse.adapter"]
     assert len(records) == 1
     assert records[0].levelno == logging.ERROR
     assert "lookup" in records[0].getMessage()
@@ -97,10 +99,10 @@ async def test_unexpected_errors_are_logged_with_their_traceback(caplog: pytest.
 
 async def test_expected_errors_are_not_logged_as_bugs(caplog: pytest.LogCaptureFixture) -> None:
     ops = FuseOperations(RaisingFs(FsError(errno.ENOENT)))  # type: ignore[arg-type]
-    with caplog.at_level(logging.DEBUG, logger="cachefs.fuse_adapter"):
+    with caplog.at_level(logging.DEBUG, logger="cachefs.fuse.adapter"):
         with pytest.raises(pyfuse3.FUSEError):
             await ops.lookup(ROOT_INODE, b"x", None)
-    assert not [r for r in caplog.records if r.name == "cachefs.fuse_adapter" and r.exc_info]
+    assert not [r for r in caplog.records if r.name == "cachefs.fuse.adapter" and r.exc_info]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 

@@ -9,9 +9,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefs import metrics
-from cachefs.control import ControlServer
-from cachefs.fs import CacheFS
+from cachefs.daemon import metrics
+from cachefs.daemon.control import ControlServer
+from cachefs.daemon.stats import stats_document
+from cachefs.fs.filesystem import CacheFS
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.disk import DiskTier
@@ -40,7 +41,7 @@ async def fs(tmp_path: Path) -> CacheFS:
 
 
 def families(fs: CacheFS) -> dict:
-    registry = metrics.make_registry(fs.stats_snapshot, lambda: fs.cache.latency)
+    registry = metrics.make_registry(lambda: stats_document(fs), lambda: fs.cache.latency)
     text = generate_latest(registry).decode()
     return {f.name: f for f in text_string_to_metric_families(text)}
 
@@ -62,7 +63,7 @@ def test_every_name_is_a_constant_and_follows_the_conventions() -> None:
 
 async def test_metrics_parse_and_match_the_stats_document(fs: CacheFS) -> None:
     got = families(fs)
-    snap = fs.stats_snapshot()
+    snap = stats_document(fs)
     # Counters: the parser strips "_total" from the family name; samples keep it.
     counters = {n for n, f in got.items() if f.type == "counter"}
     for name in (metrics.TIER_HITS_TOTAL, metrics.TIER_MISSES_TOTAL, metrics.TIER_HIT_BYTES_TOTAL,
@@ -95,7 +96,7 @@ async def test_metrics_parse_and_match_the_stats_document(fs: CacheFS) -> None:
 
 async def test_writeback_section_is_exported_when_present(fs: CacheFS) -> None:
     def snapshot():
-        return {**fs.stats_snapshot(), "writeback": {"dirty_bytes": 5, "upload_backlog": 2}}
+        return {**stats_document(fs), "writeback": {"dirty_bytes": 5, "upload_backlog": 2}}
 
     registry = metrics.make_registry(snapshot, lambda: {}, process=False)
     got = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
@@ -104,9 +105,9 @@ async def test_writeback_section_is_exported_when_present(fs: CacheFS) -> None:
 
 
 async def test_metrics_route_is_public(fs: CacheFS, tmp_path: Path) -> None:
-    control = ControlServer(tmp_path / "c.sock", fs.stats_snapshot, {})
+    control = ControlServer(tmp_path / "c.sock", lambda: stats_document(fs), {})
     control.add_route("GET", "/metrics", metrics.metrics_handler(
-        metrics.make_registry(fs.stats_snapshot, lambda: fs.cache.latency)), public=True)
+        metrics.make_registry(lambda: stats_document(fs), lambda: fs.cache.latency)), public=True)
     await control.start("127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as session:

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.control import ControlRequestError
-from cachefs.fs import CacheFS
+from cachefs.daemon.control import ControlRequestError
+from cachefs.daemon.prefetch import JobState, PrefetchManager, PrefetchRequest
+from cachefs.daemon.resolver import Resolver
+from cachefs.fs.filesystem import CacheFS
 from cachefs.manifest import ManifestEntry, ManifestError, format_manifest, parse_manifest, read_manifest
-from cachefs.prefetch import JobState, PrefetchManager, PrefetchRequest
-from cachefs.resolver import PathError, Resolver, check_path, mount_relative
+from cachefs.paths import PathError, check_path, mount_relative
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.disk import DiskTier
@@ -84,7 +85,7 @@ async def test_resolver_sees_what_the_filesystem_sees() -> None:
     entries = await resolver.entries("d")
     cache = BlockCache(CacheSettings(block_size=BS, ram_bytes=BS, disk_bytes=0), store, RamTier(BS))
     fs = CacheFS(store, cache, FsSettings())
-    listing = await fs._listing("d")
+    listing = await fs.listings.get("d")
     assert entries == listing.entries  # same names, same kinds, same ObjectInfo
     assert sorted(entries) == ["marker", "ok", "same", "sub", "x"]
     assert entries["same"] is None  # the directory wins over the file of the same name

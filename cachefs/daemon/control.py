@@ -3,13 +3,14 @@
 Endpoints: ``GET /stats`` (the JSON of ``cachefs stats --json``), ``GET /healthz`` (200 while the mount
 is serving), ``GET /info`` (pid, source, mountpoint). The unix socket lives in a private directory
 (mode 0700) and its path is published as the ``user.cachefs.control`` extended attribute of the mount
-root, so the CLI needs nothing but the mountpoint. aiohttp is already on the event loop through
-s3fs, so the control API costs no extra thread or dependency.
+root (``cachefs.mounts.CONTROL_XATTR``), so the CLI needs nothing but the mountpoint. aiohttp is
+already on the event loop through s3fs, so the control API costs no extra thread or dependency. The
+client side (``request_json``) is ``cachefs.client``: the CLI and the CSI driver use it without
+importing the daemon.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
@@ -18,12 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, UnixConnector, web
-
-# How long the CLI waits for the daemon to answer a control request. The daemon answers from memory
-# on its event loop, so anything beyond a few seconds means it is wedged.
-CONTROL_TIMEOUT_S = 10.0
-
+from aiohttp import web
 
 def runtime_dir() -> Path:
     """Where control sockets live: $XDG_RUNTIME_DIR/cachefs, /run/cachefs as root, else /tmp."""
@@ -136,28 +132,3 @@ async def _async_value(value: Any) -> Any:
 
 def _json(value: Any, status: int = 200) -> web.Response:
     return web.json_response(value, status=status, dumps=lambda o: json.dumps(o, sort_keys=True))
-
-
-class ControlError(Exception):
-    """The daemon could not be reached or answered with an error; one-line message."""
-
-
-async def _request_json(socket_path: str, route: str, method: str, body: Any, timeout_s: float) -> Any:
-    timeout = ClientTimeout(total=timeout_s)
-    try:
-        async with ClientSession(connector=UnixConnector(path=socket_path), timeout=timeout) as session:
-            async with session.request(method, f"http://cachefs{route}", json=body) as response:
-                payload = await response.json(content_type=None)
-                if response.status != 200:
-                    detail = payload.get("error") if isinstance(payload, dict) else None
-                    raise ControlError(detail or f"daemon answered {response.status} to {route}")
-                return payload
-    except (OSError, ClientError, TimeoutError, ValueError) as exc:
-        raise ControlError(f"cannot reach the cachefs daemon at {socket_path}: {exc}") from exc
-
-
-def request_json(
-    socket_path: str, route: str, *, method: str = "GET", body: Any = None, timeout_s: float = CONTROL_TIMEOUT_S
-) -> Any:
-    """Synchronous request to a control route (for the CLI); ``ControlError`` with a one-line reason."""
-    return asyncio.run(_request_json(socket_path, route, method, body, timeout_s))

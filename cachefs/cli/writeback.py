@@ -27,7 +27,7 @@ from typing import Any
 
 from cachefs import mounts
 from cachefs.client import UsageError, call
-from cachefs.resolver import PathError, mount_relative
+from cachefs.paths import PathError, mount_relative
 from tiering.units import format_size
 
 # `cachefs flush` waits this long by default: enough for gigabytes on a healthy link; a store that is

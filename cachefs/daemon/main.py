@@ -11,7 +11,7 @@ Cache directory layout, per source (so several mounts may share one ``--cache-di
         source.json   what this directory caches (for humans and tools)
         lock          flock'd by the daemon using it: two daemons never share a disk tier
         blocks/       the disk tier (see tiering.disk)
-        pins.json     pinned objects (see tiering.pins, cachefs.prefetch)
+        pins.json     pinned objects (see tiering.pins, cachefs.daemon.prefetch)
         staging/      staged writes and their journal, on a writable mount (see tiering.writeback)
 """
 
@@ -19,28 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import importlib
 import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO
 
-from cachefs.control import ControlServer, socket_path_for
-from cachefs.errors import SetupError
-from cachefs.fs import CacheFS
-from cachefs.fuse_adapter import FuseSession
+from cachefs.daemon import metrics, prefetch, writeback
+from cachefs.daemon.context import DaemonContext, Feature
+from cachefs.daemon.control import ControlServer, socket_path_for
+from cachefs.daemon.errors import SetupError
+from cachefs.daemon.stats import stats_document
+from cachefs.fs.filesystem import CacheFS
+from cachefs.fuse.adapter import FuseSession
+from cachefs.fuse.tuning import tune_fuse_connection
 from cachefs.settings import MountSettings
 from tiering.disk import DiskTier
 from tiering.engine import BlockCache
 from tiering.errors import CacheError
 from tiering.objectstore import open_object_store
 from tiering.pins import PIN_FILENAME, pinned_block_keys
-from tiering.protocols import ObjectStore
 from tiering.ram import RamTier
 
 log = logging.getLogger(__name__)
@@ -52,79 +53,10 @@ STARTUP_CHECK_TIMEOUT_S = 20.0
 # enough for the kernel's max_background (12 by default) plus metadata requests.
 FUSE_MAX_TASKS = 64
 
-# Kernel read-ahead for the FUSE connection. The default (128 KiB) makes the kernel send 128 KiB
-# read requests, one Python round trip each; with 16 MiB it sends requests of max_pages (1 MiB with
-# libfuse 3) and keeps several in flight. Measured on a 1 GiB file: 8x fewer requests, page-cache
-# re-reads 1.9 -> 2.8 GB/s. Needs root (sysfs); without it the mount works with the default.
-FUSE_READ_AHEAD_KB = 16 * 1024
-
-# FUSE requests the kernel keeps in flight in the background (read-ahead, async reads), and the
-# level at which it considers the connection congested. The kernel's 12/9 let a read-ahead window
-# of 16 MiB have only 12 requests of 1 MiB outstanding; 64/48 keeps the daemon's fetches and
-# disk-tier loads overlapped. Set through fusectl (/sys/fs/fuse/connections/N, mounted by systemd
-# on most distributions; root only): measured, 512 MiB read back from the disk tier after a
-# remount, 0.65x -> 0.75x of a local-disk read, median of 3 runs each (benchmarks/bench.py).
-FUSE_MAX_BACKGROUND = 64
-FUSE_CONGESTION_THRESHOLD = 48
-FUSECTL = Path("/sys/fs/fuse/connections")
-
 ReadyCallback = Callable[[str | None], None]
 
-# Feature modules wired into every mount: each has ``install(ctx: DaemonContext) -> Feature``,
-# called before the control API starts (so it can add routes); its ``start()`` runs before the
-# kernel mount (so a replay or a warm-up finishes first) and its ``stop()`` after the unmount, in
-# reverse order, also when the mount failed.
-FEATURE_MODULES: tuple[str, ...] = ("cachefs.writeback", "cachefs.prefetch", "cachefs.metrics")
-
-
-@dataclass
-class DaemonContext:
-    """Everything a feature may build on. Created once per mount."""
-
-    settings: MountSettings
-    store: ObjectStore
-    cache: BlockCache
-    fs: CacheFS
-    control: ControlServer
-    cache_dir: Path
-
-
-class Feature(Protocol):
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-
-def tune_fuse_connection(mountpoint: Path, fusectl: Path = FUSECTL) -> None:
-    """Raise the kernel read-ahead and background-request limits of the mount, where permitted."""
-    try:
-        dev = os.stat(mountpoint).st_dev
-    except OSError as exc:
-        log.info("FUSE connection left at the kernel's defaults (%s)", exc.strerror or exc)
-        return
-    try:
-        bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
-        bdi.write_text(str(FUSE_READ_AHEAD_KB))
-        log.debug("set %s to %d", bdi, FUSE_READ_AHEAD_KB)
-    except OSError as exc:
-        log.info("kernel read-ahead left at its default (%s)", exc.strerror or exc)
-    set_max_background(dev, fusectl)
-
-
-def set_max_background(dev: int, fusectl: Path = FUSECTL) -> bool:
-    """Raise the background-request limits of the FUSE connection of device ``dev``; False if not permitted."""
-    # fusectl names a connection by the kernel's encoding of the superblock's device number.
-    connection = fusectl / str((os.major(dev) << 20) | os.minor(dev))
-    try:
-        (connection / "max_background").write_text(str(FUSE_MAX_BACKGROUND))
-        (connection / "congestion_threshold").write_text(str(FUSE_CONGESTION_THRESHOLD))
-    except OSError as exc:
-        log.info("FUSE max_background left at the kernel's default (%s: %s)", connection, exc.strerror or exc)
-        return False
-    log.debug("set %s max_background %d, congestion_threshold %d", connection, FUSE_MAX_BACKGROUND,
-              FUSE_CONGESTION_THRESHOLD)
-    return True
-
+# The features wired into every mount, in start order; they stop in reverse (see cachefs.daemon.context).
+FEATURES = (writeback.install, prefetch.install, metrics.install)
 
 def lock_cache_dir(directory: Path) -> IO[str]:
     """Take the per-source lock; refuse if another daemon holds it."""
@@ -187,7 +119,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path))
         control = ControlServer(
             socket_path,
-            fs.stats_snapshot,
+            lambda: stats_document(fs),
             {
                 "pid": os.getpid(),
                 "source": settings.source,
@@ -197,7 +129,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             },
         )
         ctx = DaemonContext(settings, store, cache, fs, control, cache_dir)
-        features: list[Feature] = [importlib.import_module(name).install(ctx) for name in FEATURE_MODULES]
+        features: list[Feature] = [install(ctx) for install in FEATURES]
         host, port = _split_addr(settings.stats_addr)
         try:
             await control.start(host, port)

@@ -14,68 +14,22 @@ entry of the parent directory. Directories are walked with ``LIST_CONCURRENCY`` 
 queue, so a deep tree costs one LIST per directory, several in flight, and memory proportional to
 the files found rather than to the tree's shape.
 
-Path syntax. Requests carry paths relative to the mount root (``""`` is the root). The CLI turns what
-a user typed into that form with ``mount_relative``: relative paths are taken relative to the
-mountpoint, absolute ones must lie inside it, and ``..`` that climbs out of the mount is refused,
-never clamped. The daemon re-checks the result with ``check_path`` (API clients are not the CLI).
+Requests carry paths relative to the mount root, checked with ``cachefs.paths.check_path``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass, field
 
 from cachefs.names import invalid_name_reason
+from cachefs.paths import check_path, join
 from tiering.protocols import ObjectInfo, ObjectStore
 
 # LISTs in flight while walking a tree: each is a round trip of milliseconds that returns up to
 # 1,000 keys; 8 hide the latency of a loopback or in-region store without looking like a scan
 # storm to a shared one, and leave most fetch connections (32 in the S3 pool) to reads.
 LIST_CONCURRENCY = 8
-
-
-class PathError(ValueError):
-    """A path that is malformed, outside the mount, or not there. One-line message."""
-
-
-def mount_relative(path: str, mountpoint: str) -> str:
-    """``path`` (relative to the mountpoint, or absolute inside it) as a path relative to the mount root.
-
-    Purely lexical (nothing is stat'ed): ``..`` is resolved against the path itself, and a result
-    outside the mount is refused with ``PathError``.
-    """
-    if path == "" or "\x00" in path:
-        raise PathError(f"invalid path {path!r}")
-    root = os.path.normpath(os.path.abspath(mountpoint))
-    full = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
-    if full == root:
-        return ""
-    if not full.startswith(root.rstrip("/") + "/"):
-        raise PathError(f"{path} is outside the mount {root}")
-    return full[len(root.rstrip("/")) + 1 :]
-
-
-def check_path(path: str) -> str:
-    """Validate a mount-relative path from a request; returns it without a trailing ``/``."""
-    if not isinstance(path, str):
-        raise PathError(f"path must be a string, got {type(path).__name__}")
-    if path.startswith("/"):
-        raise PathError(f"path {path!r} must be relative to the mount root")
-    body = path[:-1] if path.endswith("/") else path
-    if not body:
-        return ""
-    for part in body.split("/"):
-        if part in ("", ".", ".."):
-            raise PathError(f"path {path!r} has an empty, '.' or '..' component")
-        reason = invalid_name_reason(part)
-        if reason:
-            raise PathError(f"path {path!r} is not a valid name in the mount ({reason})")
-    return body
-
-
-def _join(parent: str, name: str) -> str:
-    return f"{parent}/{name}" if parent else name
 
 
 @dataclass
@@ -145,7 +99,7 @@ class Resolver:
                             if info is not None:
                                 files.append(info)
                             elif recursive:
-                                queue.put_nowait(_join(current, name))
+                                queue.put_nowait(join(current, name))
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the workers stop
                     errors.append(exc)
                 finally:

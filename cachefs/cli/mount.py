@@ -1,20 +1,19 @@
-"""The ``cachefs`` command line: mount, unmount, stats.
-
-Only this module (and the CSI entry points) reads argv and the environment; everything below it
-receives frozen settings objects. Every user error ends in one line on stderr naming the problem and
-a non-zero exit, never a traceback.
+"""``cachefs mount`` and ``cachefs unmount``.
 
 ``cachefs mount`` without ``--foreground`` starts the same command with ``--foreground`` as a
 detached child (its own session, output to a log file), and waits until the child reports through a
 pipe that the mount is live, or why it is not. Credentials reach the child only through the
 inherited environment (the standard AWS variables and config files), never through its arguments.
+The foreground command runs the daemon (``cachefs.daemon.main.serve``), imported only then: it
+brings pyfuse3, the filesystem and the engine, which no other command needs.
+
+``cachefs unmount`` flushes written data first (through the daemon's control API), then unmounts
+with ``fusermount3`` and waits for the daemon to exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import logging
 import logging.handlers
 import os
@@ -28,7 +27,8 @@ from typing import Any, Sequence
 
 from cachefs import mounts
 from cachefs.client import UsageError, call
-from cachefs.errors import SetupError
+from cachefs.cli.argtypes import address, fraction_or_size, seconds, size
+from cachefs.daemon.errors import SetupError
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -48,7 +48,7 @@ from tiering.settings import (
     DEFAULT_READAHEAD_MAX_BYTES,
     CacheSettings,
 )
-from tiering.units import format_size, parse_size
+from tiering.units import format_size
 from tiering.writeback.settings import (
     DEFAULT_MAX_UPLOADS,
     DEFAULT_SPACE_WAIT_S,
@@ -58,13 +58,8 @@ from tiering.writeback.settings import (
 
 log = logging.getLogger("cachefs")
 
-# Feature modules that add subcommands: each has ``register(subparsers)``, which adds its parsers
-# with ``set_defaults(handler=fn)``; ``fn(args, environ) -> int`` runs the command and may raise
-# ``UsageError``.
-COMMAND_MODULES: tuple[str, ...] = ("cachefs.cli_prefetch", "cachefs.cli_writeback")
-
 # How long `cachefs mount` waits for the daemon to report. The daemon's own start-up check is
-# bounded at 20 s (cachefs.daemon); this leaves room for scanning a large disk tier on start.
+# bounded at 20 s (cachefs.daemon.main); this leaves room for scanning a large disk tier on start.
 MOUNT_WAIT_S = 120.0
 DEFAULT_UNMOUNT_TIMEOUT_S = 30.0
 # `cachefs unmount` flushes first and waits this long for the backlog to reach the store before it
@@ -84,100 +79,48 @@ def default_cache_dir(environ: dict[str, str]) -> Path:
     return Path(environ.get("XDG_CACHE_HOME") or Path(home) / ".cache") / "cachefs"
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: expected seconds, e.g. 30 or 0.5") from None
-    if value < 0 or value != value:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: must not be negative")
-    return value
-
-
-def _fraction_or_size(text: str) -> tuple[str, float | int]:
-    """``0.5`` or ``50%`` (a fraction of --disk-cache) or ``20GiB`` (a size); a bare integer above 1
-    is ambiguous (bytes? a typo for a fraction?) and refused."""
-    body = text.strip()
-    try:
-        if body.endswith("%"):
-            value = float(body[:-1]) / 100
-        elif body.replace(".", "", 1).isdigit() and ("." in body or body in ("0", "1")):
-            value = float(body)
-        elif body.isdigit():
-            raise ValueError(f"ambiguous pin limit {text!r}: use a fraction such as 0.5 or a size such as 20GiB")
-        else:
-            return ("bytes", parse_size(body))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"invalid fraction {text!r}: expected 0 to 1 (or 0% to 100%)")
-    return ("fraction", value)
-
-
-def _addr(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"invalid address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9750")
-    return f"{host or '127.0.0.1'}:{int(port)}"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        self.exit(2, f"cachefs: error: {message}\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
+def register(sub: Any) -> None:
     m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory")
     m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     m.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)")
     m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: /var/cache/cachefs as root, else ~/.cache/cachefs)")
-    m.add_argument("--ram-cache", type=_size, default=DEFAULT_RAM_BYTES, metavar="SIZE",
+    m.add_argument("--ram-cache", type=size, default=DEFAULT_RAM_BYTES, metavar="SIZE",
                    help=f"RAM tier capacity, e.g. 2GiB (default {format_size(DEFAULT_RAM_BYTES)}; 0 disables)")
-    m.add_argument("--disk-cache", type=_size, default=DEFAULT_DISK_BYTES, metavar="SIZE",
+    m.add_argument("--disk-cache", type=size, default=DEFAULT_DISK_BYTES, metavar="SIZE",
                    help=f"disk tier capacity (default {format_size(DEFAULT_DISK_BYTES)}; 0 disables)")
-    m.add_argument("--block-size", type=_size, default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
+    m.add_argument("--block-size", type=size, default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
                    help=f"cache block size (default {format_size(DEFAULT_BLOCK_SIZE)})")
-    m.add_argument("--readahead", type=_size, default=DEFAULT_READAHEAD_MAX_BYTES, metavar="SIZE",
+    m.add_argument("--readahead", type=size, default=DEFAULT_READAHEAD_MAX_BYTES, metavar="SIZE",
                    help=f"largest sequential read-ahead window (default {format_size(DEFAULT_READAHEAD_MAX_BYTES)}; 0 disables)")
     m.add_argument("--max-fetches", type=int, default=DEFAULT_MAX_CONCURRENT_FETCHES, metavar="N",
                    help=f"parallel ranged GETs (default {DEFAULT_MAX_CONCURRENT_FETCHES})")
-    m.add_argument("--fetch-timeout", type=_seconds, default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
+    m.add_argument("--fetch-timeout", type=seconds, default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
                    help=f"fail an uncached read with EIO after this long (default {DEFAULT_FETCH_TIMEOUT_S:g})")
-    m.add_argument("--attr-ttl", type=_seconds, default=DEFAULT_ATTR_TTL_S, metavar="S",
+    m.add_argument("--attr-ttl", type=seconds, default=DEFAULT_ATTR_TTL_S, metavar="S",
                    help=f"how long file attributes are cached (default {DEFAULT_ATTR_TTL_S:g})")
-    m.add_argument("--dir-ttl", type=_seconds, default=DEFAULT_DIR_TTL_S, metavar="S",
+    m.add_argument("--dir-ttl", type=seconds, default=DEFAULT_DIR_TTL_S, metavar="S",
                    help=f"how long listings and negative lookups are cached (default {DEFAULT_DIR_TTL_S:g})")
-    m.add_argument("--connect-timeout", type=_seconds, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
+    m.add_argument("--connect-timeout", type=seconds, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
                    help=argparse.SUPPRESS)
-    m.add_argument("--read-timeout", type=_seconds, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
+    m.add_argument("--read-timeout", type=seconds, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
                    help=argparse.SUPPRESS)
-    m.add_argument("--max-pinned", type=_fraction_or_size, default=None, metavar="FRACTION|SIZE",
+    m.add_argument("--max-pinned", type=fraction_or_size, default=None, metavar="FRACTION|SIZE",
                    help=f"most data 'cachefs prefetch --pin' may pin: a fraction of --disk-cache "
                         f"(default {DEFAULT_MAX_PINNED_FRACTION:g}) or a size such as 20GiB")
-    m.add_argument("--stats-addr", type=_addr, default=None, metavar="HOST:PORT",
+    m.add_argument("--stats-addr", type=address, default=None, metavar="HOST:PORT",
                    help="also serve /stats and /healthz over HTTP here (loopback unless a host is given)")
     m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     m.add_argument("--read-only", action="store_true", default=False,
                    help="read-only mount: every change answers EROFS (default: writable, with write-back)")
     m.add_argument("--write-through", action="store_true", default=False,
                    help="close() and fsync() return only once the upload succeeded, and report its failure")
-    m.add_argument("--upload-delay", type=_seconds, default=DEFAULT_UPLOAD_DELAY_S, metavar="S",
+    m.add_argument("--upload-delay", type=seconds, default=DEFAULT_UPLOAD_DELAY_S, metavar="S",
                    help=f"wait this long after a file is closed before uploading it, so quick rewrites and "
                         f"renames are uploaded once (default {DEFAULT_UPLOAD_DELAY_S:g})")
     m.add_argument("--max-uploads", type=int, default=DEFAULT_MAX_UPLOADS, metavar="N",
                    help=f"objects uploaded at once (default {DEFAULT_MAX_UPLOADS})")
-    m.add_argument("--dirty-wait", type=_seconds, default=DEFAULT_SPACE_WAIT_S, metavar="S",
+    m.add_argument("--dirty-wait", type=seconds, default=DEFAULT_SPACE_WAIT_S, metavar="S",
                    help=f"when staged data fills the disk cache, a writer waits this long for uploads to make "
                         f"room before failing with ENOSPC (default {DEFAULT_SPACE_WAIT_S:g})")
     m.add_argument("--rename-dir-limit", type=int, default=DEFAULT_RENAME_DIR_LIMIT, metavar="N",
@@ -192,25 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
     u.add_argument("mountpoint", type=Path)
-    u.add_argument("--timeout", type=_seconds, default=DEFAULT_UNMOUNT_TIMEOUT_S, metavar="S",
+    u.add_argument("--timeout", type=seconds, default=DEFAULT_UNMOUNT_TIMEOUT_S, metavar="S",
                    help="how long to wait for the daemon to exit")
-    u.add_argument("--flush-timeout", type=_seconds, default=DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S, metavar="S",
+    u.add_argument("--flush-timeout", type=seconds, default=DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S, metavar="S",
                    help=f"how long to wait for written data to reach the object store before refusing "
                         f"(default {DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S:g})")
     u.add_argument("--force", action="store_true",
                    help="unmount without flushing; staged data stays in the cache dir and the next mount uploads it")
 
-    s = sub.add_parser("stats", help="show cache statistics of a mount")
-    s.add_argument("mountpoint", type=Path)
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--watch", type=_seconds, default=None, metavar="S", help="refresh every S seconds")
-
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    return parser
 
 
-# ---------------------------------------------------------------------------------------- mount
 def _pin_limit(value: tuple[str, float | int] | None, disk_bytes: int) -> int | None:
     if value is None:
         return None
@@ -295,7 +229,7 @@ def configure_logging(level: str, log_file: Path | None) -> None:
 
 
 def run_foreground(settings: MountSettings, ready_fd: int | None, log_file: Path | None, environ: dict[str, str]) -> int:
-    from cachefs.daemon import serve  # imports pyfuse3: only the daemon needs it
+    from cachefs.daemon.main import serve  # imports pyfuse3: only the daemon needs it
 
     configure_logging(settings.log_level, log_file)
     reported = False
@@ -394,59 +328,6 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, 
     return spawn_daemon(argv, settings, log_file or settings.source_cache_dir() / "daemon.log")
 
 
-# ---------------------------------------------------------------------------------------- control
-def fetch_stats(mountpoint: Path) -> dict[str, Any]:
-    return call(mountpoint, "/stats")
-
-
-def render_stats(stats: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    table = Table(title="cachefs", show_edge=False)
-    for column in ("tier", "used", "capacity", "entries", "hits", "misses", "evictions", "errors"):
-        table.add_column(column, justify="left" if column == "tier" else "right")
-    order = {"ram": 0, "disk": 1}
-    for name, tier in sorted(stats["tiers"].items(), key=lambda item: order.get(item[0], 2)):
-        label = name + (f" ({tier['state']})" if tier.get("state", "healthy") != "healthy" else "")
-        table.add_row(label, format_size(tier["used_bytes"]), format_size(tier["capacity_bytes"]),
-                      str(tier["entries"]), str(tier["hits"]), str(tier["misses"]), str(tier["evictions"]),
-                      str(tier["errors"]))
-    store = stats["object_store"]
-    table.caption = (f"object store: {store['requests']} requests, {format_size(store['bytes_read'])} read, "
-                     f"{store['errors']} errors  |  hit ratio {stats['hit_ratio']:.1%}")
-    wb = stats.get("writeback")
-    if wb is not None:
-        table.caption += (f"\nwrite-back: {wb['dirty_files']} dirty files ({format_size(wb['dirty_bytes'])}), "
-                          f"{wb['uploads_in_flight']} uploading, {format_size(wb['bytes_uploaded'])} uploaded, "
-                          f"{wb['failed_attempts']} failed attempts, store {wb['store_state']}")
-    return table
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    if args.json and args.watch is None:
-        print(json.dumps(fetch_stats(args.mountpoint), indent=2, sort_keys=True))
-        return 0
-    from rich.console import Console
-    from rich.live import Live
-
-    console = Console()
-    if args.watch is None:
-        console.print(render_stats(fetch_stats(args.mountpoint)))
-        return 0
-    interval = max(args.watch, 0.2)
-    try:
-        with Live(render_stats(fetch_stats(args.mountpoint)), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
-                stats = fetch_stats(args.mountpoint)
-                if args.json:
-                    console.print_json(data=stats)
-                else:
-                    live.update(render_stats(stats), refresh=True)
-    except KeyboardInterrupt:
-        return 0
-
-
 def cmd_unmount(args: argparse.Namespace) -> int:
     path = Path(os.path.abspath(args.mountpoint))
     entry = mounts.find_mount(path)
@@ -486,7 +367,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
 
 def _flushed_for_unmount(path: Path, timeout_s: float, info: dict[str, Any]) -> bool:
     """Flush before unmounting; False (with the reason on stderr) when something is still pending."""
-    from cachefs.cli_writeback import flush_mount, print_pending
+    from cachefs.cli.writeback import flush_mount, print_pending
 
     staging = Path(str(info.get("cache_dir", "the cache directory"))) / "staging"
     try:
@@ -518,27 +399,3 @@ def _wait_exit(pid: int, timeout: float) -> bool:
     return False
 
 
-# ---------------------------------------------------------------------------------------- main
-def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    environ = dict(os.environ if environ is None else environ)
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "mount":
-            return cmd_mount(args, argv, environ)
-        if args.command in ("unmount", "umount"):
-            return cmd_unmount(args)
-        if args.command == "stats":
-            return cmd_stats(args)
-        handler = getattr(args, "handler", None)
-        if handler is not None:
-            return handler(args, environ)
-    except UsageError as exc:
-        print(f"cachefs: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `cachefs stats --json | head`: the reader left, nothing to report
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    raise AssertionError(f"unhandled command {args.command}")

@@ -59,13 +59,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from aiohttp import web
 
-from cachefs.control import ControlRequestError, ControlServer
+from cachefs.daemon.context import DaemonContext
+from cachefs.daemon.control import ControlRequestError, ControlServer
+from cachefs.daemon.resolver import Resolver
 from cachefs.manifest import ManifestEntry
-from cachefs.resolver import PathError, Resolver, check_path
+from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
 from tiering.clock import Clock, SystemClock
 from tiering.engine import BlockCache, WarmOutcome
@@ -74,9 +76,6 @@ from tiering.health import TierState
 from tiering.pins import PIN_FILENAME, PinError, PinFileError, load_pin_file, save_pin_file
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.units import format_size
-
-if TYPE_CHECKING:
-    from cachefs.daemon import DaemonContext
 
 log = logging.getLogger(__name__)
 
@@ -693,7 +692,7 @@ class PrefetchFeature:
         await self.manager.stop()
 
 
-def install(ctx: "DaemonContext") -> PrefetchFeature:
+def install(ctx: DaemonContext) -> PrefetchFeature:
     manager = PrefetchManager(ctx.store, ctx.cache, pin_file=ctx.cache_dir / PIN_FILENAME)
     register_routes(ctx.control, manager)
     return PrefetchFeature(manager)

@@ -3,8 +3,8 @@
 No double bookkeeping: nothing here counts anything. The daemon's counters live where the events
 happen (tier stats, engine stats, object-store stats, filesystem stats, the engine's latency
 histograms), and ``CacheFSCollector`` turns them into metric families *at scrape time*, from the
-same ``stats_snapshot()`` document that ``/stats`` and ``cachefs stats --json`` serve, so the two
-views can never disagree. The latency histograms come from ``tiering.latency`` (fixed buckets,
+same document (``cachefs.daemon.stats``) that ``/stats`` and ``cachefs stats --json`` serve, so the
+two views can never disagree. The latency histograms come from ``tiering.latency`` (fixed buckets,
 recorded by the engine without knowing Prometheus) and are exported as Prometheus histograms.
 
 Conventions (https://prometheus.io/docs/practices/naming/): every name starts with ``cachefs_``;
@@ -23,17 +23,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cachefs.daemon.context import DaemonContext
+from cachefs.daemon.stats import stats_document
 from tiering.latency import LatencyHistogram
-
-if TYPE_CHECKING:
-    from cachefs.daemon import DaemonContext
 
 # ---------------------------------------------------------------------------------------- names
 # Per tier (label "tier": ram, disk).
@@ -254,7 +253,7 @@ class MetricsFeature:
         pass
 
 
-def install(ctx: "DaemonContext") -> MetricsFeature:
-    registry = make_registry(ctx.fs.stats_snapshot, lambda: ctx.cache.latency)
+def install(ctx: DaemonContext) -> MetricsFeature:
+    registry = make_registry(lambda: stats_document(ctx.fs), lambda: ctx.cache.latency)
     ctx.control.add_route("GET", "/metrics", metrics_handler(registry), public=True)
     return MetricsFeature()

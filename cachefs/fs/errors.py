@@ -11,10 +11,3 @@ class FsError(Exception):
     def __init__(self, errno: int, message: str = "") -> None:
         super().__init__(message or errno_mod.errorcode.get(errno, str(errno)))
         self.errno = errno
-
-
-class SetupError(Exception):
-    """A mount cannot start: bad settings, unreachable store, unusable mountpoint or cache dir.
-
-    Its message is one line, shown to the user as is.
-    """

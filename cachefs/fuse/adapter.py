@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from cachefs.errors import FsError
-from cachefs.fs import Attributes, CacheFS
+from cachefs.fs.errors import FsError
+from cachefs.fs.filesystem import Attributes, CacheFS
 from tiering.errors import CacheError
 
 log = logging.getLogger(__name__)

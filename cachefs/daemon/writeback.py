@@ -1,6 +1,6 @@
 """The daemon's write-back feature: staging and uploads for a writable mount, and their control routes.
 
-``install(ctx)`` (listed in ``cachefs.daemon.FEATURE_MODULES``) builds, on a writable mount, the
+``install(ctx)`` (listed in ``cachefs.daemon.main.FEATURES``) builds, on a writable mount, the
 ``tiering.writeback.WriteBack`` engine over ``<per-source cache dir>/staging`` with the disk tier
 as its space budget (staged bytes and cached blocks share ``--disk-cache``), and attaches it to the
 filesystem. ``start()`` replays the journal before the kernel mount, so what an earlier mount left
@@ -14,7 +14,7 @@ Control routes (unix socket only: they act on the mount):
                             S seconds. Each pending entry names its path, stage and error; ``unsynced``
                             lists open files with writes not yet closed or fsync'd (not flushed).
 ``POST /writeback/status``  ``{"paths": ["a/b", ...]}`` (relative to the mount root) ->
-                            ``{"paths": [...]}``: the durability stage of each (see ``CacheFS.path_status``).
+                            ``{"paths": [...]}``: the durability stage of each (see ``path_status``).
 
 On a read-only mount nothing is staged: flush answers ``ok`` at once, status says ``clean``. Staged
 data an earlier writable mount left is not uploaded by a read-only one (it may have no write
@@ -26,11 +26,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cachefs.control import ControlRequestError
-from cachefs.daemon import DaemonContext
-from cachefs.errors import FsError, SetupError
+from cachefs.daemon.control import ControlRequestError
+from cachefs.daemon.context import DaemonContext
+from cachefs.daemon.errors import SetupError
+from cachefs.fs.errors import FsError
+from cachefs.fs.filesystem import CacheFS
 from tiering.errors import CacheError
-from tiering.writeback import WriteBack
+from tiering.writeback import MISSING, WriteBack
 from tiering.writeback.journal import RECORD_SUFFIX, RECORDS_DIR, StagingFormatError
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class WriteBackFeature:
         out = []
         for path in paths:
             try:
-                status = await self.ctx.fs.path_status(path)
+                status = await path_status(self.ctx.fs, path)
             except (FsError, CacheError, OSError) as exc:
                 status = {"path": path.strip("/"), "stage": "unknown", "error": str(exc) or type(exc).__name__}
             if "pending" in status:
@@ -122,6 +124,33 @@ class WriteBackFeature:
             out.append(status)
         return {"paths": out, "write_through": self.ctx.settings.writeback.write_through,
                 "read_only": self.writeback is None}
+
+
+async def path_status(fs: CacheFS, path: str) -> dict[str, Any]:
+    """``cachefs status``: the durability stage of one path (a directory: of what is pending below it)."""
+    path = path.strip("/")
+    value = await fs.listings.resolve_path(path)
+    out: dict[str, Any] = {"path": path}
+    wb = fs.writeback
+    if value is MISSING:
+        pending = wb.status(path) if wb is not None else None
+        out.update(pending or {"stage": "missing"})
+        out["path"] = path
+        return out
+    if value is None:
+        below = wb.pending(path + "/" if path else "") if wb is not None else []
+        own = wb.status(path + "/") if wb is not None and path else None
+        out.update({"kind": "directory", "stage": "dirty" if below or own else "clean",
+                    "pending": below + ([own] if own else [])})
+        return out
+    status = wb.status(path) if wb is not None else None
+    if status is None:
+        info = value
+        out.update({"kind": "file", "stage": "clean", "size": info.size, "etag": info.etag})  # type: ignore[union-attr]
+    else:
+        out.update(status)
+        out["path"] = path
+    return out
 
 
 def _describe(entry: dict[str, Any]) -> dict[str, Any]:

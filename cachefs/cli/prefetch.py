@@ -2,7 +2,7 @@
 
 Each finds the mount's daemon from the mountpoint alone (``cachefs.client``), turns the paths a user
 typed into paths relative to the mount root (relative to the mountpoint, or absolute inside it; a
-path that climbs out is refused), and asks the daemon, which does the work (``cachefs.prefetch``).
+path that climbs out is refused), and asks the daemon, which does the work (``cachefs.daemon.prefetch``).
 
 ``prefetch`` starts a job in the daemon and polls it every ``POLL_INTERVAL_S``: on a terminal it
 draws a progress bar (bytes, files, fetch rate, ETA) on stderr, otherwise it prints one summary
@@ -28,10 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from cachefs.client import UsageError, control_socket
-from cachefs.control import CONTROL_TIMEOUT_S, ControlError, request_json
+from cachefs.client import CONTROL_TIMEOUT_S, ControlError, UsageError, control_socket, request_json
 from cachefs.manifest import ManifestError, format_manifest, read_manifest
-from cachefs.resolver import PathError, mount_relative
+from cachefs.paths import PathError, mount_relative
 from tiering.units import format_size
 
 # How often the CLI polls a job: 5 per second keeps a progress bar fluid at the cost of a few

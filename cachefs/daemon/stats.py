@@ -1,0 +1,114 @@
+"""The daemon-wide statistics document: ``GET /stats``, ``cachefs stats --json`` and ``/metrics``.
+
+One document for the whole mount, read from the counters where the events happen: the tiers, the
+engine, the object store, the filesystem's tables and counters, and write-back. Nothing here counts;
+it is built on request, so the JSON and the Prometheus view (``cachefs.daemon.metrics``, which reads
+this same document) can never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cachefs.fs.filesystem import CacheFS
+
+
+def stats_document(fs: CacheFS) -> dict[str, Any]:
+    """The document ``GET /stats`` serves and ``cachefs stats --json`` prints."""
+    cache = fs.cache
+    tiers: dict[str, Any] = {}
+    for tier in (cache.ram, cache.disk):
+        if tier is None:
+            continue
+        st = tier.stats
+        entry = {
+            "used_bytes": tier.used_bytes(),
+            "capacity_bytes": tier.capacity_bytes,
+            "entries": len(tier),
+            "hits": st.hits,
+            "misses": st.misses,
+            "hit_bytes": st.hit_bytes,
+            "inserts": st.inserts,
+            "evictions": st.evictions,
+            "evicted_bytes": st.evicted_bytes,
+            "errors": st.errors,
+            "corrupt_blocks": st.corrupt_blocks,
+        }
+        # Bytes reads had to load from below this tier because it missed (see EngineStats).
+        entry["miss_bytes"] = (cache.stats.ram_miss_bytes if tier is cache.ram
+                               else cache.stats.disk_miss_bytes)
+        pinned_bytes = getattr(tier, "pinned_bytes", None)
+        if pinned_bytes is not None:
+            entry["pinned_bytes"] = pinned_bytes()
+        health = getattr(tier, "health", None)
+        if health is not None:
+            entry["state"] = health.state
+        tiers[tier.name] = entry
+    store = fs.store.stats
+    engine = cache.stats
+    return {
+        "tiers": tiers,
+        "object_store": {
+            "requests": store.requests,
+            "bytes_read": store.bytes_read,
+            "errors": store.errors,
+            "get_requests": store.get_requests,
+            "list_requests": store.list_requests,
+            "head_requests": store.head_requests,
+            "put_requests": store.put_requests,
+            "delete_requests": store.delete_requests,
+            "copy_requests": store.copy_requests,
+            "bytes_written": store.bytes_written,
+        },
+        "hit_ratio": round(cache.hit_ratio(), 6),
+        "blocks": {
+            "block_size": cache.block_size,
+            "requests": engine.block_requests,
+            "ram_served": engine.ram_served,
+            "disk_served": engine.disk_served,
+            "fetched": engine.store_fetches,
+            "fetched_bytes": engine.store_fetch_bytes,
+            "fetch_errors": engine.fetch_errors,
+            "readahead_blocks": engine.readahead_blocks,
+            "readahead_bytes": engine.readahead_bytes,
+            "singleflight_joins": engine.singleflight_joins,
+            "dropped_blocks": engine.dropped_blocks,
+            "dropped_bytes": engine.dropped_bytes,
+        },
+        # Warming the disk tier (cachefs prefetch), pinned objects, request latency.
+        "prefetch": {
+            "blocks": engine.prefetch_blocks,
+            "bytes": engine.prefetch_bytes,
+            "from_ram_blocks": engine.prefetch_from_ram_blocks,
+            "skipped_blocks": engine.prefetch_skipped_blocks,
+            "skipped_bytes": engine.prefetch_skipped_bytes,
+            "not_stored_blocks": engine.prefetch_not_stored,
+        },
+        "pins": cache.pin_stats(),
+        "latency": {op: hist.snapshot() for op, hist in cache.latency.items()},
+        "filesystem": {
+            "inodes": len(fs.inodes),
+            "open_handles": len(fs.handles),
+            "cached_listings": len(fs.listings),
+            "cached_listing_entries": fs.listings.entry_count,
+            "lookups": fs.stats.lookups,
+            "listings": fs.stats.listings,
+            "listing_errors": fs.stats.listing_errors,
+            "stale_listings_served": fs.stats.stale_listings_served,
+            "opens": fs.stats.opens,
+            "reads": fs.stats.reads,
+            "read_bytes": fs.stats.read_bytes,
+            "skipped_keys": fs.stats.skipped_keys,
+            "writes": fs.stats.writes,
+            "write_bytes": fs.stats.write_bytes,
+            "creates": fs.stats.creates,
+            "unlinks": fs.stats.unlinks,
+            "mkdirs": fs.stats.mkdirs,
+            "rmdirs": fs.stats.rmdirs,
+            "renames": fs.stats.renames,
+            "truncates": fs.stats.truncates,
+            "fsyncs": fs.stats.fsyncs,
+        },
+        # Staged writes and their uploads (tiering.writeback); absent on a read-only mount.
+        **({"writeback": fs.writeback.stats_snapshot()} if fs.writeback is not None else {}),
+    }

@@ -1,0 +1,594 @@
+"""POSIX semantics over the object store and the block cache, with no FUSE in sight.
+
+``CacheFS`` is what the pyfuse3 adapter calls, one method per FUSE operation; it is tested without a
+mount. It is a facade over the state objects it holds, each with its own module:
+
+* **Inodes** (``cachefs.fs.inodes``): every path the kernel has been told about has one ``Node`` with
+  a stable inode number and a lookup count, dropped once the kernel forgets it.
+* **Listings** (``cachefs.fs.listings``): directory levels listed lazily and cached for
+  ``dir_ttl_s``, lookups and negative lookups answered from them, pending write-back changes
+  overlaid.
+* **Handles** (``cachefs.fs.handles``): an open file pins one version of its object (key, ETag,
+  size): reads through that handle never mix bytes of two versions.
+* **Rename** (``cachefs.fs.rename``): copies and journaled deletes, not atomic.
+
+The kernel's page cache is used across opens (``keep_cache``) as long as the object's ETag is the
+one seen at the previous open; when it changed, the open answers without ``keep_cache`` and the
+kernel drops its cached pages of the file.
+
+Writes (write-back, see ``tiering.writeback``). A writable mount stages every change durably on
+local disk and uploads it later; this class keeps the POSIX view consistent meanwhile. Lookups and
+listings overlay the pending changes on the store's listings, a file with staged data is read from
+staging, and its attributes are its staged size and mtime. A file with staged data is never opened
+with ``keep_cache``, and its ETag changes when its upload lands, so the kernel never keeps pages of
+an older version; an open handle follows the changes made through the mount (it pins a version only
+against changes made elsewhere). When an upload lands, the listing cache patches its view, so no
+view goes back to the old version.
+
+Directories are marker objects (``dir/``): ``mkdir`` writes one, ``rmdir`` deletes it (after the
+deletes below it), and a directory that loses an entry through the mount gets one too, because a
+directory lives until rmdir even where the store would drop an empty prefix. Keys below a directory
+still imply it, as on the read path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from cachefs.fs.errors import FsError
+from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
+from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
+from cachefs.fs.listings import ListingCache
+from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
+from cachefs.fs.stats import FsStats
+from cachefs.mounts import CONTROL_XATTR
+from cachefs.names import encode_name, invalid_name_reason
+from cachefs.paths import join
+from cachefs.settings import FsSettings
+from tiering.blocks import ObjectRef
+from tiering.clock import Clock, SystemClock
+from tiering.engine import BlockCache
+from tiering.protocols import ObjectInfo, ObjectStore
+from tiering.readahead import ReadAhead
+from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
+from tiering.writeback.staged import StagedFile
+
+# Blocks reported to statfs are in units of this size (the usual 4 KiB page).
+STATFS_BLOCK_SIZE = 4096
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+@dataclass(frozen=True)
+class Attributes:
+    """What ``stat`` shows for one inode, plus how long the kernel may cache it."""
+
+    inode: InodeNo
+    mode: int
+    size: int
+    mtime_ns: int
+    uid: int
+    gid: int
+    nlink: int
+    attr_timeout: float
+    entry_timeout: float
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+
+@dataclass(frozen=True)
+class DirEntry:
+    name: bytes
+    attrs: Attributes
+    next_id: int
+
+
+@dataclass(frozen=True)
+class StatFs:
+    block_size: int
+    blocks: int
+    blocks_free: int
+    files: int
+    files_free: int
+    name_max: int = 255
+
+
+class CacheFS:
+    def __init__(
+        self,
+        store: ObjectStore,
+        cache: BlockCache,
+        settings: FsSettings,
+        *,
+        clock: Clock | None = None,
+        control_path: str | None = None,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.control_path = control_path
+        self.stats = FsStats()
+        # Directories have no mtime in an object store; they show the time of the mount.
+        self.inodes = InodeTable(mount_time=time.time())
+        self.listings = ListingCache(store, self.clock, settings, self.inodes, self.stats)
+        self.handles = HandleTable()
+        self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit)
+        self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount
+
+    # ------------------------------------------------------------------ attributes
+    def _attributes(self, node: Node) -> Attributes:
+        s = self.settings
+        sf = node.staged
+        if node.is_dir:
+            mode, size, mtime = stat.S_IFDIR | s.dir_mode, 0, node.mtime
+        elif sf is not None and not sf.disposed:
+            mode, size, mtime = stat.S_IFREG | s.file_mode, sf.size, sf.mtime
+        else:
+            assert node.info is not None
+            mode, size, mtime = stat.S_IFREG | s.file_mode, node.info.size, node.info.mtime
+        return Attributes(
+            inode=node.inode,
+            mode=mode,
+            size=size,
+            mtime_ns=int(mtime * 1e9),
+            uid=s.uid,
+            gid=s.gid,
+            nlink=2 if node.is_dir else 1,
+            attr_timeout=s.attr_ttl_s,
+            entry_timeout=s.dir_ttl_s,
+        )
+
+    def _node_for(self, path: str, info: ObjectInfo | None) -> Node:
+        """The node for ``path``, created or updated from the latest listing entry."""
+        node = self.inodes.node_for(path, is_dir=info is None)
+        if info is not None:
+            if info.etag == STAGED_ETAG and self.writeback is not None:
+                # A staged file: its attributes come from staging; node.info stays the store's.
+                self._staged(node)
+                if node.info is None:
+                    node.info = info
+            else:
+                node.info = info
+        return node
+
+    async def _refresh(self, node: Node) -> None:
+        """Bring a file node's ObjectInfo up to date if its attributes expired."""
+        if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
+            return
+        parent, _, name = node.path.rpartition("/")
+        info = await self.listings.lookup(parent, name)
+        if not isinstance(info, ObjectInfo) or info.etag == STAGED_ETAG:
+            # Gone from the store (or became a directory): keep serving what the kernel knows
+            # until it looks the name up again; reads of a deleted object fail with ENOENT.
+            return
+        node.info = info
+
+    # ------------------------------------------------------------------ FUSE operations
+    async def lookup(self, parent_inode: int, name: bytes) -> Attributes:
+        self.stats.lookups += 1
+        parent = self.inodes.get(parent_inode)
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        try:
+            text = name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FsError(errno.ENOENT) from None
+        if text == ".":
+            node = parent
+        elif text == "..":
+            node = self.inodes.at(parent.path.rpartition("/")[0]) or self.inodes.root
+        else:
+            value = await self.listings.lookup(parent.path, text)
+            if value is MISSING:
+                raise FsError(errno.ENOENT)
+            node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
+        node.lookups += 1
+        return self._attributes(node)
+
+    def forget(self, inode: int, nlookup: int) -> None:
+        self.inodes.forget(inode, nlookup)
+
+    def add_lookup(self, inode: int) -> None:
+        """The kernel took a reference through readdirplus."""
+        self.inodes.get(inode).lookups += 1
+
+    async def getattr(self, inode: int) -> Attributes:
+        node = self.inodes.get(inode)
+        await self._refresh(node)
+        return self._attributes(node)
+
+    async def open(self, inode: int, flags: int) -> tuple[FileHandle, bool]:
+        """Open a file; returns the handle and whether the kernel may keep its cached pages."""
+        node = self.inodes.get(inode)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if flags & _WRITE_FLAGS and self.settings.read_only:
+            raise FsError(errno.EROFS)
+        writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        if writable or flags & os.O_TRUNC:
+            self._writer()
+        if self._staged(node) is None:
+            await self._refresh(node)
+        if flags & os.O_TRUNC:
+            await self._truncate_node(node, 0)  # nothing to copy in: the new content starts empty
+        return self._open_handle(node, writable=writable)
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+        handle = self.handles.file(fh)
+        if offset < 0 or size < 0:
+            raise FsError(errno.EINVAL)
+        node = handle.node
+        window = handle.readahead.on_read(offset, size)
+        sf = self._staged(node) if self.writeback is not None else None
+        if sf is not None:
+            data = await self.writeback.read(sf, offset, size)  # type: ignore[union-attr]
+        else:
+            ref = handle.ref
+            if ref is None or handle.local_gen != node.local_gen:
+                # Changed through the mount since this handle took its version: follow the change.
+                if node.info is not None and node.info.etag == STAGED_ETAG:
+                    await self._refresh(node)
+                ref = handle.ref = self._ref(node)
+                handle.local_gen = node.local_gen
+            data = await self.cache.read(ref, offset, size, readahead_bytes=window)
+        self.stats.reads += 1
+        self.stats.read_bytes += len(data)
+        return data
+
+    def release(self, fh: int) -> None:
+        handle = self.handles.pop(fh)
+        if handle is None:
+            return
+        node = handle.node
+        node.open_handles -= 1
+        if isinstance(handle, FileHandleState):
+            if handle.writable:
+                node.writers -= 1
+            if node.staged is not None and self.writeback is not None:
+                # The last handle going commits what close() did not (mmap writeback after close).
+                self.writeback.unhold(node.staged)
+        self.inodes.drop_if_unused(node)
+
+    async def opendir(self, inode: int) -> FileHandle:
+        node = self.inodes.get(inode)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        # A snapshot per handle: offsets stay meaningful while the listing is refreshed.
+        entries = sorted((await self.listings.entries(node.path)).items())
+        node.open_handles += 1
+        return self.handles.add(DirHandleState(node, entries))
+
+    def readdir(self, fh: int, start_id: int) -> Iterator[DirEntry]:
+        """Entries from position ``start_id`` on, made one at a time as the caller takes them.
+
+        The caller reports each one it passed on with ``add_lookup`` (readdirplus hands the kernel
+        a reference). Lazy because the kernel takes a buffer's worth per call and comes back with
+        the next offset: building every remaining entry on each call would cost O(n^2) for a large
+        directory and leave an inode the kernel never heard of (so never forgets) for each of them.
+        The handle is checked now, not on first iteration.
+        """
+        handle = self.handles.directory(fh)
+        return self._dir_entries(handle, start_id)
+
+    def _dir_entries(self, handle: DirHandleState, start_id: int) -> Iterator[DirEntry]:
+        for position in range(start_id, len(handle.entries)):
+            name, info = handle.entries[position]
+            node = self._node_for(join(handle.node.path, name), info)
+            yield DirEntry(encode_name(name), self._attributes(node), position + 1)
+
+    def releasedir(self, fh: int) -> None:
+        self.release(fh)
+
+    def statfs(self) -> StatFs:
+        disk = self.cache.disk
+        capacity = disk.capacity_bytes if disk is not None else self.cache.ram.capacity_bytes
+        used = disk.used_bytes() if disk is not None else self.cache.ram.used_bytes()
+        return StatFs(
+            block_size=STATFS_BLOCK_SIZE,
+            blocks=capacity // STATFS_BLOCK_SIZE,
+            blocks_free=max(0, capacity - used) // STATFS_BLOCK_SIZE,
+            files=len(self.inodes),
+            files_free=0,
+        )
+
+    def getxattr(self, inode: int, name: bytes) -> bytes:
+        node = self.inodes.get(inode)
+        if node.inode == ROOT_INODE and name == CONTROL_XATTR.encode() and self.control_path:
+            return self.control_path.encode()
+        raise FsError(errno.ENODATA)
+
+    def listxattr(self, inode: int) -> list[bytes]:
+        node = self.inodes.get(inode)
+        if node.inode == ROOT_INODE and self.control_path:
+            return [CONTROL_XATTR.encode()]
+        return []
+
+    def refuse_write(self) -> None:
+        """Modifying operations cachefs never supports on any mount (links, symlinks, xattrs) go
+        through here on a read-only mount, so they answer EROFS there as everything else does."""
+        raise FsError(errno.EROFS)
+
+    def unsupported(self, what: str) -> None:
+        """Hard links, symlinks and extended attributes: no object-store equivalent."""
+        if self.settings.read_only or self.writeback is None:
+            raise FsError(errno.EROFS)
+        raise FsError(errno.EPERM if what in ("link", "symlink") else errno.ENOTSUP, f"{what} is not supported")
+
+    # ------------------------------------------------------------------ write-back: wiring and views
+    def attach_writeback(self, writeback: WriteBack) -> None:
+        """Make the mount writable through ``writeback`` (the daemon's write-back feature calls this)."""
+        self.writeback = writeback
+        self.listings.attach_writeback(writeback)
+
+    def _writer(self) -> WriteBack:
+        """The write-back engine, or EROFS: a read-only mount (or one without staging) changes nothing."""
+        if self.settings.read_only or self.writeback is None:
+            raise FsError(errno.EROFS)
+        return self.writeback
+
+    def _staged(self, node: Node) -> StagedFile | None:
+        """The staged file behind a file node, if any (attached lazily: the kernel may have looked the
+        name up before it was written, or after an earlier node for it was forgotten)."""
+        sf = node.staged
+        if sf is not None and sf.disposed:
+            self._set_staged(node, None)
+            sf = None
+        if sf is None and self.writeback is not None and not node.is_dir and not node.deleted:
+            sf = self.writeback.file(node.path)
+            if sf is not None:
+                self._set_staged(node, sf)
+        return sf
+
+    def _set_staged(self, node: Node, sf: StagedFile | None) -> None:
+        """Attach a staged file to a node; the node's open handles hold it (it is kept while they are open)."""
+        old = node.staged
+        if old is sf:
+            return
+        wb = self.writeback
+        if old is not None and wb is not None and node.open_handles:
+            wb.unhold(old, node.open_handles)
+        node.staged = sf
+        if sf is not None and wb is not None and node.open_handles:
+            wb.hold(sf, node.open_handles)
+        node.local_gen += 1
+
+    def _ref(self, node: Node) -> ObjectRef:
+        info = node.info
+        if info is None:
+            raise FsError(errno.ENOENT)
+        return ObjectRef(info.key, info.etag, info.size)
+
+    def _text(self, name: bytes) -> str:
+        """A new name as text: valid UTF-8 (object keys are), and a valid POSIX name."""
+        try:
+            text = name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FsError(errno.EINVAL, "file names must be valid UTF-8 to become object keys") from None
+        reason = invalid_name_reason(text)
+        if reason:
+            raise FsError(errno.ENAMETOOLONG if "longer" in reason else errno.EINVAL, reason)
+        return text
+
+    def _dir(self, inode: int) -> Node:
+        node = self.inodes.get(inode)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        return node
+
+    def _open_handle(self, node: Node, *, writable: bool) -> tuple[FileHandle, bool]:
+        """A new handle; the kernel may keep its cached pages only of an unchanged store version."""
+        sf = self._staged(node)
+        ref: ObjectRef | None = None
+        if sf is not None:
+            keep_cache = False
+            node.page_cache_etag = None  # the kernel's pages are of no store version: never kept
+        else:
+            ref = self._ref(node)
+            keep_cache = node.page_cache_etag == ref.etag
+            node.page_cache_etag = ref.etag
+        self.stats.opens += 1
+        fh = self.handles.add(FileHandleState(
+            node, ref, ReadAhead(self.cache.block_size, self.cache.readahead_limit),
+            writable=writable, local_gen=node.local_gen,
+        ))
+        node.open_handles += 1
+        if writable:
+            node.writers += 1
+        if sf is not None and self.writeback is not None:
+            self.writeback.hold(sf)
+        return fh, keep_cache
+
+    async def _stage_for_write(self, node: Node) -> StagedFile:
+        """The node's staged file, staging the store version (copied in on the first change) if needed."""
+        wb = self._writer()
+        sf = self._staged(node)
+        if sf is not None:
+            return sf
+        if node.deleted:
+            raise FsError(errno.ESTALE, f"/{node.path} was removed")
+        if node.info is not None and node.info.etag == STAGED_ETAG:
+            await self._refresh(node)
+        sf = wb.stage(node.path, self._ref(node))
+        self._set_staged(node, sf)
+        return sf
+
+    async def _truncate_node(self, node: Node, size: int) -> StagedFile:
+        wb = self._writer()
+        sf = self._staged(node)
+        if sf is None and size == 0 and not node.deleted:
+            sf = await wb.create(node.path, may_exist=True)  # nothing to copy in
+            self._set_staged(node, sf)
+            return sf
+        sf = await self._stage_for_write(node)
+        with wb.held(sf):
+            await wb.truncate(sf, size)
+        return sf
+
+    # ------------------------------------------------------------------ write operations
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int) -> tuple[FileHandle, bool, Attributes]:
+        """creat/open(O_CREAT): a new empty file (staged), or the existing one opened with ``flags``."""
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        path = join(parent.path, text)
+        value = await self.listings.lookup(parent.path, text)
+        if value is None:
+            raise FsError(errno.EISDIR)
+        if value is not MISSING:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            node = self._node_for(path, value)  # type: ignore[arg-type]
+            node.lookups += 1
+            fh, keep = await self.open(node.inode, flags)
+            return fh, keep, self._attributes(node)
+        sf = await wb.create(path, may_exist=False)
+        node = self._node_for(path, wb.staged_info(sf))
+        self._set_staged(node, sf)
+        node.lookups += 1
+        self.stats.creates += 1
+        fh, keep = self._open_handle(node, writable=True)
+        return fh, keep, self._attributes(node)
+
+    async def write(self, fh: int, offset: int, data: bytes) -> int:
+        wb = self._writer()
+        handle = self.handles.file(fh)
+        if not handle.writable:
+            raise FsError(errno.EBADF)
+        if offset < 0:
+            raise FsError(errno.EINVAL)
+        sf = await self._stage_for_write(handle.node)
+        written = await wb.write(sf, offset, data)
+        self.stats.writes += 1
+        self.stats.write_bytes += written
+        return written
+
+    async def flush(self, fh: int) -> None:
+        """close(2) of a descriptor: a file written through it is made durable (and, with
+        write-through, uploaded) before close returns."""
+        handle = self.handles.file(fh)
+        if handle.writable and self.writeback is not None:
+            sf = self._staged(handle.node)
+            if sf is not None:
+                await self.writeback.commit(sf)
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        handle = self.handles.file(fh)
+        self.stats.fsyncs += 1
+        if self.writeback is not None:
+            sf = self._staged(handle.node)
+            if sf is not None:
+                await self.writeback.commit(sf)
+
+    async def setattr(
+        self,
+        inode: int,
+        *,
+        size: int | None = None,
+        mtime: float | None = None,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        fh: int | None = None,
+    ) -> Attributes:
+        """truncate/ftruncate, utimens (shown on staged files; the store sets its own LastModified),
+        and chmod/chown only to what is already shown (anything else: EPERM)."""
+        node = self.inodes.get(inode)
+        self._writer()
+        current = self._attributes(node)
+        if (mode is not None and stat.S_IMODE(mode) != stat.S_IMODE(current.mode)) or (
+            uid is not None and uid != current.uid) or (gid is not None and gid != current.gid):
+            raise FsError(errno.EPERM, "cachefs shows fixed owners and modes")
+        if size is not None:
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if size < 0:
+                raise FsError(errno.EINVAL)
+            sf = await self._truncate_node(node, size)
+            self.stats.truncates += 1
+            if fh is None and node.writers == 0 and self.writeback is not None:
+                await self.writeback.commit(sf)  # truncate(2) by path: nothing else will acknowledge it
+        if mtime is not None and not node.is_dir:
+            sf = self._staged(node)
+            if sf is not None and self.writeback is not None:
+                self.writeback.set_mtime(sf, mtime)
+        return self._attributes(node)
+
+    async def mknod(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
+        if not stat.S_ISREG(mode):
+            self._writer()
+            raise FsError(errno.EPERM, "only regular files and directories can be objects")
+        fh, _, attrs = await self.create(parent_inode, name, mode, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        await self.flush(fh)
+        self.release(fh)
+        return attrs
+
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        if await self.listings.lookup(parent.path, text) is not MISSING:
+            raise FsError(errno.EEXIST)
+        path = join(parent.path, text)
+        await wb.mkdir(path)
+        self.stats.mkdirs += 1
+        node = self._node_for(path, None)
+        node.lookups += 1
+        return self._attributes(node)
+
+    async def unlink(self, parent_inode: int, name: bytes) -> None:
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        value = await self.listings.lookup(parent.path, text)
+        if value is MISSING:
+            raise FsError(errno.ENOENT)
+        if value is None:
+            raise FsError(errno.EISDIR)
+        path = join(parent.path, text)
+        node = self.inodes.at(path)
+        if node is not None and node.writers and self._staged(node) is None:
+            await self._stage_for_write(node)  # an open writer keeps writing to it (not copied in yet)
+        staged = value.etag == STAGED_ETAG  # type: ignore[union-attr]
+        await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes
+        await wb.remove(path, may_exist=not staged)
+        self.stats.unlinks += 1
+        if node is not None:
+            self.inodes.unlink(node)
+
+    async def rmdir(self, parent_inode: int, name: bytes) -> None:
+        wb = self._writer()
+        parent = self._dir(parent_inode)
+        text = self._text(name)
+        value = await self.listings.lookup(parent.path, text)
+        if value is MISSING:
+            raise FsError(errno.ENOENT)
+        if value is not None:
+            raise FsError(errno.ENOTDIR)
+        path = join(parent.path, text)
+        if await self.listings.entries(path):
+            raise FsError(errno.ENOTEMPTY)
+        await wb.ensure_dir(parent.path)
+        await wb.rmdir(path)
+        self.stats.rmdirs += 1
+        self.listings.forget_under(path)
+        node = self.inodes.at(path)
+        if node is not None:
+            self.inodes.unlink(node)
+
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int) -> None:
+        """rename(2). Not atomic on an object store (see ``cachefs.fs.rename`` and the README)."""
+        wb = self._writer()
+        if flags & RENAME_EXCHANGE:
+            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
+        src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
+        src_name, dst_name = self._text(old_name), self._text(new_name)
+        if await self.renamer.rename(wb, src_dir.path, src_name, dst_dir.path, dst_name, flags):
+            self.stats.renames += 1

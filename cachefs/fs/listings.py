@@ -1,0 +1,249 @@
+"""The listing cache: what each directory holds, as the store lists it and with pending changes.
+
+Directories are listed lazily, one ``/``-delimited level at a time, and cached for ``dir_ttl_s``.
+Lookups and negative lookups are answered from the parent's listing, so walking a directory costs
+one paginated LIST, not one request per name. Concurrent refreshes of one directory share one LIST.
+If the store cannot be reached, an expired listing is still served (with a warning): cached data
+keeps flowing during an outage. Keys that are not valid POSIX names are skipped (``cachefs.names``),
+and a file whose name is also a directory is hidden (the directory wins).
+
+On a writable mount the pending changes of write-back are overlaid on the store's listing
+(``WriteBack.resolve``/``merge``): ``lookup``, ``entries`` and ``resolve_path`` answer the merged
+view. When a pending change reaches the store, write-back calls ``applied``: the cached listing of
+its directory is patched (the overlay stops covering it now), and so is the node of the file. A
+listing being fetched at that moment is patched when it arrives, from a bounded log of applied
+changes; one that cannot be made exact is answered to its waiters but not cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from cachefs.fs.inodes import InodeTable
+from cachefs.fs.stats import FsStats
+from cachefs.names import WarnOnce, invalid_name_reason
+from cachefs.paths import join
+from cachefs.settings import FsSettings
+from tiering.clock import Clock
+from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
+from tiering.protocols import ObjectInfo, ObjectStore
+from tiering.writeback import MISSING, WriteBack
+
+log = logging.getLogger(__name__)
+
+# The listing cache is bounded by the number of entries it holds across all directories (about
+# 200 bytes each): 500,000 entries is ~100 MiB, enough for several 100,000-entry directories.
+MAX_CACHED_LISTING_ENTRIES = 500_000
+# Store changes remembered for patching listings that were being fetched when the change landed; a
+# LIST outlived by more changes than this is answered but not cached.
+MAX_APPLIED_LOG = 10_000
+
+
+@dataclass
+class Listing:
+    """A cached directory level: name -> ObjectInfo for files, None for directories."""
+
+    entries: dict[str, ObjectInfo | None]
+    expires_at: float
+
+
+def _patch_entries(entries: dict[str, ObjectInfo | None], name: str, info: ObjectInfo | None, marker: bool) -> None:
+    """Apply one store change to a listing: a file put or delete, or a directory marker put."""
+    if marker:
+        if info is not None:
+            entries[name] = None
+    elif info is None:
+        if entries.get(name) is not None:
+            del entries[name]
+    elif entries.get(name, MISSING) is not None:
+        entries[name] = info
+
+
+class ListingCache:
+    """Listings by directory path (LRU, bounded by entries), merged with write-back's pending view.
+
+    It refreshes the file nodes of ``inodes`` from what it lists, so getattr after the TTL sees new
+    sizes and ETags; ``writeback`` is set by ``attach_writeback`` on a writable mount.
+    """
+
+    def __init__(self, store: ObjectStore, clock: Clock, settings: FsSettings, inodes: InodeTable,
+                 stats: FsStats) -> None:
+        self.store = store
+        self.clock = clock
+        self.settings = settings
+        self.inodes = inodes
+        self.stats = stats
+        self.writeback: WriteBack | None = None
+        self.entry_count = 0  # entries held across all cached listings
+        self._listings: OrderedDict[str, Listing] = OrderedDict()
+        self._flights: dict[str, asyncio.Task[Listing]] = {}
+        self._bad_keys = WarnOnce()
+        self._applied_log: deque[tuple[str, str, ObjectInfo | None, bool]] = deque()
+        self._applied_total = 0
+
+    def __len__(self) -> int:
+        return len(self._listings)
+
+    def attach_writeback(self, writeback: WriteBack) -> None:
+        """Overlay ``writeback``'s pending changes, and follow them as they reach the store."""
+        self.writeback = writeback
+        writeback.on_applied = self.applied
+
+    # ------------------------------------------------------------------ the merged view
+    async def lookup(self, path: str, name: str) -> object:
+        """``name`` in directory ``path`` with pending changes applied: info, None (a directory), MISSING."""
+        listing = await self.get(path)
+        stored = listing.entries.get(name, MISSING)
+        if self.writeback is None:
+            return stored
+        return self.writeback.resolve(path, name, stored)
+
+    async def entries(self, path: str) -> dict[str, ObjectInfo | None]:
+        """Everything directory ``path`` holds now, pending changes applied."""
+        listing = await self.get(path)
+        if self.writeback is None:
+            return listing.entries
+        return self.writeback.merge(path, listing.entries)
+
+    async def resolve_path(self, path: str) -> object:
+        """What ``path`` (relative to the root) is in the merged view: info, None (a directory), MISSING."""
+        if path == "":
+            return None
+        parent, _, name = path.rpartition("/")
+        if await self.resolve_path(parent) is not None:
+            return MISSING
+        return await self.lookup(parent, name)
+
+    # ------------------------------------------------------------------ store listings
+    async def get(self, path: str) -> Listing:
+        """The store's listing of directory ``path``, from the cache while it is fresh."""
+        cached = self._listings.get(path)
+        now = self.clock.monotonic()
+        if cached is not None and cached.expires_at > now:
+            self._listings.move_to_end(path)
+            return cached
+        flight = self._flights.get(path)
+        if flight is None:
+            # The LIST runs as its own task, so a caller that is cancelled does not cancel the
+            # listing other lookups of the same directory are waiting for.
+            flight = asyncio.get_running_loop().create_task(self._fetch(path, cached))
+            flight.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._flights[path] = flight
+            flight.add_done_callback(lambda f: self._flights.pop(path, None) if self._flights.get(path) is f else None)
+        return await asyncio.shield(flight)
+
+    async def _fetch(self, path: str, stale: Listing | None) -> Listing:
+        self.stats.listings += 1
+        mark = self._applied_total
+        try:
+            raw = await self.store.list_dir(path + "/" if path else "")
+        except ObjectStoreUnavailableError as exc:
+            self.stats.listing_errors += 1
+            if stale is not None:
+                self.stats.stale_listings_served += 1
+                log.warning("serving cached listing of /%s: %s", path, exc)
+                return stale
+            if self.writeback is not None and self.writeback.created_dir(path):
+                # Made through this mount and not yet in the store: the store has nothing below it.
+                return Listing({}, self.clock.monotonic() + self.settings.dir_ttl_s)
+            raise
+        except ObjectStoreError:
+            self.stats.listing_errors += 1
+            raise
+        entries: dict[str, ObjectInfo | None] = {}
+        for name in raw.dirs:
+            reason = invalid_name_reason(name)
+            if reason:
+                self._skip(join(path, name) + "/", reason)
+                continue
+            entries[name] = None
+        for name, info in raw.files.items():
+            reason = invalid_name_reason(name)
+            if reason:
+                self._skip(join(path, name), reason)
+            elif name in entries:
+                self._skip(join(path, name), "a directory of the same name exists")
+            else:
+                entries[name] = info
+        listing = Listing(entries, self.clock.monotonic() + self.settings.dir_ttl_s)
+        if self._replay_applied(path, listing, mark):
+            self._remember(path, listing)
+        # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
+        for name, info in entries.items():
+            node = self.inodes.at(join(path, name))
+            if node is not None and info is not None and not node.is_dir:
+                node.info = info
+        return listing
+
+    def _remember(self, path: str, listing: Listing) -> None:
+        self.forget(path)
+        if len(listing.entries) > MAX_CACHED_LISTING_ENTRIES:
+            return
+        self._listings[path] = listing
+        self.entry_count += len(listing.entries)
+        while self.entry_count > MAX_CACHED_LISTING_ENTRIES and self._listings:
+            _, evicted = self._listings.popitem(last=False)
+            self.entry_count -= len(evicted.entries)
+
+    def _skip(self, key: str, reason: str) -> None:
+        before = self._bad_keys.count
+        self._bad_keys.warn(key, reason)
+        self.stats.skipped_keys += self._bad_keys.count - before
+
+    def forget(self, path: str) -> None:
+        """Drop the cached listing of ``path`` (the next lookup lists it again)."""
+        old = self._listings.pop(path, None)
+        if old is not None:
+            self.entry_count -= len(old.entries)
+
+    def forget_under(self, path: str) -> None:
+        """Drop the cached listings of ``path`` and of every directory below it."""
+        prefix = path + "/"
+        for cached in [p for p in self._listings if p == path or p.startswith(prefix)]:
+            self.forget(cached)
+
+    # ------------------------------------------------------------------ changes reaching the store
+    def applied(self, key: str, info: ObjectInfo | None) -> None:
+        """A pending change reached the store: bring the cached store listing and the node up to date
+        (the overlay stops covering it now). Listings being fetched right now are patched when they
+        land (``_replay_applied``)."""
+        marker = key.endswith("/")
+        path = key[:-1] if marker else key
+        parent, _, name = path.rpartition("/")
+        self._applied_log.append((parent, name, info, marker))
+        self._applied_total += 1
+        if len(self._applied_log) > MAX_APPLIED_LOG:
+            self._applied_log.popleft()
+        listing = self._listings.get(parent)
+        if listing is not None:
+            if marker and info is None:
+                self.forget(parent)  # other keys may still imply the directory: list again
+            else:
+                before = len(listing.entries)
+                _patch_entries(listing.entries, name, info, marker)
+                self.entry_count += len(listing.entries) - before
+        node = self.inodes.at(path)
+        if not marker and node is not None and not node.is_dir and info is not None:
+            node.info = info
+            node.local_gen += 1
+
+    def _replay_applied(self, path: str, listing: Listing, mark: int) -> bool:
+        """Apply to a listing fetched since ``mark`` the changes that reached the store meanwhile.
+
+        False when it cannot be made exact (too many changes, or a removed directory marker): then
+        the listing is answered to its waiters but not cached.
+        """
+        first = self._applied_total - len(self._applied_log)
+        if mark < first:
+            return False
+        for parent, name, info, marker in itertools.islice(self._applied_log, mark - first, None):
+            if parent != path:
+                continue
+            if marker and info is None:
+                return False
+            _patch_entries(listing.entries, name, info, marker)
+        return True

@@ -1,0 +1,30 @@
+"""The filesystem's counters: one ``FsStats`` per mount, incremented where the event happens.
+
+The inode table, the listing cache and the filesystem operations share one instance; the daemon's
+``/stats`` document (``cachefs.daemon.stats``) and the Prometheus metrics read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FsStats:
+    lookups: int = 0
+    listings: int = 0
+    listing_errors: int = 0
+    stale_listings_served: int = 0
+    opens: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    skipped_keys: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    creates: int = 0
+    unlinks: int = 0
+    mkdirs: int = 0
+    rmdirs: int = 0
+    renames: int = 0
+    truncates: int = 0
+    fsyncs: int = 0
