@@ -299,7 +299,6 @@ class DiskTier:
         stamp = None
         with self._lock:
             self.stats.hits += 1
-            self.stats.hit_bytes += len(data)
             if self._index.get(digest, (0, -1))[1] == gen:
                 self._index.move_to_end(digest)
                 self._known[digest] = key

@@ -32,6 +32,9 @@ class TierStats:
 
     hits: int = 0
     misses: int = 0
+    # Bytes of reads this tier answered: the part of each block the reader asked for, counted by the
+    # engine (which knows the range), not the whole block per lookup; read-ahead loads add nothing
+    # (the read that later uses the block counts it).
     hit_bytes: int = 0
     inserts: int = 0
     evictions: int = 0

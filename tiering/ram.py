@@ -51,7 +51,6 @@ class RamTier:
             return None
         self._blocks.move_to_end(key)
         self.stats.hits += 1
-        self.stats.hit_bytes += len(data)
         return data
 
     def contains(self, key: BlockKey) -> bool:

@@ -114,7 +114,7 @@ class CacheFSCollector(Collector):
         counters = [
             (TIER_HITS_TOTAL, "hits", "Block lookups answered by the tier."),
             (TIER_MISSES_TOTAL, "misses", "Block lookups the tier could not answer."),
-            (TIER_HIT_BYTES_TOTAL, "hit_bytes", "Bytes served by the tier."),
+            (TIER_HIT_BYTES_TOTAL, "hit_bytes", "Bytes of reads the tier answered (the range read, not the whole block)."),
             (TIER_MISS_BYTES_TOTAL, "miss_bytes", "Bytes reads had to load from below the tier because it missed."),
             (TIER_INSERTS_TOTAL, "inserts", "Blocks stored in the tier."),
             (TIER_EVICTIONS_TOTAL, "evictions", "Blocks evicted to make room."),

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
+from tiering.blocks import DEFAULT_BLOCK_SIZE, MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
 from tiering.clock import SystemClock
 from tiering.disk import DiskTier
 from tiering.engine import BlockCache
@@ -339,6 +339,30 @@ async def test_second_read_is_a_ram_hit() -> None:
     assert cache.ram.stats.hits == hits + 3
     assert cache.stats.ram_served == 3
     assert cache.hit_ratio() == pytest.approx(0.5)
+
+
+async def test_hit_bytes_count_the_bytes_served_not_the_whole_block(tmp_path: Path) -> None:
+    """A 4 KiB read of an 8 MiB block is 4096 hit bytes (it was 8 MiB per lookup, issue 12)."""
+    block = DEFAULT_BLOCK_SIZE
+    data = random.Random(7).randbytes(block)
+    store = CountingStore()
+    ref = put(store, "big.bin", data)
+    disk = DiskTier(tmp_path / "disk", 4 * block)
+    settings = CacheSettings(block_size=block, ram_bytes=4 * block, disk_bytes=4 * block)
+    first = BlockCache(settings, store, RamTier(4 * block), disk)
+    assert await first.read(ref, 0, 4096) == data[:4096]  # a fetch: no tier hit
+    assert (first.ram.stats.hit_bytes, disk.stats.hit_bytes) == (0, 0)
+    assert await first.read(ref, 8192, 4096) == data[8192:12288]  # a RAM hit
+    assert (first.ram.stats.hits, first.ram.stats.hit_bytes) == (1, 4096)
+    await first.close()
+
+    second = BlockCache(settings, store, RamTier(4 * block), disk)  # cold RAM, warm disk
+    assert await second.read(ref, block - 4096, 4096) == data[-4096:]  # a disk hit
+    assert (disk.stats.hits, disk.stats.hit_bytes) == (1, 4096)
+    assert second.ram.stats.hit_bytes == 0
+    assert len(store.gets) == 1
+    assert await second.get_block(ref, 0) == data  # a caller of the whole block gets all of it
+    assert second.ram.stats.hit_bytes == block
 
 
 async def test_disk_hit_after_ram_is_cleared_and_promotion_to_ram(tmp_path: Path) -> None:
