@@ -34,11 +34,53 @@ DEFAULT_STATS_ADDR = "127.0.0.1:9750"
 DEFAULT_RENAME_DIR_LIMIT = 10_000
 
 
+# Owner and modes every file and directory shows (``--uid``/``--gid``/``--file-mode``/``--dir-mode``,
+# the names mount-s3 uses). An object store keeps no owners or modes, so the mount shows one owner and
+# one mode per kind; the kernel checks access against them (FUSE ``default_permissions``). The
+# largest id is 2^32 - 2: 2^32 - 1 is ``(uid_t) -1``, which chown(2) reads as "leave unchanged".
+MAX_ID = 2**32 - 2
+MAX_MODE = 0o7777
+DEFAULT_FILE_MODE, DEFAULT_DIR_MODE = 0o644, 0o755
+READ_ONLY_FILE_MODE, READ_ONLY_DIR_MODE = 0o444, 0o555
+
+
+def check_id(name: str, value: object) -> int:
+    """``value`` as a uid or gid, or ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_ID:
+        raise ValueError(f"{name} must be a whole number from 0 to {MAX_ID}, got {value!r}")
+    return value
+
+
+def check_mode(name: str, value: object) -> int:
+    """``value`` as permission bits (0 to 0o7777), or ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MODE:
+        shown = f"{value:o}" if isinstance(value, int) and not isinstance(value, bool) else repr(value)
+        raise ValueError(f"{name} must be an octal mode from 0 to 7777, got {shown}")
+    return value
+
+
+def parse_mode(name: str, text: str) -> int:
+    """An octal mode as users type it (``644``, ``0644``, ``0o644``), or ``ValueError`` naming ``name``."""
+    body = text.strip().lower().removeprefix("0o")
+    if not body or any(ch not in "01234567" for ch in body):
+        raise ValueError(f"{name} must be an octal mode such as 0644, got {text!r}")
+    return check_mode(name, int(body, 8))
+
+
+def parse_id(name: str, text: str) -> int:
+    """A numeric uid or gid, or ``ValueError`` naming ``name`` (names are not looked up: a pod's user
+    often exists only in its image)."""
+    body = text.strip()
+    if not body.isdigit():
+        raise ValueError(f"{name} must be a numeric id from 0 to {MAX_ID}, got {text!r}")
+    return check_id(name, int(body))
+
+
 @dataclass(frozen=True)
 class FsSettings:
     attr_ttl_s: float = DEFAULT_ATTR_TTL_S
     dir_ttl_s: float = DEFAULT_DIR_TTL_S
-    uid: int = field(default_factory=os.getuid)
+    uid: int = field(default_factory=os.getuid)  # the owner every entry shows (default: the mounting user)
     gid: int = field(default_factory=os.getgid)
     # None: 0o444/0o555 on a read-only mount, 0o644/0o755 on a writable one.
     file_mode: int | None = None
@@ -53,10 +95,14 @@ class FsSettings:
                 raise ValueError(f"{name.replace('_s', '').replace('_', '-')} must be between 0 and 86400 seconds")
         if not 0 <= self.rename_dir_limit <= 10_000_000:
             raise ValueError("rename-dir-limit must be between 0 and 10000000 entries")
+        check_id("uid", self.uid)
+        check_id("gid", self.gid)
         if self.file_mode is None:
-            object.__setattr__(self, "file_mode", 0o444 if self.read_only else 0o644)
+            object.__setattr__(self, "file_mode", READ_ONLY_FILE_MODE if self.read_only else DEFAULT_FILE_MODE)
         if self.dir_mode is None:
-            object.__setattr__(self, "dir_mode", 0o555 if self.read_only else 0o755)
+            object.__setattr__(self, "dir_mode", READ_ONLY_DIR_MODE if self.read_only else DEFAULT_DIR_MODE)
+        check_mode("file-mode", self.file_mode)
+        check_mode("dir-mode", self.dir_mode)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from cachefs.settings import parse_id, parse_mode
 from tiering.units import parse_size
 
 
@@ -52,3 +53,19 @@ def address(text: str) -> str:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"invalid address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9750")
     return f"{host or '127.0.0.1'}:{int(port)}"
+
+
+def user_id(text: str) -> int:
+    """``--uid``/``--gid``: a numeric id (the option name is added by argparse)."""
+    try:
+        return parse_id("id", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("id ")) from None
+
+
+def mode(text: str) -> int:
+    """``--file-mode``/``--dir-mode``: octal permission bits."""
+    try:
+        return parse_mode("mode", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("mode ")) from None

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from cachefs import mounts
 from cachefs.client import UsageError, call
-from cachefs.cli.argtypes import address, fraction_or_size, seconds, size
+from cachefs.cli.argtypes import address, fraction_or_size, mode, seconds, size, user_id
 from cachefs.daemon.errors import SetupError
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
@@ -110,7 +110,16 @@ def register(sub: Any) -> None:
                         f"(default {DEFAULT_MAX_PINNED_FRACTION:g}) or a size such as 20GiB")
     m.add_argument("--stats-addr", type=address, default=None, metavar="HOST:PORT",
                    help="also serve /stats and /healthz over HTTP here (loopback unless a host is given)")
-    m.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    m.add_argument("--allow-other", action="store_true",
+                   help="let other users use the mount (the kernel checks them against --uid/--gid and the modes)")
+    m.add_argument("--uid", type=user_id, default=None, metavar="UID",
+                   help="owner of every file and directory (default: the mounting user)")
+    m.add_argument("--gid", type=user_id, default=None, metavar="GID",
+                   help="group of every file and directory (default: the mounting user's group)")
+    m.add_argument("--file-mode", type=mode, default=None, metavar="MODE",
+                   help="permission bits of every file, in octal (default 0644; 0444 with --read-only)")
+    m.add_argument("--dir-mode", type=mode, default=None, metavar="MODE",
+                   help="permission bits of every directory, in octal (default 0755; 0555 with --read-only)")
     m.add_argument("--read-only", action="store_true", default=False,
                    help="read-only mount: every change answers EROFS (default: writable, with write-back)")
     m.add_argument("--write-through", action="store_true", default=False,
@@ -163,8 +172,10 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
             fetch_timeout_s=args.fetch_timeout,
             max_pinned_bytes=_pin_limit(args.max_pinned, args.disk_cache),
         )
+        owner = {name: getattr(args, name) for name in ("uid", "gid", "file_mode", "dir_mode")
+                 if getattr(args, name) is not None}
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
-                        rename_dir_limit=args.rename_dir_limit)
+                        rename_dir_limit=args.rename_dir_limit, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through)
     except ValueError as exc:
