@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.stats import stats_document
 from tiering.latency import LatencyHistogram
+from tiering.writeback.report import STORE_STATES
 
 # ---------------------------------------------------------------------------------------- names
 # Per tier (label "tier": ram, disk).
@@ -79,11 +80,21 @@ FS_LISTING_ERRORS_TOTAL = "cachefs_fs_listing_errors_total"
 FS_SKIPPED_KEYS_TOTAL = "cachefs_fs_skipped_keys_total"
 FS_INODES = "cachefs_fs_inodes"
 FS_OPEN_HANDLES = "cachefs_fs_open_handles"
-# Write-back, exported when the stats document has a "writeback" section (dirty data is staged
-# outside the block cache; see the write-back feature).
-DIRTY_BYTES = "cachefs_dirty_bytes"
-UPLOAD_BACKLOG = "cachefs_upload_backlog"
-UPLOAD_BACKLOG_BYTES = "cachefs_upload_backlog_bytes"
+# Write-back, exported when the stats document has a "writeback" section (a writable mount; dirty
+# data is staged outside the block cache, in space shared with the disk tier).
+DIRTY_BYTES = "cachefs_dirty_bytes"  # written, not yet in the object store
+DIRTY_FILES = "cachefs_dirty_files"
+WRITEBACK_PENDING_OPERATIONS = "cachefs_writeback_pending_operations"  # uploads, deletes, directories
+UPLOADS_IN_FLIGHT = "cachefs_uploads_in_flight"
+UPLOADS_TOTAL = "cachefs_uploads_total"
+UPLOADED_BYTES_TOTAL = "cachefs_uploaded_bytes_total"
+UPLOAD_FAILURES_TOTAL = "cachefs_upload_failures_total"  # failed attempts (each retried)
+OLDEST_DIRTY_AGE_SECONDS = "cachefs_oldest_dirty_age_seconds"
+WRITEBACK_STORE_STATE = "cachefs_writeback_store_state"  # label state; 1 for the current state
+WRITEBACK_STORE_STATES = STORE_STATES
+STAGING_USED_BYTES = "cachefs_staging_used_bytes"
+STAGING_LIMIT_BYTES = "cachefs_staging_limit_bytes"
+WRITEBACK_ENOSPC_TOTAL = "cachefs_writeback_enospc_errors_total"
 
 _REQUESTS_SUFFIX = "_requests"
 
@@ -218,14 +229,35 @@ class CacheFSCollector(Collector):
     def _writeback(section: Any) -> Iterator[Metric]:
         if not isinstance(section, dict):
             return
+
+        def number(field: str) -> float:
+            value = section.get(field, 0)
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
         for name, field, doc in (
             (DIRTY_BYTES, "dirty_bytes", "Written bytes not yet uploaded to the object store."),
-            (UPLOAD_BACKLOG, "upload_backlog", "Files waiting to be uploaded."),
-            (UPLOAD_BACKLOG_BYTES, "upload_backlog_bytes", "Bytes waiting to be uploaded."),
+            (DIRTY_FILES, "dirty_files", "Written files not yet uploaded to the object store."),
+            (WRITEBACK_PENDING_OPERATIONS, "pending_operations",
+             "Changes not yet in the object store: uploads, deletes and directory markers."),
+            (UPLOADS_IN_FLIGHT, "uploads_in_flight", "Uploads (and deletes) running now."),
+            (OLDEST_DIRTY_AGE_SECONDS, "oldest_dirty_age_s", "Age of the oldest change not yet in the object store."),
+            (STAGING_USED_BYTES, "staged_bytes", "Disk space held by staged (dirty) data."),
+            (STAGING_LIMIT_BYTES, "staging_limit_bytes",
+             "Disk space staged data may use (the disk cache's capacity, shared with clean blocks)."),
         ):
-            value = section.get(field)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                yield GaugeMetricFamily(name, doc, value=value)
+            yield GaugeMetricFamily(name, doc, value=number(field))
+        for name, field, doc in (
+            (UPLOADS_TOTAL, "files_uploaded", "Files uploaded to the object store."),
+            (UPLOADED_BYTES_TOTAL, "bytes_uploaded", "Bytes uploaded to the object store."),
+            (UPLOAD_FAILURES_TOTAL, "failed_attempts", "Upload, delete and marker attempts that failed (and are retried)."),
+            (WRITEBACK_ENOSPC_TOTAL, "enospc_errors", "Writes refused with ENOSPC: staging space stayed full."),
+        ):
+            yield CounterMetricFamily(name, doc, value=number(field))
+        state = GaugeMetricFamily(WRITEBACK_STORE_STATE, "Whether uploads reach the object store: 1 for the current state.",
+                                  labels=["state"])
+        for name in WRITEBACK_STORE_STATES:
+            state.add_metric([name], 1.0 if section.get("store_state") == name else 0.0)
+        yield state
 
 
 def make_registry(snapshot: Callable[[], dict[str, Any]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import aiohttp
@@ -13,13 +14,15 @@ from cachefs.daemon import metrics
 from cachefs.daemon.control import ControlServer
 from cachefs.daemon.stats import stats_document
 from cachefs.fs.filesystem import CacheFS
+from cachefs.fs.inodes import ROOT_INODE
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.disk import DiskTier
 from tiering.engine import BlockCache
-from tiering.objectstore.memory import InMemoryObjectStore
+from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.ram import RamTier
 from tiering.settings import CacheSettings
+from tiering.writeback import WriteBack, WriteBackSettings
 
 BS = MIN_BLOCK_SIZE
 
@@ -94,14 +97,59 @@ async def test_metrics_parse_and_match_the_stats_document(fs: CacheFS) -> None:
     assert "process_resident_memory_bytes" in got or "process_cpu_seconds" in got
 
 
-async def test_writeback_section_is_exported_when_present(fs: CacheFS) -> None:
-    def snapshot():
-        return {**stats_document(fs), "writeback": {"dirty_bytes": 5, "upload_backlog": 2}}
+async def test_writeback_series_follow_the_writeback_snapshot(tmp_path: Path) -> None:
+    """Dirty data, uploads, failures, oldest dirty age, store state and staging space (issue 12)."""
+    inner = InMemoryObjectStore()
+    store = FailingObjectStore(inner, fail_writes=True)
+    disk = DiskTier(tmp_path / "c", 64 * BS)
+    cache = BlockCache(CacheSettings(block_size=BS, ram_bytes=8 * BS, disk_bytes=64 * BS), store, RamTier(8 * BS), disk)
+    filesystem = CacheFS(store, cache, FsSettings())
+    wall = [1_700_000_000.0]
+    wb = WriteBack(WriteBackSettings(upload_delay_s=0.0), tmp_path / "c" / "staging", store, cache, disk,
+                   wall=lambda: wall[0])
+    filesystem.attach_writeback(wb)
+    await wb.start()
+    try:
+        fh, _, _ = await filesystem.create(ROOT_INODE, b"f.bin", 0o644, os.O_CREAT | os.O_WRONLY)
+        await filesystem.write(fh, 0, b"12345")
+        await filesystem.flush(fh)
+        filesystem.release(fh)
+        wall[0] += 30
+        assert not (await wb.flush(0.2)).ok  # the store refuses writes
 
-    registry = metrics.make_registry(snapshot, lambda: {}, process=False)
-    got = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
-    assert value(got[metrics.DIRTY_BYTES]) == 5 and value(got[metrics.UPLOAD_BACKLOG]) == 2
-    assert metrics.UPLOAD_BACKLOG_BYTES not in got
+        got = families(filesystem)
+        snap = stats_document(filesystem)["writeback"]
+        assert value(got[metrics.DIRTY_BYTES]) == snap["dirty_bytes"] == 5
+        assert value(got[metrics.DIRTY_FILES]) == snap["dirty_files"] == 1
+        assert value(got[metrics.WRITEBACK_PENDING_OPERATIONS]) == snap["pending_operations"] == 1
+        assert value(got[metrics.OLDEST_DIRTY_AGE_SECONDS]) == snap["oldest_dirty_age_s"] == 30
+        assert value(got[metrics.UPLOADS_IN_FLIGHT]) == snap["uploads_in_flight"]
+        failures = value(got["cachefs_upload_failures"])
+        assert failures == snap["failed_attempts"] >= 1
+        assert got["cachefs_upload_failures"].type == "counter"
+        assert value(got[metrics.WRITEBACK_STORE_STATE], state="unreachable") == 1.0
+        assert value(got[metrics.WRITEBACK_STORE_STATE], state="ok") == 0.0
+        assert value(got[metrics.STAGING_USED_BYTES]) == snap["staged_bytes"] > 0
+        assert value(got[metrics.STAGING_LIMIT_BYTES]) == snap["staging_limit_bytes"] == 64 * BS
+        assert value(got["cachefs_uploads"]) == 0
+
+        store.fail_writes = False
+        wb.poke()
+        assert (await wb.flush(5)).ok
+        got = families(filesystem)
+        assert value(got["cachefs_uploads"]) == 1 and value(got["cachefs_uploaded_bytes"]) == 5
+        assert value(got[metrics.DIRTY_BYTES]) == 0 and value(got[metrics.OLDEST_DIRTY_AGE_SECONDS]) == 0
+        assert value(got[metrics.WRITEBACK_STORE_STATE], state="ok") == 1.0
+        assert value(got[metrics.WRITEBACK_STORE_STATE], state="unreachable") == 0.0
+        assert value(got["cachefs_upload_failures"]) == failures  # a counter never goes back
+    finally:
+        await wb.stop()
+
+
+async def test_a_read_only_mount_has_no_writeback_series(fs: CacheFS) -> None:
+    got = families(fs)
+    assert "writeback" not in stats_document(fs)
+    assert metrics.DIRTY_BYTES not in got and metrics.WRITEBACK_STORE_STATE not in got
 
 
 async def test_metrics_route_is_public(fs: CacheFS, tmp_path: Path) -> None:

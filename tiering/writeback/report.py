@@ -14,6 +14,9 @@ from tiering.writeback.stats import WriteBackStats
 from tiering.writeback.uploader import Uploader
 
 WRITING, DIRTY, UPLOADING, DELETING = "writing", "dirty", "uploading", "deleting"
+# ``store_state``: whether uploads reach the object store now (every state, for the metrics gauge).
+STORE_OK, STORE_UNREACHABLE = "ok", "unreachable"
+STORE_STATES = (STORE_OK, STORE_UNREACHABLE)
 
 
 def entry_status(entry: Entry, uploader: Uploader, *, wall_now: float, now: float) -> dict[str, Any]:
@@ -59,6 +62,7 @@ def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[Stag
         "pending_operations": len(entries),
         "unsynced_files": sum(1 for sf in files if sf.unacked),
         "staged_bytes": space.reserved,
+        "staging_limit_bytes": space.budget.capacity_bytes,  # shared with the disk cache
         "uploads_in_flight": len(uploader.running),
         "failed_attempts": s.failed_attempts,
         "files_uploaded": s.uploads,
@@ -72,7 +76,7 @@ def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[Stag
         "space_waiters": space.waiters,
         "enospc_errors": s.enospc,
         "oldest_dirty_age_s": round(max(0.0, wall_now - oldest), 3) if oldest is not None else 0.0,
-        "store_state": "unreachable" if uploader.store_failures else "ok",
+        "store_state": STORE_UNREACHABLE if uploader.store_failures else STORE_OK,
         "store_error": uploader.store_error,
         "last_error": last_error,
         "replayed": s.replayed,
