@@ -20,6 +20,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Mapping
 
+from cachefs.settings import parse_id, parse_mode
 from tiering.errors import AccessDeniedError, CacheError, ObjectNotFoundError, ObjectStoreUnavailableError
 from tiering.objectstore import open_object_store, parse_source
 from tiering.settings import CacheSettings
@@ -34,6 +35,8 @@ __all__ = [
     "check_cache_options",
     "check_source_access",
     "delete_prefix",
+    "parse_id",
+    "parse_mode",
     "parse_size",
     "validate_source",
 ]

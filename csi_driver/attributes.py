@@ -8,6 +8,9 @@ Three sources of keys:
 - **StorageClass parameters** (CreateVolume): where dynamically provisioned volumes live
   (``bucket``, ``prefix``), what DeleteVolume does (``onDelete``), and the same endpoint and cache
   keys, which are copied into each new volume's context. Parsed by ``parse_provision_parameters``.
+- **Mount options** (``PersistentVolume.spec.mountOptions``, the capability's ``mount_flags``):
+  ``ro``/``rw`` and the owner options under mount-s3's names, ``uid=N``, ``gid=N``,
+  ``file-mode=0644``, ``dir-mode=0755`` (a leading ``--`` is accepted). Parsed by ``parse_mount_flags``.
 - **Secrets** (CSI secrets, FlexVolume ``kubernetes.io/secret/*`` options): ``accessKeyId``,
   ``secretAccessKey``, optional ``sessionToken``. Parsed by ``parse_credentials``.
 
@@ -17,6 +20,13 @@ Parsing is strict: an unknown key (a typo such as ``ramcache``) or a bad value i
 skipped. Secret values are never put in a message or a ``repr``.
 
 Cache options left out mean "``cachefs mount``'s default": the driver does not repeat those defaults.
+
+**Owner and modes** (``uid``, ``gid``, ``fileMode``, ``dirMode`` attributes, or the same as mount
+options; the two may not disagree): what every file and directory of the mount shows; the kernel
+checks pods against them. A pod's ``fsGroup`` reaches the driver as the capability's
+``volume_mount_group`` (the driver advertises ``VOLUME_MOUNT_GROUP``, so the kubelet delegates instead
+of chowning every file): it becomes the gid, and a writable mount becomes group-writable (0664/0775)
+unless the volume sets its modes (``with_mount_group``).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from cachefs import admin
@@ -42,6 +52,10 @@ ATTR_MAX_FETCHES = "maxFetches"  # --max-fetches
 ATTR_ATTR_TTL = "attrTtl"  # --attr-ttl (seconds)
 ATTR_DIR_TTL = "dirTtl"  # --dir-ttl (seconds)
 ATTR_READ_ONLY = "readOnly"  # "true": always mount read-only, whatever the pod asks
+ATTR_UID = "uid"  # --uid: owner of every file and directory (default: root, the node plugin)
+ATTR_GID = "gid"  # --gid (a pod's fsGroup, when it has one, takes its place)
+ATTR_FILE_MODE = "fileMode"  # --file-mode, octal
+ATTR_DIR_MODE = "dirMode"  # --dir-mode, octal
 
 # -------------------------------------------------------------------------- StorageClass parameters
 PARAM_BUCKET = "bucket"
@@ -66,12 +80,23 @@ FLEX_READWRITE = "kubernetes.io/readwrite"  # "rw" or "ro"
 FLEX_FS_TYPE = "kubernetes.io/fsType"
 FLEX_VOLUME_NAME = "kubernetes.io/pvOrVolumeName"
 FLEX_POD_UID = "kubernetes.io/pod.uid"
+FLEX_FS_GROUP = "kubernetes.io/mounterArgs.FsGroup"  # the pod's fsGroup (Kubernetes 1.15 and later)
+
+# Mount options (PersistentVolume mountOptions), named as mount-s3 names them.
+FLAG_READ_ONLY, FLAG_READ_WRITE = "ro", "rw"
+FLAG_UID, FLAG_GID, FLAG_FILE_MODE, FLAG_DIR_MODE = "uid", "gid", "file-mode", "dir-mode"
+OWNER_FLAGS = (FLAG_UID, FLAG_GID, FLAG_FILE_MODE, FLAG_DIR_MODE)
+# Modes of a writable mount shared through a pod's fsGroup: the group may write, as on volumes the
+# kubelet chowns for an fsGroup.
+MOUNT_GROUP_FILE_MODE, MOUNT_GROUP_DIR_MODE = 0o664, 0o775
 
 CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
               ATTR_ATTR_TTL, ATTR_DIR_TTL)
-VOLUME_ATTRIBUTE_KEYS = frozenset({ATTR_SOURCE, ATTR_ENDPOINT_URL, ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS})
+OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
+VOLUME_ATTRIBUTE_KEYS = frozenset({ATTR_SOURCE, ATTR_ENDPOINT_URL, ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS,
+                                   *OWNER_KEYS})
 PROVISION_PARAMETER_KEYS = frozenset({PARAM_BUCKET, PARAM_PREFIX, PARAM_ON_DELETE, ATTR_ENDPOINT_URL,
-                                      ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS})
+                                      ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS, *OWNER_KEYS})
 SECRET_KEYS = frozenset({SECRET_ACCESS_KEY_ID, SECRET_SECRET_ACCESS_KEY, SECRET_SESSION_TOKEN})
 
 # Limits of values we check ourselves (cachefs checks the rest when it builds its settings).
@@ -119,6 +144,52 @@ class CacheOptions:
 
 
 @dataclass(frozen=True)
+class OwnerOptions:
+    """Owner and modes of every entry of the mount; None leaves ``cachefs mount``'s default."""
+
+    uid: int | None = None
+    gid: int | None = None
+    file_mode: int | None = None
+    dir_mode: int | None = None
+
+    def cli_args(self) -> list[str]:
+        out: list[str] = []
+        for flag, value, fmt in (("--uid", self.uid, "d"), ("--gid", self.gid, "d"),
+                                 ("--file-mode", self.file_mode, "04o"), ("--dir-mode", self.dir_mode, "04o")):
+            if value is not None:
+                out += [flag, format(value, fmt)]
+        return out
+
+    def merged(self, other: OwnerOptions, what: str) -> OwnerOptions:
+        """These options plus ``other``'s (mount options); a value set differently in both is refused."""
+        values = {}
+        for name, key, flag in zip(("uid", "gid", "file_mode", "dir_mode"), OWNER_KEYS, OWNER_FLAGS):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None and theirs is not None and mine != theirs:
+                raise invalid(f"volume attribute {key!r} and {what} {flag!r} disagree; set one of them")
+            values[name] = mine if mine is not None else theirs
+        return OwnerOptions(**values)
+
+    def with_mount_group(self, group: int | None, *, read_only: bool) -> OwnerOptions:
+        """The pod's fsGroup as the gid; a writable mount's modes group-writable unless set."""
+        if group is None:
+            return self
+        if read_only:
+            return OwnerOptions(self.uid, group, self.file_mode, self.dir_mode)
+        return OwnerOptions(self.uid, group,
+                            MOUNT_GROUP_FILE_MODE if self.file_mode is None else self.file_mode,
+                            MOUNT_GROUP_DIR_MODE if self.dir_mode is None else self.dir_mode)
+
+
+@dataclass(frozen=True)
+class MountFlags:
+    """What a capability's ``mount_flags`` (PersistentVolume mountOptions) ask for."""
+
+    read_only: bool = False
+    owner: OwnerOptions = field(default_factory=OwnerOptions)
+
+
+@dataclass(frozen=True)
 class VolumeSettings:
     """What NodePublishVolume (or a FlexVolume mount) mounts, from the volume's attributes."""
 
@@ -128,6 +199,7 @@ class VolumeSettings:
     cache: CacheOptions = field(default_factory=CacheOptions)
     read_only: bool = False  # the volume's own readOnly attribute (the request may add read-only)
     ephemeral: bool = False
+    owner: OwnerOptions = field(default_factory=OwnerOptions)
 
 
 @dataclass(frozen=True)
@@ -244,6 +316,59 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
     return options
 
 
+def parse_owner_options(values: Mapping[str, str]) -> OwnerOptions:
+    """The ``uid``/``gid``/``fileMode``/``dirMode`` keys of ``values``, each checked."""
+    def parsed(key: str, parse: Callable[[str, str], int]) -> int | None:
+        if key not in values:
+            return None
+        try:
+            return parse(f"volume attribute {key!r}", values[key])
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+    return OwnerOptions(parsed(ATTR_UID, admin.parse_id), parsed(ATTR_GID, admin.parse_id),
+                        parsed(ATTR_FILE_MODE, admin.parse_mode), parsed(ATTR_DIR_MODE, admin.parse_mode))
+
+
+def parse_mount_flags(flags: Iterable[str]) -> MountFlags:
+    """``ro``/``rw`` and ``uid=``/``gid=``/``file-mode=``/``dir-mode=``; anything else is refused."""
+    read_only = False
+    owner: dict[str, int] = {}
+    parsers = {FLAG_UID: ("uid", admin.parse_id), FLAG_GID: ("gid", admin.parse_id),
+               FLAG_FILE_MODE: ("file_mode", admin.parse_mode), FLAG_DIR_MODE: ("dir_mode", admin.parse_mode)}
+    unknown = []
+    for flag in flags:
+        name, sep, value = flag.removeprefix("--").partition("=")
+        if flag == FLAG_READ_ONLY:
+            read_only = True
+        elif flag == FLAG_READ_WRITE:
+            pass
+        elif sep and name in parsers:
+            field_name, parse = parsers[name]
+            try:
+                number = parse(f"mount option {name!r}", value)
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
+            if owner.setdefault(field_name, number) != number:
+                raise invalid(f"mount option {name!r} is given twice with different values")
+        else:
+            unknown.append(flag)
+    if unknown:
+        raise invalid(f"mount options {', '.join(map(_quote, unknown))} are not supported (only 'ro', 'rw', "
+                      f"{', '.join(f'{n}=' for n in OWNER_FLAGS)}); set cache options as volume attributes")
+    return MountFlags(read_only, OwnerOptions(**owner))
+
+
+def parse_mount_group(value: str, what: str = "volume_capability.mount.volume_mount_group") -> int | None:
+    """A pod's fsGroup as the CO passes it ("" when the pod has none)."""
+    if not value:
+        return None
+    try:
+        return admin.parse_id(what, value)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
 def _check_keys(values: Mapping[str, str], allowed: frozenset[str], what: str) -> None:
     for key in sorted(values):
         if key.startswith(K8S_KEY_PREFIX):
@@ -276,6 +401,7 @@ def parse_volume_attributes(values: Mapping[str, str]) -> VolumeSettings:
         cache=parse_cache_options(values),
         read_only=parse_bool(ATTR_READ_ONLY, values[ATTR_READ_ONLY]) if ATTR_READ_ONLY in values else False,
         ephemeral=values.get(K8S_EPHEMERAL, "").lower() == "true",
+        owner=parse_owner_options(values),
     )
 
 
@@ -304,9 +430,10 @@ def parse_provision_parameters(values: Mapping[str, str]) -> ProvisionSettings:
     endpoint = values.get(ATTR_ENDPOINT_URL) or None
     region = values.get(ATTR_REGION) or None
     parse_cache_options(values)  # refuse bad cache values now, not at every publish
+    parse_owner_options(values)
     if ATTR_READ_ONLY in values:
         parse_bool(ATTR_READ_ONLY, values[ATTR_READ_ONLY])
-    copied = {k: values[k] for k in (*CACHE_KEYS, ATTR_READ_ONLY) if k in values}
+    copied = {k: values[k] for k in (*CACHE_KEYS, ATTR_READ_ONLY, *OWNER_KEYS) if k in values}
     return ProvisionSettings(
         bucket=bucket,
         prefix=prefix,

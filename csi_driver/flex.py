@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import json
 import logging
@@ -39,12 +40,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from csi_driver.attributes import (
+    FLEX_FS_GROUP,
     FLEX_FS_TYPE,
     FLEX_KEY_PREFIX,
     FLEX_READWRITE,
     FLEX_SECRET_PREFIX,
     FLEX_VOLUME_NAME,
     parse_credentials,
+    parse_mount_group,
     parse_volume_attributes,
 )
 from csi_driver.errors import CsiError, invalid
@@ -118,7 +121,10 @@ class FlexDriver:
         self.ops = ops
 
     def init(self) -> dict[str, Any]:
-        return reply(SUCCESS, capabilities={"attach": False})
+        # fsGroup: false - the kubelet must not chown/chmod the bucket for a pod's fsGroup (a walk of
+        # every object, refused by cachefs); it passes the fsGroup in the options, and the mount
+        # shows it as its group (kubernetes.io/mounterArgs.FsGroup, see mount).
+        return reply(SUCCESS, capabilities={"attach": False, "fsGroup": False})
 
     def mount(self, target_dir: str, options_json: str) -> dict[str, Any]:
         target = check_target_path(target_dir, "mount directory")
@@ -132,8 +138,10 @@ class FlexDriver:
         volume = parse_volume_attributes(attributes)
         credentials = parse_credentials(secrets)
         volume_id = flex_volume_id(kubelet, volume.source, volume.endpoint_url)
-        self.ops.publish(PublishRequest(volume_id, target, volume, readwrite == "ro" or volume.read_only,
-                                        credentials))
+        read_only = readwrite == "ro" or volume.read_only
+        group = parse_mount_group(kubelet.get(FLEX_FS_GROUP, ""), FLEX_FS_GROUP)
+        volume = dataclasses.replace(volume, owner=volume.owner.with_mount_group(group, read_only=read_only))
+        self.ops.publish(PublishRequest(volume_id, target, volume, read_only, credentials))
         return reply(SUCCESS)
 
     def unmount(self, target_dir: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from cachefs import mounts
-from csi_driver.attributes import CacheOptions, Credentials
+from csi_driver.attributes import CacheOptions, Credentials, OwnerOptions
 from csi_driver.errors import Code, CsiError
 from csi_driver.redact import REGISTRY
 
@@ -67,6 +67,7 @@ class MountRequest:
     cache: CacheOptions = field(default_factory=CacheOptions)
     read_only: bool = False
     credentials: Credentials | None = field(default=None, repr=False)
+    owner: OwnerOptions = field(default_factory=OwnerOptions)
 
 
 class Mounter(Protocol):
@@ -134,9 +135,11 @@ class CachefsMounter:
         if request.endpoint_url:
             argv += ["--endpoint-url", request.endpoint_url]
         argv += request.cache.cli_args()
+        argv += request.owner.cli_args()
         if request.read_only:
             argv.append("--read-only")
         # Pods run as any uid; without allow_other only root (the node plugin) could enter the mount.
+        # The kernel checks them against the owner and modes (FUSE default_permissions).
         argv += ["--allow-other", "--log-level", self.log_level]
         return argv
 

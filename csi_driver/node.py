@@ -171,6 +171,7 @@ class NodeOps:
                 cache=request.volume.cache,
                 read_only=request.read_only,
                 credentials=request.credentials,
+                owner=request.volume.owner,
             ))
             log.info("published volume %s (%s) at %s%s, cache %s", request.volume_id, request.volume.source,
                      target, " read-only" if request.read_only else "", cache_dir)

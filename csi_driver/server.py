@@ -11,6 +11,7 @@ logged, and error messages are scrubbed before they leave.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -26,8 +27,11 @@ from cachefs import package_version
 from csi_driver import DRIVER_NAME, metrics
 from csi_driver.attributes import (
     Credentials,
+    MountFlags,
     VolumeSettings,
     parse_credentials,
+    parse_mount_flags,
+    parse_mount_group,
     parse_volume_attributes,
 )
 from csi_driver.controller import ControllerOps
@@ -47,9 +51,7 @@ SUPPORTED_MODES = frozenset({
 })
 # fs_type values accepted in a mount capability ("" is the CO's "unspecified").
 FS_TYPES = frozenset({"", "cachefs", "fuse.cachefs"})
-# Mount flags (PersistentVolume mountOptions) that mean something here; others are refused.
-READ_ONLY_FLAGS = frozenset({"ro"})
-KNOWN_FLAGS = READ_ONLY_FLAGS | {"rw"}
+# Mount flags (PersistentVolume mountOptions): ro/rw and the owner options (attributes.parse_mount_flags).
 # Calls the sidecars make every few seconds (liveness probes, registration): their successes are
 # logged at DEBUG so the INFO log shows volume operations.
 QUIET_METHODS = frozenset({"Probe", "GetPluginInfo", "GetPluginCapabilities", "NodeGetCapabilities",
@@ -106,10 +108,11 @@ def capability_problem(capability: Any) -> str | None:
         return "volume_capability must have access_type mount"
     if capability.mount.fs_type not in FS_TYPES:
         return f"fs_type {capability.mount.fs_type!r} is not supported (leave it empty)"
-    unknown = [flag for flag in capability.mount.mount_flags if flag not in KNOWN_FLAGS]
-    if unknown:
-        return (f"mount options {', '.join(map(repr, unknown))} are not supported (only 'ro'); "
-                "set cache options as volume attributes")
+    try:
+        parse_mount_flags(capability.mount.mount_flags)
+        parse_mount_group(capability.mount.volume_mount_group)
+    except CsiError as exc:
+        return exc.message
     return None
 
 
@@ -119,9 +122,8 @@ def _check_capability(capability: Any, field: str) -> None:
         raise invalid(problem if problem.startswith(field) else f"{field}: {problem}")
 
 
-def _is_read_only(capability: Any) -> bool:
-    return (capability.access_mode.mode in READ_ONLY_MODES
-            or any(flag in READ_ONLY_FLAGS for flag in capability.mount.mount_flags))
+def _is_read_only(capability: Any, flags: MountFlags) -> bool:
+    return capability.access_mode.mode in READ_ONLY_MODES or flags.read_only
 
 
 # --------------------------------------------------------------------------------------- services
@@ -178,7 +180,12 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         _check_capability(request.volume_capability, "volume_capability")
         volume: VolumeSettings = parse_volume_attributes(dict(request.volume_context))
         credentials = _credentials(request.secrets)
-        read_only = request.readonly or volume.read_only or _is_read_only(request.volume_capability)
+        flags = parse_mount_flags(request.volume_capability.mount.mount_flags)
+        read_only = request.readonly or volume.read_only or _is_read_only(request.volume_capability, flags)
+        # The pod's fsGroup, delegated to the driver (VOLUME_MOUNT_GROUP): the mount's group.
+        group = parse_mount_group(request.volume_capability.mount.volume_mount_group)
+        owner = volume.owner.merged(flags.owner, "mount option").with_mount_group(group, read_only=read_only)
+        volume = dataclasses.replace(volume, owner=owner)
         self.ops.publish(PublishRequest(volume_id, target, volume, read_only, credentials))
         return csi_pb2.NodePublishVolumeResponse()
 
@@ -192,7 +199,12 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     @rpc
     def NodeGetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
         # No STAGE_UNSTAGE_VOLUME: each publish is its own cachefs daemon (see node.py).
-        return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[])
+        # VOLUME_MOUNT_GROUP: the kubelet passes a pod's fsGroup to NodePublishVolume (with the
+        # CSIDriver's fsGroupPolicy: File) instead of chowning every file of the bucket itself.
+        rpc_type = csi_pb2.NodeServiceCapability.RPC
+        return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[
+            csi_pb2.NodeServiceCapability(rpc=rpc_type(type=rpc_type.VOLUME_MOUNT_GROUP)),
+        ])
 
     @rpc
     def NodeGetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:

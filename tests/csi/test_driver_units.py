@@ -322,7 +322,7 @@ def test_admin_validation_matches_cachefs() -> None:
 def test_flex_driver_over_the_fake_mounter(node, tmp_path: Path) -> None:
     ops, fake = node
     flex = FlexDriver(ops)
-    assert flex.run(["init"]) == {"status": "Success", "capabilities": {"attach": False}}
+    assert flex.run(["init"]) == {"status": "Success", "capabilities": {"attach": False, "fsGroup": False}}
     target = tmp_path / "pods" / "uid" / "volumes" / "cachefs.io~cachefs" / "data"
     options = {"source": "s3://bucket/data", "ramCache": "512MiB", "kubernetes.io/readwrite": "ro",
                "kubernetes.io/fsType": "", "kubernetes.io/pvOrVolumeName": "data",
@@ -340,6 +340,63 @@ def test_flex_driver_over_the_fake_mounter(node, tmp_path: Path) -> None:
     assert bad["status"] == "Failure" and "ramCache" in bad["message"]
     bad = flex.run(["mount", str(target), json.dumps({**options, "kubernetes.io/secret/secretAccessKey": "%%%"})])
     assert bad["status"] == "Failure" and SECRET not in json.dumps(bad)
+
+
+def test_flex_passes_owner_options_and_the_pods_fs_group(node, tmp_path: Path) -> None:
+    ops, fake = node
+    flex = FlexDriver(ops)
+    target = tmp_path / "pods" / "uid2" / "volumes" / "cachefs.io~cachefs" / "data"
+    options = {"source": "s3://bucket/data", "uid": "1000", "kubernetes.io/readwrite": "rw",
+               "kubernetes.io/mounterArgs.FsGroup": "2000"}
+    assert flex.run(["mount", str(target), json.dumps(options)]) == {"status": "Success"}
+    assert fake.mounts[target].owner == attrs.OwnerOptions(1000, 2000, 0o664, 0o775)
+    assert flex.run(["unmount", str(target)]) == {"status": "Success"}
+    bad = flex.run(["mount", str(target), json.dumps({**options, "kubernetes.io/mounterArgs.FsGroup": "x"})])
+    assert bad["status"] == "Failure" and "FsGroup" in bad["message"]
+
+
+# --------------------------------------------------------------------------------------- owner
+def test_owner_attributes_and_mount_flags_parse_and_merge() -> None:
+    settings = attrs.parse_volume_attributes({"source": "s3://bucket/x", "uid": "1000", "fileMode": "640"})
+    assert settings.owner == attrs.OwnerOptions(uid=1000, file_mode=0o640)
+    flags = attrs.parse_mount_flags(["ro", "--gid=2000", "dir-mode=0750", "uid=1000"])
+    assert flags.read_only and flags.owner == attrs.OwnerOptions(1000, 2000, None, 0o750)
+    merged = settings.owner.merged(flags.owner, "mount option")
+    assert merged == attrs.OwnerOptions(1000, 2000, 0o640, 0o750)
+    assert merged.cli_args() == ["--uid", "1000", "--gid", "2000", "--file-mode", "0640", "--dir-mode", "0750"]
+    assert attrs.OwnerOptions().cli_args() == []
+    # fsGroup: the group, and group-writable modes where the volume set none (not on read-only mounts).
+    assert attrs.OwnerOptions(uid=5).with_mount_group(7, read_only=False) == attrs.OwnerOptions(5, 7, 0o664, 0o775)
+    assert attrs.OwnerOptions(file_mode=0o600).with_mount_group(7, read_only=False).file_mode == 0o600
+    assert attrs.OwnerOptions().with_mount_group(7, read_only=True) == attrs.OwnerOptions(gid=7)
+    assert attrs.OwnerOptions(gid=1).with_mount_group(None, read_only=False) == attrs.OwnerOptions(gid=1)
+    provisioned = attrs.parse_provision_parameters({"bucket": "bucket", "uid": "1000", "dirMode": "0770"})
+    assert provisioned.cache_attributes == {"uid": "1000", "dirMode": "0770"}
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: attrs.parse_volume_attributes({"source": "s3://b12/x", "uid": "-1"}), "'uid'"),
+    (lambda: attrs.parse_volume_attributes({"source": "s3://b12/x", "gid": "4294967295"}), "'gid'"),
+    (lambda: attrs.parse_volume_attributes({"source": "s3://b12/x", "fileMode": "8"}), "'fileMode'"),
+    (lambda: attrs.parse_provision_parameters({"bucket": "b12", "dirMode": "x"}), "'dirMode'"),
+    (lambda: attrs.parse_mount_flags(["uid=1", "uid=2"]), "twice"),
+    (lambda: attrs.parse_mount_flags(["gid"]), "'gid'"),
+    (lambda: attrs.parse_mount_flags(["allow-other"]), "'allow-other'"),
+    (lambda: attrs.OwnerOptions(uid=1).merged(attrs.OwnerOptions(uid=2), "mount option"), "disagree"),
+    (lambda: attrs.parse_mount_group("-5"), "volume_mount_group"),
+])
+def test_bad_owner_values_are_refused(call, fragment) -> None:
+    code, message = code_of(call)
+    assert code is Code.INVALID_ARGUMENT and fragment in message, message
+
+
+def test_cachefs_mounter_passes_the_owner_options(tmp_path: Path) -> None:
+    request = MountRequest(source="s3://bucket/x", target=tmp_path / "t", cache_dir=tmp_path / "c",
+                           owner=attrs.OwnerOptions(uid=65534, gid=65534, file_mode=0o664, dir_mode=0o775))
+    argv = CachefsMounter(command=["cachefs"], environ={}).mount_argv(request)
+    assert argv[argv.index("--uid") + 1] == "65534" and argv[argv.index("--gid") + 1] == "65534"
+    assert argv[argv.index("--file-mode") + 1] == "0664" and argv[argv.index("--dir-mode") + 1] == "0775"
+    assert "--allow-other" in argv
 
 
 # --------------------------------------------------------------------------------------- metrics

@@ -38,7 +38,7 @@ def flex_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_init_and_unsupported_calls(flex_env) -> None:
-    assert run_flex(flex_env, "init") == (0, {"status": "Success", "capabilities": {"attach": False}})
+    assert run_flex(flex_env, "init") == (0, {"status": "Success", "capabilities": {"attach": False, "fsGroup": False}})
     for argv in (["attach", "{}", "node-1"], ["getvolumename", "{}"], ["mountdevice", "/x", "/y", "{}"]):
         code, reply = run_flex(flex_env, *argv)
         assert code == 1 and reply["status"] == "Not supported"

@@ -24,7 +24,6 @@ import yaml
 
 from csi_driver import DRIVER_NAME, attributes
 from csi_driver.main import build_parser
-from csi_driver.server import KNOWN_FLAGS
 from tests.csi.kustomize import kustomize_build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +113,8 @@ def test_driver_name_and_capabilities_are_consistent(base_objects) -> None:
     assert driver["metadata"]["name"] == DRIVER_NAME
     assert driver["spec"]["attachRequired"] is False and driver["spec"]["podInfoOnMount"] is True
     assert set(driver["spec"]["volumeLifecycleModes"]) == {"Persistent", "Ephemeral"}
+    # fsGroup is delegated to the driver (VOLUME_MOUNT_GROUP), which needs a policy other than None.
+    assert driver["spec"]["fsGroupPolicy"] == "File"
     (storage_class,) = by_kind(base_objects, "StorageClass")
     assert storage_class["provisioner"] == DRIVER_NAME
     (daemonset,) = by_kind(base_objects, "DaemonSet")
@@ -164,7 +165,7 @@ def test_example_volume_attributes_and_options_parse() -> None:
         for doc in documents:
             if doc["kind"] == "PersistentVolume":
                 attributes.parse_volume_attributes(doc["spec"]["csi"]["volumeAttributes"])
-                assert set(doc["spec"].get("mountOptions", [])) <= KNOWN_FLAGS
+                attributes.parse_mount_flags(doc["spec"].get("mountOptions", []))  # refuses unknown options
                 seen += 1
             if doc["kind"] in ("Pod", "Job"):
                 for volume in pod_volumes(doc) if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]["volumes"]:
