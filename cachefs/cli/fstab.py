@@ -38,7 +38,7 @@ def translate(source: str, mountpoint: str, options: Sequence[str]) -> list[str]
     """``cachefs`` argv for ``mount.cachefs SOURCE MOUNTPOINT -o OPTIONS``; UsageError for a bad option."""
     from cachefs.cli.main import build_parser, subcommand_parser
 
-    by_name = {}
+    by_name: dict[str, argparse.Action] = {}
     for action in subcommand_parser(build_parser(), "mount")._actions:
         option = long_option(action)
         if option is not None:
@@ -50,11 +50,11 @@ def translate(source: str, mountpoint: str, options: Sequence[str]) -> list[str]
             continue
         key, has_value, value = item.partition("=")
         name = ALIASES.get(key, key.replace("_", "-"))
-        action = by_name.get(name)
-        if action is None or name in REFUSED:
+        found = by_name.get(name)
+        if found is None or name in REFUSED:
             raise UsageError(f"unknown mount option {key!r} (see 'cachefs mount --help'; write ram_cache=2GiB "
                              f"for --ram-cache 2GiB)")
-        if action.nargs == 0:
+        if found.nargs == 0:
             if has_value:
                 raise UsageError(f"mount option {key!r} takes no value")
             argv.append(f"--{name}")

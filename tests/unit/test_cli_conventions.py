@@ -316,3 +316,17 @@ def test_a_second_mount_of_a_held_source_is_refused_before_any_log(tmp_path: Pat
 def test_usage_error_type_is_shared() -> None:
     with pytest.raises(UsageError):
         fstab.translate("s3://bucket-b/p", "/mnt/x", ["nope"])
+
+
+def test_the_readme_fstab_line_and_systemd_unit_translate() -> None:
+    root = Path(__file__).parents[2]
+    readme = root / "README.md"
+    [line] = [ln for ln in readme.read_text().splitlines() if ln.startswith("s3://") and " cachefs " in ln]
+    source, mountpoint, fstype, options, _dump, _pass = line.split()
+    assert fstype == "cachefs"
+    argv = fstab.translate(source, mountpoint, options.split(","))
+    assert build_parser().parse_args(argv).read_only is True
+    unit = dict(ln.split("=", 1) for ln in (root / "docs/systemd/mnt-data.mount").read_text().splitlines()
+                if "=" in ln and not ln.startswith("#"))
+    assert unit["Type"] == "cachefs"
+    assert build_parser().parse_args(fstab.translate(unit["What"], unit["Where"], unit["Options"].split(",")))
