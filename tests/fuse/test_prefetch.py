@@ -200,7 +200,7 @@ def test_interrupted_prefetch_resumes_with_only_the_rest(seaweed, bucket: str, m
     m = mounter.mount(f"s3://{bucket}/ds", "--block-size", "64KiB", env=s3env(seaweed))
     sock = socket_of(m)
     proc = subprocess.Popen([*CLI, "prefetch", str(m.path), "d", "-r", "--parallel", "1"], env={**os.environ, **m.env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=m.path)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
