@@ -3,11 +3,16 @@
 The CLI finds a running cachefs from the mountpoint alone: the mount table says whether a path is a
 cachefs mount (``fuse.cachefs``), and the daemon publishes its control socket as an extended
 attribute of the mount's root directory.
+
+A daemon holds an ``flock`` on ``LOCK_FILENAME`` in its source's cache directory (taken in
+``cachefs.daemon.main``); ``cache_dir_holder`` lets ``cachefs mount`` see that the source is already
+mounted before it starts a daemon, so a refused second mount never touches the live mount's log.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +22,26 @@ FSTYPE = "fuse.cachefs"
 # it, the filesystem answers it). Here, beside FSTYPE, so finding a mount imports no filesystem.
 CONTROL_XATTR = "user.cachefs.control"
 MOUNTINFO = Path("/proc/self/mountinfo")
+LOCK_FILENAME = "lock"
+
+
+def cache_dir_holder(directory: Path) -> str | None:
+    """The pid (as written) of the daemon holding ``directory``'s lock, or None when it is free.
+
+    Only probes: the lock is taken and released at once, and a missing directory is free."""
+    try:
+        handle = open(directory / LOCK_FILENAME, "r")
+    except OSError:
+        return None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return handle.read().strip() or "another process"
+        except OSError:
+            return None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
 
 
 @dataclass(frozen=True)

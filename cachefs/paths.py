@@ -1,8 +1,10 @@
 """Paths inside a mount, as requests to the daemon carry them: relative to the mount root.
 
 Requests carry paths relative to the mount root (``""`` is the root). The CLI turns what a user
-typed into that form with ``mount_relative``: relative paths are taken relative to the mountpoint,
-absolute ones must lie inside it, and ``..`` that climbs out of the mount is refused, never clamped.
+typed into that form with ``mount_relative``: a path means what it means in a shell (relative paths
+are taken relative to the working directory, which the caller passes in), it must lie inside the
+mount, and ``..`` that climbs out of the mount is refused, never clamped. Manifest lines are relative
+to the mount root: the CLI passes the mountpoint itself as their ``cwd``.
 The daemon re-checks the result with ``check_path`` (API clients are not the CLI). Both sides share
 this module, so the syntax is defined once; it imports nothing but the naming rules.
 """
@@ -18,16 +20,16 @@ class PathError(ValueError):
     """A path that is malformed, outside the mount, or not there. One-line message."""
 
 
-def mount_relative(path: str, mountpoint: str) -> str:
-    """``path`` (relative to the mountpoint, or absolute inside it) as a path relative to the mount root.
+def mount_relative(path: str, mountpoint: str, cwd: str) -> str:
+    """``path`` (relative to ``cwd``, or absolute) as a path relative to the mount root.
 
     Purely lexical (nothing is stat'ed): ``..`` is resolved against the path itself, and a result
-    outside the mount is refused with ``PathError``.
+    outside the mount is refused with ``PathError`` naming the path as typed.
     """
     if path == "" or "\x00" in path:
         raise PathError(f"invalid path {path!r}")
-    root = os.path.normpath(os.path.abspath(mountpoint))
-    full = os.path.normpath(path if os.path.isabs(path) else os.path.join(root, path))
+    root = os.path.normpath(os.path.join(cwd, mountpoint))
+    full = os.path.normpath(os.path.join(cwd, path))
     if full == root:
         return ""
     if not full.startswith(root.rstrip("/") + "/"):

@@ -99,6 +99,19 @@ ENOSPC. ``force`` (start-up replay of staged data) reserves even beyond the capa
 acknowledged data must not be dropped when the capacity was lowered; block puts are then refused
 until uploads bring usage back under it.
 
+Minimum free space
+------------------
+``min_free_bytes`` (``--min-free-space``, as rclone's ``--vfs-cache-min-free-space``) keeps the
+filesystem of the cache from filling up because of other writers on it: before a put or a staged
+reservation, the tier asks ``free_space()`` (a callable passed in, ``os.statvfs`` in the daemon, a
+fake in tests) and, when writing ``n`` bytes would leave less than the minimum, evicts clean,
+unpinned blocks for the shortfall as well, in the same pass as the watermark eviction. A block put
+that still cannot keep the minimum is declined (counted in ``stats.rejected``: the block is clean and
+stays in the store); a staged reservation is not refused for it (acknowledged writes are bounded by
+the capacity and ``--dirty-wait``, not by a figure other programs move). One ``statvfs`` per put is
+a few microseconds against the milliseconds of writing a block. A probe that fails counts as
+"enough room": a broken probe must not turn into misses.
+
 One cache directory belongs to one process at a time; two daemons sharing one would evict each
 other's files without knowing it.
 """
@@ -114,7 +127,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tiering.blocks import BlockKey
 from tiering.checksum import crc32
@@ -188,6 +201,13 @@ def check_cache_dir(path: Path) -> None:
         raise OSError(exc.errno, f"cache directory {path} is not writable: {exc.strerror or exc}") from exc
 
 
+def filesystem_free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (``f_bavail``), the
+    probe the daemon passes as ``free_space``: the root-reserved blocks stay for the system."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def object_footprint(key: str, etag: str, size: int, block_size: int) -> int:
     """Bytes on disk of every block of one object version: data plus one header per block.
 
@@ -221,9 +241,13 @@ class DiskTier:
         clock: Clock = SystemClock(),
         name: str = "disk",
         pinned: Iterable[BlockKey] = (),
+        min_free_bytes: int = 0,
+        free_space: Callable[[], int] | None = None,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
+        if min_free_bytes < 0:
+            raise ValueError(f"{name} tier minimum free space must not be negative, got {min_free_bytes}")
         if not 0 < low_watermark < high_watermark <= 1:
             raise ValueError(
                 f"{name} tier watermarks must satisfy 0 < low < high <= 1, got low={low_watermark} high={high_watermark}"
@@ -238,6 +262,8 @@ class DiskTier:
         self._blocks_dir = self.directory / BLOCKS_DIRNAME
         self._high_bytes = int(capacity_bytes * high_watermark)
         self._low_bytes = int(capacity_bytes * low_watermark)
+        self.min_free_bytes = min_free_bytes
+        self._free_space = free_space
 
         self._lock = threading.Lock()
         # digest -> (file size, generation), least recently used first. The generation tells a
@@ -336,6 +362,7 @@ class DiskTier:
             return False
         if not self.health.usable():
             return False
+        shortfall = self._free_shortfall(size)
         with self._lock:
             if digest in self._busy:
                 return False  # another thread is writing or deleting this block: let it finish
@@ -345,10 +372,9 @@ class DiskTier:
                 if digest in self._pinned:
                     self._pinned_used -= old[0]
                 self._known.pop(digest, None)
-            victims: list[str] = []
-            if self._used + size > self._high_bytes:
-                victims = self._evict_until(self._low_bytes - size)
-            fits = self._used + size <= self.capacity_bytes
+            before = self._used
+            victims = self._make_room(size, shortfall)
+            fits = self._used + size <= self.capacity_bytes and before - self._used >= shortfall
             if fits:
                 self._used += size  # reserved now, so concurrent writers can never overshoot
             else:
@@ -401,10 +427,9 @@ class DiskTier:
         """Reserve room for staged (dirty) bytes, evicting clean blocks as a put does; see the docstring."""
         if nbytes < 0:
             raise ValueError("cannot reserve a negative number of bytes")
+        shortfall = self._free_shortfall(nbytes)
         with self._lock:
-            victims: list[str] = []
-            if self._used + nbytes > self._high_bytes:
-                victims = self._evict_until(self._low_bytes - nbytes)
+            victims = self._make_room(nbytes, shortfall)
             fits = self._used + nbytes <= self.capacity_bytes
             if fits or force:
                 self._used += nbytes
@@ -489,6 +514,28 @@ class DiskTier:
         )
 
     # -- eviction (call with the lock held) -----------------------------------------------------
+
+    def _make_room(self, nbytes: int, shortfall: int) -> list[str]:
+        """Evict for an insert of ``nbytes``: a batch down to the low watermark past the high one, and
+        at least ``shortfall`` bytes for the minimum free space. Returns the victims to unlink."""
+        targets = []
+        if self._used + nbytes > self._high_bytes:
+            targets.append(self._low_bytes - nbytes)
+        if shortfall > 0:
+            targets.append(self._used - shortfall)
+        return self._evict_until(min(targets)) if targets else []
+
+    def _free_shortfall(self, nbytes: int) -> int:
+        """Bytes to free so that writing ``nbytes`` leaves ``min_free_bytes`` free (0: enough room).
+
+        Called without the lock: the probe is a system call."""
+        if self.min_free_bytes <= 0 or self._free_space is None:
+            return 0
+        try:
+            free = self._free_space()
+        except OSError:
+            return 0  # see "Minimum free space": a failing probe is not a reason to miss
+        return max(0, self.min_free_bytes - (free - nbytes))
 
     def _evictable(self, digest: str) -> bool:
         """Whether eviction may take ``digest``: not being written or deleted, and not pinned."""

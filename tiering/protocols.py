@@ -200,8 +200,11 @@ class ObjectStore(Protocol):
 
     stats: ObjectStoreStats
 
-    async def check(self) -> None:
-        """Verify the root is reachable and readable; raise a ``tiering.errors`` error otherwise."""
+    async def check(self) -> bool:
+        """Verify the root is reachable and readable; raise a ``tiering.errors`` error otherwise.
+
+        Returns whether the root holds anything (an object or a directory marker): an empty root at
+        mount is likely a typo in the prefix, worth a warning. Answered by the same one request."""
 
     async def list_dir(self, prefix: str) -> Listing:
         """List one level under ``prefix`` (``""`` for the root, else ending in ``/``), all pages."""

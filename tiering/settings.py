@@ -45,6 +45,9 @@ class CacheSettings:
     fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
     # Upper bound on pinned bytes (footprint on the disk tier); None: DEFAULT_MAX_PINNED_FRACTION of it.
     max_pinned_bytes: int | None = None
+    # The disk tier evicts clean blocks when its filesystem's free space would fall below this
+    # (rclone's --vfs-cache-min-free-space); 0: only the capacity bounds it.
+    disk_min_free_bytes: int = 0
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -55,7 +58,7 @@ class CacheSettings:
         out: list[str] = []
         if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
             out.append(f"block size {self.block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}] bytes")
-        if self.ram_bytes < 0 or self.disk_bytes < 0:
+        if self.ram_bytes < 0 or self.disk_bytes < 0 or self.disk_min_free_bytes < 0:
             out.append("cache sizes must not be negative")
         if 0 < self.ram_bytes < self.block_size:
             out.append(f"RAM cache ({self.ram_bytes} bytes) is smaller than one block ({self.block_size} bytes)")

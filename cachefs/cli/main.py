@@ -9,6 +9,11 @@ is the one command that runs the daemon itself (``cachefs.cli.mount``).
 Commands: ``mount`` and ``unmount`` (``cachefs.cli.mount``), ``stats`` (``cachefs.cli.stats``),
 ``prefetch``/``snapshot``/``unpin``/``evict`` (``cachefs.cli.prefetch``), ``flush``/``status``
 (``cachefs.cli.writeback``). Each module's ``register(subparsers)`` adds its parsers.
+
+Conventions: ``cachefs --version``; a bare ``cachefs`` prints the help on stderr and exits 2, as
+argparse does for a missing argument; every ``cachefs mount`` option may also come from a
+``CACHEFS_*`` environment variable, and a flag on the command line wins (``cachefs.cli.environment``).
+The ``mount.cachefs`` helper for /etc/fstab is ``cachefs.cli.fstab``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import os
 import sys
 from typing import Sequence
 
+from cachefs import package_version
 from cachefs.cli import mount, prefetch, stats, writeback
+from cachefs.cli.environment import apply_environment, defer_defaults
 from cachefs.client import UsageError
 
 # Modules that add subcommands, in the order ``cachefs --help`` lists them: each has
@@ -34,18 +41,35 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.")
+    parser.add_argument("--version", action="version", version=f"cachefs {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in COMMANDS:
         command.register(sub)
     return parser
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (argparse keeps them in its subparsers action)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise KeyError(name)
+
+
 def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     environ = dict(os.environ if environ is None else environ)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not argv:
+        sys.stderr.write(parser.format_help())
+        return 2
+    mount_parser = subcommand_parser(parser, "mount")
+    mount_defaults = defer_defaults(mount_parser)
+    args = parser.parse_args(argv)
     try:
         if args.command == "mount":
+            apply_environment(args, mount_parser, mount_defaults, environ)
             return mount.cmd_mount(args, argv, environ)
         if args.command in ("unmount", "umount"):
             return mount.cmd_unmount(args)

@@ -2,7 +2,11 @@
 
 ``cachefs mount`` without ``--foreground`` starts the same command with ``--foreground`` as a
 detached child (its own session, output to a log file), and waits until the child reports through a
-pipe that the mount is live, or why it is not. Credentials reach the child only through the
+pipe that the mount is live, or why it is not: ``WARN <line>`` lines (shown as
+``cachefs: warning: ...``), then ``OK`` or ``ERR <reason>``. On success it prints one line naming
+the source, the mountpoint and the daemon's log file. Before starting a daemon it refuses, with one
+line each, caches that cannot fit (``cachefs.cli.resources``) and a source whose cache directory
+another daemon holds, so a refused second mount never writes into the live mount's log. Credentials reach the child only through the
 inherited environment (the standard AWS variables and config files), never through its arguments.
 The foreground command runs the daemon (``cachefs.daemon.main.serve``), imported only then: it
 brings pyfuse3, the filesystem and the engine, which no other command needs.
@@ -28,6 +32,7 @@ from typing import Any, Sequence
 from cachefs import mounts
 from cachefs.client import UsageError, call
 from cachefs.cli.argtypes import address, fraction_or_size, mode, seconds, size, user_id
+from cachefs.cli.resources import check_resources
 from cachefs.daemon.errors import SetupError
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
@@ -89,6 +94,9 @@ def register(sub: Any) -> None:
                    help=f"RAM tier capacity, e.g. 2GiB (default {format_size(DEFAULT_RAM_BYTES)}; 0 disables)")
     m.add_argument("--disk-cache", type=size, default=DEFAULT_DISK_BYTES, metavar="SIZE",
                    help=f"disk tier capacity (default {format_size(DEFAULT_DISK_BYTES)}; 0 disables)")
+    m.add_argument("--min-free-space", type=size, default=0, metavar="SIZE",
+                   help="the disk tier evicts clean blocks to keep this much free on its filesystem "
+                        "(default 0: only --disk-cache bounds it)")
     m.add_argument("--block-size", type=size, default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
                    help=f"cache block size (default {format_size(DEFAULT_BLOCK_SIZE)})")
     m.add_argument("--readahead", type=size, default=DEFAULT_READAHEAD_MAX_BYTES, metavar="SIZE",
@@ -171,6 +179,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
             readahead_max_bytes=args.readahead,
             fetch_timeout_s=args.fetch_timeout,
             max_pinned_bytes=_pin_limit(args.max_pinned, args.disk_cache),
+            disk_min_free_bytes=args.min_free_space,
         )
         owner = {name: getattr(args, name) for name in ("uid", "gid", "file_mode", "dir_mode")
                  if getattr(args, name) is not None}
@@ -221,6 +230,18 @@ def preflight(settings: MountSettings) -> None:
         check_cache_dir(settings.cache_dir)
     except OSError as exc:
         raise UsageError(exc.strerror or f"cache dir {settings.cache_dir} is not usable") from None
+    problem = check_resources(settings)
+    if problem:
+        raise UsageError(problem)
+
+
+def refuse_if_in_use(settings: MountSettings) -> None:
+    """Refuse a source whose cache directory a running daemon holds, before any log file is opened."""
+    directory = settings.source_cache_dir()
+    holder = mounts.cache_dir_holder(directory)
+    if holder is not None:
+        raise UsageError(f"{settings.source} is already mounted: cache dir {directory} is in use by another "
+                         f"cachefs mount (pid {holder})")
 
 
 def configure_logging(level: str, log_file: Path | None) -> None:
@@ -245,6 +266,15 @@ def run_foreground(settings: MountSettings, ready_fd: int | None, log_file: Path
     configure_logging(settings.log_level, log_file)
     reported = False
 
+    def warn(message: str) -> None:
+        if ready_fd is None:
+            print(f"cachefs: warning: {message}", file=sys.stderr)
+            return
+        try:
+            os.write(ready_fd, f"WARN {message}\n".encode())
+        except OSError:
+            pass
+
     def ready(error: str | None) -> None:
         nonlocal reported
         if ready_fd is not None and not reported:
@@ -258,7 +288,7 @@ def run_foreground(settings: MountSettings, ready_fd: int | None, log_file: Path
 
     os.chdir("/")
     try:
-        serve(settings, ready, environ)
+        serve(settings, ready, environ, warn)
     except SetupError as exc:
         log.error("mount failed: %s", exc)
         ready(str(exc))
@@ -290,23 +320,10 @@ def spawn_daemon(argv: Sequence[str], settings: MountSettings, log_file: Path) -
             close_fds=True,
         )
     os.close(write_fd)
-    deadline = time.monotonic() + MOUNT_WAIT_S
-    message = b""
-    try:
-        while time.monotonic() < deadline:
-            readable, _, _ = select.select([read_fd], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
-            if readable:
-                chunk = os.read(read_fd, 4096)
-                if not chunk:
-                    break
-                message += chunk
-                if message.endswith(b"\n"):
-                    break
-    finally:
-        os.close(read_fd)
-    text = message.decode(errors="replace").strip()
+    text = _read_report(read_fd)
     if text == "OK":
-        print(f"cachefs: mounted {settings.source} on {settings.mountpoint} (pid {proc.pid})", file=sys.stderr)
+        print(f"cachefs: mounted {settings.source} at {settings.mountpoint} (pid {proc.pid}, log: {log_file})",
+              file=sys.stderr)
         return 0
     if text.startswith("ERR "):
         print(f"cachefs: error: {text[4:]}", file=sys.stderr)
@@ -321,6 +338,32 @@ def spawn_daemon(argv: Sequence[str], settings: MountSettings, log_file: Path) -
     return 1
 
 
+def _read_report(read_fd: int) -> str:
+    """The daemon's final report (``OK``, ``ERR ...``, or ``""`` if none came in time); ``WARN`` lines
+    before it are shown as they arrive."""
+    deadline = time.monotonic() + MOUNT_WAIT_S
+    buffer = b""
+    try:
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([read_fd], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
+            if not readable:
+                continue
+            chunk = os.read(read_fd, 4096)
+            if not chunk:
+                break
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                text = line.decode(errors="replace").strip()
+                if text.startswith("WARN "):
+                    print(f"cachefs: warning: {text[5:]}", file=sys.stderr)
+                else:
+                    return text
+    finally:
+        os.close(read_fd)
+    return buffer.decode(errors="replace").strip()
+
+
 def _reap(proc: subprocess.Popen[bytes]) -> None:
     try:
         proc.wait(timeout=10)
@@ -333,6 +376,7 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, 
     settings = mount_settings(args, environ)
     if args.ready_fd is None:  # the child re-runs these checks only through the daemon itself
         preflight(settings)
+        refuse_if_in_use(settings)
     log_file = args.log_file
     if args.foreground:
         return run_foreground(settings, args.ready_fd, log_file, environ)

@@ -1,8 +1,13 @@
 """The cache-management commands: ``prefetch``, ``snapshot``, ``unpin`` and ``evict``.
 
 Each finds the mount's daemon from the mountpoint alone (``cachefs.client``), turns the paths a user
-typed into paths relative to the mount root (relative to the mountpoint, or absolute inside it; a
-path that climbs out is refused), and asks the daemon, which does the work (``cachefs.daemon.prefetch``).
+typed into paths relative to the mount root (a path means what it means in a shell: relative to the
+working directory, or absolute; one outside the mount is refused, naming it), and asks the daemon,
+which does the work (``cachefs.daemon.prefetch``). Manifest lines are relative to the mount root.
+
+``prefetch MOUNT`` with neither PATH nor ``--manifest`` warms the whole mount, recursively, as
+``juicefs warmup`` and Alluxio's ``load`` do for a directory; a PATH that is a directory still needs
+``--recursive``, so a typo cannot start fetching a whole tree.
 
 ``prefetch`` starts a job in the daemon and polls it every ``POLL_INTERVAL_S``: on a terminal it
 draws a progress bar (bytes, files, fetch rate, ETA) on stderr, otherwise it prints one summary
@@ -90,7 +95,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("prefetch", help="warm the disk cache of a mount with files, directories or a manifest")
     p.add_argument("mountpoint", type=Path)
     p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or directories, relative to the mountpoint or absolute inside it (default: all)")
+                   help="files or directories inside the mount, relative to the working directory or absolute "
+                        "(default: the whole mount, recursively)")
     p.add_argument("--manifest", metavar="FILE",
                    help="file of paths, one per line, or JSON lines from 'cachefs snapshot' (- for stdin)")
     p.add_argument("--recursive", "-r", action="store_true", help="prefetch directories with everything below them")
@@ -132,9 +138,9 @@ def _mountpoint(args: argparse.Namespace) -> tuple[str, str]:
     return mountpoint, control_socket(Path(mountpoint))
 
 
-def _relative(paths: list[str], mountpoint: str) -> list[str]:
+def _relative(paths: list[str], mountpoint: str, cwd: str) -> list[str]:
     try:
-        return [mount_relative(p, mountpoint) for p in paths]
+        return [mount_relative(p, mountpoint, cwd) for p in paths]
     except PathError as exc:
         raise UsageError(str(exc)) from None
 
@@ -171,11 +177,15 @@ def _interrupts_as_keyboard_interrupt() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------- prefetch
-def prefetch_body(args: argparse.Namespace, mountpoint: str) -> dict[str, Any]:
-    """The request for ``POST /prefetch``; UsageError for anything wrong with the input."""
+def prefetch_body(args: argparse.Namespace, mountpoint: str, cwd: str) -> dict[str, Any]:
+    """The request for ``POST /prefetch``; UsageError for anything wrong with the input.
+
+    PATHs are taken relative to ``cwd``; manifest lines relative to the mount root.
+    """
     if args.check and args.pin:
         raise UsageError("--check and --pin do not go together: --check changes nothing")
-    paths = _relative(args.paths, mountpoint)
+    paths = _relative(args.paths, mountpoint, cwd)
+    recursive = args.recursive
     manifest: list[dict[str, Any]] = []
     name = "manifest"
     if args.manifest is not None:
@@ -186,7 +196,7 @@ def prefetch_body(args: argparse.Namespace, mountpoint: str) -> dict[str, Any]:
             raise UsageError(str(exc)) from None
         for entry in entries:
             try:
-                path = mount_relative(entry.path, mountpoint)
+                path = mount_relative(entry.path, mountpoint, mountpoint)
             except PathError as exc:
                 raise UsageError(f"manifest {name} line {entry.line}: {exc}") from None
             item: dict[str, Any] = {"path": path, "line": entry.line}
@@ -198,14 +208,14 @@ def prefetch_body(args: argparse.Namespace, mountpoint: str) -> dict[str, Any]:
         if not manifest:
             raise UsageError(f"manifest {name} lists no files")
     elif not paths:
-        paths = [""]  # the whole mount
-    return {"paths": paths, "manifest": manifest, "manifest_name": name, "recursive": args.recursive,
+        paths, recursive = [""], True  # the whole mount, as --help says
+    return {"paths": paths, "manifest": manifest, "manifest_name": name, "recursive": recursive,
             "parallel": args.parallel, "check": args.check, "pin": args.pin, "lease_s": JOB_LEASE_S}
 
 
 def cmd_prefetch(args: argparse.Namespace, environ: dict[str, str]) -> int:
     mountpoint, socket = _mountpoint(args)
-    body = prefetch_body(args, mountpoint)
+    body = prefetch_body(args, mountpoint, os.getcwd())
     tty = sys.stderr.isatty() and not args.json
     with _interrupts_as_keyboard_interrupt():
         doc = _request(socket, "/prefetch", method="POST", body=body, timeout_s=START_TIMEOUT_S)
@@ -330,7 +340,7 @@ def report(doc: dict[str, Any], *, as_json: bool = False) -> int:
 # ---------------------------------------------------------------------------------------- others
 def cmd_snapshot(args: argparse.Namespace, environ: dict[str, str]) -> int:
     mountpoint, socket = _mountpoint(args)
-    path = _relative([args.path], mountpoint)[0] if args.path is not None else ""
+    path = _relative([args.path], mountpoint, os.getcwd())[0] if args.path is not None else ""
     doc = _request(socket, "/snapshot", method="POST", body={"path": path}, timeout_s=LISTING_TIMEOUT_S)
     files = doc["files"]
     text = format_manifest((f["path"], f["etag"], f["size"]) for f in files)
@@ -358,7 +368,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def cmd_unpin(args: argparse.Namespace, environ: dict[str, str]) -> int:
     mountpoint, socket = _mountpoint(args)
-    body = {"paths": _relative(args.paths, mountpoint)}
+    body = {"paths": _relative(args.paths, mountpoint, os.getcwd())}
     doc = _request(socket, "/unpin", method="POST", body=body, timeout_s=LISTING_TIMEOUT_S)
     if args.json:
         _print_json(doc)
@@ -370,7 +380,7 @@ def cmd_unpin(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 def cmd_evict(args: argparse.Namespace, environ: dict[str, str]) -> int:
     mountpoint, socket = _mountpoint(args)
-    body = {"paths": _relative(args.paths, mountpoint), "tier": args.tier}
+    body = {"paths": _relative(args.paths, mountpoint, os.getcwd()), "tier": args.tier}
     doc = _request(socket, "/evict", method="POST", body=body, timeout_s=LISTING_TIMEOUT_S)
     if args.json:
         _print_json(doc)

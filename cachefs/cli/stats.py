@@ -1,30 +1,78 @@
-"""``cachefs stats``: the daemon's ``/stats`` document as a table, as JSON, or refreshed live."""
+"""``cachefs stats``: the daemon's ``/stats`` document as a table, as JSON, or sampled live.
+
+``--watch S`` samples every S seconds and shows per-second rates between two samples: bytes read
+through the mount, block hits (RAM or disk) and misses (blocks fetched from the store), and bytes
+fetched from the store (``rates``, a pure function of two documents). On a terminal the table is
+redrawn in place (rich); anywhere else (a pipe, a file, ``watch``-less logging) each sample is one
+plain line, flushed at once, with no terminal control codes, so ``cachefs stats --watch 1 | tee``
+works. ``--json --watch`` prints one compact JSON document per line, with the rates under
+``"rates"``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
 
 from cachefs.cli.argtypes import seconds
 from cachefs.client import call
 from tiering.units import format_size
+
+# Shortest sampling interval: each sample is one control request answered from memory; five a second
+# is plenty for a human and costs the daemon nothing measurable.
+MIN_WATCH_INTERVAL_S = 0.2
 
 
 def register(sub: Any) -> None:
     s = sub.add_parser("stats", help="show cache statistics of a mount")
     s.add_argument("mountpoint", type=Path)
     s.add_argument("--json", action="store_true", help="machine-readable output")
-    s.add_argument("--watch", type=seconds, default=None, metavar="S", help="refresh every S seconds")
+    s.add_argument("--watch", type=seconds, default=None, metavar="S",
+                   help="sample every S seconds and show per-second rates (plain lines when not on a terminal)")
 
 
 def fetch_stats(mountpoint: Path) -> dict[str, Any]:
     return call(mountpoint, "/stats")
 
 
-def render_stats(stats: dict[str, Any]) -> Any:
+def _counters(stats: dict[str, Any]) -> dict[str, float]:
+    blocks = stats.get("blocks", {})
+    return {
+        "read_bytes": stats.get("filesystem", {}).get("read_bytes", 0),
+        "hits": blocks.get("ram_served", 0) + blocks.get("disk_served", 0),
+        "misses": blocks.get("fetched", 0),
+        "fetched_bytes": stats.get("object_store", {}).get("bytes_read", 0),
+    }
+
+
+def rates(previous: dict[str, Any], current: dict[str, Any], elapsed_s: float) -> dict[str, float]:
+    """Per-second rates between two ``/stats`` documents taken ``elapsed_s`` apart (0 when no time
+    passed; a counter that went back, after a daemon restart, counts from zero)."""
+    before, after = _counters(previous), _counters(current)
+    if elapsed_s <= 0:
+        return {f"{name}_per_s": 0.0 for name in after}
+    return {f"{name}_per_s": max(after[name] - before[name], 0) / elapsed_s for name in after}
+
+
+def rate_line(r: dict[str, float]) -> str:
+    return (f"read {format_size(int(r['read_bytes_per_s']))}/s, hits {r['hits_per_s']:.1f}/s, "
+            f"misses {r['misses_per_s']:.1f}/s, fetched {format_size(int(r['fetched_bytes_per_s']))}/s")
+
+
+def plain_line(stats: dict[str, Any], r: dict[str, float] | None) -> str:
+    """One sample as one line: the time, the rates, then tier usage and the hit ratio."""
+    tiers = ", ".join(f"{name} {format_size(t['used_bytes'])}/{format_size(t['capacity_bytes'])}"
+                      for name, t in sorted(stats.get("tiers", {}).items()))
+    head = time.strftime("%H:%M:%S")
+    body = rate_line(r) if r is not None else "first sample"
+    return f"{head} {body}; {tiers}; hit ratio {stats.get('hit_ratio', 0.0):.1%}"
+
+
+def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> Any:
     from rich.table import Table
 
     table = Table(title="cachefs", show_edge=False)
@@ -44,29 +92,54 @@ def render_stats(stats: dict[str, Any]) -> Any:
         table.caption += (f"\nwrite-back: {wb['dirty_files']} dirty files ({format_size(wb['dirty_bytes'])}), "
                           f"{wb['uploads_in_flight']} uploading, {format_size(wb['bytes_uploaded'])} uploaded, "
                           f"{wb['failed_attempts']} failed attempts, store {wb['store_state']}")
+    if r is not None:
+        table.caption += f"\nnow: {rate_line(r)}"
     return table
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
-    if args.json and args.watch is None:
-        print(json.dumps(fetch_stats(args.mountpoint), indent=2, sort_keys=True))
-        return 0
-    from rich.console import Console
-    from rich.live import Live
+def watch_plain(sample: Callable[[], dict[str, Any]], interval_s: float, out: TextIO, *, as_json: bool,
+                clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                samples: int | None = None) -> None:
+    """Print one line per sample to ``out``, flushed; ``samples`` bounds the loop (tests), None: forever."""
+    previous: tuple[float, dict[str, Any]] | None = None
+    taken = 0
+    while samples is None or taken < samples:
+        if taken:
+            sleep(interval_s)
+        now, stats = clock(), sample()
+        r = rates(previous[1], stats, now - previous[0]) if previous is not None else None
+        if as_json:
+            out.write(json.dumps({**stats, "rates": r}, sort_keys=True) + "\n")
+        else:
+            out.write(plain_line(stats, r) + "\n")
+        out.flush()
+        previous = (now, stats)
+        taken += 1
 
-    console = Console()
+
+def cmd_stats(args: argparse.Namespace) -> int:
     if args.watch is None:
-        console.print(render_stats(fetch_stats(args.mountpoint)))
+        if args.json:
+            print(json.dumps(fetch_stats(args.mountpoint), indent=2, sort_keys=True))
+            return 0
+        from rich.console import Console
+
+        Console().print(render_stats(fetch_stats(args.mountpoint)))
         return 0
-    interval = max(args.watch, 0.2)
+    interval = max(args.watch, MIN_WATCH_INTERVAL_S)
     try:
-        with Live(render_stats(fetch_stats(args.mountpoint)), console=console, auto_refresh=False) as live:
+        if args.json or not sys.stdout.isatty():
+            watch_plain(lambda: fetch_stats(args.mountpoint), interval, sys.stdout, as_json=args.json)
+            return 0
+        from rich.console import Console
+        from rich.live import Live
+
+        stats, taken = fetch_stats(args.mountpoint), time.monotonic()
+        with Live(render_stats(stats), console=Console(), auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                stats = fetch_stats(args.mountpoint)
-                if args.json:
-                    console.print_json(data=stats)
-                else:
-                    live.update(render_stats(stats), refresh=True)
+                current, now = fetch_stats(args.mountpoint), time.monotonic()
+                live.update(render_stats(current, rates(stats, current, now - taken)), refresh=True)
+                stats, taken = current, now
     except KeyboardInterrupt:
         return 0

@@ -10,7 +10,7 @@ they are not flushed, since uploading them would put a half-written file in the 
 closed or fsync'd), ``dirty`` (durable on local disk, waiting for upload), ``uploading``,
 ``deleting``, or ``clean`` (in the object store). A directory shows what is pending below it. Paths
 may lie in different mounts; each daemon is asked about its own. Exit 0, or 1 if a path does not
-exist.
+exist. PATHs mean what they mean in a shell: ``cd /mnt/data/out && cachefs status model.pt``.
 
 Both print one line per path on stdout (``--json``: one document) and a summary on stderr; a usage
 problem (not a cachefs mount, path outside it) is one line on stderr and exit 2.
@@ -123,8 +123,9 @@ def cmd_flush(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------- status
-def _mount_of(path: str, cachefs_mounts: list[str]) -> str:
-    full = os.path.normpath(os.path.abspath(path))
+def _mount_of(path: str, cachefs_mounts: list[str], cwd: str) -> str:
+    """The innermost cachefs mount holding ``path`` (relative to ``cwd``, or absolute)."""
+    full = os.path.normpath(os.path.join(cwd, path))
     best = ""
     for mountpoint in cachefs_mounts:
         if (full == mountpoint or full.startswith(mountpoint.rstrip("/") + "/")) and len(mountpoint) > len(best):
@@ -137,10 +138,11 @@ def _mount_of(path: str, cachefs_mounts: list[str]) -> str:
 def cmd_status(args: argparse.Namespace, environ: dict[str, str]) -> int:
     cachefs_mounts = [e.mountpoint for e in mounts.mount_entries() if e.fstype == mounts.FSTYPE]
     groups: dict[str, list[tuple[str, str]]] = {}
+    cwd = os.getcwd()
     for path in args.paths:
-        mountpoint = _mount_of(path, cachefs_mounts)
+        mountpoint = _mount_of(path, cachefs_mounts, cwd)
         try:
-            rel = mount_relative(path, mountpoint)
+            rel = mount_relative(path, mountpoint, cwd)
         except PathError as exc:
             raise UsageError(str(exc)) from None
         groups.setdefault(mountpoint, []).append((path, rel))

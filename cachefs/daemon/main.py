@@ -36,8 +36,9 @@ from cachefs.daemon.stats import stats_document
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseSession
 from cachefs.fuse.tuning import tune_fuse_connection
+from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
-from tiering.disk import DiskTier
+from tiering.disk import DiskTier, filesystem_free_bytes
 from tiering.engine import BlockCache
 from tiering.errors import CacheError
 from tiering.objectstore import open_object_store
@@ -54,6 +55,8 @@ STARTUP_CHECK_TIMEOUT_S = 20.0
 FUSE_MAX_TASKS = 64
 
 ReadyCallback = Callable[[str | None], None]
+# Things the user should see at mount but that do not stop it (an empty prefix): one line each.
+WarnCallback = Callable[[str], None]
 
 # The features wired into every mount, in start order; they stop in reverse (see cachefs.daemon.context).
 FEATURES = (writeback.install, prefetch.install, metrics.install)
@@ -61,7 +64,7 @@ FEATURES = (writeback.install, prefetch.install, metrics.install)
 def lock_cache_dir(directory: Path) -> IO[str]:
     """Take the per-source lock; refuse if another daemon holds it."""
     directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / "lock", "a+")
+    handle = open(directory / LOCK_FILENAME, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -76,8 +79,18 @@ def lock_cache_dir(directory: Path) -> IO[str]:
     return handle
 
 
-async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]) -> None:
-    """Mount and serve until unmounted. Raises ``SetupError`` for anything that prevents mounting."""
+def _store_name(settings: MountSettings) -> str:
+    """The endpoint a start-up failure is about, for the one-line message."""
+    if settings.endpoint_url:
+        return settings.endpoint_url
+    return "the default AWS S3 endpoint" if settings.source.startswith("s3://") else settings.source
+
+
+async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],
+                     warn: WarnCallback | None = None) -> None:
+    """Mount and serve until unmounted. Raises ``SetupError`` for anything that prevents mounting.
+
+    ``warn`` gets each start-up warning (also logged), for ``cachefs mount`` to show the user."""
     try:
         store = open_object_store(
             settings.source,
@@ -91,11 +104,17 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
     lock = None
     try:
         try:
-            await asyncio.wait_for(store.check(), STARTUP_CHECK_TIMEOUT_S)
+            has_objects = await asyncio.wait_for(store.check(), STARTUP_CHECK_TIMEOUT_S)
         except CacheError as exc:
             raise SetupError(str(exc)) from exc
         except TimeoutError as exc:
-            raise SetupError(f"object store did not answer within {STARTUP_CHECK_TIMEOUT_S:g} s") from exc
+            raise SetupError(f"object store at {_store_name(settings)} did not answer within "
+                             f"{STARTUP_CHECK_TIMEOUT_S:g} s (checking {settings.source})") from exc
+        if not has_objects:  # likely a typo in the prefix: worth a line, not a refusal
+            message = f"{settings.source} holds no objects yet (check the prefix for a typo)"
+            log.warning("%s", message)
+            if warn is not None:
+                warn(message)
 
         cache_dir = settings.source_cache_dir()
         lock = lock_cache_dir(cache_dir)
@@ -112,6 +131,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 high_watermark=cs.high_watermark,
                 low_watermark=cs.low_watermark,
                 pinned=pinned_block_keys(cache_dir / PIN_FILENAME, cs.block_size),
+                min_free_bytes=cs.disk_min_free_bytes,
+                free_space=lambda: filesystem_free_bytes(cache_dir),
             )
         ram = RamTier(cs.ram_bytes)
         cache = BlockCache(cs, store, ram, disk)
@@ -182,7 +203,8 @@ def _split_addr(addr: str | None) -> tuple[str | None, int | None]:
     return host or "127.0.0.1", int(port)
 
 
-def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]) -> None:
+def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],
+          warn: WarnCallback | None = None) -> None:
     """Run the daemon on a fresh asyncio loop with pyfuse3's asyncio support enabled."""
     FuseSession.enable_asyncio()
-    asyncio.run(run_daemon(settings, ready, environ))
+    asyncio.run(run_daemon(settings, ready, environ, warn))

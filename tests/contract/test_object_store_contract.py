@@ -364,6 +364,15 @@ async def test_check_passes_on_a_readable_root(store: ObjectStore) -> None:
     await store.check()
 
 
+async def test_check_tells_whether_the_root_holds_anything(backend: Backend, store: ObjectStore) -> None:
+    """An empty root at mount is likely a typo in the prefix (issue 12): check() says so, in its one request."""
+    if backend.put_outside is not None:
+        backend.put_outside("elsewhere/x", b"not under the root")
+    assert await store.check() is False
+    backend.put("d/x", b"data")
+    assert await store.check() is True
+
+
 # -- writes (put, delete, copy) -----------------------------------------------------------------------
 
 

@@ -192,6 +192,11 @@ def test_training_job_runs_a_real_prefetch_command() -> None:
     args = cachefs_parser().parse_args(command[1:])
     mount_paths = {m["mountPath"] for m in init["volumeMounts"]}
     assert str(args.mountpoint) in mount_paths and "/run/cachefs" in mount_paths
+    # PATHs mean what they mean in a shell, from the container's working directory (/ by default).
+    from cachefs.paths import mount_relative
+
+    cwd = init.get("workingDir", "/")
+    assert [mount_relative(p, str(args.mountpoint), cwd) for p in args.paths] == ["train", "val"]
 
 
 def test_the_validator_rejects_what_it_should(base_objects) -> None:

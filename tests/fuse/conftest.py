@@ -49,11 +49,12 @@ def _require_fuse() -> None:
     require_fuse()
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S,
+            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
 
 
 @dataclass

@@ -52,7 +52,8 @@ def upload(seaweed, bucket: str, files: dict[str, int]) -> dict[str, bytes]:
 
 
 def cli(m: Mount, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli(*args, env=m.env)
+    """The CLI run from inside the mount: relative PATHs are relative to the working directory."""
+    return run_cli(*args, env=m.env, cwd=m.path)
 
 
 def socket_of(m: Mount) -> str:
@@ -199,7 +200,7 @@ def test_interrupted_prefetch_resumes_with_only_the_rest(seaweed, bucket: str, m
     m = mounter.mount(f"s3://{bucket}/ds", "--block-size", "64KiB", env=s3env(seaweed))
     sock = socket_of(m)
     proc = subprocess.Popen([*CLI, "prefetch", str(m.path), "d", "-r", "--parallel", "1"], env={**os.environ, **m.env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=m.path)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -282,11 +283,16 @@ def test_bad_requests_get_one_line_and_a_nonzero_exit(seaweed, bucket: str, moun
     upload(seaweed, bucket, {"dir/f.bin": 1000})
     m = mounter.mount(f"s3://{bucket}/ds", env=s3env(seaweed))
     mnt = str(m.path)
-    one_line_error(run_cli("prefetch", mnt, "dir/nope.bin", env=m.env),
+    one_line_error(run_cli("prefetch", mnt, "dir/nope.bin", env=m.env, cwd=mnt),
                    "no such file or directory in the mount: dir/nope.bin")
 
-    def cli(_m: Mount, *argv: str) -> subprocess.CompletedProcess[str]:  # the rest in-process
-        return in_process(capsys, *argv)
+    def cli(_m: Mount, *argv: str) -> subprocess.CompletedProcess[str]:  # the rest in-process, cwd in the mount
+        previous = os.getcwd()
+        os.chdir(mnt)
+        try:
+            return in_process(capsys, *argv)
+        finally:
+            os.chdir(previous)
 
     one_line_error(cli(m, "prefetch", mnt, "../../etc"), "../../etc is outside the mount")
     one_line_error(cli(m, "prefetch", mnt, "/etc/passwd"), "is outside the mount")

@@ -179,8 +179,9 @@ def test_unmount_of_a_mount_that_is_not_cachefs(capsys) -> None:
 
 
 def test_no_command(capsys) -> None:
+    """Issue 12: a bare ``cachefs`` prints the usage (with the commands), exit 2 as argparse does."""
     code, err = run([], capsys)
-    assert_one_line_error(code, err)
+    assert code == 2 and err.startswith("usage: cachefs") and "mount" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------------ good input

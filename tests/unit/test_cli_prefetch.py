@@ -18,9 +18,9 @@ def parse(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(list(argv))
 
 
-def body(*argv: str) -> dict:
+def body(*argv: str, cwd: str = "/mnt/x") -> dict:
     args = parse("prefetch", "/mnt/x", *argv)
-    return prefetch_body(args, "/mnt/x")
+    return prefetch_body(args, "/mnt/x", cwd)
 
 
 def test_paths_become_mount_relative() -> None:
@@ -28,6 +28,25 @@ def test_paths_become_mount_relative() -> None:
     assert got["paths"] == ["train", "val", "b"]
     assert got["lease_s"] == cli_prefetch.JOB_LEASE_S and got["manifest"] == []
     assert body()["paths"] == [""]  # the whole mount
+
+
+def test_paths_are_relative_to_the_working_directory() -> None:
+    assert body("a.bin", "../val", cwd="/mnt/x/train")["paths"] == ["train/a.bin", "val"]
+    assert body("x/train", cwd="/mnt")["paths"] == ["train"]
+    with pytest.raises(UsageError, match=r"^train is outside the mount /mnt/x$"):
+        body("train", cwd="/home/u")
+
+
+def test_a_bare_prefetch_warms_the_whole_mount_recursively() -> None:
+    """``--help`` says "default: the whole mount"; without -r that used to be refused as a directory."""
+    whole = body()
+    assert whole["paths"] == [""] and whole["recursive"] is True
+    assert body("train")["recursive"] is False  # a named directory still needs -r
+
+def test_prefetch_help_says_what_a_bare_prefetch_does(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["prefetch", "--help"])
+    assert "(default: the whole mount, recursively)" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("path", ["../../etc", "/etc/passwd", "/mnt/xy"])

@@ -60,13 +60,24 @@ async def run(manager: PrefetchManager, **params) -> dict:
 
 # ------------------------------------------------------------------------------------ paths
 def test_mount_relative_paths() -> None:
-    assert mount_relative("train/a.bin", "/mnt/x") == "train/a.bin"
-    assert mount_relative("/mnt/x/train/", "/mnt/x") == "train"
-    assert mount_relative("/mnt/x", "/mnt/x") == ""
-    assert mount_relative("train/../val", "/mnt/x/") == "val"
+    assert mount_relative("train/a.bin", "/mnt/x", "/mnt/x") == "train/a.bin"
+    assert mount_relative("/mnt/x/train/", "/mnt/x", "/home/u") == "train"
+    assert mount_relative("/mnt/x", "/mnt/x", "/") == ""
+    assert mount_relative("train/../val", "/mnt/x/", "/mnt/x") == "val"
     for outside in ("../../etc", "/etc", "/mnt/xy/a", "train/../../y"):
         with pytest.raises(PathError, match="outside the mount"):
-            mount_relative(outside, "/mnt/x")
+            mount_relative(outside, "/mnt/x", "/mnt/x")
+
+
+def test_relative_paths_mean_what_they_mean_in_a_shell() -> None:
+    """Issue 12: ``cd /mnt/x/out && cachefs status hello.txt`` names out/hello.txt, not hello.txt."""
+    assert mount_relative("hello.txt", "/mnt/x", "/mnt/x/out") == "out/hello.txt"
+    assert mount_relative("../val/a", "/mnt/x", "/mnt/x/out") == "val/a"
+    assert mount_relative(".", "/mnt/x", "/mnt/x/out") == "out"
+    assert mount_relative("x/train", "/mnt/x", "/mnt") == "train"
+    assert mount_relative("x/train", "x", "/mnt") == "train"  # a relative mountpoint, as typed
+    with pytest.raises(PathError, match=r"^train is outside the mount /mnt/x$"):
+        mount_relative("train", "/mnt/x", "/home/u")
 
 
 def test_check_path_refuses_what_the_mount_cannot_show() -> None:

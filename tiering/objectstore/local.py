@@ -121,7 +121,7 @@ class LocalObjectStore:
 
     # -- blocking halves, run in a worker thread ----------------------------------------------------
 
-    def _check_sync(self) -> None:
+    def _check_sync(self) -> bool:
         root = str(self.root)
         try:
             st = os.stat(root)
@@ -133,11 +133,12 @@ class LocalObjectStore:
             raise ObjectNotFoundError(f"local store root {root} is not a directory")
         try:
             with os.scandir(root) as it:
-                next(it, None)
+                first = next(it, None)
         except OSError as exc:
             raise _classify(exc, root) from exc
         if not os.access(root, os.R_OK | os.X_OK):
             raise AccessDeniedError(f"local store root {root} is not readable")
+        return first is not None
 
     def _list_sync(self, prefix: str) -> Listing:
         listing = Listing()
@@ -326,8 +327,8 @@ class LocalObjectStore:
             self.stats.errors += 1
             raise
 
-    async def check(self) -> None:
-        await self._run(self._check_sync)
+    async def check(self) -> bool:
+        return await self._run(self._check_sync)
 
     async def list_dir(self, prefix: str) -> Listing:
         check_list_prefix(prefix)

@@ -92,9 +92,10 @@ class InMemoryObjectStore:
 
     # -- ObjectStore --------------------------------------------------------------------------------
 
-    async def check(self) -> None:
+    async def check(self) -> bool:
         self.stats.requests += 1
         await asyncio.sleep(0)
+        return bool(self._objects)
 
     async def list_dir(self, prefix: str) -> Listing:
         check_list_prefix(prefix)
@@ -234,9 +235,9 @@ class FailingObjectStore:
             self.inner.stats.errors += 1
             raise ObjectStoreUnavailableError(f"injected failure: {what}")
 
-    async def check(self) -> None:
+    async def check(self) -> bool:
         await self._before(self.fail_lists, "check")
-        await self.inner.check()
+        return await self.inner.check()
 
     async def list_dir(self, prefix: str) -> Listing:
         await self._before(self.fail_lists, f"list {prefix!r}")

@@ -408,10 +408,12 @@ class S3ObjectStore:
 
     # -- ObjectStore --------------------------------------------------------------------------------
 
-    async def check(self) -> None:
-        """One ListObjectsV2 (MaxKeys=1) on the root prefix: proves the bucket exists and is listable."""
+    async def check(self) -> bool:
+        """One ListObjectsV2 (MaxKeys=1) on the root prefix: proves the bucket exists and is listable,
+        and tells whether anything lies under the prefix."""
         self.stats.list_requests += 1
-        await self._call("list_objects_v2", op="LIST", where=self._where(), Prefix=self.prefix, MaxKeys=1)
+        page = await self._call("list_objects_v2", op="LIST", where=self._where(), Prefix=self.prefix, MaxKeys=1)
+        return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
     async def list_dir(self, prefix: str) -> Listing:
         check_list_prefix(prefix)
