@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from tiering.errors import AccessDeniedError, CacheError, ObjectNotFoundError, ObjectStoreUnavailableError
 from tiering.objectstore import open_object_store, parse_source
@@ -96,7 +96,7 @@ def check_cache_options(
     max_fetches: int | None = None,
 ) -> None:
     """Raise ValueError if ``cachefs mount`` would refuse this combination (None: its default)."""
-    given = {
+    given: dict[str, Any] = {
         "ram_bytes": ram_bytes,
         "disk_bytes": disk_bytes,
         "block_size": block_size,

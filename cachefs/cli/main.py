@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from cachefs.cli import mount, prefetch, stats, writeback
 from cachefs.client import UsageError
@@ -28,7 +28,7 @@ COMMANDS = (mount, stats, prefetch, writeback)
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(2, f"cachefs: error: {message}\n")
 
 

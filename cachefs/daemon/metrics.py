@@ -133,10 +133,10 @@ class CacheFSCollector(Collector):
             (TIER_ENTRIES, "entries", "Blocks held by the tier."),
         ]
         for name, field, doc in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            gauge = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, values in tiers.items():
-                family.add_metric([tier], values.get(field, 0))
-            yield family
+                gauge.add_metric([tier], values.get(field, 0))
+            yield gauge
         state = GaugeMetricFamily(TIER_STATE, "Health of the tier: 1 for its current state.", labels=["tier", "state"])
         for tier, values in tiers.items():
             if "state" in values:

@@ -173,10 +173,10 @@ class ListingCache:
         if self._replay_applied(path, listing, mark):
             self._remember(path, listing)
         # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
-        for name, info in entries.items():
+        for name, entry in entries.items():
             node = self.inodes.at(join(path, name))
-            if node is not None and info is not None and not node.is_dir:
-                node.info = info
+            if node is not None and entry is not None and not node.is_dir:
+                node.info = entry
         return listing
 
     def _remember(self, path: str, listing: Listing) -> None:
