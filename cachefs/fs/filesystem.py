@@ -47,7 +47,7 @@ from cachefs.fs.listings import ListingCache
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
 from cachefs.mounts import CONTROL_XATTR
-from cachefs.names import encode_name, invalid_name_reason
+from cachefs.names import NAME_MAX, encode_name, invalid_name_reason
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
@@ -97,7 +97,7 @@ class StatFs:
     blocks_free: int
     files: int
     files_free: int
-    name_max: int = 255
+    name_max: int = NAME_MAX
 
 
 class CacheFS:
