@@ -47,7 +47,7 @@ from cachefs.fs.listings import ListingCache
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
 from cachefs.mounts import CONTROL_XATTR
-from cachefs.names import NAME_MAX, encode_name, invalid_name_reason
+from cachefs.names import NAME_MAX, encode_name, name_problem
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
@@ -376,9 +376,9 @@ class CacheFS:
             text = name.decode("utf-8")
         except UnicodeDecodeError:
             raise FsError(errno.EINVAL, "file names must be valid UTF-8 to become object keys") from None
-        reason = invalid_name_reason(text)
-        if reason:
-            raise FsError(errno.ENAMETOOLONG if "longer" in reason else errno.EINVAL, reason)
+        problem = name_problem(text)
+        if problem is not None:
+            raise FsError(problem.errno, problem.reason)
         return text
 
     def _dir(self, inode: int) -> Node:

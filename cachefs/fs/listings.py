@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from cachefs.fs.inodes import InodeTable
 from cachefs.fs.stats import FsStats
-from cachefs.names import WarnOnce, invalid_name_reason
+from cachefs.names import WarnOnce, name_problem
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.clock import Clock
@@ -156,15 +156,15 @@ class ListingCache:
             raise
         entries: dict[str, ObjectInfo | None] = {}
         for name in raw.dirs:
-            reason = invalid_name_reason(name)
-            if reason:
-                self._skip(join(path, name) + "/", reason)
+            problem = name_problem(name)
+            if problem is not None:
+                self._skip(join(path, name) + "/", problem.reason)
                 continue
             entries[name] = None
         for name, info in raw.files.items():
-            reason = invalid_name_reason(name)
-            if reason:
-                self._skip(join(path, name), reason)
+            problem = name_problem(name)
+            if problem is not None:
+                self._skip(join(path, name), problem.reason)
             elif name in entries:
                 self._skip(join(path, name), "a directory of the same name exists")
             else:
