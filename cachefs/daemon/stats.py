@@ -73,14 +73,14 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "dropped_blocks": engine.dropped_blocks,
             "dropped_bytes": engine.dropped_bytes,
         },
-        # Warming the disk tier (cachefs prefetch), pinned objects, request latency.
-        "prefetch": {
-            "blocks": engine.prefetch_blocks,
-            "bytes": engine.prefetch_bytes,
-            "from_ram_blocks": engine.prefetch_from_ram_blocks,
-            "skipped_blocks": engine.prefetch_skipped_blocks,
-            "skipped_bytes": engine.prefetch_skipped_bytes,
-            "not_stored_blocks": engine.prefetch_not_stored,
+        # Warming the disk tier (what cachefs prefetch jobs do), pinned objects, request latency.
+        "warm": {
+            "blocks": engine.warm_blocks,
+            "bytes": engine.warm_bytes,
+            "from_ram_blocks": engine.warm_from_ram_blocks,
+            "skipped_blocks": engine.warm_skipped_blocks,
+            "skipped_bytes": engine.warm_skipped_bytes,
+            "not_stored_blocks": engine.warm_not_stored,
         },
         "pins": cache.pin_stats(),
         "latency": {op: hist.snapshot() for op, hist in cache.latency.items()},
