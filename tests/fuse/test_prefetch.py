@@ -180,7 +180,7 @@ def test_metrics_stats_and_health_endpoints(seaweed, bucket: str, mounter) -> No
     assert result.returncode == 0
     from_cli = json.loads(result.stdout)
     assert _shape(over_tcp) == _shape(from_cli)
-    for section in ("object_store", "prefetch", "pins", "latency"):
+    for section in ("object_store", "warm", "pins", "latency"):
         assert over_tcp[section] == from_cli[section], section
     for tier in ("ram", "disk"):
         for field in ("used_bytes", "capacity_bytes", "entries", "evictions"):
