@@ -33,9 +33,8 @@ demo: setup
 	$(PY) scripts/demo.py
 
 # The type check covers the product packages (config: [tool.mypy] in pyproject.toml), so a misspelt
-# member of a Protocol, a store or a settings object fails the build. cachefs joins the list once its
-# move into subpackages (issue 11) has landed and its findings are fixed.
-TYPED_PACKAGES := tiering csi_driver
+# member of a Protocol, a store or a settings object fails the build.
+TYPED_PACKAGES := tiering cachefs csi_driver
 
 # All three parts always run, so one failure does not hide another; the target fails if any did.
 test: setup

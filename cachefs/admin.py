@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from cachefs.settings import parse_id, parse_mode
 from tiering.errors import AccessDeniedError, CacheError, ObjectNotFoundError, ObjectStoreUnavailableError
-from tiering.objectstore import open_object_store, parse_source
+from tiering.objectstore import (
+    CHECK_TIMEOUT_S,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_READ_TIMEOUT_S,
+    open_object_store,
+    parse_source,
+)
 from tiering.settings import CacheSettings
 from tiering.units import parse_size as _parse_size
 
@@ -41,13 +47,6 @@ __all__ = [
     "validate_source",
 ]
 
-# S3 client timeouts for administrative calls: the controller answers the provisioner, which has
-# its own deadline (external-provisioner --timeout, 60 s in deploy/); each attempt must fail well
-# within it so the error, not a timeout, reaches the user.
-ADMIN_CONNECT_TIMEOUT_S = 5.0
-ADMIN_READ_TIMEOUT_S = 30.0
-# One whole administrative operation (a bucket check) is bounded too: endpoint retries add up.
-ADMIN_CHECK_TIMEOUT_S = 20.0
 # DeleteObject requests in flight while deleting a volume: enough to hide per-request latency,
 # few enough not to trip an S3 request-rate limit on one prefix (3,500 writes/s).
 DELETE_CONCURRENCY = 16
@@ -99,7 +98,7 @@ def check_cache_options(
     max_fetches: int | None = None,
 ) -> None:
     """Raise ValueError if ``cachefs mount`` would refuse this combination (None: its default)."""
-    given = {
+    given: dict[str, Any] = {
         "ram_bytes": ram_bytes,
         "disk_bytes": disk_bytes,
         "block_size": block_size,
@@ -120,10 +119,10 @@ def _translate(exc: BaseException) -> AdminError:
 
 
 async def check_source_access(url: str, *, endpoint_url: str | None, environ: Mapping[str, str],
-                              timeout_s: float = ADMIN_CHECK_TIMEOUT_S) -> None:
+                              timeout_s: float = CHECK_TIMEOUT_S) -> None:
     """Prove the bucket exists and the credentials in ``environ`` may list ``url``'s prefix."""
-    store = open_object_store(url, endpoint_url=endpoint_url, connect_timeout_s=ADMIN_CONNECT_TIMEOUT_S,
-                              read_timeout_s=ADMIN_READ_TIMEOUT_S, environ=environ)
+    store = open_object_store(url, endpoint_url=endpoint_url, connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
+                              read_timeout_s=DEFAULT_READ_TIMEOUT_S, environ=environ)
     try:
         await asyncio.wait_for(store.check(), timeout_s)
     except (CacheError, TimeoutError) as exc:
@@ -148,7 +147,7 @@ async def delete_prefix(url: str, *, endpoint_url: str | None, environ: Mapping[
     parent, _, _ = info.prefix[:-1].rpartition("/")
     root = f"{parent}/" if parent else ""
     store = open_object_store(f"s3://{info.bucket}/{root}", endpoint_url=endpoint_url,
-                              connect_timeout_s=ADMIN_CONNECT_TIMEOUT_S, read_timeout_s=ADMIN_READ_TIMEOUT_S,
+                              connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S, read_timeout_s=DEFAULT_READ_TIMEOUT_S,
                               environ=environ)
     slots = asyncio.Semaphore(DELETE_CONCURRENCY)
 

@@ -9,8 +9,10 @@ every path inside the mount root.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +26,26 @@ def encode_name(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
 
 
-def invalid_name_reason(name: str) -> str | None:
-    """Why ``name`` cannot be a POSIX file name, or None if it can."""
+@dataclass(frozen=True, slots=True)
+class NameProblem:
+    """Why a name cannot be a POSIX file name, and the errno a request naming it is answered with."""
+
+    errno: int
+    reason: str
+
+
+def name_problem(name: str) -> NameProblem | None:
+    """What keeps ``name`` from being a POSIX file name, or None if nothing does."""
     if name == "":
-        return "empty path component"
+        return NameProblem(errno.EINVAL, "empty path component")
     if name in (".", ".."):
-        return f"path component {name!r}"
+        return NameProblem(errno.EINVAL, f"path component {name!r}")
     if "\x00" in name:
-        return "NUL byte in name"
+        return NameProblem(errno.EINVAL, "NUL byte in name")
     if "/" in name:
-        return "slash in name"
+        return NameProblem(errno.EINVAL, "slash in name")
     if len(encode_name(name)) > NAME_MAX:
-        return f"name longer than {NAME_MAX} bytes"
+        return NameProblem(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
     return None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from cachefs.names import invalid_name_reason
+from cachefs.names import name_problem
 
 
 class PathError(ValueError):
@@ -49,9 +49,9 @@ def check_path(path: str) -> str:
     for part in body.split("/"):
         if part in ("", ".", ".."):
             raise PathError(f"path {path!r} has an empty, '.' or '..' component")
-        reason = invalid_name_reason(part)
-        if reason:
-            raise PathError(f"path {path!r} is not a valid name in the mount ({reason})")
+        problem = name_problem(part)
+        if problem is not None:
+            raise PathError(f"path {path!r} is not a valid name in the mount ({problem.reason})")
     return body
 
 

@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiering.settings import CacheSettings
+from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
+from tiering.settings import MAX_CONCURRENT_FETCHES, CacheSettings
 from tiering.writeback.settings import WriteBackSettings
 
 # Metadata TTLs. Training datasets are written once and read for many epochs, so a minute of
@@ -16,13 +17,11 @@ from tiering.writeback.settings import WriteBackSettings
 # lower them (0 disables caching).
 DEFAULT_ATTR_TTL_S = 60.0
 DEFAULT_DIR_TTL_S = 60.0
+# Longest TTL accepted (a day): beyond it a "cache" is a snapshot; the CSI volume attributes use the
+# same bound.
+MAX_TTL_S = 86400.0
 # Negative lookups (a name that does not exist) are answered from the cached listing of the parent
 # for the same TTL as the listing, because they come from it.
-
-# S3 client timeouts: a connection that is not established in 5 s is not coming (loopback and
-# in-region endpoints connect in milliseconds); a read that stalls for 30 s is treated as dead.
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
-DEFAULT_READ_TIMEOUT_S = 30.0
 
 DEFAULT_STATS_ADDR = "127.0.0.1:9750"
 
@@ -91,8 +90,8 @@ class FsSettings:
     def __post_init__(self) -> None:
         for name in ("attr_ttl_s", "dir_ttl_s"):
             value = getattr(self, name)
-            if not 0 <= value <= 86400:
-                raise ValueError(f"{name.replace('_s', '').replace('_', '-')} must be between 0 and 86400 seconds")
+            if not 0 <= value <= MAX_TTL_S:
+                raise ValueError(f"{name.replace('_s', '').replace('_', '-')} must be between 0 and {MAX_TTL_S:g} seconds")
         if not 0 <= self.rename_dir_limit <= 10_000_000:
             raise ValueError("rename-dir-limit must be between 0 and 10000000 entries")
         check_id("uid", self.uid)

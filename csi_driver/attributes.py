@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from cachefs import admin
+from cachefs.settings import MAX_CONCURRENT_FETCHES, MAX_TTL_S
 from csi_driver.errors import invalid
 
 # ---------------------------------------------------------------------------------- volume attributes
@@ -100,8 +101,6 @@ PROVISION_PARAMETER_KEYS = frozenset({PARAM_BUCKET, PARAM_PREFIX, PARAM_ON_DELET
 SECRET_KEYS = frozenset({SECRET_ACCESS_KEY_ID, SECRET_SECRET_ACCESS_KEY, SECRET_SESSION_TOKEN})
 
 # Limits of values we check ourselves (cachefs checks the rest when it builds its settings).
-MAX_TTL_S = 86400  # the same bound as cachefs mount --attr-ttl/--dir-ttl
-MAX_FETCHES = 1024
 _REGION_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,30}[a-z0-9]")
 # A prefix segment and a volume name: what is safe in an S3 key, a path and a log line alike.
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -281,7 +280,7 @@ def _parse_seconds(key: str, value: str) -> float:
     except ValueError:
         seconds = float("nan")
     if not 0 <= seconds <= MAX_TTL_S:  # also refuses NaN
-        raise invalid(f"volume attribute {key!r} must be a number of seconds from 0 to {MAX_TTL_S}, "
+        raise invalid(f"volume attribute {key!r} must be a number of seconds from 0 to {MAX_TTL_S:g}, "
                       f"got {_quote(value)}")
     return seconds
 
@@ -302,7 +301,7 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
         disk_bytes=_parse_size(ATTR_DISK_CACHE, v) if (v := get(ATTR_DISK_CACHE)) is not None else None,
         block_size=_parse_size(ATTR_BLOCK_SIZE, v) if (v := get(ATTR_BLOCK_SIZE)) is not None else None,
         readahead_bytes=_parse_size(ATTR_READAHEAD, v) if (v := get(ATTR_READAHEAD)) is not None else None,
-        max_fetches=_parse_int(ATTR_MAX_FETCHES, v, 1, MAX_FETCHES) if (v := get(ATTR_MAX_FETCHES)) is not None else None,
+        max_fetches=_parse_int(ATTR_MAX_FETCHES, v, 1, MAX_CONCURRENT_FETCHES) if (v := get(ATTR_MAX_FETCHES)) is not None else None,
         attr_ttl_s=_parse_seconds(ATTR_ATTR_TTL, v) if (v := get(ATTR_ATTR_TTL)) is not None else None,
         dir_ttl_s=_parse_seconds(ATTR_DIR_TTL, v) if (v := get(ATTR_DIR_TTL)) is not None else None,
     )

@@ -47,6 +47,7 @@ from typing import Iterator
 from csi_driver.attributes import Credentials, VolumeSettings
 from csi_driver.errors import Code, CsiError, invalid
 from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
+from csi_driver.volume_id import MAX_VOLUME_ID_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ SLOT_RECORD = "publish.json"
 # Longest readable part of a cache directory name (the hash that follows keeps names unique).
 _CACHE_NAME_MAX = 80
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
-# Volume ids and target paths: the CSI spec's limits (128 bytes for an id; paths may be longer).
-MAX_VOLUME_ID_BYTES = 128
+# Target paths: longer than a volume id may be (PATH_MAX).
 MAX_PATH_BYTES = 4096
 
 

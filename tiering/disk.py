@@ -83,8 +83,8 @@ has unpinned blocks to work with. Pins are in memory: the daemon restores them a
 case that overrides a pin is a capacity lowered below the pinned bytes: the capacity is a hard limit,
 so the start-up scan then evicts pinned blocks too, least recently used first, with a warning.
 ``discard`` and corrupt-block drops also remove pinned blocks (the pin stays; the block is fetched
-again on the next read or prefetch). ``touch(key)`` refreshes a block's recency in memory only (no
-I/O), for the prefetcher, which must keep blocks it skips from being the next eviction victims.
+again on the next read or warm). ``touch(key)`` refreshes a block's recency in memory only (no
+I/O), for warming, which must keep blocks it skips from being the next eviction victims.
 ``evict_unpinned()`` drops every block that eviction may take, for ``cachefs evict``.
 
 Staged write-back data

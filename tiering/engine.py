@@ -19,12 +19,12 @@ counted in ``disk_errors``, logged (with its traceback the first time) and taken
 skipped write, so a broken or buggy tier costs speed, never a read. A failing store is an error for
 the reader: ``ObjectStoreError`` with its errno, after at most ``fetch_timeout_s``.
 
-Warming (prefetch into the disk tier)
+Warming (fetching into the disk tier)
 -------------------------------------
 ``warm_block(ref, index)`` makes one block present on the *disk* tier without putting it in RAM:
 a dataset warmed before a job starts must not push the job's working set out of RAM, and RAM does
 not outlive the daemon anyway. A block already on disk is skipped with an index lookup (no I/O),
-but its recency is refreshed in memory, so blocks a prefetch skips are not the next ones its own
+but its recency is refreshed in memory, so blocks a warm skips are not the next ones its own
 inserts evict. A block in RAM only is written from RAM, without a GET. Otherwise the block is
 fetched with the same single-flight table and fetch slots as reads: a reader arriving while a warm
 load is in flight joins it, a warm arriving while a read load is in flight waits for that load
@@ -65,7 +65,7 @@ from tiering.units import format_size
 
 log = logging.getLogger(__name__)
 
-# A read-ahead window may use at most this fraction of the RAM tier: prefetched blocks land in RAM,
+# A read-ahead window may use at most this fraction of the RAM tier: read-ahead blocks land in RAM,
 # and a window larger than the tier evicts its own blocks before they are read (measured: a 64 MiB
 # RAM tier with a 128 MiB window read the disk tier at 80 MiB/s instead of hundreds). A quarter
 # leaves room for a few concurrent streams and the blocks they are reading now.
@@ -92,13 +92,13 @@ class EngineStats:
     # many readers joined it): RAM misses are served by disk or a fetch, disk misses by a fetch.
     ram_miss_bytes: int = 0
     disk_miss_bytes: int = 0
-    # warm_block (prefetch into the disk tier)
-    prefetch_blocks: int = 0  # fetched from the store by a warm
-    prefetch_bytes: int = 0
-    prefetch_from_ram_blocks: int = 0  # written to disk from RAM, no GET
-    prefetch_skipped_blocks: int = 0  # already on disk
-    prefetch_skipped_bytes: int = 0
-    prefetch_not_stored: int = 0  # the disk tier refused the block (full of pinned data, or failing)
+    # warm_block (fetching into the disk tier, for cachefs prefetch jobs)
+    warm_blocks: int = 0  # fetched from the store by a warm
+    warm_bytes: int = 0
+    warm_from_ram_blocks: int = 0  # written to disk from RAM, no GET
+    warm_skipped_blocks: int = 0  # already on disk
+    warm_skipped_bytes: int = 0
+    warm_not_stored: int = 0  # the disk tier refused the block (full of pinned data, or failing)
     # evict / evict_all: blocks dropped on request (not capacity evictions)
     dropped_blocks: int = 0
     dropped_bytes: int = 0
@@ -159,13 +159,13 @@ class BlockCache:
         is handed to the kernel straight from the block (pyfuse3 takes any buffer). A range across
         blocks is joined into new bytes.
 
-        ``readahead_bytes`` past the end of the read are prefetched; the loads this read needs are
+        ``readahead_bytes`` past the end of the read are read ahead (``read_ahead``); the loads this read needs are
         started first, so they get fetch slots before read-ahead does.
         """
         parts = list(spans(offset, length, ref.size, self.block_size))
         pending = [self._block(ref, span.index, span.end - span.start) for span in parts]
         if readahead_bytes > 0:
-            self.prefetch(ref, offset + length, readahead_bytes)
+            self.read_ahead(ref, offset + length, readahead_bytes)
         if not parts:
             return b""
         blocks = [b if isinstance(b, bytes) else await asyncio.shield(b) for b in pending]
@@ -199,7 +199,7 @@ class BlockCache:
         self.stats.singleflight_joins += 1
         return fut
 
-    def prefetch(self, ref: ObjectRef, offset: int, length: int) -> int:
+    def read_ahead(self, ref: ObjectRef, offset: int, length: int) -> int:
         """Start loads (without waiting) for the blocks of a byte range not yet cached or in flight.
 
         Returns the number of loads started.
@@ -220,7 +220,7 @@ class BlockCache:
     def is_cached(self, key: BlockKey) -> bool:
         return self.ram.contains(key) or (self.disk is not None and self.disk.contains(key))
 
-    # ------------------------------------------------------------------ warming (prefetch to disk)
+    # ------------------------------------------------------------------ warming (into the disk tier)
     async def warm_block(self, ref: ObjectRef, index: int) -> tuple[WarmOutcome, int]:
         """Make block ``index`` of ``ref`` present on the disk tier, not in RAM (module docstring).
 
@@ -231,7 +231,7 @@ class BlockCache:
         length = end - start
         disk = self.disk
         if disk is None:
-            self.stats.prefetch_not_stored += 1
+            self.stats.warm_not_stored += 1
             return WarmOutcome.NOT_STORED, length
         key = BlockKey(ref.key, ref.etag, index)
         joined = False
@@ -240,8 +240,8 @@ class BlockCache:
                 disk.touch(key)
                 if joined:
                     return WarmOutcome.JOINED, length
-                self.stats.prefetch_skipped_blocks += 1
-                self.stats.prefetch_skipped_bytes += length
+                self.stats.warm_skipped_blocks += 1
+                self.stats.warm_skipped_bytes += length
                 return WarmOutcome.SKIPPED, length
             fut = self._inflight.get(key)
             task = self._load_tasks.get(key)
@@ -255,7 +255,7 @@ class BlockCache:
             if task is not None:
                 await asyncio.shield(task)  # until its disk write is done
             joined = True
-        self.stats.prefetch_not_stored += 1
+        self.stats.warm_not_stored += 1
         return WarmOutcome.NOT_STORED, length
 
     async def warm(self, ref: ObjectRef, *, parallel: int | None = None) -> dict[WarmOutcome, int]:
@@ -299,17 +299,17 @@ class BlockCache:
                 stored = await self._disk_call("put", self.disk.put, key, data)
                 outcome = WarmOutcome.FROM_RAM if stored else WarmOutcome.NOT_STORED
                 if stored:
-                    self.stats.prefetch_from_ram_blocks += 1
+                    self.stats.warm_from_ram_blocks += 1
             else:
                 async with self._slots:
                     data = await self._fetch(ref, key)
-                    self.stats.prefetch_blocks += 1
-                    self.stats.prefetch_bytes += len(data)
+                    self.stats.warm_blocks += 1
+                    self.stats.warm_bytes += len(data)
                     fut.set_result(data)
                     stored = await self._disk_call("put", self.disk.put, key, data)
                 outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED
             if not stored:
-                self.stats.prefetch_not_stored += 1
+                self.stats.warm_not_stored += 1
             return outcome
         except BaseException as exc:
             if not fut.done():
@@ -609,8 +609,8 @@ class BlockCache:
 
     # ------------------------------------------------------------------ stats
     def hit_ratio(self) -> float:
-        """Share of the blocks reads asked for that a tier served; prefetch fetches are not reads."""
+        """Share of the blocks reads asked for that a tier served; warming fetches are not reads."""
         served = self.stats.ram_served + self.stats.disk_served
-        total = served + self.stats.store_fetches - self.stats.prefetch_blocks
+        total = served + self.stats.store_fetches - self.stats.warm_blocks
         return served / total if total else 0.0
 

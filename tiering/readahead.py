@@ -6,7 +6,7 @@ blocks are fetched whole). The kernel's own read-ahead sends requests that are s
 arrive slightly out of order when several are in flight, so a read counts as sequential when it
 starts within one block of where the previous read ended.
 
-The policy only says how many bytes beyond the current read to prefetch; the engine decides which
+The policy only says how many bytes beyond the current read to read ahead; the engine decides which
 blocks that covers and skips those already cached or in flight. Memory in flight is bounded by the
 engine's fetch slots, not here.
 """
@@ -22,7 +22,7 @@ class ReadAhead:
         self._next_offset: int | None = None
 
     def on_read(self, offset: int, length: int) -> int:
-        """Record a read; return how many bytes past its end should be prefetched."""
+        """Record a read; return how many bytes past its end to read ahead."""
         sequential = (
             offset == 0 if self._next_offset is None else abs(offset - self._next_offset) <= self.block_size
         )

@@ -21,6 +21,9 @@ DEFAULT_LOW_WATERMARK = 0.85
 # Parallel ranged GETs in flight for one mount. 16 keeps a loopback SeaweedFS busy on a 2-core
 # machine; it also bounds memory in flight beyond the RAM tier to 16 blocks (128 MiB).
 DEFAULT_MAX_CONCURRENT_FETCHES = 16
+# Upper bound accepted for it: past a thousand GETs in flight a mount only trips the store's request
+# rate limits and holds that many blocks of memory.
+MAX_CONCURRENT_FETCHES = 1024
 # Read-ahead window: starts at one block and doubles on each sequential read, up to 128 MiB
 # (16 default blocks): enough to keep every fetch slot busy for one stream.
 DEFAULT_READAHEAD_MAX_BYTES = 128 * MiB
@@ -66,8 +69,8 @@ class CacheSettings:
             out.append(f"disk cache ({self.disk_bytes} bytes) is smaller than one block ({self.block_size} bytes)")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             out.append("watermarks must satisfy 0 < low < high <= 1")
-        if not 1 <= self.max_concurrent_fetches <= 1024:
-            out.append("max concurrent fetches must be between 1 and 1024")
+        if not 1 <= self.max_concurrent_fetches <= MAX_CONCURRENT_FETCHES:
+            out.append(f"max concurrent fetches must be between 1 and {MAX_CONCURRENT_FETCHES}")
         if self.readahead_max_bytes < 0:
             out.append("read-ahead size must not be negative")
         if not 0 < self.fetch_timeout_s <= 3600:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from cachefs import package_version
 from cachefs.cli import mount, prefetch, stats, writeback
@@ -35,7 +35,7 @@ COMMANDS = (mount, stats, prefetch, writeback)
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(2, f"cachefs: error: {message}\n")
 
 

@@ -36,13 +36,12 @@ from cachefs.cli.resources import check_resources
 from cachefs.daemon.errors import SetupError
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
-    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_DIR_TTL_S,
-    DEFAULT_READ_TIMEOUT_S,
     DEFAULT_RENAME_DIR_LIMIT,
     FsSettings,
     MountSettings,
 )
+from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 from tiering.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DISK_BYTES,

@@ -11,6 +11,7 @@ importing the daemon.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -113,7 +114,7 @@ class ControlServer:
             site = web.TCPSite(self._tcp_runner, tcp_host, tcp_port)
             await site.start()
             server = site._server  # aiohttp exposes the bound port only here
-            if server is not None and getattr(server, "sockets", None):
+            if isinstance(server, asyncio.Server) and server.sockets:
                 self.tcp_port = server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:

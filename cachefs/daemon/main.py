@@ -41,15 +41,12 @@ from cachefs.settings import MountSettings
 from tiering.disk import DiskTier, filesystem_free_bytes
 from tiering.engine import BlockCache
 from tiering.errors import CacheError
-from tiering.objectstore import open_object_store
+from tiering.objectstore import CHECK_TIMEOUT_S, open_object_store
 from tiering.pins import PIN_FILENAME, pinned_block_keys
 from tiering.ram import RamTier
 
 log = logging.getLogger(__name__)
 
-# The store check at start-up is bounded separately from reads: connect timeout plus retries of the
-# S3 client can add up, and a user must get an answer well under 30 s.
-STARTUP_CHECK_TIMEOUT_S = 20.0
 # FUSE worker tasks: each in-flight kernel request occupies one; reads block on fetches, so allow
 # enough for the kernel's max_background (12 by default) plus metadata requests.
 FUSE_MAX_TASKS = 64
@@ -104,12 +101,12 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
     lock = None
     try:
         try:
-            has_objects = await asyncio.wait_for(store.check(), STARTUP_CHECK_TIMEOUT_S)
+            has_objects = await asyncio.wait_for(store.check(), CHECK_TIMEOUT_S)
         except CacheError as exc:
             raise SetupError(str(exc)) from exc
         except TimeoutError as exc:
             raise SetupError(f"object store at {_store_name(settings)} did not answer within "
-                             f"{STARTUP_CHECK_TIMEOUT_S:g} s (checking {settings.source})") from exc
+                             f"{CHECK_TIMEOUT_S:g} s (checking {settings.source})") from exc
         if not has_objects:  # likely a typo in the prefix: worth a line, not a refusal
             message = f"{settings.source} holds no objects yet (check the prefix for a typo)"
             log.warning("%s", message)

@@ -64,11 +64,11 @@ READAHEAD_BYTES_TOTAL = "cachefs_readahead_bytes_total"
 SINGLEFLIGHT_JOINS_TOTAL = "cachefs_singleflight_joins_total"
 DROPPED_BYTES_TOTAL = "cachefs_dropped_bytes_total"  # dropped on request (cachefs evict)
 HIT_RATIO = "cachefs_hit_ratio"
-# Prefetch and pins.
-PREFETCH_BYTES_TOTAL = "cachefs_prefetch_bytes_total"  # fetched from the store by prefetch
-PREFETCH_BLOCKS_TOTAL = "cachefs_prefetch_blocks_total"
-PREFETCH_SKIPPED_BYTES_TOTAL = "cachefs_prefetch_skipped_bytes_total"  # already on disk
-PREFETCH_NOT_STORED_BLOCKS_TOTAL = "cachefs_prefetch_not_stored_blocks_total"
+# Warming the disk tier (what cachefs prefetch jobs do) and pins.
+WARM_BYTES_TOTAL = "cachefs_warm_bytes_total"  # fetched from the store into the disk tier
+WARM_BLOCKS_TOTAL = "cachefs_warm_blocks_total"
+WARM_SKIPPED_BYTES_TOTAL = "cachefs_warm_skipped_bytes_total"  # already on disk
+WARM_NOT_STORED_BLOCKS_TOTAL = "cachefs_warm_not_stored_blocks_total"
 PINNED_BYTES = "cachefs_pinned_bytes"  # pinned blocks on the disk tier now
 PINNED_DECLARED_BYTES = "cachefs_pinned_declared_bytes"  # footprint of every pinned object, cached or not
 PINNED_OBJECTS = "cachefs_pinned_objects"
@@ -116,7 +116,7 @@ class CacheFSCollector(Collector):
         yield from self._tiers(doc.get("tiers", {}))
         yield from self._store(doc.get("object_store", {}))
         yield from self._blocks(doc)
-        yield from self._prefetch(doc.get("prefetch", {}), doc.get("pins", {}))
+        yield from self._warm(doc.get("warm", {}), doc.get("pins", {}))
         yield from self._filesystem(doc.get("filesystem", {}))
         yield from self._writeback(doc.get("writeback"))
 
@@ -144,10 +144,10 @@ class CacheFSCollector(Collector):
             (TIER_ENTRIES, "entries", "Blocks held by the tier."),
         ]
         for name, field, doc in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["tier"])
+            gauge = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, values in tiers.items():
-                family.add_metric([tier], values.get(field, 0))
-            yield family
+                gauge.add_metric([tier], values.get(field, 0))
+            yield gauge
         state = GaugeMetricFamily(TIER_STATE, "Health of the tier: 1 for its current state.", labels=["tier", "state"])
         for tier, values in tiers.items():
             if "state" in values:
@@ -193,16 +193,16 @@ class CacheFSCollector(Collector):
                                 value=doc.get("hit_ratio", 0.0))
 
     @staticmethod
-    def _prefetch(prefetch: dict[str, Any], pins: dict[str, Any]) -> Iterator[Metric]:
-        yield CounterMetricFamily(PREFETCH_BYTES_TOTAL, "Bytes fetched from the object store by prefetch.",
-                                  value=prefetch.get("bytes", 0))
-        yield CounterMetricFamily(PREFETCH_BLOCKS_TOTAL, "Blocks fetched from the object store by prefetch.",
-                                  value=prefetch.get("blocks", 0))
-        yield CounterMetricFamily(PREFETCH_SKIPPED_BYTES_TOTAL, "Bytes prefetch found on the disk tier already.",
-                                  value=prefetch.get("skipped_bytes", 0))
-        yield CounterMetricFamily(PREFETCH_NOT_STORED_BLOCKS_TOTAL,
-                                  "Blocks prefetch could not store on the disk tier.",
-                                  value=prefetch.get("not_stored_blocks", 0))
+    def _warm(warm: dict[str, Any], pins: dict[str, Any]) -> Iterator[Metric]:
+        yield CounterMetricFamily(WARM_BYTES_TOTAL, "Bytes fetched from the object store by warming the disk tier.",
+                                  value=warm.get("bytes", 0))
+        yield CounterMetricFamily(WARM_BLOCKS_TOTAL, "Blocks fetched from the object store by warming the disk tier.",
+                                  value=warm.get("blocks", 0))
+        yield CounterMetricFamily(WARM_SKIPPED_BYTES_TOTAL, "Bytes warming found on the disk tier already.",
+                                  value=warm.get("skipped_bytes", 0))
+        yield CounterMetricFamily(WARM_NOT_STORED_BLOCKS_TOTAL,
+                                  "Blocks warming could not store on the disk tier.",
+                                  value=warm.get("not_stored_blocks", 0))
         yield GaugeMetricFamily(PINNED_BYTES, "Bytes of pinned blocks on the disk tier.",
                                 value=pins.get("cached_bytes", 0))
         yield GaugeMetricFamily(PINNED_DECLARED_BYTES, "Disk footprint of every pinned object, cached or not.",

@@ -451,18 +451,16 @@ class PrefetchManager:
         disk = self.cache.disk
         if disk is None:
             raise _Rejected("this mount has no disk tier (--disk-cache 0): there is nowhere to prefetch to")
-        health = getattr(disk, "health", None)
-        if health is not None and health.state is TierState.DOWN:
+        if disk.health.state is TierState.DOWN:
             raise CacheError("the disk tier is down (repeated I/O errors); see the daemon log")
         refs = [f.ref for f in files]
         pins = self.cache.pins
         dataset = sum(pins.footprint(ref) for ref in refs)
         wanted = set(refs)
         pinned_other = sum(pins.footprint(ref) for ref in pins.refs() if ref not in wanted)
-        room = int(disk.capacity_bytes * getattr(disk, "low_watermark", 1.0))
+        room = int(disk.capacity_bytes * disk.low_watermark)
         # Staged write-back data shares the disk tier and can never be evicted: it takes room too.
-        reserved = getattr(disk, "reserved_space", None)
-        staged = reserved() if reserved is not None else 0
+        staged = disk.reserved_space()
         if dataset + pinned_other + staged > room:
             other = f" plus {format_size(pinned_other)} pinned by other files" if pinned_other else ""
             other += f" plus {format_size(staged)} of write-back data not yet uploaded" if staged else ""
@@ -517,8 +515,8 @@ class PrefetchManager:
             self._fail(job, f, str(exc))
             return
         if outcome is WarmOutcome.NOT_STORED:
-            health = getattr(self.cache.disk, "health", None)
-            if health is not None and health.state is TierState.DOWN:
+            disk = self.cache.disk
+            if disk is not None and disk.health.state is TierState.DOWN:
                 abort.append("the disk tier went down during the prefetch (repeated I/O errors); see the daemon log")
             self._fail(job, f, "the disk tier did not keep a block "
                                "(full of pinned data or in-flight writes, or failing)")

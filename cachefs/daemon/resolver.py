@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from cachefs.names import invalid_name_reason
+from cachefs.names import name_problem
 from cachefs.paths import check_path, join
 from tiering.protocols import ObjectInfo, ObjectStore
 
@@ -61,12 +61,12 @@ class Resolver:
         self.listings += 1
         entries: dict[str, ObjectInfo | None] = {}
         for name in listing.dirs:
-            if invalid_name_reason(name):
+            if name_problem(name) is not None:
                 self.skipped_keys += 1
             else:
                 entries[name] = None
         for name, info in listing.files.items():
-            if invalid_name_reason(name) or name in entries:
+            if name_problem(name) is not None or name in entries:
                 self.skipped_keys += 1
             else:
                 entries[name] = info

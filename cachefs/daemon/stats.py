@@ -17,11 +17,12 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
     """The document ``GET /stats`` serves and ``cachefs stats --json`` prints."""
     cache = fs.cache
     tiers: dict[str, Any] = {}
-    for tier in (cache.ram, cache.disk):
+    disk = cache.disk
+    for tier in (cache.ram, disk):
         if tier is None:
             continue
         st = tier.stats
-        entry = {
+        entry: dict[str, Any] = {
             "used_bytes": tier.used_bytes(),
             "capacity_bytes": tier.capacity_bytes,
             "entries": len(tier),
@@ -37,12 +38,9 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
         # Bytes reads had to load from below this tier because it missed (see EngineStats).
         entry["miss_bytes"] = (cache.stats.ram_miss_bytes if tier is cache.ram
                                else cache.stats.disk_miss_bytes)
-        pinned_bytes = getattr(tier, "pinned_bytes", None)
-        if pinned_bytes is not None:
-            entry["pinned_bytes"] = pinned_bytes()
-        health = getattr(tier, "health", None)
-        if health is not None:
-            entry["state"] = health.state
+        if disk is not None and tier is disk:  # pins and health are the disk tier's (DiskBlockTier)
+            entry["pinned_bytes"] = disk.pinned_bytes()
+            entry["state"] = disk.health.state
         tiers[tier.name] = entry
     store = fs.store.stats
     engine = cache.stats
@@ -75,14 +73,14 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "dropped_blocks": engine.dropped_blocks,
             "dropped_bytes": engine.dropped_bytes,
         },
-        # Warming the disk tier (cachefs prefetch), pinned objects, request latency.
-        "prefetch": {
-            "blocks": engine.prefetch_blocks,
-            "bytes": engine.prefetch_bytes,
-            "from_ram_blocks": engine.prefetch_from_ram_blocks,
-            "skipped_blocks": engine.prefetch_skipped_blocks,
-            "skipped_bytes": engine.prefetch_skipped_bytes,
-            "not_stored_blocks": engine.prefetch_not_stored,
+        # Warming the disk tier (what cachefs prefetch jobs do), pinned objects, request latency.
+        "warm": {
+            "blocks": engine.warm_blocks,
+            "bytes": engine.warm_bytes,
+            "from_ram_blocks": engine.warm_from_ram_blocks,
+            "skipped_blocks": engine.warm_skipped_blocks,
+            "skipped_bytes": engine.warm_skipped_bytes,
+            "not_stored_blocks": engine.warm_not_stored,
         },
         "pins": cache.pin_stats(),
         "latency": {op: hist.snapshot() for op, hist in cache.latency.items()},

@@ -32,6 +32,7 @@ from cachefs.daemon.errors import SetupError
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import CacheFS
 from tiering.errors import CacheError
+from tiering.protocols import ObjectInfo
 from tiering.writeback import MISSING, WriteBack
 from tiering.writeback.journal import RECORD_SUFFIX, RECORDS_DIR, StagingFormatError
 
@@ -145,8 +146,8 @@ async def path_status(fs: CacheFS, path: str) -> dict[str, Any]:
         return out
     status = wb.status(path) if wb is not None else None
     if status is None:
-        info = value
-        out.update({"kind": "file", "stage": "clean", "size": info.size, "etag": info.etag})  # type: ignore[union-attr]
+        assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
+        out.update({"kind": "file", "stage": "clean", "size": value.size, "etag": value.etag})
     else:
         out.update(status)
         out["path"] = path

@@ -47,7 +47,7 @@ from cachefs.fs.listings import ListingCache
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
 from cachefs.mounts import CONTROL_XATTR
-from cachefs.names import encode_name, invalid_name_reason
+from cachefs.names import NAME_MAX, encode_name, name_problem
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
@@ -97,7 +97,7 @@ class StatFs:
     blocks_free: int
     files: int
     files_free: int
-    name_max: int = 255
+    name_max: int = NAME_MAX
 
 
 class CacheFS:
@@ -113,6 +113,10 @@ class CacheFS:
         self.store = store
         self.cache = cache
         self.settings = settings
+        # FsSettings resolves None (the default for the mount's access) when it is built.
+        assert settings.file_mode is not None and settings.dir_mode is not None
+        self.file_mode: int = settings.file_mode
+        self.dir_mode: int = settings.dir_mode
         self.clock = clock or SystemClock()
         self.control_path = control_path
         self.stats = FsStats()
@@ -128,12 +132,12 @@ class CacheFS:
         s = self.settings
         sf = node.staged
         if node.is_dir:
-            mode, size, mtime = stat.S_IFDIR | s.dir_mode, 0, node.mtime
+            mode, size, mtime = stat.S_IFDIR | self.dir_mode, 0, node.mtime
         elif sf is not None and not sf.disposed:
-            mode, size, mtime = stat.S_IFREG | s.file_mode, sf.size, sf.mtime
+            mode, size, mtime = stat.S_IFREG | self.file_mode, sf.size, sf.mtime
         else:
             assert node.info is not None
-            mode, size, mtime = stat.S_IFREG | s.file_mode, node.info.size, node.info.mtime
+            mode, size, mtime = stat.S_IFREG | self.file_mode, node.info.size, node.info.mtime
         return Attributes(
             inode=node.inode,
             mode=mode,
@@ -372,9 +376,9 @@ class CacheFS:
             text = name.decode("utf-8")
         except UnicodeDecodeError:
             raise FsError(errno.EINVAL, "file names must be valid UTF-8 to become object keys") from None
-        reason = invalid_name_reason(text)
-        if reason:
-            raise FsError(errno.ENAMETOOLONG if "longer" in reason else errno.EINVAL, reason)
+        problem = name_problem(text)
+        if problem is not None:
+            raise FsError(problem.errno, problem.reason)
         return text
 
     def _dir(self, inode: int) -> Node:
@@ -516,9 +520,9 @@ class CacheFS:
             if fh is None and node.writers == 0 and self.writeback is not None:
                 await self.writeback.commit(sf)  # truncate(2) by path: nothing else will acknowledge it
         if mtime is not None and not node.is_dir:
-            sf = self._staged(node)
-            if sf is not None and self.writeback is not None:
-                self.writeback.set_mtime(sf, mtime)
+            staged = self._staged(node)
+            if staged is not None and self.writeback is not None:
+                self.writeback.set_mtime(staged, mtime)
         return self._attributes(node)
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
@@ -556,7 +560,8 @@ class CacheFS:
         node = self.inodes.at(path)
         if node is not None and node.writers and self._staged(node) is None:
             await self._stage_for_write(node)  # an open writer keeps writing to it (not copied in yet)
-        staged = value.etag == STAGED_ETAG  # type: ignore[union-attr]
+        assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
+        staged = value.etag == STAGED_ETAG
         await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes
         await wb.remove(path, may_exist=not staged)
         self.stats.unlinks += 1

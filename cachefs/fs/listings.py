@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from cachefs.fs.inodes import InodeTable
 from cachefs.fs.stats import FsStats
-from cachefs.names import WarnOnce, invalid_name_reason
+from cachefs.names import WarnOnce, name_problem
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.clock import Clock
@@ -44,8 +44,9 @@ MAX_APPLIED_LOG = 10_000
 
 
 @dataclass
-class Listing:
-    """A cached directory level: name -> ObjectInfo for files, None for directories."""
+class CachedDir:
+    """One directory level as cached (a store ``Listing`` with its names checked): name -> ObjectInfo
+    for files, None for directories."""
 
     entries: dict[str, ObjectInfo | None]
     expires_at: float
@@ -79,8 +80,8 @@ class ListingCache:
         self.stats = stats
         self.writeback: WriteBack | None = None
         self.entry_count = 0  # entries held across all cached listings
-        self._listings: OrderedDict[str, Listing] = OrderedDict()
-        self._flights: dict[str, asyncio.Task[Listing]] = {}
+        self._listings: OrderedDict[str, CachedDir] = OrderedDict()
+        self._flights: dict[str, asyncio.Task[CachedDir]] = {}
         self._bad_keys = WarnOnce()
         self._applied_log: deque[tuple[str, str, ObjectInfo | None, bool]] = deque()
         self._applied_total = 0
@@ -119,7 +120,7 @@ class ListingCache:
         return await self.lookup(parent, name)
 
     # ------------------------------------------------------------------ store listings
-    async def get(self, path: str) -> Listing:
+    async def get(self, path: str) -> CachedDir:
         """The store's listing of directory ``path``, from the cache while it is fresh."""
         cached = self._listings.get(path)
         now = self.clock.monotonic()
@@ -136,7 +137,7 @@ class ListingCache:
             flight.add_done_callback(lambda f: self._flights.pop(path, None) if self._flights.get(path) is f else None)
         return await asyncio.shield(flight)
 
-    async def _fetch(self, path: str, stale: Listing | None) -> Listing:
+    async def _fetch(self, path: str, stale: CachedDir | None) -> CachedDir:
         self.stats.listings += 1
         mark = self._applied_total
         try:
@@ -149,37 +150,37 @@ class ListingCache:
                 return stale
             if self.writeback is not None and self.writeback.created_dir(path):
                 # Made through this mount and not yet in the store: the store has nothing below it.
-                return Listing({}, self.clock.monotonic() + self.settings.dir_ttl_s)
+                return CachedDir({}, self.clock.monotonic() + self.settings.dir_ttl_s)
             raise
         except ObjectStoreError:
             self.stats.listing_errors += 1
             raise
         entries: dict[str, ObjectInfo | None] = {}
         for name in raw.dirs:
-            reason = invalid_name_reason(name)
-            if reason:
-                self._skip(join(path, name) + "/", reason)
+            problem = name_problem(name)
+            if problem is not None:
+                self._skip(join(path, name) + "/", problem.reason)
                 continue
             entries[name] = None
         for name, info in raw.files.items():
-            reason = invalid_name_reason(name)
-            if reason:
-                self._skip(join(path, name), reason)
+            problem = name_problem(name)
+            if problem is not None:
+                self._skip(join(path, name), problem.reason)
             elif name in entries:
                 self._skip(join(path, name), "a directory of the same name exists")
             else:
                 entries[name] = info
-        listing = Listing(entries, self.clock.monotonic() + self.settings.dir_ttl_s)
+        listing = CachedDir(entries, self.clock.monotonic() + self.settings.dir_ttl_s)
         if self._replay_applied(path, listing, mark):
             self._remember(path, listing)
         # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
-        for name, info in entries.items():
+        for name, entry in entries.items():
             node = self.inodes.at(join(path, name))
-            if node is not None and info is not None and not node.is_dir:
-                node.info = info
+            if node is not None and entry is not None and not node.is_dir:
+                node.info = entry
         return listing
 
-    def _remember(self, path: str, listing: Listing) -> None:
+    def _remember(self, path: str, listing: CachedDir) -> None:
         self.forget(path)
         if len(listing.entries) > MAX_CACHED_LISTING_ENTRIES:
             return
@@ -231,7 +232,7 @@ class ListingCache:
             node.info = info
             node.local_gen += 1
 
-    def _replay_applied(self, path: str, listing: Listing, mark: int) -> bool:
+    def _replay_applied(self, path: str, listing: CachedDir, mark: int) -> bool:
         """Apply to a listing fetched since ``mark`` the changes that reached the store meanwhile.
 
         False when it cannot be made exact (too many changes, or a removed directory marker): then

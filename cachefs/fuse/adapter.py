@@ -12,8 +12,8 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
@@ -23,6 +23,7 @@ from tiering.errors import CacheError
 
 log = logging.getLogger(__name__)
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -35,11 +36,11 @@ def errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
-def _translate(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _translate(handler: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     @functools.wraps(handler)
-    async def wrapper(*args: Any) -> T:
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await handler(*args)
+            return await handler(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except (FsError, CacheError, OSError) as exc:
@@ -101,8 +102,10 @@ class FuseOperations(pyfuse3.Operations):
         fh, keep_cache = await self.fs.open(inode, flags)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False)
 
+    # pyfuse3 declares ``bytes`` but accepts any buffer (it copies from the buffer protocol), and a
+    # memoryview of a cached block saves that copy here.
     @_translate
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         return await self.fs.read(fh, off, size)
 
     @_translate

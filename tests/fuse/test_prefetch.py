@@ -97,7 +97,7 @@ def test_prefetched_directory_reads_without_fetching(seaweed, bucket: str, mount
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("cachefs: prefetched 10 of 10 files") and result.stdout.count("\n") == 1
     stats = read_stats(m)
-    assert stats["prefetch"]["bytes"] == sum(len(v) for v in train.values())
+    assert stats["warm"]["bytes"] == sum(len(v) for v in train.values())
     assert stats["tiers"]["ram"]["entries"] == 0  # prefetch does not fill RAM
     gets = stats["object_store"]["get_requests"]
 
@@ -169,7 +169,7 @@ def test_metrics_stats_and_health_endpoints(seaweed, bucket: str, mounter) -> No
     has("cachefs_object_store_errors_total")
     assert has("cachefs_object_store_request_duration_seconds_count", operation="get") > 0
     has("cachefs_object_store_request_duration_seconds_bucket", operation="get", le="+Inf")
-    assert has("cachefs_prefetch_bytes_total") == MiB
+    assert has("cachefs_warm_bytes_total") == MiB
     assert has("cachefs_pinned_bytes") > MiB
     assert families["cachefs_tier_hits"].type == "counter"
     assert families["cachefs_object_store_request_duration_seconds"].type == "histogram"
@@ -181,7 +181,7 @@ def test_metrics_stats_and_health_endpoints(seaweed, bucket: str, mounter) -> No
     assert result.returncode == 0
     from_cli = json.loads(result.stdout)
     assert _shape(over_tcp) == _shape(from_cli)
-    for section in ("object_store", "prefetch", "pins", "latency"):
+    for section in ("object_store", "warm", "pins", "latency"):
         assert over_tcp[section] == from_cli[section], section
     for tier in ("ram", "disk"):
         for field in ("used_bytes", "capacity_bytes", "entries", "evictions"):
@@ -221,9 +221,9 @@ def test_interrupted_prefetch_resumes_with_only_the_rest(seaweed, bucket: str, m
     # Loads in flight when it was cancelled still land; wait until nothing is being fetched.
     settle = time.monotonic() + 10
     while time.monotonic() < settle:
-        first = read_stats(m)["prefetch"]["bytes"]
+        first = read_stats(m)["warm"]["bytes"]
         time.sleep(0.2)
-        if read_stats(m)["prefetch"]["bytes"] == first:
+        if read_stats(m)["warm"]["bytes"] == first:
             break
     assert 0 < first < total
 
@@ -233,7 +233,7 @@ def test_interrupted_prefetch_resumes_with_only_the_rest(seaweed, bucket: str, m
     assert doc["ok"] and doc["bytes_fetched"] == total - first and doc["bytes_skipped"] == first
     stats = read_stats(m)
     assert stats["object_store"]["bytes_read"] == total  # every byte fetched exactly once
-    assert stats["prefetch"]["bytes"] == total
+    assert stats["warm"]["bytes"] == total
 
 
 def test_pinned_files_survive_eviction_pressure_and_remount(seaweed, bucket: str, mounter) -> None:

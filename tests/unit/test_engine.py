@@ -552,7 +552,7 @@ async def test_a_disk_tier_that_raises_is_a_miss(exc: Exception, caplog: pytest.
 
 
 # ------------------------------------------------------------------------------------------ read-ahead
-async def test_sequential_reads_prefetch_the_next_blocks() -> None:
+async def test_sequential_reads_read_the_next_blocks_ahead() -> None:
     store = CountingStore()
     big = random.Random(3).randbytes(20 * BS)
     ref = put(store, "seq.bin", big)
@@ -571,7 +571,7 @@ async def test_sequential_reads_prefetch_the_next_blocks() -> None:
     assert sorted(s for _, s, _ in store.gets) == [i * BS for i in range(6)]
 
 
-async def test_random_reads_prefetch_nothing() -> None:
+async def test_random_reads_read_nothing_ahead() -> None:
     store = CountingStore()
     big = random.Random(4).randbytes(20 * BS)
     ref = put(store, "rand.bin", big)
@@ -592,22 +592,22 @@ async def test_readahead_is_clipped_to_the_object_end() -> None:
     await cache.read(ref, 4 * BS, 10, readahead_bytes=100 * BS)
     await cache.close()
     assert sorted(s // BS for _, s, _ in store.gets) == [4, 5]
-    assert cache.prefetch(ref, SIZE, BS) == 0
+    assert cache.read_ahead(ref, SIZE, BS) == 0
 
 
-async def test_prefetch_of_cached_or_inflight_blocks_starts_nothing() -> None:
+async def test_read_ahead_of_cached_or_inflight_blocks_starts_nothing() -> None:
     store = GatedStore(InMemoryObjectStore())
     ref = put(store.inner)
     cache = make_cache(store)
     store.gate.set()
     await cache.read(ref, 0, 2 * BS)
     assert store.started == 2
-    assert cache.prefetch(ref, 0, 2 * BS) == 0  # in RAM
+    assert cache.read_ahead(ref, 0, 2 * BS) == 0  # in RAM
     store.gate.clear()
-    assert cache.prefetch(ref, 2 * BS, 2 * BS) == 2  # blocks 2 and 3 start
+    assert cache.read_ahead(ref, 2 * BS, 2 * BS) == 2  # blocks 2 and 3 start
     await until(lambda: store.started == 4, "two read-ahead GETs")
-    assert cache.prefetch(ref, 0, 4 * BS) == 0  # cached or in flight
-    assert cache.prefetch(ref, 0, 0) == 0
+    assert cache.read_ahead(ref, 0, 4 * BS) == 0  # cached or in flight
+    assert cache.read_ahead(ref, 0, 0) == 0
     store.gate.set()
     await cache.close()
     assert store.started == 4
@@ -621,7 +621,7 @@ async def test_read_ahead_of_disk_cached_blocks_fetches_nothing(tmp_path: Path) 
     await warm.read(ref, 0, SIZE)
     await warm.close()
     cold = make_cache(store, disk=disk, ram=RamTier(64 * BS))
-    cold.prefetch(ref, 0, SIZE)
+    cold.read_ahead(ref, 0, SIZE)
     await cold.close()
     assert len(store.gets) == 6
     assert all(cold.ram.contains(bkey(ref, i)) for i in range(6))  # promoted for the reads to come
@@ -633,7 +633,7 @@ async def test_close_waits_for_pending_loads(tmp_path: Path) -> None:
     ref = put(store.inner)
     disk = DiskTier(tmp_path, 100 * BS)
     cache = make_cache(store, disk=disk)
-    assert cache.prefetch(ref, 0, SIZE) == 6
+    assert cache.read_ahead(ref, 0, SIZE) == 6
     closing = asyncio.create_task(cache.close())
     for _ in range(20):
         await asyncio.sleep(0)

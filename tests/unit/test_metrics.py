@@ -71,7 +71,7 @@ async def test_metrics_parse_and_match_the_stats_document(fs: CacheFS) -> None:
     counters = {n for n, f in got.items() if f.type == "counter"}
     for name in (metrics.TIER_HITS_TOTAL, metrics.TIER_MISSES_TOTAL, metrics.TIER_HIT_BYTES_TOTAL,
                  metrics.TIER_MISS_BYTES_TOTAL, metrics.TIER_EVICTIONS_TOTAL, metrics.STORE_REQUESTS_TOTAL,
-                 metrics.STORE_ERRORS_TOTAL, metrics.PREFETCH_BYTES_TOTAL, metrics.FETCH_ERRORS_TOTAL):
+                 metrics.STORE_ERRORS_TOTAL, metrics.WARM_BYTES_TOTAL, metrics.FETCH_ERRORS_TOTAL):
         assert name.removesuffix("_total") in counters, name
     for tier in ("ram", "disk"):
         assert value(got["cachefs_tier_hits"], tier=tier) == snap["tiers"][tier]["hits"]
@@ -84,8 +84,8 @@ async def test_metrics_parse_and_match_the_stats_document(fs: CacheFS) -> None:
     assert value(got["cachefs_object_store_requests"], operation="get") == snap["object_store"]["get_requests"] == 3
     assert value(got["cachefs_object_store_requests"], operation="list") == 1
     assert value(got["cachefs_blocks_served"], tier="ram") == snap["blocks"]["ram_served"]
-    assert value(got["cachefs_prefetch_bytes"]) == snap["prefetch"]["bytes"]
-    assert value(got["cachefs_prefetch_skipped_bytes"]) == 3 * BS  # warm found them on disk
+    assert value(got["cachefs_warm_bytes"]) == snap["warm"]["bytes"]
+    assert value(got["cachefs_warm_skipped_bytes"]) == 3 * BS  # warm found them on disk
     assert value(got[metrics.PINNED_BYTES]) == 0
     assert value(got[metrics.PIN_LIMIT_BYTES]) == snap["pins"]["limit_bytes"] == 32 * BS
     hist = got[metrics.STORE_REQUEST_DURATION_SECONDS]

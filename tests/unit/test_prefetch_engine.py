@@ -49,12 +49,12 @@ async def test_warm_fills_disk_not_ram_and_skips_cached_blocks_without_io(tmp_pa
     assert len(store.gets) == 6
     assert len(cache.ram) == 0  # prefetch never fills RAM
     assert cache.cached_blocks(ref) == 6
-    assert cache.stats.prefetch_bytes == ref.size
+    assert cache.stats.warm_bytes == ref.size
     # Second time: index lookups only, no GET and no disk read.
     disk_hits = cache.disk.stats.hits
     assert await cache.warm(ref) == {WarmOutcome.SKIPPED: 6}
     assert len(store.gets) == 6 and cache.disk.stats.hits == disk_hits
-    assert cache.stats.prefetch_skipped_bytes == ref.size
+    assert cache.stats.warm_skipped_bytes == ref.size
     # A read afterwards is served from disk, byte for byte.
     data = await cache.read(ref, 0, ref.size)
     assert data == random.Random("a/big.bin").randbytes(ref.size)

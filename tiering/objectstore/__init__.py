@@ -38,8 +38,23 @@ __all__ = [
     "Source",
     "SUPPORTED_SCHEMES",
     "open_object_store",
+    "CHECK_TIMEOUT_S",
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_READ_TIMEOUT_S",
     "parse_source",
 ]
+
+# S3 client timeouts, the one definition for the mount, the CSI controller and the store's own
+# defaults (here, not in s3.py, so that reading them does not import botocore). A loopback or
+# in-region endpoint accepts a connection in milliseconds: one not established in 5 s is not coming.
+# A 4 MiB block arrives in well under a second: a socket read that stalls for 30 s is treated as
+# dead, which tolerates a server under heavy load before the attempt is abandoned and retried.
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_READ_TIMEOUT_S = 30.0
+# One whole ``check()`` (a mount's start-up, a CSI CreateVolume) is bounded too: the client's retries
+# of the timeouts above add up, and the caller must get an answer well under 30 s (the CSI
+# provisioner's own deadline is 60 s in deploy/).
+CHECK_TIMEOUT_S = 20.0
 
 SUPPORTED_SCHEMES = ("s3", "file")
 

@@ -79,17 +79,12 @@ from tiering.errors import (
     ObjectStoreError,
     ObjectStoreUnavailableError,
 )
+from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 from tiering.objectstore.keys import check_key, check_list_prefix, check_range, check_write_key, split_listing_key
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
 
 log = logging.getLogger(__name__)
 
-# Connect timeout: a loopback or in-region endpoint accepts a TCP connection in milliseconds; 3 s
-# covers a congested node while keeping check() on a dead endpoint (3 attempts) well under 15 s.
-DEFAULT_CONNECT_TIMEOUT_S = 3.0
-# Read timeout, per socket read: a 4 MiB block arrives in well under a second; 20 s tolerates a
-# server under heavy load before the attempt is abandoned and retried.
-DEFAULT_READ_TIMEOUT_S = 20.0
 # Connection pool: 16 concurrent block fetches (DEFAULT_MAX_CONCURRENT_FETCHES) plus listing and
 # HEAD traffic without queueing behind the pool; botocore's default of 10 would cap the fetches.
 DEFAULT_MAX_POOL_CONNECTIONS = 32
