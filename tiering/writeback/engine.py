@@ -283,7 +283,7 @@ class WriteBack:
                     await self.datafiles.fork(sf, sf.size)
                 end = offset + len(data)
                 assert sf.current is not None
-                await self.datafiles.grow(sf.current, max(sf.size, end))
+                await self.datafiles.wrote(sf.current, offset, end, max(sf.size, end))
                 await asyncio.to_thread(sf.write_sync, offset, data)
             except BaseException:
                 self.files.maybe_dispose(sf)
@@ -306,10 +306,9 @@ class WriteBack:
                 if size < sf.acked_region:
                     await self.datafiles.fork(sf, size)
                 assert sf.current is not None
-                if size > sf.size:
-                    await self.datafiles.grow(sf.current, size)
-                if size != sf.size:
+                if size != sf.size:  # an extension is a hole: nothing to reserve (see ``datafiles``)
                     await asyncio.to_thread(sf.truncate_sync, size)
+                    self.datafiles.truncated(sf.current, size)
             except BaseException:
                 self.files.maybe_dispose(sf)
                 raise
