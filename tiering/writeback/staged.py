@@ -123,6 +123,8 @@ class StagedFile:
     ) -> None:
         self.key: str | None = key  # None once unlinked (detached): open handles still use it
         self.base = base  # the store version not yet copied in (current is None until then)
+        self.origin = base  # the store version it was staged from (None: created through the mount)
+        self.commit_failed = False  # the last acknowledgement asked for failed (close or fsync saw it)
         self.current = current
         self.acked: Acked | None = None
         self.size = size
