@@ -39,7 +39,7 @@ def one_line_error(result, *needles: str) -> None:
         assert needle in lines[0], (needle, lines[0])
 
 
-def test_a_key_past_s3s_limit_is_enametoolong_and_nothing_is_stranded(seaweed, bucket: str, mounter) -> None:
+def test_a_key_past_s3s_limit_is_enametoolong_and_atime_is_not_kept(seaweed, bucket: str, mounter) -> None:
     m = mounter.mount(f"s3://{bucket}/{PREFIX}", env=s3env(seaweed))
     path = m.path
     for level in "abcd":  # "edges/" + 4 x 251 bytes: 1,010 bytes of key so far
@@ -52,6 +52,11 @@ def test_a_key_past_s3s_limit_is_enametoolong_and_nothing_is_stranded(seaweed, b
         (path / ("f" * 30)).write_bytes(b"never acknowledged")
     assert info.value.errno == errno.ENAMETOOLONG
     (path / "ok").write_bytes(b"fits")
+    # atime is not kept: setting it alone is accepted and changes nothing; stat shows the mtime.
+    before = os.stat(path / "ok")
+    os.utime(path / "ok", ns=(1_000_000_000, before.st_mtime_ns))
+    after = os.stat(path / "ok")
+    assert after.st_mtime_ns == before.st_mtime_ns and after.st_atime_ns == after.st_mtime_ns
     result = run_cli("flush", str(m.path), "--timeout", "60", env=m.env, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     keys = [o["Key"] for o in seaweed.client().list_objects_v2(Bucket=bucket)["Contents"]]
