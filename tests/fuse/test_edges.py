@@ -104,3 +104,29 @@ def test_a_sparse_file_ten_times_the_disk_cache(seaweed, bucket: str, mounter) -
     assert ends["Body"].read() == bytes(4) + b"tail"
     start = client.get_object(Bucket=bucket, Key=f"{PREFIX}/sparse.bin", Range="bytes=0-7")
     assert start["Body"].read() == b"head" + bytes(4)
+
+
+def test_a_writer_that_filled_the_cache_and_left_does_not_wedge_the_mount(seaweed, bucket: str, mounter) -> None:
+    """One file larger than the disk cache, written without an acknowledgement: its writer gets
+    ENOSPC (and so may its close), exits, and every later write used to get ENOSPC too."""
+    m = mounter.mount(f"s3://{bucket}/{PREFIX}", "--disk-cache", "16MiB", "--block-size", "1MiB",
+                      "--dirty-wait", "2", env=s3env(seaweed))
+    fd = os.open(m.path / "big.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    failed = None
+    try:
+        for _ in range(32):
+            os.write(fd, b"b" * MiB)
+    except OSError as exc:
+        failed = exc
+    finally:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    assert failed is not None and failed.errno == errno.ENOSPC
+    (m.path / "after.txt").write_bytes(b"a" * (4 * MiB))  # room again: no ENOSPC
+    result = run_cli("flush", str(m.path), "--timeout", "60", env=m.env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "open" not in result.stderr, result.stderr  # big.bin is not shown as a file still open
+    client = seaweed.client()
+    assert client.get_object(Bucket=bucket, Key=f"{PREFIX}/after.txt")["Body"].read() == b"a" * (4 * MiB)
