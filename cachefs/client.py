@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ from cachefs import mounts
 CONTROL_TIMEOUT_S = 10.0
 
 
+HTTP_TOO_LARGE = 413
+# How much of a non-JSON answer an error message quotes (an HTML error page must stay one line).
+MAX_QUOTED_CHARS = 200
+
+
 class UsageError(Exception):
     """Bad input from the user, or nothing to talk to: one line, non-zero exit."""
 
@@ -35,16 +41,45 @@ class ControlError(Exception):
 
 async def _request_json(socket_path: str, route: str, method: str, body: Any, timeout_s: float) -> Any:
     timeout = ClientTimeout(total=timeout_s)
+    data = None if body is None else json.dumps(body).encode()
+    headers = None if data is None else {"Content-Type": "application/json"}
     try:
         async with ClientSession(connector=UnixConnector(path=socket_path), timeout=timeout) as session:
-            async with session.request(method, f"http://cachefs{route}", json=body) as response:
-                payload = await response.json(content_type=None)
-                if response.status != 200:
-                    detail = payload.get("error") if isinstance(payload, dict) else None
-                    raise ControlError(detail or f"daemon answered {response.status} to {route}")
-                return payload
-    except (OSError, ClientError, TimeoutError, ValueError) as exc:
+            async with session.request(method, f"http://cachefs{route}", data=data, headers=headers) as response:
+                text = await response.text(errors="replace")
+                return answer_value(route, response.status, text, sent=len(data) if data is not None else 0)
+    except (asyncio.TimeoutError, TimeoutError) as exc:
+        raise ControlError(f"the cachefs daemon at {socket_path} did not answer {route} within {timeout_s:g} s") from exc
+    except (OSError, ClientError) as exc:
         raise ControlError(f"cannot reach the cachefs daemon at {socket_path}: {exc}") from exc
+
+
+def answer_value(route: str, status: int, text: str, *, sent: int) -> Any:
+    """The JSON value of an answer, or ``ControlError`` saying truly what came back: the daemon's own
+    ``{"error": ...}``, a request too large (413, ``sent`` bytes), or an answer that is not JSON."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        payload = None
+        parsed = False
+    else:
+        parsed = True
+    if status == 200 and parsed:
+        return payload
+    detail = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(detail, str) and detail:
+        raise ControlError(detail)
+    first = _first_line(text)
+    if status == HTTP_TOO_LARGE:
+        raise ControlError(f"request too large ({sent} bytes): the daemon refused {route} ({first})")
+    if status == 200:
+        raise ControlError(f"the daemon answered {route} with something that is not JSON: {first}")
+    raise ControlError(f"the daemon answered {route} with HTTP {status}: {first}")
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "(empty answer)"
+    return line if len(line) <= MAX_QUOTED_CHARS else line[:MAX_QUOTED_CHARS] + "..."
 
 
 def request_json(

@@ -49,6 +49,15 @@ def name_problem(name: str) -> NameProblem | None:
     return None
 
 
+def key_length_problem(path: str, room: int, *, directory: bool) -> str | None:
+    """Why the object key of ``path`` (a directory's marker ends in ``/``) cannot be stored below a
+    root with ``room`` bytes of key left (``ObjectStore.max_key_bytes``), or None if it can."""
+    length = len(encode_name(path)) + (1 if directory else 0)
+    if length > room:
+        return f"object key of /{path} would be {length} bytes; the store holds at most {room} below its root"
+    return None
+
+
 class WarnOnce:
     """Logs one warning per key, remembering a bounded number of keys."""
 

@@ -199,6 +199,9 @@ class ObjectStore(Protocol):
     """The source of truth. Keys are relative to the root the store was opened on (bucket/prefix)."""
 
     stats: ObjectStoreStats
+    # The longest key (UTF-8 bytes, relative to the root) this store can hold: S3's limit less the
+    # prefix (``tiering.objectstore.keys.MAX_KEY_BYTES``). The filesystem refuses longer names.
+    max_key_bytes: int
 
     async def check(self) -> bool:
         """Verify the root is reachable and readable; raise a ``tiering.errors`` error otherwise.

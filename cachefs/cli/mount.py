@@ -190,6 +190,9 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         raise UsageError(str(exc)) from None
     if not args.read_only and args.disk_cache == 0:
         raise UsageError("a writable mount stages writes in the disk cache: give --disk-cache a size, or use --read-only")
+    if not args.read_only and args.disk_cache < args.block_size:
+        raise UsageError(f"--disk-cache ({args.disk_cache} bytes) is smaller than one block (--block-size, "
+                         f"{args.block_size} bytes): a writable mount stages writes there; give it at least one block")
     if args.read_only and args.write_through:
         raise UsageError("--write-through applies to writable mounts only (drop --read-only or --write-through)")
     if args.connect_timeout <= 0 or args.read_timeout <= 0:

@@ -37,6 +37,13 @@ def socket_path_for(mountpoint: Path) -> Path:
     return runtime_dir() / f"{digest}.sock"
 
 
+# The largest request body the unix socket accepts (aiohttp's default is 1 MiB). The largest request
+# is a prefetch job's manifest, sent whole: a snapshot line averages ~90 bytes (15,000 files made
+# 1.37 MB), so a million entries is ~100 MB and 256 MiB leaves room for long paths. The body is held
+# in memory while it is parsed; the socket is the owner's alone (mode 0600), so the bound is against
+# mistakes, not attacks. The TCP listener serves read-only GETs and keeps aiohttp's default.
+MAX_REQUEST_BYTES = 256 * 1024 * 1024
+
 JsonHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 RawHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -58,8 +65,10 @@ class ControlServer:
     (Prometheus text).
     """
 
-    def __init__(self, socket_path: Path, stats: Callable[[], dict[str, Any]], info: dict[str, Any]) -> None:
+    def __init__(self, socket_path: Path, stats: Callable[[], dict[str, Any]], info: dict[str, Any], *,
+                 max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.socket_path = socket_path
+        self.max_request_bytes = max_request_bytes
         self._runner: web.AppRunner | None = None
         self._routes: list[tuple[str, str, RawHandler, bool]] = []
         self._tcp_runner: web.AppRunner | None = None
@@ -79,6 +88,11 @@ class ControlServer:
             if request.can_read_body:
                 try:
                     body = await request.json()
+                except web.HTTPRequestEntityTooLarge:
+                    size = request.content_length
+                    sent = f"{size} bytes" if size is not None else "more bytes"
+                    limit = self.max_request_bytes
+                    return _json({"error": f"request too large ({sent}, limit {limit})", "limit": limit}, 413)
                 except ValueError:
                     return _json({"error": "request body is not valid JSON"}, 400)
                 if not isinstance(body, dict):
@@ -95,7 +109,7 @@ class ControlServer:
         return web.Response(text="ok\n")
 
     def _app(self, *, public_only: bool) -> web.Application:
-        app = web.Application()
+        app = web.Application() if public_only else web.Application(client_max_size=self.max_request_bytes)
         for method, path, handler, public in self._routes:
             if public or not public_only:
                 app.router.add_route(method, path, handler)

@@ -47,7 +47,7 @@ from cachefs.fs.listings import ListingCache
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
 from cachefs.mounts import CONTROL_XATTR
-from cachefs.names import NAME_MAX, encode_name, name_problem
+from cachefs.names import NAME_MAX, encode_name, key_length_problem, name_problem
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
@@ -62,6 +62,16 @@ from tiering.writeback.staged import StagedFile
 STATFS_BLOCK_SIZE = 4096
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+def _nlink(node: Node) -> int:
+    """A file has one link (no hard links), none once unlinked (an open handle keeps it, as fstat
+    shows on a local filesystem). A directory shows 1, the convention for "not counted" that find and
+    fts understand (btrfs does the same): counting its subdirectories (2 + n) would take a LIST per
+    stat, and a wrong count makes find's leaf optimisation skip subdirectories."""
+    if node.is_dir:
+        return 1
+    return 0 if node.deleted else 1
 
 
 @dataclass(frozen=True)
@@ -145,7 +155,7 @@ class CacheFS:
             mtime_ns=int(mtime * 1e9),
             uid=s.uid,
             gid=s.gid,
-            nlink=2 if node.is_dir else 1,
+            nlink=_nlink(node),
             attr_timeout=s.attr_ttl_s,
             entry_timeout=s.dir_ttl_s,
         )
@@ -181,6 +191,8 @@ class CacheFS:
         parent = self.inodes.get(parent_inode)
         if not parent.is_dir:
             raise FsError(errno.ENOTDIR)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
         try:
             text = name.decode("utf-8")
         except UnicodeDecodeError:
@@ -381,6 +393,13 @@ class CacheFS:
             raise FsError(problem.errno, problem.reason)
         return text
 
+    def _check_key(self, path: str, *, directory: bool) -> None:
+        """ENAMETOOLONG for a new name whose object key the store could never hold (S3: 1,024 bytes
+        with the prefix): refused when made, never acknowledged and then failing every upload."""
+        problem = key_length_problem(path, self.store.max_key_bytes, directory=directory)
+        if problem:
+            raise FsError(errno.ENAMETOOLONG, problem)
+
     def _dir(self, inode: int) -> Node:
         node = self.inodes.get(inode)
         if not node.is_dir:
@@ -453,6 +472,7 @@ class CacheFS:
             node.lookups += 1
             fh, keep = await self.open(node.inode, flags)
             return fh, keep, self._attributes(node)
+        self._check_key(path, directory=False)
         sf = await wb.create(path, may_exist=False)
         node = self._node_for(path, wb.staged_info(sf))
         self._set_staged(node, sf)
@@ -541,6 +561,7 @@ class CacheFS:
         if await self.listings.lookup(parent.path, text) is not MISSING:
             raise FsError(errno.EEXIST)
         path = join(parent.path, text)
+        self._check_key(path, directory=True)
         await wb.mkdir(path)
         self.stats.mkdirs += 1
         node = self._node_for(path, None)

@@ -19,6 +19,7 @@ import logging
 from cachefs.fs.errors import FsError
 from cachefs.fs.inodes import InodeTable
 from cachefs.fs.listings import ListingCache
+from cachefs.names import key_length_problem
 from cachefs.paths import join
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
@@ -54,6 +55,7 @@ class Renamer:
             raise FsError(errno.EEXIST)
         if src == dst:
             return False
+        self._check_key(dst, directory=src_value is None)
         if src_value is None:
             if dst_value is not None and dst_value is not MISSING:
                 raise FsError(errno.ENOTDIR)
@@ -70,6 +72,11 @@ class Renamer:
             await self._rename_file(wb, src, dst, src_value, dst_value)  # type: ignore[arg-type]
             self.inodes.move(src, dst)
         return True
+
+    def _check_key(self, path: str, *, directory: bool) -> None:
+        problem = key_length_problem(path, self.store.max_key_bytes, directory=directory)
+        if problem:
+            raise FsError(errno.ENAMETOOLONG, problem)
 
     async def _rename_file(self, wb: WriteBack, src: str, dst: str, info: ObjectInfo, dst_value: object) -> None:
         dst_may_exist = dst_value is not MISSING and getattr(dst_value, "etag", STAGED_ETAG) != STAGED_ETAG
@@ -118,6 +125,11 @@ class Renamer:
                     log.warning("rename of directory /%s refused: it has more than %d entries (--rename-dir-limit)",
                                 src, limit)
                     raise FsError(errno.E2BIG, f"/{src} has more than {limit} entries to rename")
+        # Every key below the new name must fit too: refused before anything is moved.
+        for rel in dirs[1:]:
+            self._check_key(f"{dst}/{rel}", directory=True)
+        for rel, _ in files:
+            self._check_key(f"{dst}/{rel}", directory=False)
         src_parent = src.rpartition("/")[0]
         await wb.ensure_dir(src_parent)
         for rel in dirs:

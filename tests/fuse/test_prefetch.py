@@ -334,3 +334,20 @@ def test_snapshot_then_manifest_prefetch_reports_changed_objects(seaweed, bucket
     assert "1 file(s) changed since the manifest" in result.stderr
     check = cli(m, "prefetch", str(m.path), "set/a.bin", "set/c/d.bin", "--check")
     assert check.returncode == 0, check
+
+
+def test_a_manifest_over_a_mebibyte_reaches_the_daemon(seaweed, bucket: str, mounter, tmp_path: Path) -> None:
+    """20,000 entries (1.6 MB of request body) crossed aiohttp's default 1 MiB limit (issue 19)."""
+    names = [f"a-directory-with-a-long-name-{'x' * 20}/f{i}.bin" for i in range(10)]
+    upload(seaweed, bucket, {name: 1000 for name in names})
+    m = mounter.mount(f"s3://{bucket}/ds", env=s3env(seaweed))
+    snapshot = cli(m, "snapshot", str(m.path))
+    assert snapshot.returncode == 0, snapshot.stderr
+    lines = snapshot.stdout.splitlines()
+    manifest = tmp_path / "big.jsonl"
+    manifest.write_text("\n".join(lines[i % len(lines)] for i in range(20_000)) + "\n")
+    assert manifest.stat().st_size > 1024 * 1024
+    result = cli(m, "prefetch", str(m.path), "--manifest", str(manifest))
+    assert result.returncode == 0, result.stderr
+    assert "cannot reach" not in result.stderr
+    assert read_stats(m)["object_store"]["get_requests"] >= len(names)

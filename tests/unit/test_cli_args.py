@@ -84,6 +84,7 @@ def mount_args(source: str, mountpoint: Path, cache_dir: Path, *extra: str) -> l
         (["--endpoint-url", "ftp://host"], ["endpoint URL", "'ftp://host'"]),
         (["--no-such-flag"], ["--no-such-flag"]),
         (["--disk-cache", "0"], ["writable mount", "--disk-cache", "--read-only"]),
+        (["--disk-cache", "1KiB"], ["--disk-cache (1024 bytes)", "one block", "8388608 bytes"]),
         (["--read-only", "--write-through"], ["--write-through", "writable"]),
         (["--upload-delay", "-1"], ["--upload-delay", "negative"]),
         (["--upload-delay", "99999"], ["upload delay"]),

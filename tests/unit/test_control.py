@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from cachefs.client import ControlError, _request_json
+from cachefs.client import ControlError, _request_json, answer_value
 from cachefs.daemon.control import ControlRequestError, ControlServer
 
 
@@ -56,3 +57,49 @@ async def test_unreachable_socket_is_a_control_error(tmp_path: Path) -> None:
     with pytest.raises(ControlError, match="cannot reach"):
         await _request_json(str(tmp_path / "none.sock"), "/stats", "GET", None, 2)
     await asyncio.sleep(0)
+
+
+async def test_a_request_over_a_mebibyte_is_accepted(server: ControlServer) -> None:
+    """aiohttp's default 1 MiB limit made a 12,000-file manifest fail (issue 19)."""
+    entries = [{"path": f"dir/{i:08d}.bin", "etag": "e" * 34, "size": i} for i in range(20_000)]
+    got = await _request_json(str(server.socket_path), "/echo", "POST", {"entries": entries}, 30)
+    assert got["got"]["entries"] == entries
+
+
+async def test_a_request_past_the_limit_is_a_true_one_line_error(tmp_path: Path) -> None:
+    srv = ControlServer(tmp_path / "c.sock", dict, {}, max_request_bytes=1000)
+
+    async def echo(params):
+        return params
+
+    srv.add_json_route("POST", "/echo", echo)
+    await srv.start()
+    try:
+        body = {"x": "y" * 2000}
+        sent = len(json.dumps(body))
+        with pytest.raises(ControlError) as info:
+            await _request_json(str(srv.socket_path), "/echo", "POST", body, 5)
+        assert str(info.value) == f"request too large ({sent} bytes, limit 1000)"
+    finally:
+        await srv.stop()
+
+
+@pytest.mark.parametrize(("status", "text", "message"), [
+    (413, "Maximum request body size 1048576 exceeded, actual body size 1048577",
+     "request too large (1048577 bytes): the daemon refused /jobs (Maximum request body size 1048576 exceeded, "
+     "actual body size 1048577)"),
+    (200, "<html>\nnot json", "the daemon answered /jobs with something that is not JSON: <html>"),
+    (500, "", "the daemon answered /jobs with HTTP 500: (empty answer)"),
+    (502, "x" * 500, "the daemon answered /jobs with HTTP 502: " + "x" * 200 + "..."),
+    (409, '{"error": "a job is running"}', "a job is running"),
+    (404, '{"other": 1}', 'the daemon answered /jobs with HTTP 404: {"other": 1}'),
+])
+def test_the_client_names_what_came_back(status: int, text: str, message: str) -> None:
+    with pytest.raises(ControlError) as info:
+        answer_value("/jobs", status, text, sent=1048577)
+    assert str(info.value) == message and "cannot reach" not in message
+
+
+def test_a_json_answer_is_its_value() -> None:
+    assert answer_value("/stats", 200, '{"a": [1]}', sent=0) == {"a": [1]}
+    assert answer_value("/stats", 200, "null", sent=0) is None

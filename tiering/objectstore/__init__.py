@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import urlsplit
 
+from tiering.objectstore.keys import MAX_KEY_BYTES, key_room
 from tiering.objectstore.local import LocalObjectStore
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.protocols import ObjectStore
@@ -147,7 +148,11 @@ def parse_source(url: str) -> Source:
         problem = _bucket_problem(parts.netloc)
         if problem:
             raise ValueError(f"s3:// source URL {problem}")
-        return Source("s3", parts.netloc, _normalise_prefix(parts.path, "s3:// prefix"))
+        prefix = _normalise_prefix(parts.path, "s3:// prefix")
+        if key_room(prefix) < 1:
+            raise ValueError(f"s3:// prefix is {len(prefix.encode('utf-8', 'surrogateescape'))} bytes: S3 keys are at "
+                             f"most {MAX_KEY_BYTES} bytes, which leaves no room for a name below it")
+        return Source("s3", parts.netloc, prefix)
 
     # file
     if parts.netloc:

@@ -4,6 +4,12 @@ They are the store-side half of the contract in ``tiering.protocols.ObjectStore`
 ``""`` or ends in ``/``; a byte range is ``0 <= start <= end``; a range past the object's end is
 clamped to it (a read at or past EOF answers ``b""``), never an error. Every implementation calls
 these before doing any I/O, so all of them refuse the same malformed calls in the same way.
+
+Key length. S3 refuses a key longer than ``MAX_KEY_BYTES`` (``KeyTooLongError``, HTTP 400), and
+retrying never helps, so a name whose key would be longer must be refused when it is made, not
+acknowledged and then never uploaded. Each store says how many bytes of key are left below its root
+(``ObjectStore.max_key_bytes``: the limit less the bucket prefix), and the filesystem checks every
+name it makes against that (``cachefs.names.key_length_problem``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,18 @@ from __future__ import annotations
 from tiering.errors import InvalidRangeError, ObjectNotFoundError
 
 _DOT_COMPONENTS = frozenset({".", ".."})
+
+# S3's limit on an object key: 1,024 bytes of UTF-8, the prefix included (the S3 user guide, "Naming
+# Amazon S3 objects"). The in-memory double keeps it too, so unit tests see what S3 would refuse.
+MAX_KEY_BYTES = 1024
+# A local store's keys become paths below its root: Linux refuses a path over PATH_MAX (4,096
+# bytes with its NUL) in any system call (ENAMETOOLONG).
+LOCAL_MAX_PATH_BYTES = 4095
+
+
+def key_room(prefix: str, limit: int = MAX_KEY_BYTES) -> int:
+    """Bytes of key left below ``prefix`` (``limit`` less the prefix's UTF-8 length; may be <= 0)."""
+    return limit - len(prefix.encode("utf-8", "surrogateescape"))
 
 
 def check_list_prefix(prefix: str) -> None:

@@ -49,7 +49,14 @@ from tiering.errors import (
     ObjectStoreUnavailableError,
 )
 from tiering.fileio import fsync_dir
-from tiering.objectstore.keys import check_list_prefix, check_range, check_write_key, clamp_range
+from tiering.objectstore.keys import (
+    LOCAL_MAX_PATH_BYTES,
+    check_list_prefix,
+    check_range,
+    check_write_key,
+    clamp_range,
+    key_room,
+)
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
 
 T = TypeVar("T")
@@ -93,6 +100,8 @@ class LocalObjectStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(os.path.abspath(root))
         self.stats = ObjectStoreStats()
+        # Keys become paths below the root: the path limit less the root's own path.
+        self.max_key_bytes = key_room(str(self.root) + "/", LOCAL_MAX_PATH_BYTES)
 
     # -- path confinement ---------------------------------------------------------------------------
 

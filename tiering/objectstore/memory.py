@@ -32,6 +32,7 @@ from typing import Callable
 
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError
 from tiering.objectstore.keys import (
+    MAX_KEY_BYTES,
     check_key,
     check_list_prefix,
     check_range,
@@ -62,9 +63,11 @@ class _Stored:
 class InMemoryObjectStore:
     """A dict-backed ``ObjectStore``. ``put_object``/``delete_object`` are synchronous test helpers."""
 
-    def __init__(self, *, on_get: GetHook | None = None) -> None:
+    def __init__(self, *, on_get: GetHook | None = None, max_key_bytes: int = MAX_KEY_BYTES) -> None:
         self.stats = ObjectStoreStats()
         self.on_get = on_get
+        # S3's limit by default; a test gives less to stand for a store opened below a prefix.
+        self.max_key_bytes = max_key_bytes
         self._objects: dict[str, _Stored] = {}
 
     # -- test helpers -------------------------------------------------------------------------------
@@ -226,6 +229,10 @@ class FailingObjectStore:
     @property
     def stats(self) -> ObjectStoreStats:
         return self.inner.stats
+
+    @property
+    def max_key_bytes(self) -> int:
+        return self.inner.max_key_bytes
 
     async def _before(self, failing: bool, what: str) -> None:
         if self.delay_s > 0:

@@ -80,7 +80,14 @@ from tiering.errors import (
     ObjectStoreUnavailableError,
 )
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
-from tiering.objectstore.keys import check_key, check_list_prefix, check_range, check_write_key, split_listing_key
+from tiering.objectstore.keys import (
+    check_key,
+    check_list_prefix,
+    check_range,
+    check_write_key,
+    key_room,
+    split_listing_key,
+)
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
 
 log = logging.getLogger(__name__)
@@ -313,6 +320,7 @@ class S3ObjectStore:
             raise ValueError(f"S3 part size must be between {MIN_PART_SIZE} bytes and 5 GiB")
         self.bucket = bucket
         self.prefix = prefix
+        self.max_key_bytes = key_room(prefix)
         self.endpoint_url = endpoint_url
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s

@@ -6,6 +6,13 @@ file is acknowledged, and closes and unlinks a file (giving its space back) when
 goes. It also does the copying a staged file needs: ``materialize`` (the store's version, through
 the block cache, into a new data file on the first change), ``fork`` (copy-on-write of the
 acknowledged prefix, I3) and ``sync`` (fsync and the CRC-32 of what is acknowledged, I1).
+
+Space is charged for bytes written, not for a file's length: ``truncate -s 11G`` makes a hole,
+which takes no disk, so it reserves nothing and a sparse file far larger than the disk cache can be
+made, read (zeros) and written at its end. A data file is charged ``round_up(dense)`` for its prefix
+written front to back plus, for writes past that prefix, every block they touch (an upper bound:
+rewriting those blocks charges them again), never more than its length rounded up. A copy
+(``materialize``, ``fork``) is charged whole: ``copy_file_range`` may fill holes.
 """
 
 from __future__ import annotations
@@ -20,12 +27,15 @@ from tiering.checksum import crc32
 from tiering.engine import BlockCache
 from tiering.errors import ObjectStoreError
 from tiering.writeback.journal import StagingDir, copy_range, crc_range, pwrite_all
-from tiering.writeback.settings import MATERIALIZE_WINDOW
+from tiering.writeback.settings import FS_BLOCK, MATERIALIZE_WINDOW
 from tiering.writeback.space import StagingSpace, round_up
 from tiering.writeback.staged import DataFile, StagedFile
 from tiering.writeback.stats import WriteBackStats
 
 log = logging.getLogger("tiering.writeback")
+
+# st_blocks counts 512-byte units whatever the filesystem's block size (stat(2)).
+STAT_BLOCK_BYTES = 512
 
 
 class DataFiles:
@@ -46,32 +56,57 @@ class DataFiles:
         except BaseException:
             self._space.release(reserved)
             raise
-        df = DataFile(name, fd, reserved)
+        df = DataFile(name, fd, reserved, dense=size)
         self._open.add(df)
         return df
 
     async def adopt(self, name: str, size: int) -> DataFile:
-        """A data file a journal record names (replay): reopened, its space reserved even past capacity."""
+        """A data file a journal record names (replay): reopened, the space it occupies reserved even
+        past capacity (a sparse file is charged its allocated blocks, not its length)."""
         fd = await asyncio.to_thread(self.staging.open_data, name)
-        reserved = round_up(size)
+        allocated = (await asyncio.to_thread(os.fstat, fd)).st_blocks * STAT_BLOCK_BYTES
+        reserved = min(round_up(size), round_up(allocated))
         await self._space.force(reserved)
-        df = DataFile(name, fd, reserved, dir_synced=True)
+        df = DataFile(name, fd, reserved, dir_synced=True, dense=0)
+        df.scattered = reserved
         self._open.add(df)
         return df
 
-    async def grow(self, df: DataFile, length: int) -> None:
-        need = round_up(length) - df.reserved
-        if need <= 0:
+    @staticmethod
+    def charge(df: DataFile, size: int) -> int:
+        """What a data file of length ``size`` may occupy: its dense prefix and scattered writes."""
+        return min(round_up(size), round_up(df.dense) + df.scattered)
+
+    async def wrote(self, df: DataFile, offset: int, end: int, size: int) -> None:
+        """Reserve what a write of ``[offset, end)`` may take, the file's length becoming ``size``.
+        Called before the write: if the space is not there, nothing was written."""
+        dense, scattered = df.dense, df.scattered
+        if end <= dense:
             return
-        chunk = max(need, self._space.chunk)
-        if chunk > need and await self._space.try_reserve(chunk):
-            df.reserved += chunk
-            return
-        await self._space.reserve(need)
-        df.reserved += need
+        if offset <= dense:
+            dense = end
+        else:
+            scattered += round_up(end) - (offset // FS_BLOCK) * FS_BLOCK
+        need = min(round_up(size), round_up(dense) + scattered) - df.reserved
+        if need > 0:
+            chunk = max(need, self._space.chunk)
+            if chunk > need and await self._space.try_reserve(chunk):
+                df.reserved += chunk
+            else:
+                await self._space.reserve(need)
+                df.reserved += need
+        df.dense, df.scattered = dense, scattered
+
+    @staticmethod
+    def truncated(df: DataFile, size: int) -> None:
+        """The file was cut or extended to ``size``: an extension is a hole (nothing to reserve)."""
+        if size < df.dense:
+            df.dense, df.scattered = size, 0
+        elif size == 0:
+            df.scattered = 0
 
     def trim(self, df: DataFile, size: int) -> None:
-        keep = round_up(size)
+        keep = self.charge(df, size)
         if df.reserved > keep:
             self._space.release(df.reserved - keep)
             df.reserved = keep

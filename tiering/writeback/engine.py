@@ -74,6 +74,7 @@ import contextlib
 import errno
 import functools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -283,7 +284,7 @@ class WriteBack:
                     await self.datafiles.fork(sf, sf.size)
                 end = offset + len(data)
                 assert sf.current is not None
-                await self.datafiles.grow(sf.current, max(sf.size, end))
+                await self.datafiles.wrote(sf.current, offset, end, max(sf.size, end))
                 await asyncio.to_thread(sf.write_sync, offset, data)
             except BaseException:
                 self.files.maybe_dispose(sf)
@@ -306,10 +307,9 @@ class WriteBack:
                 if size < sf.acked_region:
                     await self.datafiles.fork(sf, size)
                 assert sf.current is not None
-                if size > sf.size:
-                    await self.datafiles.grow(sf.current, size)
-                if size != sf.size:
+                if size != sf.size:  # an extension is a hole: nothing to reserve (see ``datafiles``)
                     await asyncio.to_thread(sf.truncate_sync, size)
+                    self.datafiles.truncated(sf.current, size)
             except BaseException:
                 self.files.maybe_dispose(sf)
                 raise
@@ -336,7 +336,12 @@ class WriteBack:
 
     async def commit(self, sf: StagedFile) -> None:
         """Make the file's content durable (I1); with write-through, also wait for its upload."""
-        seq = await self._commit_only(sf)
+        try:
+            seq = await self._commit_only(sf)
+        except Exception:
+            sf.commit_failed = True  # the writer was told: when it is gone, the file reverts (``_revert``)
+            raise
+        sf.commit_failed = False
         if not self.settings.write_through or sf.detached:
             return
         entry = self.index.get(sf.key or "")
@@ -574,11 +579,68 @@ class WriteBack:
             return await self._commit_locked(sf)
 
     async def _commit_quietly(self, sf: StagedFile) -> None:
-        try:
-            await self._commit_only(sf)
-        except Exception as exc:  # noqa: BLE001 - no caller to report to: the log is the report
-            log.error("write-back: could not save %r to local disk after its last close: %s", sf.key, describe(exc))
+        """The last handle went with changes not acknowledged: acknowledge them, unless the writer was
+        already told that failed (close or fsync); then, or if it fails now, revert the file."""
+        if not sf.commit_failed:
+            try:
+                await self._commit_only(sf)
+            except Exception as exc:  # noqa: BLE001 - no caller to report to: the log is the report
+                log.error("write-back: could not save %r to local disk after its last close: %s", sf.key,
+                          describe(exc))
+        if sf.unacked and not sf.detached:
+            await self._revert(sf)
         self.files.maybe_dispose(sf)
+
+    async def _revert(self, sf: StagedFile) -> None:
+        """A file whose writer is gone and whose acknowledgement failed goes back to its last
+        acknowledged state, giving back the space of what was never acknowledged: otherwise it would
+        hold that space (and block every writer of a full cache) until it is deleted. Nothing of the
+        lost bytes was acknowledged: close() or fsync() reported the failure. The acknowledged version
+        if there is one; else the store's version it was staged from; else (created through the mount,
+        never acknowledged) an empty file, acknowledged now."""
+        async with sf.lock:
+            if sf.disposed or not sf.unacked or sf.holders > 0 or sf.detached:
+                return  # acknowledged or unlinked meanwhile, or opened again: its new writer decides
+            lost, acked = sf.size, sf.acked
+            self.stats.reverted += 1
+            if acked is not None:
+                if acked.data is not sf.current:
+                    acked.data.refs += 1
+                    if sf.current is not None:
+                        self.datafiles.unref(sf.current)
+                    sf.current = acked.data
+                else:
+                    await asyncio.to_thread(os.ftruncate, acked.data.fd, acked.size)
+                    self.datafiles.truncated(acked.data, acked.size)
+                sf.size = acked.size
+                sf.crc_upto, sf.crc_value = acked.size, acked.crc32
+                sf.unacked = sf.commit_failed = False
+                self.datafiles.trim(acked.data, acked.size)
+                what = f"its last acknowledged version ({acked.size} bytes)"
+            elif sf.origin is not None:
+                entry = self.index.get(sf.key or "")
+                if entry is not None and entry.sf is sf and entry.seq is None:
+                    self._drop_entry(entry.key)
+                sf.unacked = sf.commit_failed = False
+                sf.size = sf.origin.size
+                what = "the version in the object store"
+            else:
+                df = sf.current
+                if df is not None:
+                    await asyncio.to_thread(os.ftruncate, df.fd, 0)
+                    self.datafiles.truncated(df, 0)
+                    self.datafiles.trim(df, 0)
+                sf.size = 0
+                sf.crc_upto = sf.crc_value = 0
+                sf.commit_failed = False
+                what = "an empty file"
+            log.error("write-back: %r was not saved (its writer was told, and is gone): it reverts to %s; "
+                      "%d bytes never acknowledged are dropped", sf.key, what, lost)
+            if sf.unacked:
+                try:
+                    await self._commit_locked(sf)  # the empty file: its space is back, a record fits
+                except Exception as exc:  # noqa: BLE001 - it holds no data space now; the log is the report
+                    log.error("write-back: could not save the empty %r either: %s", sf.key, describe(exc))
 
     async def _commit_locked(self, sf: StagedFile) -> int | None:
         if not sf.unacked or sf.disposed:

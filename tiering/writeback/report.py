@@ -81,5 +81,6 @@ def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[Stag
         "last_error": last_error,
         "replayed": s.replayed,
         "quarantined": s.quarantined,
+        "reverted_files": s.reverted,
         "write_through": write_through,
     }

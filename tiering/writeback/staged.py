@@ -61,14 +61,23 @@ def start_write_out(fd: int) -> bool:
 
 
 class DataFile:
-    """One staged data file: an open descriptor, the space reserved for it, its references."""
+    """One staged data file: an open descriptor, the space reserved for it, its references.
 
-    __slots__ = ("name", "fd", "reserved", "refs", "dir_synced", "unflushed")
+    What it may occupy on disk is charged as bytes written, not as its length: a hole (``truncate``
+    past the end, a write past the end) is not staged data. ``dense`` is the end of a prefix charged
+    whole; ``scattered`` the bytes charged for writes beyond it (blocks they touch, an upper bound).
+    ``DataFiles.charge`` is what the file needs reserved (see ``tiering.writeback.datafiles``).
+    """
 
-    def __init__(self, name: str, fd: int, reserved: int, *, dir_synced: bool = False) -> None:
+    __slots__ = ("name", "fd", "reserved", "refs", "dir_synced", "unflushed", "dense", "scattered")
+
+    def __init__(self, name: str, fd: int, reserved: int, *, dir_synced: bool = False,
+                 dense: int | None = None) -> None:
         self.name = name
         self.fd = fd
         self.reserved = reserved
+        self.dense = reserved if dense is None else dense
+        self.scattered = 0
         self.refs = 1
         self.dir_synced = dir_synced  # its directory entry has been fsync'd
         self.unflushed = 0  # bytes written since write-behind last started writing them out
@@ -114,6 +123,8 @@ class StagedFile:
     ) -> None:
         self.key: str | None = key  # None once unlinked (detached): open handles still use it
         self.base = base  # the store version not yet copied in (current is None until then)
+        self.origin = base  # the store version it was staged from (None: created through the mount)
+        self.commit_failed = False  # the last acknowledgement asked for failed (close or fsync saw it)
         self.current = current
         self.acked: Acked | None = None
         self.size = size

@@ -19,3 +19,4 @@ class WriteBackStats:
     promoted_bytes: int = 0  # uploaded bytes also put into the disk tier as clean blocks
     replayed: int = 0
     quarantined: int = 0
+    reverted: int = 0  # files whose writer left after acknowledging failed: back to their last acknowledged state
