@@ -31,6 +31,7 @@ from cachefs.cli.argtypes import address, fraction_or_size, seconds, size
 from cachefs.daemon.errors import SetupError
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
+    DEFAULT_METADATA_TIMEOUT_S,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_DIR_TTL_S,
     DEFAULT_READ_TIMEOUT_S,
@@ -101,6 +102,9 @@ def register(sub: Any) -> None:
                    help=f"how long file attributes are cached (default {DEFAULT_ATTR_TTL_S:g})")
     m.add_argument("--dir-ttl", type=seconds, default=DEFAULT_DIR_TTL_S, metavar="S",
                    help=f"how long listings and negative lookups are cached (default {DEFAULT_DIR_TTL_S:g})")
+    m.add_argument("--metadata-timeout", type=seconds, default=DEFAULT_METADATA_TIMEOUT_S, metavar="S",
+                   help=f"a listing or attribute refresh the store does not answer within this serves the cached "
+                        f"(stale) entry, or EIO if there is none (default {DEFAULT_METADATA_TIMEOUT_S:g})")
     m.add_argument("--connect-timeout", type=seconds, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
                    help=argparse.SUPPRESS)
     m.add_argument("--read-timeout", type=seconds, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
@@ -164,7 +168,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
             max_pinned_bytes=_pin_limit(args.max_pinned, args.disk_cache),
         )
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
-                        rename_dir_limit=args.rename_dir_limit)
+                        rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through)
     except ValueError as exc:

@@ -37,12 +37,14 @@ from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseSession
 from cachefs.fuse.tuning import tune_fuse_connection
 from cachefs.settings import MountSettings
+from tiering.clock import SystemClock
 from tiering.disk import DiskTier
 from tiering.engine import BlockCache
 from tiering.errors import CacheError
 from tiering.objectstore import open_object_store
 from tiering.pins import PIN_FILENAME, pinned_block_keys
 from tiering.ram import RamTier
+from tiering.storehealth import StoreHealth
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 pinned=pinned_block_keys(cache_dir / PIN_FILENAME, cs.block_size),
             )
         ram = RamTier(cs.ram_bytes)
-        cache = BlockCache(cs, store, ram, disk)
+        # One store-health circuit for reads, metadata and write-back (tiering.storehealth).
+        health = StoreHealth(SystemClock(), probe=store.check)
+        cache = BlockCache(cs, store, ram, disk, health=health)
         socket_path = socket_path_for(settings.mountpoint)
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path))
         control = ControlServer(
@@ -169,6 +173,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         finally:
             await control.stop()
             await cache.close()
+            await health.close()
     finally:
         await store.close()
         if lock is not None:

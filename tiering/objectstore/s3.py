@@ -81,6 +81,7 @@ from tiering.errors import (
 )
 from tiering.objectstore.keys import check_key, check_list_prefix, check_range, check_write_key, split_listing_key
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
+from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +392,8 @@ class S3ObjectStore:
         self.stats.requests += 1
         try:
             await self._session()
-            return await fs._call_s3(method, Bucket=self.bucket, **kwargs)
+            async with asyncio.timeout(request_timeout()):  # the caller's deadline, if any (storehealth)
+                return await fs._call_s3(method, Bucket=self.bucket, **kwargs)
         except Exception as exc:
             coded = client_error_code(exc)
             if coded is not None and coded[0] in tolerate:
