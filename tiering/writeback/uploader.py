@@ -16,8 +16,9 @@ info)`` does the bookkeeping after a success. It knows nothing of staged data, o
 - **deadlines**: each operation runs under ``upload_deadline_s(size)`` (a floor plus a minimum
   rate) and through the mount's store-health circuit when one is given (``tiering.storehealth``):
   an upload stuck on a frozen store is cancelled and retried instead of holding its slot; while the
-  circuit is open nothing starts (the circuit's probe decides when the store is back, and wakes the
-  scheduler);
+  circuit is open, the one operation tried per backoff step fails at once without a request (it
+  counts as a failed attempt, as before), and when the circuit's probe finds the store back, every
+  backoff is cut short and the backlog starts draining;
 - **barriers**: ``Barriers`` waits until every key's operation up to a sequence number is in the
   store (``flush``, write-through).
 """
@@ -276,12 +277,6 @@ class Uploader:
         now = self.clock.monotonic()
         if self._store_down_until > now:
             return self._store_down_until - now
-        health = self._health
-        if health is not None and not health.reachable and self._heap:
-            # Known unreachable (by any caller): send nothing; the circuit's probe closes it and
-            # wakes us (on_reachable), the interval is only a bound on how long we sleep.
-            health.maybe_probe()
-            return health.probe_interval_s
         max_uploads = self._settings().max_uploads
         while self._heap and len(self.running) < max_uploads:
             due, seq, _, key = self._heap[0]
@@ -351,8 +346,12 @@ class Uploader:
         self._store_down_until = 0.0
 
     def _store_back(self) -> None:
-        """The circuit closed: the store answered again, so the backoff step need not run out."""
+        """The circuit closed: the store answered again, so no backoff step need run out."""
+        now = self.clock.monotonic()
+        for entry in self._index:
+            entry.retry_at = min(entry.retry_at, now)
         self._store_down_until = 0.0
+        self._rebuild()
         self._wake.set()
 
     def _failed(self, entry: Entry, seq: int, error: BaseException) -> None:
