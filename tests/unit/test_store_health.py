@@ -181,6 +181,29 @@ def make_fs(store: FailingObjectStore, clock: FakeClock, health: StoreHealth) ->
     return CacheFS(store, cache, settings, clock=clock)
 
 
+async def test_open_and_read_within_the_ttl_need_no_store_round_trip() -> None:
+    inner = InMemoryObjectStore()
+    inner.put_object("d/a", b"aaa")
+    store = FailingObjectStore(inner)
+    clock = FakeClock()
+    health = StoreHealth(clock)
+    fs = make_fs(store, clock, health)
+    d = await fs.lookup(ROOT_INODE, b"d")
+    a = await fs.lookup(d.inode, b"a")
+    fh, _ = await fs.open(a.inode, os.O_RDONLY)
+    assert bytes(await fs.read(fh, 0, 3)) == b"aaa"
+    fs.release(fh)
+    before = store.stats.requests
+    store.delay_s = FROZEN_S  # any store call would now time out and open the circuit
+    assert (await fs.lookup(d.inode, b"a")).size == 3
+    assert (await fs.getattr(a.inode)).size == 3
+    fh, _ = await fs.open(a.inode, os.O_RDONLY)
+    assert bytes(await fs.read(fh, 0, 3)) == b"aaa"
+    fs.release(fh)
+    assert store.stats.requests == before and health.reachable and health.timeouts == 0
+    await health.close()
+
+
 async def test_expired_metadata_is_served_stale_and_an_unlisted_directory_is_eio() -> None:
     inner = InMemoryObjectStore()
     inner.put_object("d/a", b"aaa")
@@ -248,3 +271,36 @@ async def test_an_upload_stuck_on_a_frozen_store_times_out_and_is_retried(
     finally:
         await wb.stop()
         await health.close()
+
+
+# ------------------------------------------------------------------------------------------ S3, frozen
+async def test_the_s3_store_honours_the_request_deadline_on_a_silent_endpoint() -> None:
+    """A listener on 127.0.0.1 that accepts and never answers: a LIST under ``request_deadline``
+    fails as unreachable, a GET under the circuit's deadline too, and the store closes cleanly."""
+    from tiering.objectstore.s3 import S3ObjectStore
+    from tiering.storehealth import request_deadline
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)  # read nothing, answer nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    environ = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+               "AWS_EC2_METADATA_DISABLED": "true"}
+    store = S3ObjectStore("bucket", endpoint_url=f"http://127.0.0.1:{port}", environ=environ)
+    health = StoreHealth(FakeClock())
+    try:
+        with request_deadline(0.2), pytest.raises(ObjectStoreUnavailableError) as info:
+            await store.list_dir("")
+        assert info.value.errno == errno.EIO
+        with pytest.raises(ObjectStoreUnavailableError):
+            await health.call(lambda: store.get_range("k", '"etag"', 0, 10), 0.3, "reading 'k'")
+        assert not health.reachable and health.timeouts == 1
+    finally:
+        await asyncio.wait_for(store.close(), 10)
+        for writer in held:
+            writer.close()
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), 10)
