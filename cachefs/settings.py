@@ -23,6 +23,13 @@ MAX_TTL_S = 86400.0
 # Negative lookups (a name that does not exist) are answered from the cached listing of the parent
 # for the same TTL as the listing, because they come from it.
 
+# Metadata deadline: each store request a listing or an attribute refresh makes (botocore's retries
+# included) must answer within this, or the store is taken as unreachable and the cached (stale)
+# listing is served, or EIO where there is none. A LIST page or HEAD answers in tens of milliseconds
+# in-region and well under a second from a loaded store; 5 s tolerates that while a frozen store
+# (connections accepted, never answered) costs a stat or an ls at most 5 s, once per outage.
+DEFAULT_METADATA_TIMEOUT_S = 5.0
+
 DEFAULT_STATS_ADDR = "127.0.0.1:9750"
 
 
@@ -86,8 +93,11 @@ class FsSettings:
     dir_mode: int | None = None
     read_only: bool = False
     rename_dir_limit: int = DEFAULT_RENAME_DIR_LIMIT
+    metadata_timeout_s: float = DEFAULT_METADATA_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if not 0 < self.metadata_timeout_s <= 600:
+            raise ValueError("metadata-timeout must be between 0 and 600 seconds (0 excluded)")
         for name in ("attr_ttl_s", "dir_ttl_s"):
             value = getattr(self, name)
             if not 0 <= value <= MAX_TTL_S:

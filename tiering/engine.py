@@ -17,7 +17,10 @@ A failing disk tier is a miss, never an error: the tier itself turns ``OSError``
 tracks its health. The engine does not rely on that alone: whatever a disk-tier call raises is
 counted in ``disk_errors``, logged (with its traceback the first time) and taken as a miss or a
 skipped write, so a broken or buggy tier costs speed, never a read. A failing store is an error for
-the reader: ``ObjectStoreError`` with its errno, after at most ``fetch_timeout_s``.
+the reader: ``ObjectStoreError`` with its errno, after at most ``fetch_timeout_s``, counted from the
+``read`` call (a reader waiting for a fetch slot or joining another reader's load included). With a
+store-health circuit (``tiering.storehealth``), every GET runs through it: while the store is
+unreachable, blocks on a tier are served as ever and a block that would need a GET fails at once.
 
 Warming (fetching into the disk tier)
 -------------------------------------
@@ -61,6 +64,7 @@ from tiering.latency import LatencyHistogram
 from tiering.pins import PinError, PinLimitError, PinTable, block_keys
 from tiering.protocols import BlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
+from tiering.storehealth import StoreHealth, bounded
 from tiering.units import format_size
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,11 @@ log = logging.getLogger(__name__)
 # RAM tier with a 128 MiB window read the disk tier at 80 MiB/s instead of hundreds). A quarter
 # leaves room for a few concurrent streams and the blocks they are reading now.
 READAHEAD_RAM_FRACTION = 4
+
+# A reader waits for the blocks it needs at most the fetch timeout plus this: the loads it waits for
+# fail by themselves at the fetch timeout (counted from when they started, no later than the read),
+# so this only bounds what has no deadline of its own, and lets the load's own error reach the reader.
+READ_WAIT_GRACE_S = 1.0
 
 T = TypeVar("T")
 
@@ -127,9 +136,11 @@ class BlockCache:
         disk: DiskBlockTier | None = None,
         *,
         clock: Clock | None = None,
+        health: StoreHealth | None = None,
     ) -> None:
         self.settings = settings
         self.block_size = settings.block_size
+        self.health = health  # the store-health circuit shared with metadata and write-back, if any
         self.store = store
         self.ram = ram
         self.disk = disk
@@ -168,7 +179,7 @@ class BlockCache:
             self.read_ahead(ref, offset + length, readahead_bytes)
         if not parts:
             return b""
-        blocks = [b if isinstance(b, bytes) else await asyncio.shield(b) for b in pending]
+        blocks = await self._gather(ref, pending)
         if len(parts) == 1:
             span = parts[0]
             block = blocks[0]
@@ -177,8 +188,22 @@ class BlockCache:
 
     async def get_block(self, ref: ObjectRef, index: int) -> bytes:
         """One whole block, from the fastest tier that has it."""
-        block = self._block(ref, index, None)
-        return block if isinstance(block, bytes) else await asyncio.shield(block)
+        return (await self._gather(ref, [self._block(ref, index, None)]))[0]
+
+    async def _gather(self, ref: ObjectRef, pending: list[bytes | asyncio.Future[bytes]]) -> list[bytes]:
+        """The blocks, waiting at most ``fetch_timeout_s`` in all for those being loaded (the loads
+        go on for other readers: they are shielded)."""
+        if all(isinstance(b, bytes) for b in pending):
+            return pending  # type: ignore[return-value]
+        timeout = self.settings.fetch_timeout_s
+        try:
+            # Each load fails by itself at its deadline (started no later than this read); this
+            # bound is the backstop for what has none (a disk-tier read that hangs).
+            async with asyncio.timeout(timeout + READ_WAIT_GRACE_S):
+                return [b if isinstance(b, bytes) else await asyncio.shield(b) for b in pending]
+        except TimeoutError as exc:
+            raise ObjectStoreUnavailableError(
+                f"object store did not answer within {timeout:g} s reading {ref.key!r}") from exc
 
     def _block(self, ref: ObjectRef, index: int, wanted: int | None) -> bytes | asyncio.Future[bytes]:
         """The block's bytes if in RAM, else the future of its (possibly already running) load.
@@ -282,13 +307,14 @@ class BlockCache:
         fut: asyncio.Future[bytes] = loop.create_future()
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._inflight[key] = fut
-        task = loop.create_task(self._warm_load(ref, key, fut))
+        task = loop.create_task(self._warm_load(ref, key, fut, loop.time()))
         # The warm that started it may be cancelled and never look at the outcome.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._track(key, task)
         return task
 
-    async def _warm_load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes]) -> WarmOutcome:
+    async def _warm_load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes],
+                         started_at: float) -> WarmOutcome:
         assert self.disk is not None
         # Unlike a read load, the future stays in the single-flight table until the block is on
         # disk: the block is not in RAM, so a reader arriving in between must join, not refetch.
@@ -302,7 +328,7 @@ class BlockCache:
                     self.stats.warm_from_ram_blocks += 1
             else:
                 async with self._slots:
-                    data = await self._fetch(ref, key)
+                    data = await self._fetch(ref, key, started_at)
                     self.stats.warm_blocks += 1
                     self.stats.warm_bytes += len(data)
                     fut.set_result(data)
@@ -497,7 +523,7 @@ class BlockCache:
         # A future nobody awaits (read-ahead) must not log "exception was never retrieved".
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._inflight[key] = fut
-        task = loop.create_task(self._load(ref, key, fut, readahead, wanted))
+        task = loop.create_task(self._load(ref, key, fut, readahead, loop.time(), wanted))
         self._track(key, task)
         return fut
 
@@ -513,7 +539,7 @@ class BlockCache:
         task.add_done_callback(done)
 
     async def _load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes], readahead: bool,
-                    wanted: int | None = 0) -> None:
+                    started_at: float, wanted: int | None = 0) -> None:
         try:
             # The index lookup needs no I/O: a block the disk tier does not hold costs no thread hop
             # (measured: a cold read of a 100 KiB file, 8.4 -> 5.9 ms).
@@ -526,8 +552,10 @@ class BlockCache:
                     self.ram.put(key, data)
                     fut.set_result(data)
                     return
+            if self.health is not None:
+                self.health.check_reachable(f"reading {ref.key!r}")  # not even a wait for a fetch slot
             async with self._slots:
-                data = await self._fetch(ref, key)
+                data = await self._fetch(ref, key, started_at)
                 self.stats.ram_miss_bytes += len(data)
                 if self.disk is not None:
                     self.stats.disk_miss_bytes += len(data)
@@ -573,18 +601,15 @@ class BlockCache:
                 log.debug("disk tier %s failed", what, exc_info=True)
             return None
 
-    async def _fetch(self, ref: ObjectRef, key: BlockKey) -> bytes:
+    async def _fetch(self, ref: ObjectRef, key: BlockKey, started_at: float) -> bytes:
+        """One GET, under the fetch timeout counted from ``started_at`` (loop time: when the load
+        was started, so a wait for a fetch slot counts too)."""
         start, end = block_range(key.index, ref.size, self.block_size)
         timeout = self.settings.fetch_timeout_s
         began = self.clock.monotonic()
         try:
-            data = await asyncio.wait_for(self.store.get_range(ref.key, ref.etag, start, end), timeout)
-        except TimeoutError as exc:
-            self.latency["get"].observe(self.clock.monotonic() - began)
-            self.stats.fetch_errors += 1
-            raise ObjectStoreUnavailableError(
-                f"object store did not answer within {timeout:g} s reading {ref.key!r}"
-            ) from exc
+            data = await bounded(self.health, lambda: self.store.get_range(ref.key, ref.etag, start, end),
+                                 timeout, f"reading {ref.key!r}", started_at=started_at)
         except ObjectStoreError:
             self.latency["get"].observe(self.clock.monotonic() - began)
             self.stats.fetch_errors += 1

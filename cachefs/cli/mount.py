@@ -36,6 +36,7 @@ from cachefs.cli.resources import check_resources
 from cachefs.daemon.errors import SetupError
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
+    DEFAULT_METADATA_TIMEOUT_S,
     DEFAULT_DIR_TTL_S,
     DEFAULT_RENAME_DIR_LIMIT,
     FsSettings,
@@ -108,6 +109,9 @@ def register(sub: Any) -> None:
                    help=f"how long file attributes are cached (default {DEFAULT_ATTR_TTL_S:g})")
     m.add_argument("--dir-ttl", type=seconds, default=DEFAULT_DIR_TTL_S, metavar="S",
                    help=f"how long listings and negative lookups are cached (default {DEFAULT_DIR_TTL_S:g})")
+    m.add_argument("--metadata-timeout", type=seconds, default=DEFAULT_METADATA_TIMEOUT_S, metavar="S",
+                   help=f"a listing or attribute refresh the store does not answer within this serves the cached "
+                        f"(stale) entry, or EIO if there is none (default {DEFAULT_METADATA_TIMEOUT_S:g})")
     m.add_argument("--connect-timeout", type=seconds, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
                    help=argparse.SUPPRESS)
     m.add_argument("--read-timeout", type=seconds, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
@@ -183,7 +187,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         owner = {name: getattr(args, name) for name in ("uid", "gid", "file_mode", "dir_mode")
                  if getattr(args, name) is not None}
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
-                        rename_dir_limit=args.rename_dir_limit, **owner)
+                        rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through)
     except ValueError as exc:

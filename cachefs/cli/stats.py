@@ -87,6 +87,9 @@ def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> An
     store = stats["object_store"]
     table.caption = (f"object store: {store['requests']} requests, {format_size(store['bytes_read'])} read, "
                      f"{store['errors']} errors  |  hit ratio {stats['hit_ratio']:.1%}")
+    health = stats.get("store_health")
+    if health is not None and health.get("state") != "reachable":
+        table.caption += f"\nobject store UNREACHABLE for {health.get('unreachable_for_s', 0):.0f} s"
     wb = stats.get("writeback")
     if wb is not None:
         table.caption += (f"\nwrite-back: {wb['dirty_files']} dirty files ({format_size(wb['dirty_bytes'])}), "

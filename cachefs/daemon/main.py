@@ -38,12 +38,14 @@ from cachefs.fuse.adapter import FuseSession
 from cachefs.fuse.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
+from tiering.clock import SystemClock
 from tiering.disk import DiskTier, filesystem_free_bytes
 from tiering.engine import BlockCache
 from tiering.errors import CacheError
 from tiering.objectstore import CHECK_TIMEOUT_S, open_object_store
 from tiering.pins import PIN_FILENAME, pinned_block_keys
 from tiering.ram import RamTier
+from tiering.storehealth import StoreHealth
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +134,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 free_space=lambda: filesystem_free_bytes(cache_dir),
             )
         ram = RamTier(cs.ram_bytes)
-        cache = BlockCache(cs, store, ram, disk)
+        # One store-health circuit for reads, metadata and write-back (tiering.storehealth).
+        health = StoreHealth(SystemClock(), probe=store.check)
+        cache = BlockCache(cs, store, ram, disk, health=health)
         socket_path = socket_path_for(settings.mountpoint)
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path))
         control = ControlServer(
@@ -187,6 +191,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         finally:
             await control.stop()
             await cache.close()
+            await health.close()
     finally:
         await store.close()
         if lock is not None:

@@ -56,6 +56,13 @@ STORE_REQUESTS_TOTAL = "cachefs_object_store_requests_total"
 STORE_READ_BYTES_TOTAL = "cachefs_object_store_read_bytes_total"
 STORE_ERRORS_TOTAL = "cachefs_object_store_errors_total"
 STORE_REQUEST_DURATION_SECONDS = "cachefs_object_store_request_duration_seconds"
+# The store-health circuit (tiering.storehealth), exported when the stats document has "store_health".
+STORE_REACHABLE = "cachefs_object_store_reachable"  # 1 reachable, 0 unreachable (circuit open)
+STORE_UNREACHABLE_SECONDS = "cachefs_object_store_unreachable_seconds"  # how long the outage has lasted
+STORE_OUTAGES_TOTAL = "cachefs_object_store_outages_total"
+STORE_TIMEOUTS_TOTAL = "cachefs_object_store_timeouts_total"  # calls whose deadline passed
+STORE_SHORT_CIRCUITED_TOTAL = "cachefs_object_store_short_circuited_total"  # failed at once, circuit open
+STALE_METADATA_SERVED_TOTAL = "cachefs_stale_metadata_served_total"  # label "kind": listing, attributes
 # Block cache.
 BLOCK_REQUESTS_TOTAL = "cachefs_block_requests_total"
 BLOCKS_SERVED_TOTAL = "cachefs_blocks_served_total"  # label "tier": ram, disk, object_store
@@ -115,6 +122,7 @@ class CacheFSCollector(Collector):
         doc = self._snapshot()
         yield from self._tiers(doc.get("tiers", {}))
         yield from self._store(doc.get("object_store", {}))
+        yield from self._store_health(doc.get("store_health"), doc.get("filesystem", {}))
         yield from self._blocks(doc)
         yield from self._warm(doc.get("warm", {}), doc.get("pins", {}))
         yield from self._filesystem(doc.get("filesystem", {}))
@@ -171,6 +179,28 @@ class CacheFSCollector(Collector):
         for op, hist in sorted(self._latency().items()):
             latency.add_metric([op], _histogram_buckets(hist), sum_value=hist.sum_s)
         yield latency
+
+    @staticmethod
+    def _store_health(health: Any, fs: dict[str, Any]) -> Iterator[Metric]:
+        stale = CounterMetricFamily(STALE_METADATA_SERVED_TOTAL,
+                                    "Cached metadata served past its TTL because the object store was unreachable.",
+                                    labels=["kind"])
+        stale.add_metric(["listing"], fs.get("stale_listings_served", 0))
+        stale.add_metric(["attributes"], fs.get("stale_attributes_served", 0))
+        yield stale
+        if not isinstance(health, dict):
+            return
+        yield GaugeMetricFamily(STORE_REACHABLE, "1 while the object store answers, 0 while it is taken as unreachable.",
+                                value=1.0 if health.get("state") == "reachable" else 0.0)
+        yield GaugeMetricFamily(STORE_UNREACHABLE_SECONDS, "How long the object store has been unreachable (0: it is not).",
+                                value=health.get("unreachable_for_s", 0.0))
+        yield CounterMetricFamily(STORE_OUTAGES_TOTAL, "Times the object store became unreachable.",
+                                  value=health.get("outages", 0))
+        yield CounterMetricFamily(STORE_TIMEOUTS_TOTAL, "Object-store calls that did not answer within their deadline.",
+                                  value=health.get("timeouts", 0))
+        yield CounterMetricFamily(STORE_SHORT_CIRCUITED_TOTAL,
+                                  "Object-store calls failed at once because the store was unreachable.",
+                                  value=health.get("short_circuited", 0))
 
     @staticmethod
     def _blocks(doc: dict[str, Any]) -> Iterator[Metric]:

@@ -58,6 +58,8 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "copy_requests": store.copy_requests,
             "bytes_written": store.bytes_written,
         },
+        # The store-health circuit (tiering.storehealth): reachable or not, and for how long.
+        **({"store_health": cache.health.snapshot()} if cache.health is not None else {}),
         "hit_ratio": round(cache.hit_ratio(), 6),
         "blocks": {
             "block_size": cache.block_size,
@@ -93,6 +95,7 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "listings": fs.stats.listings,
             "listing_errors": fs.stats.listing_errors,
             "stale_listings_served": fs.stats.stale_listings_served,
+            "stale_attributes_served": fs.stats.stale_attributes_served,
             "opens": fs.stats.opens,
             "reads": fs.stats.reads,
             "read_bytes": fs.stats.read_bytes,

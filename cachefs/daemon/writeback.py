@@ -67,6 +67,7 @@ class WriteBackFeature:
                     ctx.cache,
                     disk,
                     eager_fraction=ctx.settings.cache.high_watermark,
+                    health=ctx.cache.health,
                 )
             except (OSError, StagingFormatError) as exc:
                 raise SetupError(f"cannot use the staging area {self.staging_dir}: {exc}") from exc

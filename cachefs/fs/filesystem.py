@@ -53,6 +53,7 @@ from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
 from tiering.engine import BlockCache
+from tiering.errors import ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.readahead import ReadAhead
 from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
@@ -132,7 +133,7 @@ class CacheFS:
         self.stats = FsStats()
         # Directories have no mtime in an object store; they show the time of the mount.
         self.inodes = InodeTable(mount_time=time.time())
-        self.listings = ListingCache(store, self.clock, settings, self.inodes, self.stats)
+        self.listings = ListingCache(store, self.clock, settings, self.inodes, self.stats, health=cache.health)
         self.handles = HandleTable()
         self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit)
         self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount
@@ -178,7 +179,15 @@ class CacheFS:
         if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
             return
         parent, _, name = node.path.rpartition("/")
-        info = await self.listings.lookup(parent, name)
+        try:
+            info = await self.listings.lookup(parent, name)
+        except ObjectStoreUnavailableError:
+            # The store is unreachable and the parent's listing is not cached any more: the
+            # attributes the node has are the freshest there are (stale, counted).
+            if node.info is None:
+                raise
+            self.stats.stale_attributes_served += 1
+            return
         if not isinstance(info, ObjectInfo) or info.etag == STAGED_ETAG:
             # Gone from the store (or became a directory): keep serving what the kernel knows
             # until it looks the name up again; reads of a deleted object fail with ENOENT.

@@ -3,8 +3,11 @@
 Directories are listed lazily, one ``/``-delimited level at a time, and cached for ``dir_ttl_s``.
 Lookups and negative lookups are answered from the parent's listing, so walking a directory costs
 one paginated LIST, not one request per name. Concurrent refreshes of one directory share one LIST.
-If the store cannot be reached, an expired listing is still served (with a warning): cached data
-keeps flowing during an outage. Keys that are not valid POSIX names are skipped (``cachefs.names``),
+Each request of a LIST runs under the metadata deadline (``metadata_timeout_s``, see
+``tiering.storehealth``) and through the store-health circuit. If the store cannot be reached, does
+not answer in time, or is known to be unreachable (the circuit is open: no request is even sent), an
+expired listing is still served (one warning per outage, counted in ``stale_listings_served``):
+cached data keeps flowing during an outage; a directory never listed fails with EIO. Keys that are not valid POSIX names are skipped (``cachefs.names``),
 and a file whose name is also a directory is hidden (the directory wins).
 
 On a writable mount the pending changes of write-back are overlaid on the store's listing
@@ -31,6 +34,7 @@ from cachefs.settings import FsSettings
 from tiering.clock import Clock
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo, ObjectStore
+from tiering.storehealth import StoreHealth, bounded, request_deadline
 from tiering.writeback import MISSING, WriteBack
 
 log = logging.getLogger(__name__)
@@ -72,8 +76,10 @@ class ListingCache:
     """
 
     def __init__(self, store: ObjectStore, clock: Clock, settings: FsSettings, inodes: InodeTable,
-                 stats: FsStats) -> None:
+                 stats: FsStats, health: StoreHealth | None = None) -> None:
         self.store = store
+        self.health = health
+        self._stale_warned_outage = -1  # the outage (health.outages) the stale-listing warning was logged for
         self.clock = clock
         self.settings = settings
         self.inodes = inodes
@@ -140,13 +146,15 @@ class ListingCache:
     async def _fetch(self, path: str, stale: CachedDir | None) -> CachedDir:
         self.stats.listings += 1
         mark = self._applied_total
+        prefix = path + "/" if path else ""
         try:
-            raw = await self.store.list_dir(path + "/" if path else "")
+            with request_deadline(self.settings.metadata_timeout_s):
+                raw = await bounded(self.health, lambda: self.store.list_dir(prefix), None, f"listing /{path}")
         except ObjectStoreUnavailableError as exc:
             self.stats.listing_errors += 1
             if stale is not None:
                 self.stats.stale_listings_served += 1
-                log.warning("serving cached listing of /%s: %s", path, exc)
+                self._warn_stale(path, exc)
                 return stale
             if self.writeback is not None and self.writeback.created_dir(path):
                 # Made through this mount and not yet in the store: the store has nothing below it.
@@ -179,6 +187,15 @@ class ListingCache:
             if node is not None and entry is not None and not node.is_dir:
                 node.info = entry
         return listing
+
+    def _warn_stale(self, path: str, exc: BaseException) -> None:
+        """One warning per outage of the store (every stale listing is counted in the stats)."""
+        outage = self.health.outages if self.health is not None else 0
+        if self.health is None or outage != self._stale_warned_outage:
+            self._stale_warned_outage = outage
+            log.warning("serving cached listings while the object store is unreachable (first: /%s): %s", path, exc)
+        else:
+            log.debug("serving cached listing of /%s: %s", path, exc)
 
     def _remember(self, path: str, listing: CachedDir) -> None:
         self.forget(path)

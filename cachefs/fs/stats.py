@@ -15,6 +15,7 @@ class FsStats:
     listings: int = 0
     listing_errors: int = 0
     stale_listings_served: int = 0
+    stale_attributes_served: int = 0  # getattr/open kept a node's attributes: store unreachable, listing gone
     opens: int = 0
     reads: int = 0
     read_bytes: int = 0

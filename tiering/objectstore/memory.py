@@ -41,6 +41,7 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.protocols import Listing, ObjectInfo, ObjectStore, ObjectStoreStats, ReadRange
+from tiering.storehealth import request_timeout
 
 # Called as on_get(key, start, end) at the start of every get_range, before any failure is injected.
 GetHook = Callable[[str, int, int], None]
@@ -236,7 +237,12 @@ class FailingObjectStore:
 
     async def _before(self, failing: bool, what: str) -> None:
         if self.delay_s > 0:
-            await asyncio.sleep(self.delay_s)
+            try:
+                # The caller's per-request deadline, as the S3 store honours it (tiering.storehealth).
+                async with asyncio.timeout(request_timeout()):
+                    await asyncio.sleep(self.delay_s)
+            except TimeoutError as exc:
+                raise ObjectStoreUnavailableError(f"{what}: did not answer in time (injected delay)") from exc
         if failing:
             self.inner.stats.requests += 1
             self.inner.stats.errors += 1

@@ -89,6 +89,7 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
+from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +395,8 @@ class S3ObjectStore:
         self.stats.requests += 1
         try:
             await self._session()
-            return await fs._call_s3(method, Bucket=self.bucket, **kwargs)
+            async with asyncio.timeout(request_timeout()):  # the caller's deadline, if any (storehealth)
+                return await fs._call_s3(method, Bucket=self.bucket, **kwargs)
         except Exception as exc:
             coded = client_error_code(exc)
             if coded is not None and coded[0] in tolerate:

@@ -86,6 +86,7 @@ from tiering.clock import Clock, SystemClock
 from tiering.engine import BlockCache
 from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
+from tiering.storehealth import StoreHealth
 from tiering.writeback.datafiles import DataFiles
 from tiering.writeback.files import StagedFiles, read_range
 from tiering.writeback.events import KeyLocks, describe, wait_event
@@ -138,6 +139,7 @@ class WriteBack:
         clock: Clock | None = None,
         wall: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        health: StoreHealth | None = None,
     ) -> None:
         self.settings = settings
         self.staging = StagingDir(staging_root)
@@ -162,7 +164,8 @@ class WriteBack:
         self.files = StagedFiles(self.index, self.datafiles, cache, self.stats, lambda: self.space.waiters)
         self.uploader = Uploader(
             self.index, self.order, self.stats, settings=lambda: self.settings, clock=self.clock,
-            rng=rng or random.Random(), eager=self.space.eager, perform=self._perform, applied=self._applied)
+            rng=rng or random.Random(), eager=self.space.eager, perform=self._perform, applied=self._applied,
+            health=health)
         self.markers = Directories(self.index, self._journal_locked)
 
     # ================================================================== life cycle

@@ -33,6 +33,22 @@ UPLOAD_BACKOFF_CAP_S = 60.0
 # is noticed within seconds instead of a minute, so the backlog starts draining at once.
 STORE_PROBE_CAP_S = 10.0
 
+# Deadline of one store operation of write-back (a PUT, multipart parts and completion included, a
+# DELETE, a marker): UPLOAD_TIMEOUT_FLOOR_S plus the time to send the object at UPLOAD_MIN_RATE. An
+# upload that outlives it (a frozen store: connections accepted, never answered) is cancelled,
+# counted as an unreachable store and retried, so no upload holds its slot forever. The floor covers
+# connection set-up, botocore's retries and a loaded store; 1 MiB/s is far below any link a store is
+# reached over (a 10 GiB checkpoint gets about three hours), so only a store that stopped answering
+# reaches it.
+UPLOAD_TIMEOUT_FLOOR_S = 30.0
+UPLOAD_MIN_RATE = 1 * MiB  # bytes per second
+
+
+def upload_deadline_s(size: int) -> float:
+    """How long one write-back store operation of ``size`` bytes may take."""
+    return UPLOAD_TIMEOUT_FLOOR_S + max(0, size) / UPLOAD_MIN_RATE
+
+
 # Staging space is reserved from the disk tier in chunks of this size as a file grows: one reservation
 # (a lock and possibly an eviction batch) per 4 MiB instead of one per 128 KiB FUSE write. A file that
 # stops growing gives the rest back when it is acknowledged.

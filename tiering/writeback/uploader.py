@@ -13,6 +13,12 @@ info)`` does the bookkeeping after a success. It knows nothing of staged data, o
   it; ``MarkerOrder`` (``tiering.writeback.markers``) says which operations wait for a directory;
 - **retries**: capped exponential backoff with equal jitter per key; while the store is unreachable
   (``ObjectStoreUnavailableError``) nothing is sent but one probe per backoff step;
+- **deadlines**: each operation runs under ``upload_deadline_s(size)`` (a floor plus a minimum
+  rate) and through the mount's store-health circuit when one is given (``tiering.storehealth``):
+  an upload stuck on a frozen store is cancelled and retried instead of holding its slot; while the
+  circuit is open, the one operation tried per backoff step fails at once without a request (it
+  counts as a failed attempt, as before), and when the circuit's probe finds the store back, every
+  backoff is cut short and the backlog starts draining;
 - **barriers**: ``Barriers`` waits until every key's operation up to a sequence number is in the
   store (``flush``, write-through).
 """
@@ -32,6 +38,7 @@ from typing import AsyncIterator, Awaitable, Callable, Iterator
 from tiering.clock import Clock
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo
+from tiering.storehealth import StoreHealth, bounded
 from tiering.writeback.events import describe, wait_event
 from tiering.writeback.markers import MarkerOrder
 from tiering.writeback.pending import Entry, PendingIndex
@@ -40,6 +47,7 @@ from tiering.writeback.settings import (
     UPLOAD_BACKOFF_BASE_S,
     UPLOAD_BACKOFF_CAP_S,
     WriteBackSettings,
+    upload_deadline_s,
 )
 from tiering.writeback.stats import WriteBackStats
 
@@ -123,8 +131,12 @@ class Uploader:
         eager: Callable[[], bool],
         perform: Callable[[Entry], Awaitable[ObjectInfo | None]],
         applied: Callable[[Entry, int, ObjectInfo | None], Awaitable[None]],
+        health: StoreHealth | None = None,
     ) -> None:
         self._index = index
+        self._health = health
+        if health is not None:
+            health.on_reachable(self._store_back)
         self._order = order
         self._stats = stats
         self._settings = settings  # read at each use: settings may be replaced (tests)
@@ -291,8 +303,11 @@ class Uploader:
         key = entry.key
         error: BaseException | None = None
         info: ObjectInfo | None = None
+        sf = entry.sf
+        size = sf.acked.size if sf is not None and sf.acked is not None else 0
         try:
-            info = await self._perform(entry)
+            info = await bounded(self._health, lambda: self._perform(entry), upload_deadline_s(size),
+                                 f"{entry.op} {key!r}")
         except asyncio.CancelledError:
             self._finish(entry)
             raise
@@ -329,6 +344,15 @@ class Uploader:
         self.store_failures = 0
         self.store_error = None
         self._store_down_until = 0.0
+
+    def _store_back(self) -> None:
+        """The circuit closed: the store answered again, so no backoff step need run out."""
+        now = self.clock.monotonic()
+        for entry in self._index:
+            entry.retry_at = min(entry.retry_at, now)
+        self._store_down_until = 0.0
+        self._rebuild()
+        self._wake.set()
 
     def _failed(self, entry: Entry, seq: int, error: BaseException) -> None:
         key = entry.key
