@@ -16,7 +16,7 @@ from typing import Protocol
 from cachefs.daemon.control import ControlServer
 from cachefs.fs.filesystem import CacheFS
 from cachefs.settings import MountSettings
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.protocols import ObjectStore
 
 

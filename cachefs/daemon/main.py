@@ -40,7 +40,7 @@ from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
 from tiering.disk import DiskTier, filesystem_free_bytes
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.errors import CacheError
 from tiering.objectstore import CHECK_TIMEOUT_S, open_object_store
 from tiering.pins import PIN_FILENAME, pinned_block_keys

@@ -70,7 +70,7 @@ from cachefs.manifest import ManifestEntry
 from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
 from tiering.clock import Clock, SystemClock
-from tiering.engine import BlockCache, WarmOutcome
+from tiering.blockcache import BlockCache, WarmOutcome
 from tiering.errors import CacheError, ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.health import TierState
 from tiering.pins import PIN_FILENAME, PinError, PinFileError, load_pin_file, save_pin_file

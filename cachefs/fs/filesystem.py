@@ -52,7 +52,7 @@ from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.errors import ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.readahead import ReadAhead

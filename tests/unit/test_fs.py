@@ -21,7 +21,7 @@ from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey
 from tiering.clock import FakeClock
 from tiering.disk import DiskTier
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.errors import ObjectChangedError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore, md5_etag
 from tiering.ram import RamTier

@@ -22,7 +22,7 @@ from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE
 from tiering.clock import FakeClock
 from tiering.disk import DiskTier
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.ram import RamTier
 from tiering.settings import CacheSettings

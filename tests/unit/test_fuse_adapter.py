@@ -18,7 +18,7 @@ from cachefs.mounts import CONTROL_XATTR
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE
 from tiering.clock import FakeClock
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.errors import ObjectChangedError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import InMemoryObjectStore
 from tiering.ram import RamTier

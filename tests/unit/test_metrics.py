@@ -18,7 +18,7 @@ from cachefs.fs.inodes import ROOT_INODE
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.disk import DiskTier
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.ram import RamTier
 from tiering.settings import CacheSettings

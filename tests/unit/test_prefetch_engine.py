@@ -11,7 +11,7 @@ import pytest
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
 from tiering.clock import FakeClock
 from tiering.disk import DiskTier, block_file_size, object_footprint
-from tiering.engine import BlockCache, WarmOutcome
+from tiering.blockcache import BlockCache, WarmOutcome
 from tiering.errors import ObjectChangedError
 from tiering.latency import LatencyHistogram
 from tiering.objectstore.memory import InMemoryObjectStore

@@ -24,7 +24,7 @@ from cachefs.fs.inodes import ROOT_INODE
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.clock import FakeClock
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.errors import ObjectNotFoundError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.ram import RamTier

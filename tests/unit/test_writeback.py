@@ -17,7 +17,7 @@ import pytest
 
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.clock import FakeClock
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.errors import AccessDeniedError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.ram import RamTier

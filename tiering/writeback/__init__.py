@@ -1,6 +1,6 @@
 """Write-back of files written through the mount: durable staging on local disk, then upload.
 
-``engine``     ``WriteBack``: the facade the filesystem uses, and a staged file's life cycle.
+``facade``     ``WriteBack``: the facade the filesystem uses, and a staged file's life cycle.
 ``pending``    ``PendingIndex``: every key's pending operation and the namespace overlay on them.
 ``markers``    directory semantics: mkdir/rmdir/ensure_dir markers and their ordering rules.
 ``uploader``   ``Uploader`` and ``Barriers``: scheduling, per-key order, retries, flush barriers.
@@ -13,7 +13,7 @@
 """
 
 from tiering.writeback.budget import InMemoryBudget
-from tiering.writeback.engine import MISSING, STAGED_ETAG, FlushReport, UploadError, WriteBack
+from tiering.writeback.facade import MISSING, STAGED_ETAG, FlushReport, UploadError, WriteBack
 from tiering.writeback.settings import WriteBackSettings
 
 __all__ = ["InMemoryBudget", "MISSING", "STAGED_ETAG", "FlushReport", "UploadError", "WriteBack", "WriteBackSettings"]

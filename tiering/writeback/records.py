@@ -1,7 +1,7 @@
 """The journal's acknowledgements: which keys have a record on disk, and the space they take.
 
 Each pending operation is acknowledged by one record file per key (``tiering.writeback.journal``
-is its format; invariants I1-I3 in ``tiering.writeback.engine``). ``Records`` writes and removes
+is its format; invariants I1-I3 in ``tiering.writeback.facade``). ``Records`` writes and removes
 them, hands out their sequence numbers, and keeps one filesystem block (``RECORD_BYTES``) reserved
 in the staging space for each key that has one, so 100,000 pending deletes are counted as the disk
 they occupy.

@@ -1,7 +1,7 @@
 """Staging space: the bytes write-back holds in the ``SpaceBudget`` (the disk tier), and writers'
 back-pressure when it is full.
 
-Staged data is never evicted (invariant I6 of ``tiering.writeback.engine``): its bytes are reserved
+Staged data is never evicted (invariant I6 of ``tiering.writeback.facade``): its bytes are reserved
 before they are written and given back only when the data file (or journal record) is gone. When
 the budget is full, a writer waits for uploads to free space (``on_full`` makes uploads start at
 once and drops the staged copies of clean files), polling as well, since space also comes back by

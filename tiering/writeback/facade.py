@@ -83,7 +83,7 @@ from typing import Any, Callable, Coroutine, Iterator
 
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
-from tiering.engine import BlockCache
+from tiering.blockcache import BlockCache
 from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth
