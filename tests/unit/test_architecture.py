@@ -65,9 +65,10 @@ def test_no_module_is_loaded_by_name() -> None:
     assert not found
 
 
-def test_cachefs_rooms_stay_small() -> None:
+def test_product_rooms_stay_small() -> None:
+    """No product file over 800 lines and no class over 600 (generated gRPC stubs aside)."""
     too_big = []
-    for path in _sources("cachefs"):
+    for path in _sources("tiering", "cachefs", "csi_driver"):
         text = path.read_text()
         if text.count("\n") > MAX_FILE_LINES:
             too_big.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")

@@ -29,7 +29,7 @@ from tiering.errors import ObjectStoreError
 from tiering.writeback.journal import StagingDir, copy_range, crc_range, pwrite_all
 from tiering.writeback.settings import FS_BLOCK, MATERIALIZE_WINDOW
 from tiering.writeback.space import StagingSpace, round_up
-from tiering.writeback.staged import DataFile, StagedFile
+from tiering.writeback.staged import Acked, DataFile, StagedFile
 from tiering.writeback.stats import WriteBackStats
 
 log = logging.getLogger("tiering.writeback")
@@ -47,6 +47,34 @@ class DataFiles:
         self._spawn = spawn  # runs a coroutine in the background (waited for by stop)
         self._stats = stats
         self._open: set[DataFile] = set()
+
+    async def restore_acked(self, sf: StagedFile, acked: Acked) -> None:
+        """Put ``sf`` back to its acknowledged version ``acked``, giving back the space of what came
+        after it (the write-back's revert of a file whose writer is gone and whose close failed)."""
+        if acked.data is not sf.current:
+            acked.data.refs += 1
+            if sf.current is not None:
+                self.unref(sf.current)
+            sf.current = acked.data
+        else:
+            await asyncio.to_thread(os.ftruncate, acked.data.fd, acked.size)
+            self.truncated(acked.data, acked.size)
+        sf.size = acked.size
+        sf.crc_upto, sf.crc_value = acked.size, acked.crc32
+        sf.unacked = sf.commit_failed = False
+        self.trim(acked.data, acked.size)
+
+    async def empty(self, sf: StagedFile) -> None:
+        """Make ``sf`` an empty file, giving back all of its data space (the revert of a file created
+        through the mount and never acknowledged); it stays unacknowledged for its caller to commit."""
+        df = sf.current
+        if df is not None:
+            await asyncio.to_thread(os.ftruncate, df.fd, 0)
+            self.truncated(df, 0)
+            self.trim(df, 0)
+        sf.size = 0
+        sf.crc_upto = sf.crc_value = 0
+        sf.commit_failed = False
 
     async def new(self, size: int) -> DataFile:
         reserved = round_up(size)

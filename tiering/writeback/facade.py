@@ -74,7 +74,6 @@ import contextlib
 import errno
 import functools
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -363,17 +362,8 @@ class WriteBack:
         goes (``unhold``) anything not yet acknowledged is acknowledged in the background."""
         sf.holders += count
 
-    @contextlib.contextmanager
-    def held(self, sf: StagedFile) -> Iterator[None]:
-        """Hold for the duration of one operation only: releasing it acknowledges nothing (an
-        ``open(O_TRUNC)`` truncates before its handle exists, and must not acknowledge the empty file)."""
-        sf.holders += 1
-        try:
-            yield
-        finally:
-            sf.holders -= 1
-            if sf.holders == 0 and not sf.unacked:
-                self.files.maybe_dispose(sf)
+    def held(self, sf: StagedFile) -> contextlib.AbstractContextManager[None]:
+        return self.files.held(sf)
 
     def unhold(self, sf: StagedFile, count: int = 1) -> None:
         sf.holders = max(0, sf.holders - count)
@@ -607,18 +597,7 @@ class WriteBack:
             lost, acked = sf.size, sf.acked
             self.stats.reverted += 1
             if acked is not None:
-                if acked.data is not sf.current:
-                    acked.data.refs += 1
-                    if sf.current is not None:
-                        self.datafiles.unref(sf.current)
-                    sf.current = acked.data
-                else:
-                    await asyncio.to_thread(os.ftruncate, acked.data.fd, acked.size)
-                    self.datafiles.truncated(acked.data, acked.size)
-                sf.size = acked.size
-                sf.crc_upto, sf.crc_value = acked.size, acked.crc32
-                sf.unacked = sf.commit_failed = False
-                self.datafiles.trim(acked.data, acked.size)
+                await self.datafiles.restore_acked(sf, acked)
                 what = f"its last acknowledged version ({acked.size} bytes)"
             elif sf.origin is not None:
                 entry = self.index.get(sf.key or "")
@@ -628,14 +607,7 @@ class WriteBack:
                 sf.size = sf.origin.size
                 what = "the version in the object store"
             else:
-                df = sf.current
-                if df is not None:
-                    await asyncio.to_thread(os.ftruncate, df.fd, 0)
-                    self.datafiles.truncated(df, 0)
-                    self.datafiles.trim(df, 0)
-                sf.size = 0
-                sf.crc_upto = sf.crc_value = 0
-                sf.commit_failed = False
+                await self.datafiles.empty(sf)  # still unacknowledged: committed below
                 what = "an empty file"
             log.error("write-back: %r was not saved (its writer was told, and is gone): it reverts to %s; "
                       "%d bytes never acknowledged are dropped", sf.key, what, lost)

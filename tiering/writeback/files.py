@@ -10,6 +10,7 @@ tier through ``BlockCache.promote``, so reading back what was just written needs
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -65,6 +66,18 @@ class StagedFiles:
         if sf.acked is not None:
             data, sf.acked = sf.acked.data, None
             self._datafiles.unref(data)
+
+    @contextlib.contextmanager
+    def held(self, sf: StagedFile) -> Iterator[None]:
+        """Hold for the duration of one operation only: releasing it acknowledges nothing (an
+        ``open(O_TRUNC)`` truncates before its handle exists, and must not acknowledge the empty file)."""
+        sf.holders += 1
+        try:
+            yield
+        finally:
+            sf.holders -= 1
+            if sf.holders == 0 and not sf.unacked:
+                self.maybe_dispose(sf)
 
     def maybe_dispose(self, sf: StagedFile) -> None:
         """Drop a staged file's data once it is clean (or unlinked) and no handle is open."""
