@@ -426,3 +426,39 @@ def test_metrics_count_only_the_mounts_this_plugin_published(monkeypatch) -> Non
     monkeypatch.setattr(mounts, "mount_entries", lambda: entries)
     published = {"/pods/a/vol": "vol-a", "/pods/b/vol": "vol-b"}
     assert metrics.cachefs_targets(published.get) == {"/pods/a/vol": "vol-a"}
+
+
+def test_existing_name_with_another_capacity_is_already_exists() -> None:
+    store = InMemoryBucketAdmin({"datasets": set()})
+    ops = ControllerOps(store, environ={})
+    first = ops.create_volume("pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 10 << 30, 10 << 30)
+    assert store.records == {"s3://datasets/p/.cachefs-volumes/pvc-cap.json":
+                             b'{"capacity_bytes": 10737418240, "name": "pvc-cap"}'}
+    same = ops.create_volume("pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 1 << 30, 0)
+    assert (same.volume_id, same.capacity_bytes) == (first.volume_id, 10 << 30)  # the range holds 10 GiB
+    code, message = code_of(ops.create_volume, "pvc-cap", {"bucket": "datasets", "prefix": "p"}, None,
+                            20 << 30, 20 << 30)
+    assert code is Code.ALREADY_EXISTS and "10737418240" in message
+    assert code_of(ops.create_volume, "pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 0, 5 << 30)[0] \
+        is Code.ALREADY_EXISTS
+    ops.delete_volume(first.volume_id, None)  # retain: the objects stay, the record goes
+    assert store.records == {}
+    again = ops.create_volume("pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 20 << 30, 0)
+    assert again.capacity_bytes == 20 << 30
+
+
+def test_a_128_character_name_gets_a_short_deterministic_prefix() -> None:
+    store = InMemoryBucketAdmin({"datasets": set()})
+    ops = ControllerOps(store, environ={})
+    name = "sanity-max-length-" + "x" * 110
+    assert len(name) == 128
+    created = ops.create_volume(name, {"bucket": "datasets"}, None)
+    assert len(created.volume_id.encode()) <= volume_id.MAX_VOLUME_ID_BYTES
+    source = created.volume_context["source"]
+    assert source.startswith("s3://datasets/sanity-max-length-xxxxxxxxxxxxx-") and source.endswith("/")
+    assert ops.create_volume(name, {"bucket": "datasets"}, None).volume_id == created.volume_id
+    assert ops.create_volume(name[:-1] + "y", {"bucket": "datasets"}, None).volume_id != created.volume_id
+    assert volume_id.decode(created.volume_id).source == source  # DeleteVolume finds it from the id
+    short = ops.create_volume("pvc-" + "0" * 36, {"bucket": "datasets"}, None)
+    assert short.volume_context["source"] == "s3://datasets/pvc-" + "0" * 36 + "/"  # never shortened
+    assert code_of(ops.create_volume, "x" * 129, {"bucket": "datasets"}, None)[0] is Code.INVALID_ARGUMENT
