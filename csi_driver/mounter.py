@@ -232,6 +232,8 @@ class FakeMounter:
     def __init__(self) -> None:
         self.mounts: dict[Path, MountRequest] = {}
         self.binds: dict[Path, tuple[Path, bool]] = {}  # target -> (source, read-only)
+        # The mount each bind was made of: a bind of a dead daemon stays dead after a remount.
+        self._bound_to: dict[Path, MountRequest] = {}
         self.broken: set[Path] = set()
         self.calls: list[tuple[str, Path]] = []
         self.fail_next: CsiError | None = None
@@ -259,7 +261,8 @@ class FakeMounter:
 
     def is_broken(self, target: Path) -> bool:
         if target in self.binds:
-            return self.binds[target][0] in self.broken
+            source = self.binds[target][0]
+            return source in self.broken or self.mounts.get(source) is not self._bound_to.get(target)
         return target in self.broken
 
     def bind(self, source: Path, target: Path, read_only: bool) -> None:
@@ -267,11 +270,13 @@ class FakeMounter:
         self._maybe_fail()
         assert source in self.mounts, f"{source} is not mounted"
         self.binds[target] = (source, read_only)
+        self._bound_to[target] = self.mounts[source]
 
     def unbind(self, target: Path) -> None:
         self.calls.append(("unbind", target))
         self._maybe_fail()
         self.binds.pop(target, None)
+        self._bound_to.pop(target, None)
 
     def break_mount(self, target: Path) -> None:
         """Simulate the daemon of ``target`` dying (kill -9)."""

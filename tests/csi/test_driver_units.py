@@ -462,3 +462,61 @@ def test_a_128_character_name_gets_a_short_deterministic_prefix() -> None:
     short = ops.create_volume("pvc-" + "0" * 36, {"bucket": "datasets"}, None)
     assert short.volume_context["source"] == "s3://datasets/pvc-" + "0" * 36 + "/"  # never shortened
     assert code_of(ops.create_volume, "x" * 129, {"bucket": "datasets"}, None)[0] is Code.INVALID_ARGUMENT
+
+
+# --------------------------------------------------------------------------------- staged volumes
+def test_stage_publish_unpublish_unstage_share_one_mount(node, tmp_path: Path) -> None:
+    import dataclasses
+
+    ops, fake = node
+    stage = publish_request(tmp_path, target="globalmount")
+    staging = stage.target_path
+    ops.stage(stage)
+    ops.stage(stage)  # idempotent
+    pod1 = publish_request(tmp_path, target="pod1/m")
+    pod2 = publish_request(tmp_path, target="pod2/m", read_only=True)
+    ops.publish_staged(pod1, staging)
+    ops.publish_staged(pod2, staging)
+    ops.publish_staged(pod2, staging)  # idempotent
+    assert [c[0] for c in fake.calls] == ["mount", "bind", "bind"]  # one daemon for both pods
+    assert fake.binds == {pod1.target_path: (staging, False), pod2.target_path: (staging, True)}
+    assert code_of(ops.publish_staged, dataclasses.replace(pod2, read_only=False), staging)[0] is Code.ALREADY_EXISTS
+    assert code_of(ops.stage, dataclasses.replace(stage, read_only=True))[0] is Code.ALREADY_EXISTS
+    other_owner = dataclasses.replace(pod1, target_path=tmp_path / "pod3/m", volume=dataclasses.replace(
+        pod1.volume, owner=attrs.OwnerOptions(gid=2000)))
+    code, message = code_of(ops.publish_staged, other_owner, staging)
+    assert code is Code.FAILED_PRECONDITION and "owner" in message
+    assert code_of(ops.unstage, "vol-1", staging)[0] is Code.FAILED_PRECONDITION  # pods still use it
+    ops.unpublish("vol-1", pod1.target_path)
+    assert staging in fake.mounts and pod1.target_path not in fake.binds  # the bind alone went
+    ops.unpublish("vol-1", pod2.target_path)
+    ops.unstage("vol-1", staging)
+    ops.unstage("vol-1", staging)  # already unstaged: success
+    assert fake.mounts == {} and fake.binds == {}
+    assert ops.records.all() == []
+
+
+def test_staged_mount_is_made_by_the_first_publish_without_stage_secrets_and_recovered(node, tmp_path: Path) -> None:
+    import dataclasses
+
+    ops, fake = node
+    stage = dataclasses.replace(publish_request(tmp_path, target="globalmount"), credentials=None)
+    ops.stage(stage)
+    assert fake.mounts == {}  # the Secret comes with the publish
+    pod = publish_request(tmp_path, target="pod1/m")
+    assert code_of(ops.publish_staged, pod, tmp_path / "elsewhere")[0] is Code.FAILED_PRECONDITION
+    ops.publish_staged(pod, stage.target_path)
+    assert fake.mounts[stage.target_path].credentials is not None
+    fake.break_mount(stage.target_path)  # the daemon dies: the staged mount and its bind break
+    assert fake.is_broken(pod.target_path)
+    ops.publish_staged(pod, stage.target_path)  # recovers both
+    assert [c[0] for c in fake.calls] == ["mount", "bind", "unmount", "mount", "unbind", "bind"]
+    assert not fake.is_broken(pod.target_path)
+    # A restarted plugin (a new NodeOps on the same state) adopts the volume; a target gone meanwhile
+    # is dropped from its record.
+    fake.binds.clear()
+    again = NodeOps(ops.settings, fake)
+    (record,) = again.adopt()
+    assert record.volume_id == "vol-1" and record.targets == {}
+    again.unstage("vol-1", stage.target_path)
+    assert fake.mounts == {}
