@@ -41,6 +41,9 @@ __all__ = [
     "check_cache_options",
     "check_source_access",
     "delete_prefix",
+    "delete_small_object",
+    "read_small_object",
+    "write_small_object",
     "parse_id",
     "parse_mode",
     "parse_size",
@@ -168,6 +171,58 @@ async def delete_prefix(url: str, *, endpoint_url: str | None, environ: Mapping[
 
     try:
         return await walk(info.prefix[len(root):])
+    except CacheError as exc:
+        raise _translate(exc) from exc
+    finally:
+        await store.close()
+
+
+def _store_of(url: str, endpoint_url: str | None, environ: Mapping[str, str]) -> tuple[Any, str]:
+    """The store one level above ``url``'s key, and the key's name in it."""
+    info = validate_source(url)
+    if info.scheme != "s3" or not info.prefix or url.endswith("/"):
+        raise ValueError("a small object needs an s3://bucket/key URL naming an object, not a prefix")
+    parent, _, name = info.prefix.rstrip("/").rpartition("/")
+    store = open_object_store(f"s3://{info.bucket}/{parent}/" if parent else f"s3://{info.bucket}/",
+                              endpoint_url=endpoint_url, connect_timeout_s=DEFAULT_CONNECT_TIMEOUT_S,
+                              read_timeout_s=DEFAULT_READ_TIMEOUT_S, environ=environ)
+    return store, name
+
+
+async def read_small_object(url: str, *, endpoint_url: str | None, environ: Mapping[str, str]) -> bytes | None:
+    """The bytes of the object at ``s3://bucket/key`` (a record of a few bytes), or None if it is absent."""
+    store, name = _store_of(url, endpoint_url, environ)
+    try:
+        try:
+            info = await store.head(name)
+        except ObjectNotFoundError:
+            return None
+        return bytes(await store.get_range(name, info.etag, 0, info.size)) if info.size else b""
+    except CacheError as exc:
+        raise _translate(exc) from exc
+    finally:
+        await store.close()
+
+
+async def write_small_object(url: str, data: bytes, *, endpoint_url: str | None,
+                             environ: Mapping[str, str]) -> None:
+    """Store ``data`` at ``s3://bucket/key`` in one PUT (a record of a few bytes)."""
+    store, name = _store_of(url, endpoint_url, environ)
+    try:
+        await store.put(name, len(data), lambda start, end: data[start:end])
+    except CacheError as exc:
+        raise _translate(exc) from exc
+    finally:
+        await store.close()
+
+
+async def delete_small_object(url: str, *, endpoint_url: str | None, environ: Mapping[str, str]) -> None:
+    """Delete the object at ``s3://bucket/key``; an absent one is success."""
+    store, name = _store_of(url, endpoint_url, environ)
+    try:
+        await store.delete(name)
+    except ObjectNotFoundError:
+        return
     except CacheError as exc:
         raise _translate(exc) from exc
     finally:

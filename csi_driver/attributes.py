@@ -468,9 +468,14 @@ def parse_credentials(secrets: Mapping[str, str]) -> Credentials | None:
     return Credentials(key_id, secret, token)
 
 
+# CreateVolume names: the CSI spec allows 128 bytes (csi-sanity creates one that long). A name whose
+# volume id would not fit is shortened deterministically for its prefix (volume_id.prefix_name).
+_VOLUME_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
 def check_volume_name(name: str) -> str:
     """A CreateVolume name usable as the last component of an S3 prefix (``pvc-<uid>`` in Kubernetes)."""
-    if not _SEGMENT_RE.fullmatch(name):
-        raise invalid(f"volume name {_quote(name)} must be 1 to 63 letters, digits, '.', '_' or '-', "
+    if not _VOLUME_NAME_RE.fullmatch(name):
+        raise invalid(f"volume name {_quote(name)} must be 1 to 128 letters, digits, '.', '_' or '-', "
                       "starting with a letter or digit")
     return name

@@ -19,6 +19,7 @@ in unit tests), with credentials handed over only as an ``environ`` mapping.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -49,6 +50,15 @@ class BucketAdmin(Protocol):
     def delete_prefix(self, source: str, endpoint_url: str | None, environ: Mapping[str, str]) -> int:
         """Delete every object under ``source``'s prefix; return how many. Idempotent."""
 
+    def read_record(self, url: str, endpoint_url: str | None, environ: Mapping[str, str]) -> bytes | None:
+        """The small object at ``url`` (``s3://bucket/key``), or None if there is none."""
+
+    def write_record(self, url: str, data: bytes, endpoint_url: str | None, environ: Mapping[str, str]) -> None:
+        """Store ``data`` at ``url``."""
+
+    def delete_record(self, url: str, endpoint_url: str | None, environ: Mapping[str, str]) -> None:
+        """Delete the object at ``url``; absent is success."""
+
 
 class CachefsBucketAdmin:
     """``BucketAdmin`` over ``cachefs.admin`` (the object stores cachefs itself uses)."""
@@ -59,14 +69,37 @@ class CachefsBucketAdmin:
     def delete_prefix(self, source: str, endpoint_url: str | None, environ: Mapping[str, str]) -> int:
         return asyncio.run(admin.delete_prefix(source, endpoint_url=endpoint_url, environ=environ))
 
+    def read_record(self, url: str, endpoint_url: str | None, environ: Mapping[str, str]) -> bytes | None:
+        return asyncio.run(admin.read_small_object(url, endpoint_url=endpoint_url, environ=environ))
+
+    def write_record(self, url: str, data: bytes, endpoint_url: str | None, environ: Mapping[str, str]) -> None:
+        asyncio.run(admin.write_small_object(url, data, endpoint_url=endpoint_url, environ=environ))
+
+    def delete_record(self, url: str, endpoint_url: str | None, environ: Mapping[str, str]) -> None:
+        asyncio.run(admin.delete_small_object(url, endpoint_url=endpoint_url, environ=environ))
+
 
 @dataclass
 class InMemoryBucketAdmin:
-    """A ``BucketAdmin`` over a dict of bucket -> set of keys, for unit tests."""
+    """A ``BucketAdmin`` over a dict of bucket -> set of keys, for unit tests.
+
+    Capacity records are kept apart, in ``records`` (url -> bytes), so ``buckets`` and ``calls``
+    show what happened to the volumes' data alone.
+    """
 
     buckets: dict[str, set[str]] = field(default_factory=dict)
     denied: bool = False
     calls: list[tuple[str, str]] = field(default_factory=list)
+    records: dict[str, bytes] = field(default_factory=dict)
+
+    def read_record(self, url: str, endpoint_url: str | None, environ: Mapping[str, str]) -> bytes | None:
+        return self.records.get(url)
+
+    def write_record(self, url: str, data: bytes, endpoint_url: str | None, environ: Mapping[str, str]) -> None:
+        self.records[url] = data
+
+    def delete_record(self, url: str, endpoint_url: str | None, environ: Mapping[str, str]) -> None:
+        self.records.pop(url, None)
 
     def _split(self, source: str) -> tuple[str, str]:
         info = admin.validate_source(source)
@@ -129,16 +162,23 @@ class ControllerOps:
         settings = parse_provision_parameters(parameters)
         if required_bytes < 0 or limit_bytes < 0 or (limit_bytes and required_bytes > limit_bytes):
             raise CsiError(Code.OUT_OF_RANGE, "capacity_range is invalid (negative, or required > limit)")
-        path = f"{settings.prefix}/{name}" if settings.prefix else name
-        volume = volume_ids.DynamicVolume(settings.bucket, path, settings.on_delete, settings.endpoint_url,
-                                          settings.region)
-        vid = volume.encode()
-        if len(vid.encode()) > volume_ids.MAX_VOLUME_ID_BYTES:
+        volume = None
+        for shortened in (False, True):
+            leaf = volume_ids.prefix_name(name, shortened)
+            path = f"{settings.prefix}/{leaf}" if settings.prefix else leaf
+            volume = volume_ids.DynamicVolume(settings.bucket, path, settings.on_delete, settings.endpoint_url,
+                                              settings.region)
+            vid = volume.encode()
+            if len(vid.encode()) <= volume_ids.MAX_VOLUME_ID_BYTES:
+                break
+        else:
             raise invalid(f"the volume id for bucket {settings.bucket!r}, prefix {settings.prefix!r} and this "
                           f"endpoint would be {len(vid.encode())} bytes, over the CSI limit of "
                           f"{volume_ids.MAX_VOLUME_ID_BYTES}: use a shorter prefix or endpoint URL")
+        environ = self._environ(credentials, settings.region)
         try:
-            self.bucket_admin.check(volume.source, settings.endpoint_url, self._environ(credentials, settings.region))
+            self.bucket_admin.check(volume.source, settings.endpoint_url, environ)
+            capacity = self._claim_capacity(volume, name, required_bytes, limit_bytes, environ)
         except admin.AdminError as exc:
             raise store_error(exc, f"cannot provision {volume.source}") from None
         context = {ATTR_SOURCE: volume.source, **settings.cache_attributes}
@@ -147,8 +187,33 @@ class ControllerOps:
         if settings.region:
             context[ATTR_REGION] = settings.region
         log.info("provisioned volume %s at %s (on delete: %s)", name, volume.source, settings.on_delete.value)
-        # An S3 prefix has no size limit; report what was asked for so the claim binds as requested.
-        return CreatedVolume(vid, required_bytes or limit_bytes, context)
+        return CreatedVolume(vid, capacity, context)
+
+    def _claim_capacity(self, volume: volume_ids.DynamicVolume, name: str, required_bytes: int, limit_bytes: int,
+                        environ: Mapping[str, str]) -> int:
+        """The volume's capacity: the recorded one if the name exists (ALREADY_EXISTS if it does not
+        satisfy this request's range), else what was asked for, recorded.
+
+        An S3 prefix has no size limit; the capacity is what the claim asked for, so it binds as
+        requested, and it is remembered only to answer a repeated CreateVolume as the spec says.
+        """
+        raw = self.bucket_admin.read_record(volume.record_source, volume.endpoint_url, environ)
+        if raw is not None:
+            try:
+                recorded = int(json.loads(raw)["capacity_bytes"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("volume %s: its capacity record %s is unreadable; writing it again", name,
+                            volume.record_source)
+            else:
+                if recorded < required_bytes or (limit_bytes and recorded > limit_bytes):
+                    raise CsiError(Code.ALREADY_EXISTS,
+                                   f"volume {name} already exists with capacity {recorded} bytes, outside the "
+                                   f"requested range ({required_bytes}, {limit_bytes or 'no limit'})")
+                return recorded
+        capacity = required_bytes or limit_bytes
+        record = json.dumps({"name": name, "capacity_bytes": capacity}, sort_keys=True).encode()
+        self.bucket_admin.write_record(volume.record_source, record, volume.endpoint_url, environ)
+        return capacity
 
     def delete_volume(self, volume_id: str, credentials: Credentials | None) -> None:
         if not volume_id:
@@ -157,18 +222,24 @@ class ControllerOps:
         if volume is None:
             log.warning("DeleteVolume %s: not a volume this driver provisioned; nothing deleted", volume_id)
             return
+        environ = self._environ(credentials, volume.region)
         if volume.on_delete is DeletePolicy.RETAIN:
             log.info("DeleteVolume %s: onDelete is retain; the objects under %s are kept", volume_id, volume.source)
-            return
-        try:
-            count = self.bucket_admin.delete_prefix(volume.source, volume.endpoint_url,
-                                                    self._environ(credentials, volume.region))
+        else:
+            try:
+                count = self.bucket_admin.delete_prefix(volume.source, volume.endpoint_url, environ)
+            except admin.AdminNotFound:
+                log.info("DeleteVolume %s: the bucket is gone; nothing to delete", volume_id)
+                return
+            except admin.AdminError as exc:
+                raise store_error(exc, f"cannot delete the objects under {volume.source}") from None
+            log.info("DeleteVolume %s: deleted %d objects under %s", volume_id, count, volume.source)
+        try:  # last: a DeleteVolume that failed above is retried and still finds its record
+            self.bucket_admin.delete_record(volume.record_source, volume.endpoint_url, environ)
         except admin.AdminNotFound:
-            log.info("DeleteVolume %s: the bucket is gone; nothing to delete", volume_id)
-            return
+            pass
         except admin.AdminError as exc:
-            raise store_error(exc, f"cannot delete the objects under {volume.source}") from None
-        log.info("DeleteVolume %s: deleted %d objects under %s", volume_id, count, volume.source)
+            raise store_error(exc, f"cannot delete the capacity record {volume.record_source}") from None
 
     def check_volume_exists(self, volume_id: str, volume_context: Mapping[str, str]) -> None:
         """For ValidateVolumeCapabilities: NOT_FOUND unless the id or the context names a volume."""

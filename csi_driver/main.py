@@ -1,7 +1,8 @@
 """``cachefs-csi``: the CSI driver's entry point (flags, logging, the gRPC server on a unix socket).
 
     cachefs-csi --endpoint unix:///csi/csi.sock --node-id NODE [--mode node|controller|all]
-                [--cache-root DIR] [--metrics-addr HOST:PORT] [--log-level LEVEL] [--max-volumes N]
+                [--cache-root DIR] [--state-dir DIR] [--mount-mode process]
+                [--metrics-addr HOST:PORT] [--log-level LEVEL] [--max-volumes N]
 
 ``--mode node`` runs in the node DaemonSet (Identity + Node), ``--mode controller`` next to the
 external-provisioner (Identity + Controller), ``--mode all`` both (for tests and single-node
@@ -10,8 +11,10 @@ everything below receives settings objects. The environment (``AWS_*``) is the b
 and every controller call; a volume's Secret overrides its credentials.
 
 SIGTERM or SIGINT stops the server, letting calls in flight finish for a few seconds. Mounts are
-left alone: they belong to the pods using them (see deploy/README.md for what happens to them when
-the node plugin restarts).
+left alone: they belong to the pods using them. ``--mount-mode process`` (the only mode so far) runs
+each volume's daemon as a host process in its own session, so it outlives the plugin; at start-up
+the node plugin takes up the volumes staged by its previous run from its records (``--state-dir``)
+and the mount table (``NodeOps.adopt``). See deploy/README.md for what survives what.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from csi_driver.redact import RedactingFormatter
 log = logging.getLogger("csi_driver")
 
 MODES = ("node", "controller", "all")
+# Where the daemons run. `process`: host processes in their own sessions (`cachefs mount` detaches
+# them). `pod` (one mount pod per volume per node, issue 13) is not implemented yet.
+MOUNT_MODES = ("process",)
 DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
 # gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
 # slow store); the kubelet runs a handful of volume operations at once, the provisioner a few more.
@@ -52,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="all", help="which CSI services to serve (default all)")
     p.add_argument("--cache-root", type=Path, default=DEFAULT_CACHE_ROOT,
                    help=f"node directory for the volumes' caches (default {DEFAULT_CACHE_ROOT})")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="node directory for the staged volumes' records (default CACHE_ROOT/staged); "
+                        "keep it on the host so a restarted plugin finds them")
+    p.add_argument("--mount-mode", choices=MOUNT_MODES, default="process",
+                   help="where the FUSE daemons run (default process: host processes that outlive the plugin)")
     p.add_argument("--max-volumes", type=int, default=0, metavar="N",
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
@@ -114,8 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             print(f"cachefs-csi: error: cache root {cache_root}: {exc.strerror}", file=sys.stderr)
             return 2
-        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes),
+        state_dir = Path(os.path.abspath(args.state_dir)) if args.state_dir else None
+        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir),
                        CachefsMounter(environ=environ, log_level=args.log_level))
+        node.adopt()
     controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
     info = DriverInfo(name=args.driver_name, version=package_version(),
                       serves_controller=serve_controller, serves_node=serve_node)

@@ -11,6 +11,10 @@ When a volume brings its own key pair, every other AWS credential source inherit
 plugin (a session token, a profile, web identity) is removed from that environment, so the pair is
 used exactly as given and never combined with the node's own identity.
 
+Bind mounts (a staged volume's mount shown at each pod's target, ``staging.py``) use util-linux
+``mount --bind`` and ``umount``: a bind never talks to the daemon, and removing one leaves the daemon
+serving the staged mount and every other bind of it.
+
 ``FakeMounter`` keeps mounts in a dict; unit tests and the FlexVolume tests' doubles use it, and
 can mark a mount broken or make the next call fail.
 """
@@ -82,6 +86,12 @@ class Mounter(Protocol):
 
     def is_broken(self, target: Path) -> bool:
         """Whether ``target`` is a mount whose daemon is gone ("Transport endpoint is not connected")."""
+
+    def bind(self, source: Path, target: Path, read_only: bool) -> None:
+        """Bind-mount the cachefs mount at ``source`` on ``target`` (read-only: the bind refuses writes)."""
+
+    def unbind(self, target: Path) -> None:
+        """Remove the bind mount at ``target`` (lazily when its daemon is gone); the daemon is untouched."""
 
 
 def probe_broken(path: Path) -> bool:
@@ -193,12 +203,37 @@ class CachefsMounter:
             return False
         return probe_broken(target)
 
+    def bind(self, source: Path, target: Path, read_only: bool) -> None:
+        env = dict(self.environ)
+        result = self._run(["mount", "--bind", str(source), str(target)], env, LAZY_UNMOUNT_TIMEOUT_S,
+                           f"binding {source} on {target}")
+        if result.returncode != 0:
+            raise CsiError(Code.INTERNAL, f"cannot bind {source} on {target}: {_last_line(result.stderr)}")
+        if not read_only:
+            return
+        # A bind inherits the source's flags; read-only is a second step on the bind alone.
+        result = self._run(["mount", "-o", "remount,ro,bind", str(target)], env, LAZY_UNMOUNT_TIMEOUT_S,
+                           f"making {target} read-only")
+        if result.returncode != 0:
+            reason = _last_line(result.stderr)
+            self._run(["umount", str(target)], env, LAZY_UNMOUNT_TIMEOUT_S, f"undoing the bind on {target}")
+            raise CsiError(Code.INTERNAL, f"cannot make the bind on {target} read-only: {reason}")
+
+    def unbind(self, target: Path) -> None:
+        argv = ["umount", "-l", str(target)] if self.is_broken(target) else ["umount", str(target)]
+        result = self._run(argv, dict(self.environ), LAZY_UNMOUNT_TIMEOUT_S, f"unbinding {target}")
+        if result.returncode != 0 and self.is_mounted(target):
+            raise CsiError(Code.INTERNAL, f"cannot remove the bind mount {target}: {_last_line(result.stderr)}")
+
 
 class FakeMounter:
     """In-memory ``Mounter`` for unit tests: no processes, no kernel mounts."""
 
     def __init__(self) -> None:
         self.mounts: dict[Path, MountRequest] = {}
+        self.binds: dict[Path, tuple[Path, bool]] = {}  # target -> (source, read-only)
+        # The mount each bind was made of: a bind of a dead daemon stays dead after a remount.
+        self._bound_to: dict[Path, MountRequest] = {}
         self.broken: set[Path] = set()
         self.calls: list[tuple[str, Path]] = []
         self.fail_next: CsiError | None = None
@@ -222,10 +257,26 @@ class FakeMounter:
         self.broken.discard(target)
 
     def is_mounted(self, target: Path) -> bool:
-        return target in self.mounts
+        return target in self.mounts or target in self.binds
 
     def is_broken(self, target: Path) -> bool:
+        if target in self.binds:
+            source = self.binds[target][0]
+            return source in self.broken or self.mounts.get(source) is not self._bound_to.get(target)
         return target in self.broken
+
+    def bind(self, source: Path, target: Path, read_only: bool) -> None:
+        self.calls.append(("bind", target))
+        self._maybe_fail()
+        assert source in self.mounts, f"{source} is not mounted"
+        self.binds[target] = (source, read_only)
+        self._bound_to[target] = self.mounts[source]
+
+    def unbind(self, target: Path) -> None:
+        self.calls.append(("unbind", target))
+        self._maybe_fail()
+        self.binds.pop(target, None)
+        self._bound_to.pop(target, None)
 
     def break_mount(self, target: Path) -> None:
         """Simulate the daemon of ``target`` dying (kill -9)."""

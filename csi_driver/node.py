@@ -1,8 +1,10 @@
-"""Node semantics: publish a volume at a target path, unpublish it, idempotently and self-repairing.
+"""Node semantics: stage, publish, unpublish and unstage a volume, idempotently and self-repairing.
 
-**Publish** mounts cachefs directly at the target path (no staging: one FUSE daemon per pod volume,
-so a pod's mount lives and dies with its own daemon, and read-only is a property of the daemon, not
-of a bind mount). The steps:
+The CSI node plugin advertises STAGE_UNSTAGE_VOLUME: the kubelet stages each volume once per node
+and publishes it into each pod; ``staging.py`` holds that design (one shared daemon per volume per
+node, bind mounts into the pods). A publish without a staging path (the FlexVolume shim, or a CO
+that does not stage) mounts cachefs directly at the target, one daemon per target, as described
+here. **Direct publish** steps:
 
 1. A mount already at the target that is healthy is the answer to a repeated call: success, as long
    as it was made read-only or not as this call asks (else ALREADY_EXISTS).
@@ -47,6 +49,7 @@ from typing import Iterator
 from csi_driver.attributes import Credentials, VolumeSettings
 from csi_driver.errors import Code, CsiError, invalid
 from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
+from csi_driver.staging import StageRecord, StageRecords
 from csi_driver.volume_id import MAX_VOLUME_ID_BYTES
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,11 @@ class NodeSettings:
     node_id: str
     cache_root: Path
     max_volumes_per_node: int = 0  # 0: no limit reported to the CO
+    state_dir: Path | None = None  # the stage records; None: <cache_root>/staged
+
+    @property
+    def stage_dir(self) -> Path:
+        return self.state_dir if self.state_dir is not None else self.cache_root / "staged"
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,134 @@ class NodeOps:
         self.settings = settings
         self.mounter = mounter
         self.locks = VolumeLocks()
+        self.records = StageRecords(settings.stage_dir)
+
+    # -- start-up -----------------------------------------------------------------------------------
+    def adopt(self) -> list[StageRecord]:
+        """Take up the volumes a previous run of the plugin staged: report each one's state, and drop
+        from its record the targets that are no longer mounted. Nothing is mounted or unmounted."""
+        found = self.records.all()
+        for record in found:
+            staging = Path(record.staging_path)
+            if not self.mounter.is_mounted(staging):
+                state = "not mounted (its first publish will mount it)"
+            elif self.mounter.is_broken(staging):
+                state = "BROKEN (its daemon died; the next publish mounts it again)"
+            else:
+                state = "healthy"
+            live = {t: ro for t, ro in record.targets.items() if self.mounter.is_mounted(Path(t))}
+            if live != record.targets:
+                record.targets = live
+                self.records.save(cache_dir_name(record.volume_id), record)
+            log.info("adopted staged volume %s at %s: %s, %d target(s)", record.volume_id, staging, state, len(live))
+        return found
+
+    # -- stage --------------------------------------------------------------------------------------
+    def stage(self, request: PublishRequest) -> None:
+        """Stage ``request.volume_id`` at ``request.target_path`` (the staging path)."""
+        staging = request.target_path
+        key = cache_dir_name(request.volume_id)
+        with self.locks.hold(f"volume {request.volume_id}"), self.locks.hold(f"target {staging}"):
+            record = self.records.load(key)
+            if record is not None:
+                if (record.staging_path, record.read_only, record.owner) != (str(staging), request.read_only,
+                                                                             request.volume.owner):
+                    raise CsiError(Code.ALREADY_EXISTS,
+                                   f"volume {request.volume_id} is already staged at {record.staging_path} "
+                                   "with another staging path, read-only mode or owner")
+            else:
+                state = _path_state(staging)
+                if state == "missing":
+                    self._prepare_target(staging)
+                elif state == "other":
+                    raise CsiError(Code.FAILED_PRECONDITION, f"{staging} exists and is not a directory")
+                record = StageRecord(request.volume_id, str(staging), request.read_only, request.volume.owner,
+                                     request.volume.source)
+                self.records.save(key, record)
+            if request.credentials is not None:
+                self._ensure_staged_mount(request, record)
+            else:
+                log.info("staged volume %s at %s; the first publish mounts it (with its own credentials, "
+                         "if any)", request.volume_id, staging)
+
+    def _ensure_staged_mount(self, request: PublishRequest, record: StageRecord) -> None:
+        """The staged mount, healthy: mounted now if missing, mounted again if its daemon died."""
+        staging = Path(record.staging_path)
+        if self.mounter.is_mounted(staging):
+            if not self.mounter.is_broken(staging):
+                return
+            log.warning("volume %s: the staged mount at %s is broken (its daemon died); mounting it again",
+                        record.volume_id, staging)
+            self.mounter.unmount(staging)  # a broken mount is detached lazily
+        elif _path_state(staging) == "broken":
+            raise CsiError(Code.FAILED_PRECONDITION, f"{staging} is a dead mount of another filesystem")
+        self._prepare_target(staging)
+        staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials)
+        cache_dir = self._claim_slot(staged)
+        self.mounter.mount(MountRequest(
+            source=request.volume.source, target=staging, cache_dir=cache_dir,
+            endpoint_url=request.volume.endpoint_url, region=request.volume.region, cache=request.volume.cache,
+            read_only=record.read_only, credentials=request.credentials, owner=record.owner,
+        ))
+        log.info("mounted volume %s (%s) at staging path %s%s, cache %s", record.volume_id, request.volume.source,
+                 staging, " read-only" if record.read_only else "", cache_dir)
+
+    def unstage(self, volume_id: str, staging: Path) -> None:
+        key = cache_dir_name(volume_id)
+        with self.locks.hold(f"volume {volume_id}"), self.locks.hold(f"target {staging}"):
+            record = self.records.load(key)
+            if record is not None and record.staging_path != str(staging):
+                raise CsiError(Code.FAILED_PRECONDITION,
+                               f"volume {volume_id} is staged at {record.staging_path}, not {staging}")
+            users = [t for t in (record.targets if record else {}) if self.mounter.is_mounted(Path(t))]
+            if users:
+                raise CsiError(Code.FAILED_PRECONDITION,
+                               f"volume {volume_id} is still published at {', '.join(sorted(users))}")
+            if self.mounter.is_mounted(staging):
+                self.mounter.unmount(staging)  # flushes written data first
+                log.info("unstaged volume %s: unmounted %s", volume_id, staging)
+            if _path_state(staging) == "broken":
+                raise CsiError(Code.INTERNAL, f"{staging} is still a dead mount after unmounting")
+            self._release_slot(volume_id, str(staging))
+            self.records.remove(key)
+
+    # -- publish of a staged volume -----------------------------------------------------------------
+    def publish_staged(self, request: PublishRequest, staging: Path) -> None:
+        """Bind the staged mount of ``request.volume_id`` at the pod's target."""
+        target = request.target_path
+        key = cache_dir_name(request.volume_id)
+        with self.locks.hold(f"volume {request.volume_id}"), self.locks.hold(f"target {target}"):
+            record = self.records.load(key)
+            if record is None or record.staging_path != str(staging):
+                raise CsiError(Code.FAILED_PRECONDITION, f"volume {request.volume_id} is not staged at {staging}")
+            if record.read_only and not request.read_only:
+                raise CsiError(Code.FAILED_PRECONDITION,
+                               f"volume {request.volume_id} is staged read-only; a writable publish needs a "
+                               "writable stage")
+            if record.owner != request.volume.owner:
+                raise CsiError(Code.FAILED_PRECONDITION,
+                               f"volume {request.volume_id} is staged with owner {record.owner}, this publish asks "
+                               f"for {request.volume.owner}: pods sharing a volume on a node share its owner "
+                               "(fsGroup, uid, gid, modes)")
+            self._ensure_staged_mount(request, record)
+            if self.mounter.is_mounted(target):
+                if not self.mounter.is_broken(target):
+                    if record.targets.get(str(target)) == request.read_only:
+                        log.info("volume %s is already published at %s", request.volume_id, target)
+                        return
+                    raise CsiError(Code.ALREADY_EXISTS,
+                                   f"{target} is already published with another volume or read-only mode")
+                log.warning("volume %s: the bind at %s is broken (its daemon died); binding it again",
+                            request.volume_id, target)
+                self.mounter.unbind(target)
+            elif _path_state(target) == "broken":
+                raise CsiError(Code.FAILED_PRECONDITION, f"{target} is a dead mount of another filesystem")
+            self._prepare_target(target)
+            self.mounter.bind(staging, target, request.read_only)
+            record.targets[str(target)] = request.read_only
+            self.records.save(key, record)
+            log.info("published staged volume %s at %s%s", request.volume_id, target,
+                     " (read-only bind)" if request.read_only else "")
 
     # -- publish ------------------------------------------------------------------------------------
     def publish(self, request: PublishRequest) -> None:
@@ -255,9 +391,17 @@ class NodeOps:
         target = target_path
         volume_lock = self.locks.hold(f"volume {volume_id}") if volume_id else contextlib.nullcontext()
         with volume_lock, self.locks.hold(f"target {target}"):
+            record = self.records.load(cache_dir_name(volume_id)) if volume_id else None
+            bound = record is not None and str(target) in record.targets
             if self.mounter.is_mounted(target):
-                self.mounter.unmount(target)
-                log.info("unmounted %s", target)
+                if bound or self._find_record(str(target), volume_id) is None:
+                    # A bind of a staged mount (or a mount this plugin did not make directly): remove
+                    # the bind alone; `cachefs unmount` would stop the daemon every other pod shares.
+                    self.mounter.unbind(target)
+                    log.info("removed the bind mount %s", target)
+                else:
+                    self.mounter.unmount(target)
+                    log.info("unmounted %s", target)
             state = _path_state(target)
             if state == "broken":
                 raise CsiError(Code.INTERNAL, f"{target} is still a dead mount after unmounting")
@@ -274,6 +418,10 @@ class NodeOps:
                     raise CsiError(Code.INTERNAL, f"cannot remove {target}: {exc.strerror}") from None
             elif state == "other":
                 raise CsiError(Code.FAILED_PRECONDITION, f"{target} is not a directory")
+            if bound and record is not None and volume_id:
+                del record.targets[str(target)]
+                self.records.save(cache_dir_name(volume_id), record)
+                return
             self._release_slot(volume_id, str(target))
 
     def _release_slot(self, volume_id: str | None, target: str) -> None:

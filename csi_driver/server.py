@@ -171,22 +171,42 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     def __init__(self, ops: NodeOps) -> None:
         self.ops = ops
 
-    @rpc
-    def NodePublishVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
+    def _mount_request(self, request: Any, path_field: str, *, readonly: bool) -> PublishRequest:
+        """A stage or publish request's fields, checked, as one ``PublishRequest`` for ``path_field``."""
         volume_id = check_volume_id(request.volume_id)
-        target = check_target_path(request.target_path)
+        path = check_target_path(getattr(request, path_field), path_field)
         if not request.HasField("volume_capability"):
             raise invalid("volume_capability is required")
         _check_capability(request.volume_capability, "volume_capability")
         volume: VolumeSettings = parse_volume_attributes(dict(request.volume_context))
         credentials = _credentials(request.secrets)
         flags = parse_mount_flags(request.volume_capability.mount.mount_flags)
-        read_only = request.readonly or volume.read_only or _is_read_only(request.volume_capability, flags)
+        read_only = readonly or volume.read_only or _is_read_only(request.volume_capability, flags)
         # The pod's fsGroup, delegated to the driver (VOLUME_MOUNT_GROUP): the mount's group.
         group = parse_mount_group(request.volume_capability.mount.volume_mount_group)
         owner = volume.owner.merged(flags.owner, "mount option").with_mount_group(group, read_only=read_only)
         volume = dataclasses.replace(volume, owner=owner)
-        self.ops.publish(PublishRequest(volume_id, target, volume, read_only, credentials))
+        return PublishRequest(volume_id, path, volume, read_only, credentials)
+
+    @rpc
+    def NodeStageVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.ops.stage(self._mount_request(request, "staging_target_path", readonly=False))
+        return csi_pb2.NodeStageVolumeResponse()
+
+    @rpc
+    def NodeUnstageVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
+        volume_id = check_volume_id(request.volume_id)
+        self.ops.unstage(volume_id, check_target_path(request.staging_target_path, "staging_target_path"))
+        return csi_pb2.NodeUnstageVolumeResponse()
+
+    @rpc
+    def NodePublishVolume(self, request: Any, context: grpc.ServicerContext) -> Any:
+        publish = self._mount_request(request, "target_path", readonly=request.readonly)
+        if request.staging_target_path:
+            staging = check_target_path(request.staging_target_path, "staging_target_path")
+            self.ops.publish_staged(publish, staging)
+        else:  # a CO that does not stage: a daemon of its own at the target
+            self.ops.publish(publish)
         return csi_pb2.NodePublishVolumeResponse()
 
     @rpc
@@ -198,11 +218,12 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 
     @rpc
     def NodeGetCapabilities(self, request: Any, context: grpc.ServicerContext) -> Any:
-        # No STAGE_UNSTAGE_VOLUME: each publish is its own cachefs daemon (see node.py).
-        # VOLUME_MOUNT_GROUP: the kubelet passes a pod's fsGroup to NodePublishVolume (with the
-        # CSIDriver's fsGroupPolicy: File) instead of chowning every file of the bucket itself.
+        # STAGE_UNSTAGE_VOLUME: one shared cachefs mount per volume per node, bound into each pod
+        # (staging.py). VOLUME_MOUNT_GROUP: the kubelet passes a pod's fsGroup to the driver (with
+        # the CSIDriver's fsGroupPolicy: File) instead of chowning every file of the bucket itself.
         rpc_type = csi_pb2.NodeServiceCapability.RPC
         return csi_pb2.NodeGetCapabilitiesResponse(capabilities=[
+            csi_pb2.NodeServiceCapability(rpc=rpc_type(type=rpc_type.STAGE_UNSTAGE_VOLUME)),
             csi_pb2.NodeServiceCapability(rpc=rpc_type(type=rpc_type.VOLUME_MOUNT_GROUP)),
         ])
 

@@ -11,8 +11,18 @@ for example ``v1:delete:::datasets/scratch/pvc-5b0e...`` (AWS, default region) o
 ``:`` (the endpoint is percent-encoded), so the id splits unambiguously; the version tag lets a
 later format coexist with volumes created by this one.
 
-The CSI spec caps string fields at 128 bytes; CreateVolume refuses (INVALID_ARGUMENT) a StorageClass
-whose ids would exceed that, naming what to shorten, rather than returning an id the CO may reject.
+The CSI spec caps string fields at 128 bytes, names included. A name whose id would exceed that
+(csi-sanity asks for a 128-character name) gets a shortened, deterministic last prefix component
+(``prefix_name``: its first characters and a hash of the whole name), so a repeated CreateVolume
+finds the same prefix; Kubernetes names (``pvc-<uid>``, 40 characters) are never shortened.
+CreateVolume refuses (INVALID_ARGUMENT) a StorageClass whose ids would exceed the limit even then,
+naming what to shorten, rather than returning an id the CO may reject.
+
+**Capacity records.** The spec wants CreateVolume with an existing name and an incompatible capacity
+answered ALREADY_EXISTS, which a controller can only decide by remembering the first capacity. The
+record lives in the bucket, beside the volumes and never inside one:
+``<prefix>/.cachefs-volumes/<name>.json`` (``record_source``), holding ``{"capacity_bytes": N}``;
+DeleteVolume removes it whatever the ``onDelete`` policy (the volume is gone, its objects may stay).
 
 Static volumes (a PersistentVolume written by hand, an inline ephemeral volume) have ids of their
 operator's or the kubelet's choosing; their ``source`` is in the volume attributes and this module
@@ -22,6 +32,7 @@ the store alone.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
@@ -29,6 +40,17 @@ from csi_driver.attributes import DeletePolicy
 
 VERSION = "v1"
 MAX_VOLUME_ID_BYTES = 128  # CSI spec, "Size Limits": string fields SHALL NOT exceed 128 bytes
+# A shortened name: this many leading characters (readable in a listing) and 16 hex digits of the
+# name's SHA-256 (64 bits: no two names of one StorageClass collide in practice).
+SHORT_NAME_KEEP = 31
+RECORD_DIR = ".cachefs-volumes"
+
+
+def prefix_name(name: str, shortened: bool) -> str:
+    """The last component of a volume's prefix: the name itself, or its deterministic short form."""
+    if not shortened:
+        return name
+    return f"{name[:SHORT_NAME_KEEP]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,12 @@ class DynamicVolume:
     def source(self) -> str:
         """The ``cachefs mount`` source URL of the volume."""
         return f"s3://{self.bucket}/{self.path}/"
+
+    @property
+    def record_source(self) -> str:
+        """``s3://bucket/<prefix>/.cachefs-volumes/<name>.json``: the volume's capacity record."""
+        parent, _, name = self.path.rpartition("/")
+        return f"s3://{self.bucket}/{parent + '/' if parent else ''}{RECORD_DIR}/{name}.json"
 
     def encode(self) -> str:
         endpoint = quote(self.endpoint_url or "", safe="")

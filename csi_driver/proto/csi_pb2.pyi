@@ -358,6 +358,59 @@ class ControllerServiceCapability(_message.Message):
     rpc: ControllerServiceCapability.RPC
     def __init__(self, rpc: _Optional[_Union[ControllerServiceCapability.RPC, _Mapping]] = ...) -> None: ...
 
+class NodeStageVolumeRequest(_message.Message):
+    __slots__ = ("volume_id", "publish_context", "staging_target_path", "volume_capability", "secrets", "volume_context")
+    class PublishContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SecretsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class VolumeContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    STAGING_TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    SECRETS_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    volume_id: str
+    publish_context: _containers.ScalarMap[str, str]
+    staging_target_path: str
+    volume_capability: VolumeCapability
+    secrets: _containers.ScalarMap[str, str]
+    volume_context: _containers.ScalarMap[str, str]
+    def __init__(self, volume_id: _Optional[str] = ..., publish_context: _Optional[_Mapping[str, str]] = ..., staging_target_path: _Optional[str] = ..., volume_capability: _Optional[_Union[VolumeCapability, _Mapping]] = ..., secrets: _Optional[_Mapping[str, str]] = ..., volume_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class NodeStageVolumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeUnstageVolumeRequest(_message.Message):
+    __slots__ = ("volume_id", "staging_target_path")
+    VOLUME_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGING_TARGET_PATH_FIELD_NUMBER: _ClassVar[int]
+    volume_id: str
+    staging_target_path: str
+    def __init__(self, volume_id: _Optional[str] = ..., staging_target_path: _Optional[str] = ...) -> None: ...
+
+class NodeUnstageVolumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class NodePublishVolumeRequest(_message.Message):
     __slots__ = ("volume_id", "publish_context", "staging_target_path", "target_path", "volume_capability", "readonly", "secrets", "volume_context")
     class PublishContextEntry(_message.Message):

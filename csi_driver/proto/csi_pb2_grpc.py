@@ -393,6 +393,16 @@ class NodeStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.NodeStageVolume = channel.unary_unary(
+                '/csi.v1.Node/NodeStageVolume',
+                request_serializer=csi__driver_dot_proto_dot_csi__pb2.NodeStageVolumeRequest.SerializeToString,
+                response_deserializer=csi__driver_dot_proto_dot_csi__pb2.NodeStageVolumeResponse.FromString,
+                _registered_method=True)
+        self.NodeUnstageVolume = channel.unary_unary(
+                '/csi.v1.Node/NodeUnstageVolume',
+                request_serializer=csi__driver_dot_proto_dot_csi__pb2.NodeUnstageVolumeRequest.SerializeToString,
+                response_deserializer=csi__driver_dot_proto_dot_csi__pb2.NodeUnstageVolumeResponse.FromString,
+                _registered_method=True)
         self.NodePublishVolume = channel.unary_unary(
                 '/csi.v1.Node/NodePublishVolume',
                 request_serializer=csi__driver_dot_proto_dot_csi__pb2.NodePublishVolumeRequest.SerializeToString,
@@ -417,6 +427,18 @@ class NodeStub:
 
 class NodeServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def NodeStageVolume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NodeUnstageVolume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def NodePublishVolume(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -445,6 +467,16 @@ class NodeServicer:
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'NodeStageVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeStageVolume,
+                    request_deserializer=csi__driver_dot_proto_dot_csi__pb2.NodeStageVolumeRequest.FromString,
+                    response_serializer=csi__driver_dot_proto_dot_csi__pb2.NodeStageVolumeResponse.SerializeToString,
+            ),
+            'NodeUnstageVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.NodeUnstageVolume,
+                    request_deserializer=csi__driver_dot_proto_dot_csi__pb2.NodeUnstageVolumeRequest.FromString,
+                    response_serializer=csi__driver_dot_proto_dot_csi__pb2.NodeUnstageVolumeResponse.SerializeToString,
+            ),
             'NodePublishVolume': grpc.unary_unary_rpc_method_handler(
                     servicer.NodePublishVolume,
                     request_deserializer=csi__driver_dot_proto_dot_csi__pb2.NodePublishVolumeRequest.FromString,
@@ -475,6 +507,60 @@ def add_NodeServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Node:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def NodeStageVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.Node/NodeStageVolume',
+            csi__driver_dot_proto_dot_csi__pb2.NodeStageVolumeRequest.SerializeToString,
+            csi__driver_dot_proto_dot_csi__pb2.NodeStageVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NodeUnstageVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/csi.v1.Node/NodeUnstageVolume',
+            csi__driver_dot_proto_dot_csi__pb2.NodeUnstageVolumeRequest.SerializeToString,
+            csi__driver_dot_proto_dot_csi__pb2.NodeUnstageVolumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def NodePublishVolume(request,

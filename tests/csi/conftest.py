@@ -112,6 +112,25 @@ class Driver:
             readonly=readonly, secrets=secrets or {}, volume_context=context,
         ), timeout=CALL_TIMEOUT_S)
 
+    def stage(self, volume_id: str, staging: Path, context: dict[str, str], *, secrets: dict[str, str] | None = None,
+              capability: Any = None) -> Any:
+        return self.node.NodeStageVolume(csi_pb2.NodeStageVolumeRequest(
+            volume_id=volume_id, staging_target_path=str(staging), volume_capability=capability or mount_capability(),
+            secrets=secrets or {}, volume_context=context,
+        ), timeout=CALL_TIMEOUT_S)
+
+    def unstage(self, volume_id: str, staging: Path) -> Any:
+        return self.node.NodeUnstageVolume(csi_pb2.NodeUnstageVolumeRequest(
+            volume_id=volume_id, staging_target_path=str(staging)), timeout=CALL_TIMEOUT_S)
+
+    def publish_staged(self, volume_id: str, staging: Path, target: Path, context: dict[str, str], *,
+                       secrets: dict[str, str] | None = None, readonly: bool = False, capability: Any = None) -> Any:
+        return self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+            volume_id=volume_id, staging_target_path=str(staging), target_path=str(target),
+            volume_capability=capability or mount_capability(), readonly=readonly, secrets=secrets or {},
+            volume_context=context,
+        ), timeout=CALL_TIMEOUT_S)
+
     def unpublish(self, volume_id: str, target: Path) -> Any:
         return self.node.NodeUnpublishVolume(csi_pb2.NodeUnpublishVolumeRequest(
             volume_id=volume_id, target_path=str(target)), timeout=CALL_TIMEOUT_S)

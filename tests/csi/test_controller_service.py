@@ -132,3 +132,28 @@ def test_controller_error_codes(csi, seaweed, bucket) -> None:
     assert not unsupported.HasField("confirmed") and "block" in unsupported.message
     caps = ctl.ControllerGetCapabilities(csi_pb2.ControllerGetCapabilitiesRequest(), timeout=10)
     assert [c.rpc.type for c in caps.capabilities] == [csi_pb2.ControllerServiceCapability.RPC.CREATE_DELETE_VOLUME]
+
+
+def test_csi_sanity_capacity_conflict_and_maximum_length_name(csi, seaweed, bucket) -> None:
+    """csi-sanity's two CreateVolume specs, over the socket with the record in a real bucket."""
+    def create_sized(name: str, size: int):
+        return csi.controller.CreateVolume(csi_pb2.CreateVolumeRequest(
+            name=name, capacity_range=csi_pb2.CapacityRange(required_bytes=size, limit_bytes=size),
+            volume_capabilities=[mount_capability()], parameters={"bucket": bucket, "endpointUrl": seaweed.endpoint_url},
+            secrets=secrets_of(seaweed)), timeout=CALL_TIMEOUT_S).volume
+
+    first = create_sized("sanity-cap", 10 << 30)
+    assert create_sized("sanity-cap", 10 << 30).volume_id == first.volume_id
+    with expect_rpc_error(grpc.StatusCode.ALREADY_EXISTS, "already exists"):
+        create_sized("sanity-cap", 20 << 30)
+    assert keys(seaweed, bucket) == {".cachefs-volumes/sanity-cap.json"}  # beside the volumes, never inside one
+    delete(csi, seaweed, first.volume_id)
+    assert keys(seaweed, bucket) == set()
+
+    name = "CreateVolume-MaxName-" + "n" * 107
+    assert len(name) == 128
+    longest = create_sized(name, 1 << 30)
+    assert len(longest.volume_id.encode()) <= 128
+    assert create_sized(name, 1 << 30).volume_id == longest.volume_id
+    delete(csi, seaweed, longest.volume_id)
+    assert keys(seaweed, bucket) == set()

@@ -426,3 +426,97 @@ def test_metrics_count_only_the_mounts_this_plugin_published(monkeypatch) -> Non
     monkeypatch.setattr(mounts, "mount_entries", lambda: entries)
     published = {"/pods/a/vol": "vol-a", "/pods/b/vol": "vol-b"}
     assert metrics.cachefs_targets(published.get) == {"/pods/a/vol": "vol-a"}
+
+
+def test_existing_name_with_another_capacity_is_already_exists() -> None:
+    store = InMemoryBucketAdmin({"datasets": set()})
+    ops = ControllerOps(store, environ={})
+    first = ops.create_volume("pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 10 << 30, 10 << 30)
+    assert store.records == {"s3://datasets/p/.cachefs-volumes/pvc-cap.json":
+                             b'{"capacity_bytes": 10737418240, "name": "pvc-cap"}'}
+    same = ops.create_volume("pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 1 << 30, 0)
+    assert (same.volume_id, same.capacity_bytes) == (first.volume_id, 10 << 30)  # the range holds 10 GiB
+    code, message = code_of(ops.create_volume, "pvc-cap", {"bucket": "datasets", "prefix": "p"}, None,
+                            20 << 30, 20 << 30)
+    assert code is Code.ALREADY_EXISTS and "10737418240" in message
+    assert code_of(ops.create_volume, "pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 0, 5 << 30)[0] \
+        is Code.ALREADY_EXISTS
+    ops.delete_volume(first.volume_id, None)  # retain: the objects stay, the record goes
+    assert store.records == {}
+    again = ops.create_volume("pvc-cap", {"bucket": "datasets", "prefix": "p"}, None, 20 << 30, 0)
+    assert again.capacity_bytes == 20 << 30
+
+
+def test_a_128_character_name_gets_a_short_deterministic_prefix() -> None:
+    store = InMemoryBucketAdmin({"datasets": set()})
+    ops = ControllerOps(store, environ={})
+    name = "sanity-max-length-" + "x" * 110
+    assert len(name) == 128
+    created = ops.create_volume(name, {"bucket": "datasets"}, None)
+    assert len(created.volume_id.encode()) <= volume_id.MAX_VOLUME_ID_BYTES
+    source = created.volume_context["source"]
+    assert source.startswith("s3://datasets/sanity-max-length-xxxxxxxxxxxxx-") and source.endswith("/")
+    assert ops.create_volume(name, {"bucket": "datasets"}, None).volume_id == created.volume_id
+    assert ops.create_volume(name[:-1] + "y", {"bucket": "datasets"}, None).volume_id != created.volume_id
+    assert volume_id.decode(created.volume_id).source == source  # DeleteVolume finds it from the id
+    short = ops.create_volume("pvc-" + "0" * 36, {"bucket": "datasets"}, None)
+    assert short.volume_context["source"] == "s3://datasets/pvc-" + "0" * 36 + "/"  # never shortened
+    assert code_of(ops.create_volume, "x" * 129, {"bucket": "datasets"}, None)[0] is Code.INVALID_ARGUMENT
+
+
+# --------------------------------------------------------------------------------- staged volumes
+def test_stage_publish_unpublish_unstage_share_one_mount(node, tmp_path: Path) -> None:
+    import dataclasses
+
+    ops, fake = node
+    stage = publish_request(tmp_path, target="globalmount")
+    staging = stage.target_path
+    ops.stage(stage)
+    ops.stage(stage)  # idempotent
+    pod1 = publish_request(tmp_path, target="pod1/m")
+    pod2 = publish_request(tmp_path, target="pod2/m", read_only=True)
+    ops.publish_staged(pod1, staging)
+    ops.publish_staged(pod2, staging)
+    ops.publish_staged(pod2, staging)  # idempotent
+    assert [c[0] for c in fake.calls] == ["mount", "bind", "bind"]  # one daemon for both pods
+    assert fake.binds == {pod1.target_path: (staging, False), pod2.target_path: (staging, True)}
+    assert code_of(ops.publish_staged, dataclasses.replace(pod2, read_only=False), staging)[0] is Code.ALREADY_EXISTS
+    assert code_of(ops.stage, dataclasses.replace(stage, read_only=True))[0] is Code.ALREADY_EXISTS
+    other_owner = dataclasses.replace(pod1, target_path=tmp_path / "pod3/m", volume=dataclasses.replace(
+        pod1.volume, owner=attrs.OwnerOptions(gid=2000)))
+    code, message = code_of(ops.publish_staged, other_owner, staging)
+    assert code is Code.FAILED_PRECONDITION and "owner" in message
+    assert code_of(ops.unstage, "vol-1", staging)[0] is Code.FAILED_PRECONDITION  # pods still use it
+    ops.unpublish("vol-1", pod1.target_path)
+    assert staging in fake.mounts and pod1.target_path not in fake.binds  # the bind alone went
+    ops.unpublish("vol-1", pod2.target_path)
+    ops.unstage("vol-1", staging)
+    ops.unstage("vol-1", staging)  # already unstaged: success
+    assert fake.mounts == {} and fake.binds == {}
+    assert ops.records.all() == []
+
+
+def test_staged_mount_is_made_by_the_first_publish_without_stage_secrets_and_recovered(node, tmp_path: Path) -> None:
+    import dataclasses
+
+    ops, fake = node
+    stage = dataclasses.replace(publish_request(tmp_path, target="globalmount"), credentials=None)
+    ops.stage(stage)
+    assert fake.mounts == {}  # the Secret comes with the publish
+    pod = publish_request(tmp_path, target="pod1/m")
+    assert code_of(ops.publish_staged, pod, tmp_path / "elsewhere")[0] is Code.FAILED_PRECONDITION
+    ops.publish_staged(pod, stage.target_path)
+    assert fake.mounts[stage.target_path].credentials is not None
+    fake.break_mount(stage.target_path)  # the daemon dies: the staged mount and its bind break
+    assert fake.is_broken(pod.target_path)
+    ops.publish_staged(pod, stage.target_path)  # recovers both
+    assert [c[0] for c in fake.calls] == ["mount", "bind", "unmount", "mount", "unbind", "bind"]
+    assert not fake.is_broken(pod.target_path)
+    # A restarted plugin (a new NodeOps on the same state) adopts the volume; a target gone meanwhile
+    # is dropped from its record.
+    fake.binds.clear()
+    again = NodeOps(ops.settings, fake)
+    (record,) = again.adopt()
+    assert record.volume_id == "vol-1" and record.targets == {}
+    again.unstage("vol-1", stage.target_path)
+    assert fake.mounts == {}

@@ -82,7 +82,8 @@ def owner(path: Path) -> tuple[int, int, int]:
 
 def test_node_advertises_volume_mount_group(csi) -> None:
     caps = csi.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest(), timeout=10).capabilities
-    assert [c.rpc.type for c in caps] == [csi_pb2.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP]
+    assert [c.rpc.type for c in caps] == [csi_pb2.NodeServiceCapability.RPC.STAGE_UNSTAGE_VOLUME,
+                                      csi_pb2.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP]
 
 
 def test_owner_from_volume_attributes_writes_others_get_eacces(csi, seaweed, bucket, pods) -> None:

@@ -232,5 +232,6 @@ def test_identity_and_node_info(csi) -> None:
     assert csi.identity.Probe(csi_pb2.ProbeRequest(), timeout=10).ready.value is True
     assert csi.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=10).node_id == "test-node"
     caps = csi.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest(), timeout=10).capabilities
-    # No STAGE_UNSTAGE_VOLUME; VOLUME_MOUNT_GROUP (fsGroup delegation, issue 12) only.
-    assert [c.rpc.type for c in caps] == [csi_pb2.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP]
+    # STAGE_UNSTAGE_VOLUME (one shared mount per volume per node) and VOLUME_MOUNT_GROUP (fsGroup delegation).
+    assert [c.rpc.type for c in caps] == [csi_pb2.NodeServiceCapability.RPC.STAGE_UNSTAGE_VOLUME,
+                                      csi_pb2.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP]

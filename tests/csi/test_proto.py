@@ -37,6 +37,10 @@ SPEC_FIELDS = [
     ("CreateVolumeRequest", "accessibility_requirements", 7), ("CreateVolumeResponse", "volume", 1),
     ("Volume", "capacity_bytes", 1), ("Volume", "volume_id", 2), ("Volume", "volume_context", 3),
     ("Volume", "content_source", 4), ("Volume", "accessible_topology", 5),
+    ("NodeStageVolumeRequest", "volume_id", 1), ("NodeStageVolumeRequest", "publish_context", 2),
+    ("NodeStageVolumeRequest", "staging_target_path", 3), ("NodeStageVolumeRequest", "volume_capability", 4),
+    ("NodeStageVolumeRequest", "secrets", 5), ("NodeStageVolumeRequest", "volume_context", 6),
+    ("NodeUnstageVolumeRequest", "volume_id", 1), ("NodeUnstageVolumeRequest", "staging_target_path", 2),
     ("DeleteVolumeRequest", "volume_id", 1), ("DeleteVolumeRequest", "secrets", 2),
     ("ValidateVolumeCapabilitiesRequest", "volume_id", 1), ("ValidateVolumeCapabilitiesRequest", "volume_context", 2),
     ("ValidateVolumeCapabilitiesRequest", "volume_capabilities", 3),
@@ -71,12 +75,14 @@ def test_enums_services_and_secret_marks_follow_the_spec() -> None:
     assert services == {
         "Identity": ["GetPluginInfo", "GetPluginCapabilities", "Probe"],
         "Controller": ["CreateVolume", "DeleteVolume", "ValidateVolumeCapabilities", "ControllerGetCapabilities"],
-        "Node": ["NodePublishVolume", "NodeUnpublishVolume", "NodeGetCapabilities", "NodeGetInfo"],
+        "Node": ["NodeStageVolume", "NodeUnstageVolume", "NodePublishVolume", "NodeUnpublishVolume",
+                 "NodeGetCapabilities", "NodeGetInfo"],
     }
     assert csi_pb2.csi_secret.number == 1059
     secret_fields = sorted(f"{m.name}.{f.name}" for m in csi_pb2.DESCRIPTOR.message_types_by_name.values()
                            for f in m.fields if f.GetOptions().Extensions[csi_pb2.csi_secret])
     assert secret_fields == ["CreateVolumeRequest.secrets", "DeleteVolumeRequest.secrets",
-                             "NodePublishVolumeRequest.secrets", "ValidateVolumeCapabilitiesRequest.secrets"]
+                             "NodePublishVolumeRequest.secrets", "NodeStageVolumeRequest.secrets",
+                             "ValidateVolumeCapabilitiesRequest.secrets"]
     assert hasattr(csi_pb2_grpc, "add_NodeServicer_to_server")
     assert shutil.which("bash")
