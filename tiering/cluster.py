@@ -50,29 +50,22 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from tiering.blocks import BlockKey, MiB
+from tiering.blocks import BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.disk import CorruptBlockError, decode_block, encode_token, frame_header, header_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ClusterBlockTier, ClusterTierStats, ObjectStore
+from tiering.settings import (
+    DEFAULT_CLUSTER_TIMEOUT_S,
+    DEFAULT_WRITE_BEHIND_BLOCKS,
+    DEFAULT_WRITE_BEHIND_BYTES,
+    DEFAULT_WRITE_BEHIND_WORKERS,
+)
 from tiering.storehealth import StoreHealth
 
 log = logging.getLogger("tiering.cluster")
 
 BLOCKS_PREFIX = "blocks/"
-
-# A cluster GET of one 8 MiB block inside the cluster takes tens of milliseconds; 5 s tolerates a
-# loaded store and still leaves the source's 30 s fetch timeout most of its time.
-DEFAULT_CLUSTER_TIMEOUT_S = 5.0
-# Write-behind: blocks wait in memory until uploaded. 256 MiB (32 default blocks) absorbs a burst
-# of cold reads at source speed while the in-cluster PUTs, faster than the source, catch up; the
-# block count bounds the queue of small blocks.
-DEFAULT_WRITE_BEHIND_BYTES = 256 * MiB
-DEFAULT_WRITE_BEHIND_BLOCKS = 256
-# Parallel uploads: an in-cluster PUT takes milliseconds; 4 in flight keep up with a source read at
-# several hundred MB/s without competing with the readers' own GETs for connections.
-DEFAULT_WRITE_BEHIND_WORKERS = 4
-
 
 def cluster_token(source_id: str, block_size: int, key: BlockKey) -> bytes:
     """The identity of a block in the shared store: source, block size, key, ETag, index."""
@@ -99,6 +92,7 @@ class ClusterTier:
         timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S,
         clock: Clock | None = None,
         health: StoreHealth | None = None,
+        where: str = "",
     ) -> None:
         if timeout_s <= 0:
             raise ValueError("the cluster timeout must be positive")
@@ -106,6 +100,7 @@ class ClusterTier:
         self.source_id = source_id
         self.block_size = block_size
         self.timeout_s = timeout_s
+        self.where = where  # the cluster URL, for /stats (no credentials in it)
         self.stats = ClusterTierStats()
         self.health = health or StoreHealth(clock or SystemClock(), probe=store.check, name="cluster store")
         self._background: set[asyncio.Task[None]] = set()
@@ -202,7 +197,8 @@ class ClusterTier:
         await self.store.close()
 
     def snapshot(self) -> dict[str, Any]:
-        return {"health": self.health.snapshot(), "timeout_s": self.timeout_s}
+        return {"state": "healthy" if self.health.reachable else "down", "url": self.where,
+                "timeout_s": self.timeout_s, "health": self.health.snapshot()}
 
 
 class InMemoryClusterTier:
@@ -243,6 +239,9 @@ class InMemoryClusterTier:
     async def contains(self, key: BlockKey) -> bool:
         await asyncio.sleep(0)
         return not self.failing and key in self.blocks
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": "down" if self.failing else "healthy", "url": "memory://"}
 
 
 @dataclass

@@ -24,7 +24,7 @@ feature that silently turns itself off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 from tiering.blocks import BlockKey
 from tiering.health import TierHealth
@@ -186,6 +186,9 @@ class ClusterBlockTier(Protocol):
 
     async def contains(self, key: BlockKey) -> bool:
         """Whether the store holds an object for the block (no content check); False on failure."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``/stats`` shows beside the counters: ``state`` (healthy or down) and details."""
 
 
 @dataclass(frozen=True, slots=True)
