@@ -16,7 +16,7 @@ Format. Each object is framed exactly as a block file of the disk tier (``tierin
 format version, token, data length, data CRC-32, header CRC-32, then the data), by the same code.
 A read checks everything a disk read checks, the full token included, so a hash collision, a
 foreign writer's object, a truncated or bit-flipped one is a *miss* (counted in
-``stats.corrupt_blocks``, the object deleted in the background), never data. The block is then
+``stats.corrupt_blocks``, the object deleted before the miss is answered), never data. The block is then
 fetched from the source and the write-behind replaces the object.
 
 Reads cost a HEAD (the object's size and ETag; a 404 is the cheap miss) and a GET of the whole
@@ -103,7 +103,6 @@ class ClusterTier:
         self.where = where  # the cluster URL, for /stats (no credentials in it)
         self.stats = ClusterTierStats()
         self.health = health or StoreHealth(clock or SystemClock(), probe=store.check, name="cluster store")
-        self._background: set[asyncio.Task[None]] = set()
 
     def _locate(self, key: BlockKey) -> tuple[bytes, str]:
         token = cluster_token(self.source_id, self.block_size, key)
@@ -134,7 +133,9 @@ class ClusterTier:
             self.stats.corrupt_blocks += 1
             self.stats.misses += 1
             log.warning("cluster tier: block %s of %r failed its check (%s); deleting it", name, key.key, exc)
-            self._spawn(self._delete(name))
+            # Awaited, not left to run in the background: the caller fetches the block from the
+            # source next and the write-behind puts it back, which a late delete would undo.
+            await self._delete(name)
             return None
         except Exception as exc:  # noqa: BLE001 - a cache tier must never fail a read
             self._count_error("get", exc)
@@ -185,14 +186,7 @@ class ClusterTier:
         except Exception as exc:  # noqa: BLE001 - the write-behind overwrites it anyway
             self._count_error("delete", exc)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def close(self) -> None:
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=self.timeout_s)
         await self.health.close()
         await self.store.close()
 
