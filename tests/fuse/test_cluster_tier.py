@@ -201,3 +201,25 @@ def test_an_unusable_cluster_store_is_refused_at_mount_with_one_line(
     assert result.stderr.count("\n") == 1, result.stderr
     assert "cluster cache" in result.stderr and "Traceback" not in result.stderr
     assert cluster.secret_key not in result.stderr
+
+
+def test_prefetch_tier_cluster_warms_the_cluster_once_for_every_node(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    clear_cluster(cluster)
+    warmer = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), env=cluster_env)
+    check = run_cli("prefetch", str(warmer.path), "--check", "--tier", "cluster", env=cluster_env)
+    assert check.returncode == 1 and "0.0% cached in the cluster tier" in check.stdout, check.stdout + check.stderr
+    warm = run_cli("prefetch", str(warmer.path), "--tier", "cluster", env=cluster_env)
+    assert warm.returncode == 0, warm.stderr
+    check = run_cli("prefetch", str(warmer.path), "--check", "--tier", "cluster", env=cluster_env)
+    assert check.returncode == 0 and "100.0% cached in the cluster tier" in check.stdout, check.stdout
+    stats = warmer.stats()
+    assert stats["tiers"]["disk"]["entries"] == 0 and stats["tiers"]["ram"]["entries"] == 0
+    blocks = sum(-(-len(d) // BLOCK) for d in FILES.values())
+    assert stats["cluster"]["inserts"] == len(cluster_keys(cluster)) == blocks
+    # Another node reads everything at in-cluster speed: no GET to the source at all.
+    reader = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), env=cluster_env)
+    assert read_all(reader) == FILES
+    stats = reader.stats()
+    assert stats["object_store"]["get_requests"] == 0 and stats["blocks"]["cluster_served"] == blocks
