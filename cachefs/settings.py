@@ -134,12 +134,12 @@ class ClusterSettings:
     write_behind_blocks: int = DEFAULT_WRITE_BEHIND_BLOCKS
 
     def __post_init__(self) -> None:
+        if not self.url.startswith("s3://"):
+            raise ValueError(f"--cluster-cache must be s3://BUCKET[/PREFIX], got {self.url!r}")
         try:
-            parsed = parse_source(self.url)
+            parse_source(self.url)
         except ValueError as exc:
             raise ValueError(f"--cluster-cache: {exc}") from None
-        if parsed.scheme != "s3":
-            raise ValueError(f"--cluster-cache must be s3://BUCKET[/PREFIX], got {self.url!r}")
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
             raise ValueError(f"invalid cluster endpoint URL {self.endpoint_url!r}: expected http:// or https://")
         if self.profile is not None and (not self.profile.strip() or any(c.isspace() for c in self.profile)):

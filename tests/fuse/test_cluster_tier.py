@@ -223,3 +223,32 @@ def test_prefetch_tier_cluster_warms_the_cluster_once_for_every_node(
     assert read_all(reader) == FILES
     stats = reader.stats()
     assert stats["object_store"]["get_requests"] == 0 and stats["blocks"]["cluster_served"] == blocks
+
+
+def test_cluster_gc_deletes_the_oldest_blocks_down_to_the_size(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    fill_cluster(mounter, servers, cluster_env)
+    client = cluster.client()
+    objects = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX):
+        objects.extend(page.get("Contents", []))
+    total = sum(o["Size"] for o in objects)
+    keep = total // 2
+    gc = ["cluster", "gc", "--cluster-cache", f"s3://{CLUSTER_BUCKET}/{CLUSTER_PREFIX}", "--cluster-endpoint-url",
+          cluster.endpoint_url, "--cluster-profile", "cluster", "--max-size", str(keep)]
+    dry = run_cli(*gc, "--dry-run", "--json", env=cluster_env)
+    assert dry.returncode == 0, dry.stderr
+    assert len(cluster_keys(cluster)) == len(objects)  # a dry run deletes nothing
+    result = run_cli(*gc, env=cluster_env)
+    assert result.returncode == 0 and "deleted" in result.stdout, result.stderr
+    left = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX):
+        left.extend(page.get("Contents", []))
+    assert 0 < len(left) < len(objects) and sum(o["Size"] for o in left) <= keep
+    newest_deleted = max(o["LastModified"] for o in objects if o["Key"] not in {x["Key"] for x in left})
+    assert all(o["LastModified"] >= newest_deleted for o in left)
+    bad = run_cli("cluster", "gc", "--cluster-cache", f"s3://{CLUSTER_BUCKET}", "--cluster-endpoint-url",
+                  f"http://127.0.0.1:{free_ports(1)[0]}", "--cluster-profile", "cluster", "--max-size", "1GiB",
+                  env=cluster_env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cluster gc" in bad.stderr, bad.stderr
