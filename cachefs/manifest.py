@@ -27,6 +27,11 @@ from pathlib import Path
 from typing import Iterable
 
 
+# The tiers a prefetch may warm (``cachefs prefetch --tier``): this node's disk tier, or the shared
+# cluster tier. Here, beside the manifest, because the CLI and the daemon both read it.
+PREFETCH_TIERS = ("disk", "cluster")
+
+
 class ManifestError(ValueError):
     """A manifest that cannot be used; one line naming the file and, where it applies, the line."""
 

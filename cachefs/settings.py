@@ -8,8 +8,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
-from tiering.settings import MAX_CONCURRENT_FETCHES, CacheSettings
+from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, parse_source
+from tiering.settings import (
+    DEFAULT_CLUSTER_TIMEOUT_S,
+    DEFAULT_WRITE_BEHIND_BLOCKS,
+    DEFAULT_WRITE_BEHIND_BYTES,
+    MAX_CONCURRENT_FETCHES,
+    CacheSettings,
+)
 from tiering.writeback.settings import WriteBackSettings
 
 # Metadata TTLs. Training datasets are written once and read for many epochs, so a minute of
@@ -115,6 +121,46 @@ class FsSettings:
 
 
 @dataclass(frozen=True)
+class ClusterSettings:
+    """The shared cluster tier (``--cluster-cache``): a second S3 store, its own endpoint and profile.
+
+    Credentials come from the AWS chain (or the named profile), never from here."""
+
+    url: str  # s3://BUCKET[/PREFIX]
+    endpoint_url: str | None = None
+    profile: str | None = None
+    timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S
+    write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES
+    write_behind_blocks: int = DEFAULT_WRITE_BEHIND_BLOCKS
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith("s3://"):
+            raise ValueError(f"--cluster-cache must be s3://BUCKET[/PREFIX], got {self.url!r}")
+        try:
+            parse_source(self.url)
+        except ValueError as exc:
+            raise ValueError(f"--cluster-cache: {exc}") from None
+        if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
+            raise ValueError(f"invalid cluster endpoint URL {self.endpoint_url!r}: expected http:// or https://")
+        if self.profile is not None and (not self.profile.strip() or any(c.isspace() for c in self.profile)):
+            raise ValueError(f"invalid --cluster-profile {self.profile!r}: expected a profile name")
+        if not 0 < self.timeout_s <= 600:
+            raise ValueError("cluster-timeout must be between 0 and 600 seconds (0 excluded)")
+        if self.write_behind_bytes < 1 or self.write_behind_blocks < 1:
+            raise ValueError("the cluster write-behind queue needs room for at least one block")
+
+    def environ(self, environ: dict[str, str]) -> dict[str, str]:
+        """The environment the cluster store's credential chain reads: the mount's, with the named
+        profile (and without the mount's key variables, which would win over any profile)."""
+        env = dict(environ)
+        if self.profile is not None:
+            for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+                env.pop(name, None)
+            env["AWS_PROFILE"] = self.profile
+        return env
+
+
+@dataclass(frozen=True)
 class MountSettings:
     source: str
     mountpoint: Path
@@ -128,8 +174,17 @@ class MountSettings:
     stats_addr: str | None = None
     allow_other: bool = False
     log_level: str = "INFO"
+    cluster: ClusterSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.cluster is not None and self.cluster.timeout_s >= self.cache.fetch_timeout_s:
+            raise ValueError(f"--cluster-timeout ({self.cluster.timeout_s:g} s) must be shorter than --fetch-timeout "
+                             f"({self.cache.fetch_timeout_s:g} s): a slow cluster store must leave time for the source")
+
+    def source_identity(self) -> str:
+        """What names this source in the shared cluster tier: its URL and endpoint."""
+        return json.dumps({"source": self.source, "endpoint": self.endpoint_url or ""}, sort_keys=True)
 
     def source_cache_dir(self) -> Path:
         """This source's own directory inside ``cache_dir`` (mounts of other sources may share it)."""
-        identity = json.dumps({"source": self.source, "endpoint": self.endpoint_url or ""}, sort_keys=True)
-        return self.cache_dir / hashlib.sha256(identity.encode()).hexdigest()[:16]
+        return self.cache_dir / hashlib.sha256(self.source_identity().encode()).hexdigest()[:16]

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from cachefs import admin
-from cachefs.settings import MAX_CONCURRENT_FETCHES, MAX_TTL_S
+from cachefs.settings import MAX_CONCURRENT_FETCHES, MAX_TTL_S, ClusterSettings
 from csi_driver.errors import invalid
 
 # ---------------------------------------------------------------------------------- volume attributes
@@ -57,6 +57,11 @@ ATTR_UID = "uid"  # --uid: owner of every file and directory (default: root, the
 ATTR_GID = "gid"  # --gid (a pod's fsGroup, when it has one, takes its place)
 ATTR_FILE_MODE = "fileMode"  # --file-mode, octal
 ATTR_DIR_MODE = "dirMode"  # --dir-mode, octal
+# The shared cluster tier (README "Shared cluster tier"). Its store takes the mount's credentials
+# (the volume's Secret, else the node's identity): give the cluster store the same keys.
+ATTR_CLUSTER_CACHE = "clusterCache"  # --cluster-cache s3://BUCKET[/PREFIX]
+ATTR_CLUSTER_ENDPOINT_URL = "clusterEndpointUrl"  # --cluster-endpoint-url
+ATTR_CLUSTER_TIMEOUT = "clusterTimeout"  # --cluster-timeout (seconds)
 
 # -------------------------------------------------------------------------- StorageClass parameters
 PARAM_BUCKET = "bucket"
@@ -92,7 +97,7 @@ OWNER_FLAGS = (FLAG_UID, FLAG_GID, FLAG_FILE_MODE, FLAG_DIR_MODE)
 MOUNT_GROUP_FILE_MODE, MOUNT_GROUP_DIR_MODE = 0o664, 0o775
 
 CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
-              ATTR_ATTR_TTL, ATTR_DIR_TTL)
+              ATTR_ATTR_TTL, ATTR_DIR_TTL, ATTR_CLUSTER_CACHE, ATTR_CLUSTER_ENDPOINT_URL, ATTR_CLUSTER_TIMEOUT)
 OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
 VOLUME_ATTRIBUTE_KEYS = frozenset({ATTR_SOURCE, ATTR_ENDPOINT_URL, ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS,
                                    *OWNER_KEYS})
@@ -129,6 +134,9 @@ class CacheOptions:
     max_fetches: int | None = None
     attr_ttl_s: float | None = None
     dir_ttl_s: float | None = None
+    cluster_cache: str | None = None
+    cluster_endpoint_url: str | None = None
+    cluster_timeout_s: float | None = None
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
@@ -136,7 +144,9 @@ class CacheOptions:
         for flag, value in (("--ram-cache", self.ram_bytes), ("--disk-cache", self.disk_bytes),
                             ("--block-size", self.block_size), ("--readahead", self.readahead_bytes),
                             ("--max-fetches", self.max_fetches), ("--attr-ttl", self.attr_ttl_s),
-                            ("--dir-ttl", self.dir_ttl_s)):
+                            ("--dir-ttl", self.dir_ttl_s), ("--cluster-cache", self.cluster_cache),
+                            ("--cluster-endpoint-url", self.cluster_endpoint_url),
+                            ("--cluster-timeout", self.cluster_timeout_s)):
             if value is not None:
                 out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return out
@@ -304,7 +314,23 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
         max_fetches=_parse_int(ATTR_MAX_FETCHES, v, 1, MAX_CONCURRENT_FETCHES) if (v := get(ATTR_MAX_FETCHES)) is not None else None,
         attr_ttl_s=_parse_seconds(ATTR_ATTR_TTL, v) if (v := get(ATTR_ATTR_TTL)) is not None else None,
         dir_ttl_s=_parse_seconds(ATTR_DIR_TTL, v) if (v := get(ATTR_DIR_TTL)) is not None else None,
+        cluster_cache=get(ATTR_CLUSTER_CACHE) or None,
+        cluster_endpoint_url=(parse_endpoint_url(ATTR_CLUSTER_ENDPOINT_URL, v)
+                              if (v := get(ATTR_CLUSTER_ENDPOINT_URL)) else None),
+        cluster_timeout_s=_parse_seconds(ATTR_CLUSTER_TIMEOUT, v) if (v := get(ATTR_CLUSTER_TIMEOUT)) else None,
     )
+    if options.cluster_cache is None and (options.cluster_endpoint_url or options.cluster_timeout_s is not None):
+        raise invalid(f"volume attributes {ATTR_CLUSTER_ENDPOINT_URL!r} and {ATTR_CLUSTER_TIMEOUT!r} need "
+                      f"{ATTR_CLUSTER_CACHE!r}")
+    if options.cluster_cache is not None:
+        try:
+            if options.cluster_timeout_s is None:
+                ClusterSettings(url=options.cluster_cache, endpoint_url=options.cluster_endpoint_url)
+            else:
+                ClusterSettings(url=options.cluster_cache, endpoint_url=options.cluster_endpoint_url,
+                                timeout_s=options.cluster_timeout_s)
+        except ValueError as exc:
+            raise invalid(f"volume attribute {ATTR_CLUSTER_CACHE!r}: {exc}") from None
     try:
         admin.check_cache_options(ram_bytes=options.ram_bytes, disk_bytes=options.disk_bytes,
                                   block_size=options.block_size, readahead_bytes=options.readahead_bytes,

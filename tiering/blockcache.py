@@ -1,4 +1,4 @@
-"""The tiered block cache: RAM, then local disk, then the object store.
+"""The tiered block cache: RAM, then local disk, then the shared cluster tier, then the object store.
 
 ``BlockCache.read(ref, offset, length)`` splits a read into blocks and gets them concurrently. Each
 block is looked up in the RAM tier (on the loop: a dict access), then in the disk tier (in a worker
@@ -44,6 +44,16 @@ object version from RAM and/or disk, keeping pinned ones; ``evict_all`` does it 
 The block cache holds clean data only (write-back stages dirty data outside it), so anything it
 drops can be fetched again.
 
+Cluster tier (``tiering.cluster``)
+----------------------------------
+With a cluster tier, a load that misses RAM and disk asks it (in the load's fetch slot, under the
+tier's own shorter timeout) before the source: a hit goes to RAM and disk like a fetched block, and
+needs no source at all (the source's circuit is only consulted after a cluster miss, so blocks in
+the cluster tier are served while the source is unreachable). A block fetched from the source is
+offered to the write-behind queue (``WriteBehind``), which uploads it in the background and never
+delays the reader. The tier never raises: a failing or slow cluster store is a miss. Warm loads ask
+it too.
+
 Latency: every GET the engine issues is timed with the injected clock into ``latency["get"]``, a
 fixed-bucket ``LatencyHistogram`` that the metrics endpoint exports.
 """
@@ -58,11 +68,12 @@ from typing import Callable, Iterable, TypeVar
 
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range, spans
 from tiering.clock import Clock, SystemClock
+from tiering.cluster import WriteBehind
 from tiering.disk import object_footprint
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
 from tiering.latency import LatencyHistogram
 from tiering.pins import PinError, PinLimitError, PinTable, block_keys
-from tiering.protocols import BlockTier, DiskBlockTier, ObjectStore
+from tiering.protocols import BlockTier, ClusterBlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth, bounded
 from tiering.units import format_size
@@ -90,6 +101,8 @@ class EngineStats:
     block_requests: int = 0
     ram_served: int = 0
     disk_served: int = 0
+    cluster_served: int = 0  # loads of reads (and read-ahead) answered by the cluster tier
+    cluster_served_bytes: int = 0
     store_fetches: int = 0
     store_fetch_bytes: int = 0
     fetch_errors: int = 0
@@ -105,6 +118,7 @@ class EngineStats:
     warm_blocks: int = 0  # fetched from the store by a warm
     warm_bytes: int = 0
     warm_from_ram_blocks: int = 0  # written to disk from RAM, no GET
+    warm_from_cluster_blocks: int = 0  # written to disk from the cluster tier, no source GET
     warm_skipped_blocks: int = 0  # already on disk
     warm_skipped_bytes: int = 0
     warm_not_stored: int = 0  # the disk tier refused the block (full of pinned data, or failing)
@@ -137,6 +151,8 @@ class BlockCache:
         *,
         clock: Clock | None = None,
         health: StoreHealth | None = None,
+        cluster: ClusterBlockTier | None = None,
+        write_behind: WriteBehind | None = None,
     ) -> None:
         self.settings = settings
         self.block_size = settings.block_size
@@ -144,6 +160,8 @@ class BlockCache:
         self.store = store
         self.ram = ram
         self.disk = disk
+        self.cluster = cluster
+        self.write_behind = write_behind if write_behind is not None or cluster is None else WriteBehind(cluster)
         self.clock = clock or SystemClock()
         self.stats = EngineStats()
         self.latency: dict[str, LatencyHistogram] = {"get": LatencyHistogram()}
@@ -296,6 +314,48 @@ class BlockCache:
         await asyncio.gather(*(one(i) for i in range(block_count(ref.size, self.block_size))))
         return counts
 
+    async def warm_cluster_block(self, ref: ObjectRef, index: int) -> tuple[WarmOutcome, int]:
+        """Make block ``index`` of ``ref`` present on the cluster tier only (no RAM, no disk).
+
+        One HEAD tells whether it is there already (SKIPPED); otherwise it is fetched from the source
+        in a fetch slot and uploaded at once, not through the write-behind queue (a warm waits for
+        its upload, so a finished prefetch means the blocks are in the cluster). Raises the store's
+        error if the fetch failed; NOT_STORED when there is no cluster tier or the upload failed.
+        """
+        start, end = block_range(index, ref.size, self.block_size)
+        length = end - start
+        cluster = self.cluster
+        if cluster is None:
+            self.stats.warm_not_stored += 1
+            return WarmOutcome.NOT_STORED, length
+        key = BlockKey(ref.key, ref.etag, index)
+        if await cluster.contains(key):
+            self.stats.warm_skipped_blocks += 1
+            self.stats.warm_skipped_bytes += length
+            return WarmOutcome.SKIPPED, length
+        async with self._slots:
+            data = await self._fetch(ref, key, asyncio.get_running_loop().time())
+            self.stats.warm_blocks += 1
+            self.stats.warm_bytes += len(data)
+            stored = await cluster.put(key, data)
+        if not stored:
+            self.stats.warm_not_stored += 1
+            return WarmOutcome.NOT_STORED, length
+        return WarmOutcome.FETCHED, length
+
+    async def cluster_cached_blocks(self, ref: ObjectRef) -> int:
+        """How many blocks of ``ref`` the cluster tier holds (one HEAD each, a few at a time)."""
+        cluster = self.cluster
+        if cluster is None:
+            return 0
+        limit = asyncio.Semaphore(self.settings.max_concurrent_fetches)
+
+        async def one(key: BlockKey) -> bool:
+            async with limit:
+                return await cluster.contains(key)
+
+        return sum(await asyncio.gather(*(one(k) for k in block_keys(ref, self.block_size))))
+
     def cached_blocks(self, ref: ObjectRef) -> int:
         """How many blocks of ``ref`` are on the disk tier (index lookups only, no I/O)."""
         if self.disk is None:
@@ -328,9 +388,12 @@ class BlockCache:
                     self.stats.warm_from_ram_blocks += 1
             else:
                 async with self._slots:
-                    data = await self._fetch(ref, key, started_at)
-                    self.stats.warm_blocks += 1
-                    self.stats.warm_bytes += len(data)
+                    data = await self._from_cluster(ref, key, warm=True)
+                    if data is None:
+                        data = await self._fetch(ref, key, started_at)
+                        self._offer_cluster(key, data)
+                        self.stats.warm_blocks += 1
+                        self.stats.warm_bytes += len(data)
                     fut.set_result(data)
                     stored = await self._disk_call("put", self.disk.put, key, data)
                 outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED
@@ -552,10 +615,15 @@ class BlockCache:
                     self.ram.put(key, data)
                     fut.set_result(data)
                     return
-            if self.health is not None:
+            if self.health is not None and self.cluster is None:
                 self.health.check_reachable(f"reading {ref.key!r}")  # not even a wait for a fetch slot
             async with self._slots:
-                data = await self._fetch(ref, key, started_at)
+                data = await self._from_cluster(ref, key)
+                if data is None:
+                    if self.health is not None:
+                        self.health.check_reachable(f"reading {ref.key!r}")
+                    data = await self._fetch(ref, key, started_at)
+                    self._offer_cluster(key, data)
                 self.stats.ram_miss_bytes += len(data)
                 if self.disk is not None:
                     self.stats.disk_miss_bytes += len(data)
@@ -580,6 +648,27 @@ class BlockCache:
         finally:
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
+
+    async def _from_cluster(self, ref: ObjectRef, key: BlockKey, *, warm: bool = False) -> bytes | None:
+        """The block from the cluster tier, or None (no tier, a miss, or a failure: never raises).
+
+        A warm's hit is counted in ``warm_from_cluster_blocks``, not as a block served to a read."""
+        if self.cluster is None:
+            return None
+        start, end = block_range(key.index, ref.size, self.block_size)
+        data = await self.cluster.get(key, end - start)
+        if data is not None:
+            if warm:
+                self.stats.warm_from_cluster_blocks += 1
+            else:
+                self.stats.cluster_served += 1
+                self.stats.cluster_served_bytes += len(data)
+        return data
+
+    def _offer_cluster(self, key: BlockKey, data: bytes) -> None:
+        """Hand a block fetched from the source to the write-behind queue (never waits)."""
+        if self.write_behind is not None:
+            self.write_behind.offer(key, data)
 
     def _disk_absent(self, key: BlockKey) -> bool:
         """Whether the disk tier surely lacks the block; on any doubt (it raised) ask ``get``, which is guarded."""
@@ -631,11 +720,13 @@ class BlockCache:
             done, pending = await asyncio.wait(tasks, timeout=self.settings.fetch_timeout_s)
             for task in pending:
                 task.cancel()
+        if self.write_behind is not None:
+            await self.write_behind.close(self.settings.fetch_timeout_s)
 
     # ------------------------------------------------------------------ stats
     def hit_ratio(self) -> float:
         """Share of the blocks reads asked for that a tier served; warming fetches are not reads."""
-        served = self.stats.ram_served + self.stats.disk_served
+        served = self.stats.ram_served + self.stats.disk_served + self.stats.cluster_served
         total = served + self.stats.store_fetches - self.stats.warm_blocks
         return served / total if total else 0.0
 

@@ -165,9 +165,69 @@ def encode_token(key: BlockKey) -> bytes:
 
 def encode_header(key: BlockKey, data: bytes) -> bytes:
     """The header of the block file holding ``data`` for ``key`` (see the module docstring)."""
-    token = encode_token(key)
+    return frame_header(encode_token(key), data)
+
+
+# -- the block framing, shared with the cluster tier (tiering.cluster): header, then data ----------
+
+def frame_header(token: bytes, data: bytes | memoryview) -> bytes:
+    """The header framing ``data`` under the identity ``token`` (format in the module docstring)."""
     fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(token), len(data), crc32(data))
     return fixed + token + _HEADER_CRC.pack(crc32(token, crc32(fixed)))
+
+
+def header_size(token: bytes) -> int:
+    """Bytes of the header for ``token``."""
+    return _FIXED.size + len(token) + _HEADER_CRC.size
+
+
+def check_fixed_header(fixed: bytes, token: bytes) -> tuple[int, int]:
+    """Check the fixed part of a header against the expected ``token``: ``(data length, data CRC)``.
+
+    Raises ``CorruptBlockError`` (truncated, bad magic, another format version, another token length).
+    """
+    if len(fixed) != _FIXED.size:
+        raise CorruptBlockError("truncated header")
+    magic, version, token_len, data_len, data_crc = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
+    if token_len != len(token):
+        raise CorruptBlockError("key token length differs from the requested key's")
+    return data_len, data_crc
+
+
+def check_header_token(fixed: bytes, rest: bytes, token: bytes) -> None:
+    """Check the token and header CRC after the fixed part (``rest``: token plus CRC)."""
+    if len(rest) != len(token) + _HEADER_CRC.size:
+        raise CorruptBlockError("truncated header")
+    stored_token = rest[: len(token)]
+    (header_crc,) = _HEADER_CRC.unpack_from(rest, len(token))
+    if crc32(stored_token, crc32(fixed)) != header_crc:
+        raise CorruptBlockError("header checksum mismatch")
+    if stored_token != token:
+        raise CorruptBlockError("block belongs to another key")
+
+
+def check_data(data: bytes, data_len: int, data_crc: int) -> None:
+    if len(data) != data_len:
+        raise CorruptBlockError("truncated data")
+    if crc32(data) != data_crc:
+        raise CorruptBlockError("data checksum mismatch")
+
+
+def decode_block(blob: bytes, token: bytes) -> bytes:
+    """The data of a framed block held whole in memory (an object of the cluster tier), checked as a
+    block file is; ``CorruptBlockError`` on any failed check."""
+    data_len, data_crc = check_fixed_header(blob[: _FIXED.size], token)
+    head = header_size(token)
+    check_header_token(blob[: _FIXED.size], blob[_FIXED.size : head], token)
+    if len(blob) != head + data_len:
+        raise CorruptBlockError(f"block is {len(blob)} bytes, header says {head + data_len}")
+    data = blob[head:]
+    check_data(data, data_len, data_crc)
+    return data
 
 
 def block_file_size(key: BlockKey, data_len: int) -> int:
@@ -672,34 +732,17 @@ class DiskTier:
         """Read and verify one block file; raise ``CorruptBlockError`` or ``OSError``."""
         with open(path, "rb") as f:
             fixed = f.read(_FIXED.size)
-            if len(fixed) != _FIXED.size:
-                raise CorruptBlockError("truncated header")
-            magic, version, token_len, data_len, data_crc = _FIXED.unpack(fixed)
-            if magic != MAGIC:
-                raise CorruptBlockError(f"bad magic {magic!r}")
-            if version != FORMAT_VERSION:
-                raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
-            if token_len != len(token):
-                raise CorruptBlockError("key token length differs from the requested key's")
-            rest = f.read(token_len + _HEADER_CRC.size)
-            if len(rest) != token_len + _HEADER_CRC.size:
-                raise CorruptBlockError("truncated header")
-            stored_token = rest[:token_len]
-            (header_crc,) = _HEADER_CRC.unpack_from(rest, token_len)
-            if crc32(stored_token, crc32(fixed)) != header_crc:
-                raise CorruptBlockError("header checksum mismatch")
-            if stored_token != token:
-                raise CorruptBlockError("block belongs to another key")
-            header_len = _FIXED.size + token_len + _HEADER_CRC.size
-            if header_len + data_len != indexed_size:
-                raise CorruptBlockError(f"file is {indexed_size} bytes, header says {header_len + data_len}")
+            data_len, data_crc = check_fixed_header(fixed, token)
+            check_header_token(fixed, f.read(len(token) + _HEADER_CRC.size), token)
+            head = header_size(token)
+            if head + data_len != indexed_size:
+                raise CorruptBlockError(f"file is {indexed_size} bytes, header says {head + data_len}")
             data = f.read(data_len)
             if len(data) != data_len:
                 raise CorruptBlockError("truncated data")
             if f.read(1):
                 raise CorruptBlockError("trailing bytes after the data")
-        if crc32(data) != data_crc:
-            raise CorruptBlockError("data checksum mismatch")
+        check_data(data, data_len, data_crc)
         return data
 
     # -- start-up -------------------------------------------------------------------------------

@@ -8,6 +8,10 @@
 ``ObjectStore``    the source of truth (S3, a local directory, an in-memory dict). Asynchronous, on
                    the same event loop as FUSE. Reads, and the writes of write-back: ``put`` (atomic
                    create or replace), ``delete``, ``copy`` (server side, for rename).
+``ClusterBlockTier`` a tier of blocks shared by every node (objects in an in-cluster S3 store),
+                   below the disk tier and above the source. Asynchronous (``get``/``put``); no pins,
+                   no capacity, no recency: what it holds is bounded by ``cachefs cluster gc`` or a
+                   lifecycle rule, and a failure is always a miss (``tiering.cluster``).
 ``SpaceBudget``    bytes of local disk that staged (dirty) data may take; the disk tier implements
                    it, so staged bytes and cached blocks share one capacity and only clean blocks
                    are evicted.
@@ -20,7 +24,7 @@ feature that silently turns itself off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 from tiering.blocks import BlockKey
 from tiering.health import TierHealth
@@ -146,6 +150,45 @@ class DiskBlockTier(BlockTier, SpaceBudget, Protocol):
 
     def evict_unpinned(self) -> tuple[int, int]:
         """Drop every block eviction may take (all but pinned ones): ``(blocks, bytes)``."""
+
+
+@dataclass
+class ClusterTierStats:
+    """Counters of the cluster tier. Only ever incremented; read by ``/stats`` and ``/metrics``."""
+
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0  # bytes of the blocks it returned
+    errors: int = 0  # requests that failed or timed out (each one a miss, or a write not made)
+    corrupt_blocks: int = 0  # objects that failed a check (truncated, checksum, foreign): misses
+    skipped: int = 0  # lookups not even tried: the store's circuit was open
+    puts: int = 0  # blocks written
+    put_bytes: int = 0
+
+
+@runtime_checkable
+class ClusterBlockTier(Protocol):
+    """Blocks shared by every node of a cluster. Never raises to a caller: a failure is a miss.
+
+    Why not a ``BlockTier``: the store is shared and remote, so this tier has no capacity it
+    enforces per node, no recency to refresh, no pins and nothing to evict locally; it is reached
+    over the network, so its calls are coroutines, each bounded by the tier's own timeout.
+    """
+
+    name: str
+    stats: ClusterTierStats
+
+    async def get(self, key: BlockKey, length: int) -> bytes | None:
+        """The block's ``length`` bytes, or None (a miss: absent, corrupt, foreign, failing store)."""
+
+    async def put(self, key: BlockKey, data: bytes) -> bool:
+        """Store the block (replacing whatever was there); False if the store failed."""
+
+    async def contains(self, key: BlockKey) -> bool:
+        """Whether the store holds an object for the block (no content check); False on failure."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``/stats`` shows beside the counters: ``state`` (healthy or down) and details."""
 
 
 @dataclass(frozen=True, slots=True)

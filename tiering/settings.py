@@ -34,6 +34,19 @@ DEFAULT_FETCH_TIMEOUT_S = 30.0
 # buffer for everything else. ``--max-pinned`` changes it (up to the low watermark, see below).
 DEFAULT_MAX_PINNED_FRACTION = 0.5
 
+# The shared cluster tier (tiering.cluster), defined here so the CLI reads them without the tier.
+# A cluster GET of one 8 MiB block inside the cluster takes tens of milliseconds; 5 s tolerates a
+# loaded store and still leaves the source's 30 s fetch timeout most of its time.
+DEFAULT_CLUSTER_TIMEOUT_S = 5.0
+# Write-behind: blocks wait in memory until uploaded. 256 MiB (32 default blocks) absorbs a burst
+# of cold reads at source speed while the in-cluster PUTs, faster than the source, catch up; the
+# block count bounds the queue of small blocks.
+DEFAULT_WRITE_BEHIND_BYTES = 256 * MiB
+DEFAULT_WRITE_BEHIND_BLOCKS = 256
+# Parallel uploads: an in-cluster PUT takes milliseconds; 4 in flight keep up with a source read at
+# several hundred MB/s without competing with the readers' own GETs for connections.
+DEFAULT_WRITE_BEHIND_WORKERS = 4
+
 
 @dataclass(frozen=True)
 class CacheSettings:

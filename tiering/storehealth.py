@@ -92,6 +92,7 @@ class StoreHealth:
         probe: Callable[[], Awaitable[Any]] | None = None,
         probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
         probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+        name: str = "object store",
     ) -> None:
         if probe_interval_s <= 0 or probe_timeout_s <= 0:
             raise ValueError("the store probe interval and timeout must be positive")
@@ -100,7 +101,7 @@ class StoreHealth:
         self.probe_timeout_s = probe_timeout_s
         self._probe = probe
         self._tier = TierHealth(clock, unstable_after=1, down_after=1, cooldown_s=probe_interval_s,
-                                name="object store")
+                                name=name)
         self._probe_task: asyncio.Task[None] | None = None
         self._down_since: float | None = None
         self._listeners: list[Callable[[], None]] = []

@@ -39,12 +39,14 @@ from cachefs.settings import (
     DEFAULT_METADATA_TIMEOUT_S,
     DEFAULT_DIR_TTL_S,
     DEFAULT_RENAME_DIR_LIMIT,
+    ClusterSettings,
     FsSettings,
     MountSettings,
 )
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 from tiering.settings import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_CLUSTER_TIMEOUT_S,
     DEFAULT_DISK_BYTES,
     DEFAULT_FETCH_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_FETCHES,
@@ -146,6 +148,16 @@ def register(sub: Any) -> None:
     m.add_argument("--rename-dir-limit", type=int, default=DEFAULT_RENAME_DIR_LIMIT, metavar="N",
                    help=f"largest directory (entries below it) rename may move; beyond it rename fails with "
                         f"E2BIG (default {DEFAULT_RENAME_DIR_LIMIT})")
+    m.add_argument("--cluster-cache", default=None, metavar="s3://BUCKET[/PREFIX]",
+                   help="a shared cluster tier between the disk cache and the source: an S3 store inside the "
+                        "cluster that every node reads blocks from and writes fetched blocks to")
+    m.add_argument("--cluster-endpoint-url", default=None, metavar="URL",
+                   help="endpoint of the cluster store (default: AWS)")
+    m.add_argument("--cluster-profile", default=None, metavar="NAME",
+                   help="AWS profile whose credentials the cluster store uses (default: the standard chain)")
+    m.add_argument("--cluster-timeout", type=seconds, default=DEFAULT_CLUSTER_TIMEOUT_S, metavar="S",
+                   help=f"a cluster-tier request not answered within this is a miss, and the block comes from the "
+                        f"source (default {DEFAULT_CLUSTER_TIMEOUT_S:g}; must be below --fetch-timeout)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for containers)")
     m.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
@@ -190,6 +202,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
                         rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through)
+        cluster = _cluster_settings(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not args.read_only and args.disk_cache == 0:
@@ -202,6 +215,23 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
     if args.connect_timeout <= 0 or args.read_timeout <= 0:
         raise UsageError("timeouts must be positive")
     endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
+    try:
+        return _mount_settings(args, environ, endpoint, cache, fs, writeback, cluster)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
+    if args.cluster_cache is None:
+        if args.cluster_endpoint_url is not None or args.cluster_profile is not None:
+            raise ValueError("--cluster-endpoint-url and --cluster-profile need --cluster-cache s3://BUCKET[/PREFIX]")
+        return None
+    return ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url,
+                           profile=args.cluster_profile, timeout_s=args.cluster_timeout)
+
+
+def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint: str | None, cache: CacheSettings,
+                    fs: FsSettings, writeback: WriteBackSettings, cluster: ClusterSettings | None) -> MountSettings:
     return MountSettings(
         source=args.source,
         mountpoint=Path(os.path.abspath(args.mountpoint)),
@@ -215,6 +245,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         stats_addr=args.stats_addr,
         allow_other=args.allow_other,
         log_level=args.log_level,
+        cluster=cluster,
     )
 
 

@@ -14,6 +14,9 @@ draws a progress bar (bytes, files, fetch rate, ETA) on stderr, otherwise it pri
 line at the end. Ctrl-C, SIGTERM and SIGHUP cancel the job in the daemon before exiting; a CLI
 killed outright stops polling, and the daemon cancels the job when its lease runs out.
 
+``--tier cluster`` warms the shared cluster tier instead of the disk tier (and ``--check --tier
+cluster`` reports its coverage); the mount needs ``--cluster-cache``.
+
 Exit status: 0 when everything asked for is cached on the disk tier (``--check``: is already
 cached); 1 when some of it is not (failed, changed since the manifest, evicted, not cached), with
 the files listed on stderr; 2 for a bad request (a missing path, a path outside the mount, an
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cachefs.client import CONTROL_TIMEOUT_S, ControlError, UsageError, control_socket, request_json
-from cachefs.manifest import ManifestError, format_manifest, read_manifest
+from cachefs.manifest import PREFETCH_TIERS, ManifestError, format_manifest, read_manifest
 from cachefs.paths import PathError, mount_relative
 from tiering.units import format_size
 
@@ -104,6 +107,9 @@ def register(sub: Any) -> None:
                    help="ranged GETs in flight for this prefetch (default: the mount's --max-fetches)")
     p.add_argument("--check", action="store_true", help="only report how much is cached; fetch nothing")
     p.add_argument("--pin", action="store_true", help="keep the files on the disk tier until 'cachefs unpin'")
+    p.add_argument("--tier", choices=PREFETCH_TIERS, default="disk",
+                   help="warm this node's disk tier (default), or the shared cluster tier only (no RAM or disk "
+                        "use here; the mount needs --cluster-cache)")
     p.add_argument("--json", action="store_true", help="print the final job document as JSON")
     p.set_defaults(handler=cmd_prefetch)
     _intermixed(p)
@@ -184,6 +190,8 @@ def prefetch_body(args: argparse.Namespace, mountpoint: str, cwd: str) -> dict[s
     """
     if args.check and args.pin:
         raise UsageError("--check and --pin do not go together: --check changes nothing")
+    if args.tier == "cluster" and args.pin:
+        raise UsageError("--pin applies to the disk tier only: the cluster tier has no pins")
     paths = _relative(args.paths, mountpoint, cwd)
     recursive = args.recursive
     manifest: list[dict[str, Any]] = []
@@ -210,7 +218,8 @@ def prefetch_body(args: argparse.Namespace, mountpoint: str, cwd: str) -> dict[s
     elif not paths:
         paths, recursive = [""], True  # the whole mount, as --help says
     return {"paths": paths, "manifest": manifest, "manifest_name": name, "recursive": recursive,
-            "parallel": args.parallel, "check": args.check, "pin": args.pin, "lease_s": JOB_LEASE_S}
+            "parallel": args.parallel, "check": args.check, "pin": args.pin, "lease_s": JOB_LEASE_S,
+            "tier": args.tier}
 
 
 def cmd_prefetch(args: argparse.Namespace, environ: dict[str, str]) -> int:
@@ -309,13 +318,14 @@ def report(doc: dict[str, Any], *, as_json: bool = False) -> int:
         return EXIT_INCOMPLETE
     total, cached = doc["bytes_total"], doc["bytes_cached"]
     percent = 100.0 * cached / total if total else 100.0
+    where = " in the cluster tier" if doc.get("tier") == "cluster" else ""
     if doc["check"]:
-        summary = (f"{percent:.1f}% cached: {format_size(cached)} of {format_size(total)}, "
+        summary = (f"{percent:.1f}% cached{where}: {format_size(cached)} of {format_size(total)}, "
                    f"{doc['files_cached']} of {doc['files_total']} files complete")
     else:
         rate = doc["rate_bytes_per_s"]
         summary = (f"prefetched {doc['files_cached']} of {doc['files_total']} files, {format_size(cached)} of "
-                   f"{format_size(total)} cached: {format_size(doc['bytes_fetched'])} fetched, "
+                   f"{format_size(total)} cached{where}: {format_size(doc['bytes_fetched'])} fetched, "
                    f"{format_size(doc['bytes_skipped'])} already cached, in {doc['elapsed_s']:.1f} s"
                    + (f" ({format_size(int(rate))}/s)" if rate > 0 else "")
                    + (", pinned" if doc["pin"] else ""))

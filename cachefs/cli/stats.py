@@ -43,7 +43,7 @@ def _counters(stats: dict[str, Any]) -> dict[str, float]:
     blocks = stats.get("blocks", {})
     return {
         "read_bytes": stats.get("filesystem", {}).get("read_bytes", 0),
-        "hits": blocks.get("ram_served", 0) + blocks.get("disk_served", 0),
+        "hits": blocks.get("ram_served", 0) + blocks.get("disk_served", 0) + blocks.get("cluster_served", 0),
         "misses": blocks.get("fetched", 0),
         "fetched_bytes": stats.get("object_store", {}).get("bytes_read", 0),
     }
@@ -84,6 +84,10 @@ def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> An
         table.add_row(label, format_size(tier["used_bytes"]), format_size(tier["capacity_bytes"]),
                       str(tier["entries"]), str(tier["hits"]), str(tier["misses"]), str(tier["evictions"]),
                       str(tier["errors"]))
+    cluster = stats.get("cluster")
+    if cluster is not None:  # shared, remote: no local size to show
+        label = "cluster" + (f" ({cluster['state']})" if cluster.get("state", "healthy") != "healthy" else "")
+        table.add_row(label, "-", "-", "-", str(cluster["hits"]), str(cluster["misses"]), "-", str(cluster["errors"]))
     store = stats["object_store"]
     table.caption = (f"object store: {store['requests']} requests, {format_size(store['bytes_read'])} read, "
                      f"{store['errors']} errors  |  hit ratio {stats['hit_ratio']:.1%}")
@@ -95,6 +99,11 @@ def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> An
         table.caption += (f"\nwrite-back: {wb['dirty_files']} dirty files ({format_size(wb['dirty_bytes'])}), "
                           f"{wb['uploads_in_flight']} uploading, {format_size(wb['bytes_uploaded'])} uploaded, "
                           f"{wb['failed_attempts']} failed attempts, store {wb['store_state']}")
+    if cluster is not None:
+        wb = cluster.get("write_behind", {})
+        table.caption += (f"\ncluster tier {cluster.get('url', '')}: {cluster['corrupt_blocks']} corrupt blocks, "
+                          f"{cluster['inserts']} written; write-behind {wb.get('depth', 0)} queued "
+                          f"({format_size(wb.get('queued_bytes', 0))}), {wb.get('dropped', 0)} dropped")
     if r is not None:
         table.caption += f"\nnow: {rate_line(r)}"
     return table

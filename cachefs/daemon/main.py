@@ -39,10 +39,12 @@ from cachefs.fuse.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
+from tiering.cluster import ClusterTier, WriteBehind
 from tiering.disk import DiskTier, filesystem_free_bytes
 from tiering.blockcache import BlockCache
 from tiering.errors import CacheError
-from tiering.objectstore import CHECK_TIMEOUT_S, open_object_store
+from tiering.objectstore import CHECK_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, open_object_store
+from tiering.protocols import ObjectStore
 from tiering.pins import PIN_FILENAME, pinned_block_keys
 from tiering.ram import RamTier
 from tiering.storehealth import StoreHealth
@@ -85,6 +87,33 @@ def _store_name(settings: MountSettings) -> str:
     return "the default AWS S3 endpoint" if settings.source.startswith("s3://") else settings.source
 
 
+async def open_cluster_tier(settings: MountSettings, environ: dict[str, str]) -> ClusterTier | None:
+    """The shared cluster tier of ``--cluster-cache``, its store checked like the source's: an
+    unreachable endpoint, a missing bucket or refused credentials stop the mount with one line."""
+    cluster = settings.cluster
+    if cluster is None:
+        return None
+    try:
+        store: ObjectStore = open_object_store(
+            cluster.url,
+            endpoint_url=cluster.endpoint_url,
+            connect_timeout_s=min(DEFAULT_CONNECT_TIMEOUT_S, cluster.timeout_s),
+            read_timeout_s=cluster.timeout_s,
+            environ=cluster.environ(environ),
+        )
+    except ValueError as exc:
+        raise SetupError(f"cluster cache {cluster.url}: {exc}") from exc
+    try:
+        await asyncio.wait_for(store.check(), CHECK_TIMEOUT_S)
+    except (CacheError, TimeoutError) as exc:
+        await store.close()
+        reason = str(exc) if isinstance(exc, CacheError) else f"did not answer within {CHECK_TIMEOUT_S:g} s"
+        where = cluster.endpoint_url or "the default AWS S3 endpoint"
+        raise SetupError(f"cluster cache {cluster.url} at {where} is not usable: {reason}") from exc
+    return ClusterTier(store, source_id=settings.source_identity(), block_size=settings.cache.block_size,
+                       timeout_s=cluster.timeout_s, clock=SystemClock(), where=cluster.url)
+
+
 async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],
                      warn: WarnCallback | None = None) -> None:
     """Mount and serve until unmounted. Raises ``SetupError`` for anything that prevents mounting.
@@ -101,7 +130,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
     except ValueError as exc:
         raise SetupError(str(exc)) from exc
     lock = None
+    cluster = None
     try:
+        cluster = await open_cluster_tier(settings, environ)
         try:
             has_objects = await asyncio.wait_for(store.check(), CHECK_TIMEOUT_S)
         except CacheError as exc:
@@ -136,7 +167,11 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         ram = RamTier(cs.ram_bytes)
         # One store-health circuit for reads, metadata and write-back (tiering.storehealth).
         health = StoreHealth(SystemClock(), probe=store.check)
-        cache = BlockCache(cs, store, ram, disk, health=health)
+        write_behind = None
+        if cluster is not None and settings.cluster is not None:
+            write_behind = WriteBehind(cluster, max_blocks=settings.cluster.write_behind_blocks,
+                                       max_bytes=settings.cluster.write_behind_bytes)
+        cache = BlockCache(cs, store, ram, disk, health=health, cluster=cluster, write_behind=write_behind)
         socket_path = socket_path_for(settings.mountpoint)
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path))
         control = ControlServer(
@@ -193,6 +228,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             await cache.close()
             await health.close()
     finally:
+        if cluster is not None:
+            await cluster.close()
         await store.close()
         if lock is not None:
             lock.close()

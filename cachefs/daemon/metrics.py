@@ -9,7 +9,8 @@ recorded by the engine without knowing Prometheus) and are exported as Prometheu
 
 Conventions (https://prometheus.io/docs/practices/naming/): every name starts with ``cachefs_``;
 counters end in ``_total``; sizes are in bytes and end in ``_bytes``; durations are in seconds.
-Per-tier series carry a ``tier`` label (``ram``, ``disk``; ``object_store`` where a block was served
+Per-tier series carry a ``tier`` label (``ram``, ``disk``, ``cluster`` for the shared cluster tier;
+``object_store`` where a block was served
 by a fetch), object-store requests an ``operation`` label (``get``, ``list``, ``head``, and whatever
 other ``<op>_requests`` counter the store reports, so new operations appear without a change here).
 The registry is private to the mount (not the process-global default one) and also carries the
@@ -51,6 +52,13 @@ TIER_CAPACITY_BYTES = "cachefs_tier_capacity_bytes"
 TIER_ENTRIES = "cachefs_tier_entries"
 TIER_STATE = "cachefs_tier_state"  # labels tier, state; 1 for the current state (disk tier health)
 TIER_STATES = ("healthy", "unstable", "down")
+# The shared cluster tier (tier="cluster"): the counters above where they mean the same (hits,
+# misses, hit bytes, inserts, errors, corrupt blocks, state), and its write-behind queue.
+TIER_WRITE_BEHIND_DEPTH = "cachefs_tier_write_behind_depth"  # blocks waiting or being uploaded
+TIER_WRITE_BEHIND_BYTES = "cachefs_tier_write_behind_bytes"  # their bytes (held in memory)
+TIER_WRITE_BEHIND_WRITTEN_TOTAL = "cachefs_tier_write_behind_written_total"
+TIER_WRITE_BEHIND_DROPPED_TOTAL = "cachefs_tier_write_behind_dropped_total"  # refused: queue full
+TIER_INSERTED_BYTES_TOTAL = "cachefs_tier_inserted_bytes_total"
 # Object store (label "operation" on requests and latency).
 STORE_REQUESTS_TOTAL = "cachefs_object_store_requests_total"
 STORE_READ_BYTES_TOTAL = "cachefs_object_store_read_bytes_total"
@@ -120,7 +128,7 @@ class CacheFSCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         doc = self._snapshot()
-        yield from self._tiers(doc.get("tiers", {}))
+        yield from self._tiers(doc.get("tiers", {}), doc.get("cluster"))
         yield from self._store(doc.get("object_store", {}))
         yield from self._store_health(doc.get("store_health"), doc.get("filesystem", {}))
         yield from self._blocks(doc)
@@ -129,7 +137,8 @@ class CacheFSCollector(Collector):
         yield from self._writeback(doc.get("writeback"))
 
     @staticmethod
-    def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    def _tiers(local: dict[str, dict[str, Any]], cluster: dict[str, Any] | None) -> Iterator[Metric]:
+        tiers = {**local, **({"cluster": cluster} if isinstance(cluster, dict) else {})}
         counters = [
             (TIER_HITS_TOTAL, "hits", "Block lookups answered by the tier."),
             (TIER_MISSES_TOTAL, "misses", "Block lookups the tier could not answer."),
@@ -153,9 +162,26 @@ class CacheFSCollector(Collector):
         ]
         for name, field, doc in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=["tier"])
-            for tier, values in tiers.items():
+            for tier, values in local.items():
                 gauge.add_metric([tier], values.get(field, 0))
             yield gauge
+        wb = cluster.get("write_behind") if isinstance(cluster, dict) else None
+        if isinstance(cluster, dict):
+            inserted = CounterMetricFamily(TIER_INSERTED_BYTES_TOTAL, "Bytes stored in the tier (cluster tier).",
+                                           labels=["tier"])
+            inserted.add_metric(["cluster"], cluster.get("inserted_bytes", 0))
+            yield inserted
+        if isinstance(wb, dict):
+            for name, field, doc, kind in (
+                (TIER_WRITE_BEHIND_DEPTH, "depth", "Blocks waiting for upload to the tier, or uploading.", GaugeMetricFamily),
+                (TIER_WRITE_BEHIND_BYTES, "queued_bytes", "Bytes of those blocks, held in memory.", GaugeMetricFamily),
+                (TIER_WRITE_BEHIND_WRITTEN_TOTAL, "written", "Blocks the write-behind uploaded.", CounterMetricFamily),
+                (TIER_WRITE_BEHIND_DROPPED_TOTAL, "dropped", "Blocks not queued because the queue was full.",
+                 CounterMetricFamily),
+            ):
+                wb_family: GaugeMetricFamily | CounterMetricFamily = kind(name, doc, labels=["tier"])
+                wb_family.add_metric(["cluster"], wb.get(field, 0))
+                yield wb_family
         state = GaugeMetricFamily(TIER_STATE, "Health of the tier: 1 for its current state.", labels=["tier", "state"])
         for tier, values in tiers.items():
             if "state" in values:
@@ -210,6 +236,7 @@ class CacheFSCollector(Collector):
                                      labels=["tier"])
         served.add_metric(["ram"], blocks.get("ram_served", 0))
         served.add_metric(["disk"], blocks.get("disk_served", 0))
+        served.add_metric(["cluster"], blocks.get("cluster_served", 0))
         served.add_metric(["object_store"], blocks.get("fetched", 0))
         yield served
         yield CounterMetricFamily(FETCH_ERRORS_TOTAL, "Block fetches that failed.", value=blocks.get("fetch_errors", 0))

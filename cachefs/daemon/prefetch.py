@@ -32,6 +32,16 @@ refreshed in the tier's LRU order, and new ones land as most recent, so the job'
 older data, never the dataset. At the end every file is checked again (index lookups): a file whose
 blocks were evicted meanwhile by concurrent reads is reported, not counted as cached.
 
+The cluster tier
+----------------
+``tier: "cluster"`` (``cachefs prefetch --tier cluster``) warms the shared cluster tier instead
+(``BlockCache.warm_cluster_block``): one HEAD per block finds those already there, the others are
+fetched from the source and uploaded at once, with no RAM or disk use on this node, so one node warms
+a dataset for the whole cluster. There is no fitting (the cluster store has no capacity the daemon
+knows) and no pinning (``cachefs cluster gc`` or a lifecycle rule bounds the tier). ``--check`` with
+it counts the blocks the cluster store holds (one HEAD each). A file is cached when every block was
+found or uploaded.
+
 Pins
 ----
 ``--pin`` pins the files' current versions before fetching (``BlockCache.pin``: the pin limit is
@@ -66,7 +76,7 @@ from aiohttp import web
 from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.control import ControlRequestError, ControlServer
 from cachefs.daemon.resolver import Resolver
-from cachefs.manifest import ManifestEntry
+from cachefs.manifest import PREFETCH_TIERS, ManifestEntry
 from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
 from tiering.clock import Clock, SystemClock
@@ -146,6 +156,7 @@ class PrefetchRequest:
     check: bool = False
     pin: bool = False
     lease_s: float | None = None
+    tier: str = "disk"  # "disk" (this node's disk tier) or "cluster" (the shared cluster tier)
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "PrefetchRequest":
@@ -190,8 +201,14 @@ class PrefetchRequest:
             raise _bad("nothing to prefetch: no paths and no manifest entries")
         if params.get("check") and params.get("pin"):
             raise _bad("--check and --pin do not go together: --check changes nothing")
+        tier = params.get("tier", "disk")
+        if tier not in PREFETCH_TIERS:
+            raise _bad(f"'tier' must be one of {', '.join(PREFETCH_TIERS)}")
+        if tier == "cluster" and params.get("pin"):
+            raise _bad("--pin applies to the disk tier only: the cluster tier has no pins")
         return cls(tuple(paths), tuple(manifest), name, bool(params.get("recursive")), parallel,
-                   bool(params.get("check")), bool(params.get("pin")), None if lease is None else float(lease))
+                   bool(params.get("check")), bool(params.get("pin")), None if lease is None else float(lease),
+                   str(tier))
 
 
 @dataclass
@@ -242,6 +259,7 @@ class PrefetchJob:
             "ok": ok,
             "check": self.request.check,
             "pin": self.request.pin,
+            "tier": self.request.tier,
             "recursive": self.request.recursive,
             "parallel": self.request.parallel,
             "files_total": self.files_total,
@@ -332,7 +350,11 @@ class PrefetchManager:
             watchdog = asyncio.get_running_loop().create_task(self._watch_lease(job))
         try:
             files = await self._resolve(job)
-            if job.request.check:
+            if job.request.tier == "cluster" and self.cache.cluster is None:
+                raise _Rejected("this mount has no cluster tier (mount it with --cluster-cache)")
+            if job.request.check and job.request.tier == "cluster":
+                await self._check_cluster(job, files)
+            elif job.request.check:
                 self._check(job, files)
             else:
                 await self._prepare(job, files)
@@ -446,8 +468,36 @@ class PrefetchManager:
                 job.not_cached.append(f.ref.key)
         job.bytes_done = job.bytes_cached
 
+    async def _check_cluster(self, job: PrefetchJob, files: list[_File]) -> None:
+        """--check --tier cluster: how much of each file the cluster tier holds; nothing is fetched."""
+        for f in files:
+            f.cached_bytes = await self._cluster_cached_bytes(f.ref)
+            job.bytes_cached += f.cached_bytes
+            job.files_done += 1
+            if f.cached_bytes == f.ref.size:
+                job.files_cached += 1
+            else:
+                job.not_cached.append(f.ref.key)
+        job.bytes_done = job.bytes_cached
+
+    async def _cluster_cached_bytes(self, ref: ObjectRef) -> int:
+        """Bytes of ``ref`` the cluster tier holds (one HEAD per block, at most the fetch slots at once)."""
+        cluster = self.cache.cluster
+        assert cluster is not None
+        limit = asyncio.Semaphore(self.cache.settings.max_concurrent_fetches)
+
+        async def one(index: int) -> int:
+            async with limit:
+                present = await cluster.contains(BlockKey(ref.key, ref.etag, index))
+            start, end = block_range(index, ref.size, self.cache.block_size)
+            return end - start if present else 0
+
+        return sum(await asyncio.gather(*(one(i) for i in range(block_count(ref.size, self.cache.block_size)))))
+
     async def _prepare(self, job: PrefetchJob, files: list[_File]) -> None:
         """Refuse what cannot work before fetching anything: no disk tier, no room, pin limit."""
+        if job.request.tier == "cluster":
+            return  # the shared store has no capacity known here, and no pins
         disk = self.cache.disk
         if disk is None:
             raise _Rejected("this mount has no disk tier (--disk-cache 0): there is nowhere to prefetch to")
@@ -503,8 +553,12 @@ class PrefetchManager:
             raise CacheError(abort[0])
 
     async def _warm_one(self, job: PrefetchJob, f: _File, index: int, abort: list[str]) -> None:
+        cluster = job.request.tier == "cluster"
         try:
-            outcome, length = await self.cache.warm_block(f.ref, index)
+            if cluster:
+                outcome, length = await self.cache.warm_cluster_block(f.ref, index)
+            else:
+                outcome, length = await self.cache.warm_block(f.ref, index)
         except ObjectChangedError:
             self._fail(job, f, "changed on the store while it was being prefetched")
             return
@@ -513,6 +567,9 @@ class PrefetchManager:
             return
         except ObjectStoreError as exc:
             self._fail(job, f, str(exc))
+            return
+        if outcome is WarmOutcome.NOT_STORED and cluster:
+            self._fail(job, f, "the cluster tier did not store a block (its store is failing; see the daemon log)")
             return
         if outcome is WarmOutcome.NOT_STORED:
             disk = self.cache.disk
@@ -536,6 +593,15 @@ class PrefetchManager:
     def _verify(self, job: PrefetchJob, files: list[_File]) -> None:
         """Count what is on disk now: concurrent reads may have evicted blocks since they landed."""
         job.bytes_cached = job.files_cached = 0
+        if job.request.tier == "cluster":  # shared and never evicted by this node: what was stored stays
+            for f in files:
+                f.cached_bytes = f.ref.size if f.error is None else 0
+                job.bytes_cached += f.cached_bytes
+                if f.error is None:
+                    job.files_cached += 1
+                else:
+                    job.not_cached.append(f.ref.key)
+            return
         for f in files:
             f.cached_bytes = self._cached_bytes(f.ref)
             job.bytes_cached += f.cached_bytes

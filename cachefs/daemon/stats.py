@@ -11,6 +11,29 @@ from __future__ import annotations
 from typing import Any
 
 from cachefs.fs.filesystem import CacheFS
+from tiering.blockcache import BlockCache
+
+
+def cluster_section(cache: BlockCache) -> dict[str, Any]:
+    """The cluster tier's counters, in the names the local tiers use where they mean the same."""
+    assert cache.cluster is not None
+    st = cache.cluster.stats
+    section: dict[str, Any] = {
+        **cache.cluster.snapshot(),
+        "hits": st.hits,
+        "misses": st.misses,
+        "hit_bytes": st.hit_bytes,
+        "errors": st.errors,
+        "corrupt_blocks": st.corrupt_blocks,
+        "skipped": st.skipped,
+        "inserts": st.puts,
+        "inserted_bytes": st.put_bytes,
+        "served_blocks": cache.stats.cluster_served,
+        "served_bytes": cache.stats.cluster_served_bytes,
+    }
+    if cache.write_behind is not None:
+        section["write_behind"] = cache.write_behind.snapshot()
+    return section
 
 
 def stats_document(fs: CacheFS) -> dict[str, Any]:
@@ -66,6 +89,7 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "requests": engine.block_requests,
             "ram_served": engine.ram_served,
             "disk_served": engine.disk_served,
+            "cluster_served": engine.cluster_served,
             "fetched": engine.store_fetches,
             "fetched_bytes": engine.store_fetch_bytes,
             "fetch_errors": engine.fetch_errors,
@@ -80,6 +104,7 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "blocks": engine.warm_blocks,
             "bytes": engine.warm_bytes,
             "from_ram_blocks": engine.warm_from_ram_blocks,
+            "from_cluster_blocks": engine.warm_from_cluster_blocks,
             "skipped_blocks": engine.warm_skipped_blocks,
             "skipped_bytes": engine.warm_skipped_bytes,
             "not_stored_blocks": engine.warm_not_stored,
@@ -110,6 +135,8 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "truncates": fs.stats.truncates,
             "fsyncs": fs.stats.fsyncs,
         },
+        # The shared cluster tier (tiering.cluster) and its write-behind queue; absent without one.
+        **({"cluster": cluster_section(cache)} if cache.cluster is not None else {}),
         # Staged writes and their uploads (tiering.writeback); absent on a read-only mount.
         **({"writeback": fs.writeback.stats_snapshot()} if fs.writeback is not None else {}),
     }

@@ -63,10 +63,25 @@ def test_volume_attributes_parse_into_typed_settings() -> None:
     ({"source": "s3://b12/x", "ramcache": "1GiB"}, "'ramcache'"),
     ({"source": "s3://b12/x", "blockSize": "1KiB"}, "'blockSize'"),
     ({"source": "s3://b12/x", "endpointUrl": "s3.example.com"}, "'endpointUrl'"),
+    ({"source": "s3://b12/x", "clusterCache": "http://shared"}, "'clusterCache'"),
+    ({"source": "s3://b12/x", "clusterCache": "s3://shared", "clusterEndpointUrl": "seaweed:8333"},
+     "'clusterEndpointUrl'"),
+    ({"source": "s3://b12/x", "clusterTimeout": "2"}, "'clusterCache'"),
+    ({"source": "s3://b12/x", "clusterCache": "s3://shared", "clusterTimeout": "0"}, "'clusterCache'"),
 ])
 def test_bad_volume_attributes_are_refused_naming_the_key(values, key) -> None:
     code, message = code_of(attrs.parse_volume_attributes, values)
     assert code is Code.INVALID_ARGUMENT and key in message
+
+
+def test_cluster_tier_attributes_become_mount_options() -> None:
+    settings = attrs.parse_volume_attributes({
+        "source": "s3://bucket/data", "clusterCache": "s3://shared/cache",
+        "clusterEndpointUrl": "http://seaweedfs.cachefs:8333", "clusterTimeout": "3"})
+    assert settings.cache.cli_args() == ["--cluster-cache", "s3://shared/cache", "--cluster-endpoint-url",
+                                         "http://seaweedfs.cachefs:8333", "--cluster-timeout", "3"]
+    params = attrs.parse_provision_parameters({"bucket": "datasets", "clusterCache": "s3://shared/cache"})
+    assert params.cache_attributes.get("clusterCache") == "s3://shared/cache"
 
 
 def test_endpoint_with_credentials_is_refused_without_echoing_them() -> None:

@@ -65,6 +65,14 @@ def mount_args(source: str, mountpoint: Path, cache_dir: Path, *extra: str) -> l
     ("extra", "needles"),
     [
         (["--ram-cache", "12XB"], ["--ram-cache", "'12XB'"]),
+        (["--cluster-cache", "http://bucket"], ["--cluster-cache", "http"]),
+        (["--cluster-cache", "file:///tmp/x"], ["--cluster-cache must be s3://"]),
+        (["--cluster-cache", "s3://Bad_Bucket"], ["--cluster-cache", "Bad_Bucket"]),
+        (["--cluster-cache", "s3://ok-bucket", "--cluster-endpoint-url", "ftp://x"], ["cluster endpoint URL"]),
+        (["--cluster-endpoint-url", "http://x:1"], ["need --cluster-cache"]),
+        (["--cluster-profile", "p"], ["need --cluster-cache"]),
+        (["--cluster-cache", "s3://ok-bucket", "--cluster-timeout", "0"], ["cluster-timeout"]),
+        (["--cluster-cache", "s3://ok-bucket", "--cluster-timeout", "40"], ["--cluster-timeout", "shorter than --fetch-timeout"]),
         (["--disk-cache", "lots"], ["--disk-cache", "'lots'"]),
         (["--readahead", "1.5B"], ["--readahead", "'1.5B'"]),
         (["--block-size", "4k"], ["block size 4096"]),
@@ -249,3 +257,17 @@ def test_flush_and_status_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) 
 def test_flush_timeout_must_be_a_duration(tmp_path: Path, capsys) -> None:
     code, err = run(["flush", str(tmp_path), "--timeout", "soon"], capsys)
     assert code == 2 and "--timeout" in err
+
+
+def test_cluster_options_become_typed_settings(mnt: Path, cache_dir: Path) -> None:
+    parser = build_parser()
+    args = parser.parse_args(mount_args("s3://src", mnt, cache_dir, "--cluster-cache", "s3://shared/cache",
+                                        "--cluster-endpoint-url", "http://seaweed:8333", "--cluster-profile", "cl",
+                                        "--cluster-timeout", "2"))
+    settings = mount_settings(args, {"AWS_ACCESS_KEY_ID": "source-key", "AWS_SECRET_ACCESS_KEY": "s"})
+    cluster = settings.cluster
+    assert cluster is not None
+    assert (cluster.url, cluster.endpoint_url, cluster.profile, cluster.timeout_s) == (
+        "s3://shared/cache", "http://seaweed:8333", "cl", 2.0)
+    env = cluster.environ({"AWS_ACCESS_KEY_ID": "source-key", "AWS_SECRET_ACCESS_KEY": "s", "HOME": "/h"})
+    assert env == {"AWS_PROFILE": "cl", "HOME": "/h"}  # the profile's keys, not the source's

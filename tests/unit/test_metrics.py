@@ -165,3 +165,27 @@ async def test_metrics_route_is_public(fs: CacheFS, tmp_path: Path) -> None:
         assert "cachefs_tier_hits_total{tier=\"ram\"}" in text
     finally:
         await control.stop()
+
+
+async def test_the_cluster_tier_is_reported_with_tier_cluster(tmp_path: Path) -> None:
+    from tiering.cluster import InMemoryClusterTier, WriteBehind
+
+    store = InMemoryObjectStore()
+    info = store.put_object("d/f.bin", b"z" * (3 * BS))
+    cluster = InMemoryClusterTier()
+    queue = WriteBehind(cluster, max_blocks=1, max_bytes=BS, workers=1)
+    cache = BlockCache(CacheSettings(block_size=BS, ram_bytes=8 * BS, disk_bytes=64 * BS), store,
+                       RamTier(8 * BS), DiskTier(tmp_path / "c", 64 * BS), cluster=cluster, write_behind=queue)
+    filesystem = CacheFS(store, cache, FsSettings())
+    await cache.read(ObjectRef(info.key, info.etag, info.size), 0, info.size)
+    await cache.close()
+    snap = stats_document(filesystem)["cluster"]
+    assert snap["misses"] == 3 and snap["state"] == "healthy"
+    assert snap["write_behind"]["written"] + snap["write_behind"]["dropped"] == 3
+    got = families(filesystem)
+    assert value(got["cachefs_tier_misses"], tier="cluster") == 3
+    assert value(got["cachefs_tier_inserts"], tier="cluster") == snap["inserts"]
+    assert value(got["cachefs_tier_write_behind_dropped"], tier="cluster") == snap["write_behind"]["dropped"] >= 1
+    assert value(got[metrics.TIER_WRITE_BEHIND_DEPTH], tier="cluster") == 0
+    assert value(got[metrics.TIER_STATE], tier="cluster", state="healthy") == 1
+    assert value(got["cachefs_blocks_served"], tier="cluster") == 0

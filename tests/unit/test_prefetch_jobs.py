@@ -320,3 +320,33 @@ async def test_store_failure_during_fetch_is_a_per_file_failure(tmp_path: Path, 
     assert doc["state"] == "done" and not doc["ok"]
     assert [f["path"] for f in doc["failures"]] == ["train/b.bin"]
     assert doc["files_cached"] == 3
+
+
+# ------------------------------------------------------------------------------------ the cluster tier
+async def test_prefetch_tier_cluster_fills_only_the_cluster_tier_and_check_reports_it(
+        tmp_path: Path, store: InMemoryObjectStore) -> None:
+    from tiering.cluster import InMemoryClusterTier
+
+    cluster = InMemoryClusterTier()
+    settings = CacheSettings(block_size=BS, ram_bytes=16 * BS, disk_bytes=256 * BS, max_concurrent_fetches=4)
+    cache = BlockCache(settings, store, RamTier(16 * BS), DiskTier(tmp_path / "cache", 256 * BS), cluster=cluster)
+    manager = PrefetchManager(store, cache, pin_file=None)
+    before = await run(manager, paths=["train"], recursive=True, check=True, tier="cluster")
+    assert before["state"] == "done" and before["bytes_cached"] == 0 and not before["ok"]
+    doc = await run(manager, paths=["train"], recursive=True, tier="cluster")
+    assert doc["ok"] and doc["tier"] == "cluster" and doc["bytes_fetched"] == doc["bytes_total"] == 6 * BS + 5
+    assert len(cluster.blocks) == 4 + 1 + 2 and len(cache.ram) == 0 and cache.disk is not None and len(cache.disk) == 0
+    after = await run(manager, paths=["train"], recursive=True, check=True, tier="cluster")
+    assert after["ok"] and after["bytes_cached"] == after["bytes_total"]
+    again = await run(manager, paths=["train"], recursive=True, tier="cluster")
+    assert again["ok"] and again["bytes_fetched"] == 0 and again["bytes_skipped"] == again["bytes_total"]
+
+
+async def test_prefetch_tier_cluster_without_a_cluster_tier_or_with_pin_is_refused(
+        tmp_path: Path, store: InMemoryObjectStore) -> None:
+    manager = make(tmp_path, store)
+    doc = await run(manager, paths=["train"], recursive=True, tier="cluster")
+    assert doc["state"] == "rejected" and "--cluster-cache" in doc["error"]
+    for params in ({"tier": "cloud"}, {"tier": "cluster", "pin": True}):
+        with pytest.raises(ControlRequestError):
+            PrefetchRequest.from_params({"paths": ["train"], **params})

@@ -1,0 +1,254 @@
+"""The shared cluster tier on real mounts: two private SeaweedFS servers, one the source, one the cluster store.
+
+Each server can be stopped on its own (its PID only, restarted in a ``finally``). The cluster store's
+credentials reach the daemon through a named profile (``--cluster-profile``) in a credentials file
+the test writes, as a deployment would: never through argv. Every wait is bounded (the write-behind
+queue's drain is polled through ``/stats``); no duration is asserted.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.fuse.conftest import Mount, Mounter, run_cli
+from tests.fuse.writeback_support import bounded, s3env
+from tests.support.s3servers import SeaweedS3, free_ports
+
+pytestmark = [pytest.mark.fuse, pytest.mark.s3]
+
+KiB, MiB = 1024, 1024 * 1024
+BLOCK = 256 * KiB
+SOURCE_BUCKET = "source"
+CLUSTER_BUCKET = "shared"
+CLUSTER_PREFIX = "cache/"
+FILES = {f"data/part-{i}.bin": random.Random(i).randbytes(BLOCK * 3 + 1234 * i) for i in range(4)}
+DRAIN_BOUND_S = 60
+READ_BOUND_S = 60
+# Short deadlines keep the test quick when the cluster store is stopped: a cluster request fails at
+# once (connection refused) or within 2 s; the source's fetch deadline is well above it.
+CLUSTER_TIMEOUT_S = 2
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[SeaweedS3, SeaweedS3]]:
+    with SeaweedS3() as source, SeaweedS3() as cluster:
+        source.make_bucket(SOURCE_BUCKET)
+        for key, data in FILES.items():
+            source.put(SOURCE_BUCKET, key, data)
+        cluster.make_bucket(CLUSTER_BUCKET)
+        yield source, cluster
+
+
+@pytest.fixture
+def cluster_env(servers: tuple[SeaweedS3, SeaweedS3], tmp_path: Path) -> dict[str, str]:
+    """The mount's environment: the source's keys in the AWS variables, the cluster store's in a
+    profile of a credentials file."""
+    source, cluster = servers
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[cluster]\naws_access_key_id = {cluster.access_key}\n"
+                     f"aws_secret_access_key = {cluster.secret_key}\n")
+    creds.chmod(0o600)
+    return {**s3env(source), "AWS_SHARED_CREDENTIALS_FILE": str(creds)}
+
+
+def cluster_args(cluster: SeaweedS3, *extra: str) -> list[str]:
+    return ["--cluster-cache", f"s3://{CLUSTER_BUCKET}/{CLUSTER_PREFIX}", "--cluster-endpoint-url",
+            cluster.endpoint_url, "--cluster-profile", "cluster", "--cluster-timeout", str(CLUSTER_TIMEOUT_S),
+            "--block-size", str(BLOCK), "--read-only", *extra]
+
+
+def clear_cluster(cluster: SeaweedS3) -> None:
+    client = cluster.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX):
+        for obj in page.get("Contents", []):
+            client.delete_object(Bucket=CLUSTER_BUCKET, Key=obj["Key"])
+
+
+def cluster_keys(cluster: SeaweedS3) -> list[str]:
+    client = cluster.client()
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX):
+        keys.extend(obj["Key"] for obj in page.get("Contents", []))
+    return keys
+
+
+def wait_drained(mount: Mount) -> dict:
+    """Poll ``/stats`` until the write-behind queue is empty (bounded); the cluster section."""
+    deadline = time.monotonic() + DRAIN_BOUND_S
+    while True:
+        section = mount.stats()["cluster"]
+        if section["write_behind"]["depth"] == 0:
+            return section
+        assert time.monotonic() < deadline, f"write-behind did not drain: {section}"
+        time.sleep(0.1)
+
+
+def read_all(mount: Mount) -> dict[str, bytes]:
+    return {key: bounded(lambda k=key: (mount.path / k).read_bytes(), READ_BOUND_S, f"reading {key}")
+            for key in FILES}
+
+
+def fill_cluster(mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], env: dict[str, str]) -> None:
+    source, cluster = servers
+    clear_cluster(cluster)
+    first = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), env=env)
+    assert read_all(first) == FILES
+    section = wait_drained(first)
+    blocks = sum(-(-len(d) // BLOCK) for d in FILES.values())
+    assert section["write_behind"]["written"] == blocks and section["write_behind"]["dropped"] == 0
+    assert section["misses"] == blocks and section["errors"] == 0
+    assert len(cluster_keys(cluster)) == blocks
+    assert first.unmount().returncode == 0
+
+
+def test_a_second_node_reads_everything_from_the_cluster_with_the_source_stopped(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    fill_cluster(mounter, servers, cluster_env)
+    # A second node: its own, empty cache dir. It lists and stats while the source is up (metadata
+    # comes from the source only), then reads every byte with the source stopped.
+    second = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), "--attr-ttl", "600",
+                           "--dir-ttl", "600", env=cluster_env)
+    for key in FILES:
+        assert (second.path / key).stat().st_size == len(FILES[key])
+    source.stop_keep_data()
+    try:
+        assert read_all(second) == FILES
+        stats = second.stats()
+    finally:
+        source.start()
+    assert stats["object_store"]["get_requests"] == 0
+    assert stats["blocks"]["cluster_served"] == stats["cluster"]["hits"] > 0
+    assert stats["cluster"]["corrupt_blocks"] == stats["cluster"]["errors"] == 0
+
+
+def test_a_corrupted_cluster_block_gives_correct_bytes_and_is_counted(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    fill_cluster(mounter, servers, cluster_env)
+    client = cluster.client()
+    keys = sorted(cluster_keys(cluster))
+    good = client.get_object(Bucket=CLUSTER_BUCKET, Key=keys[0])["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    client.put_object(Bucket=CLUSTER_BUCKET, Key=keys[0], Body=bytes(bad))  # one flipped data byte
+    client.put_object(Bucket=CLUSTER_BUCKET, Key=keys[1], Body=b"not a block")  # foreign, truncated
+    second = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), env=cluster_env)
+    assert read_all(second) == FILES
+    section = wait_drained(second)
+    assert section["corrupt_blocks"] == 2
+    assert second.stats()["blocks"]["fetched"] == 2  # only the two bad blocks came from the source
+    # The write-behind put the good blocks back in their place.
+    assert client.get_object(Bucket=CLUSTER_BUCKET, Key=keys[0])["Body"].read() == good
+
+
+def test_the_cluster_store_stopped_in_the_middle_of_reads(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    fill_cluster(mounter, servers, cluster_env)
+    second = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), env=cluster_env)
+    keys = sorted(FILES)
+    half = keys[: len(keys) // 2]
+    for key in half:
+        assert (second.path / key).read_bytes() == FILES[key]
+    cluster.stop_keep_data()
+    try:
+        for key in keys:
+            got = bounded(lambda k=key: (second.path / k).read_bytes(), READ_BOUND_S, f"reading {key}")
+            assert got == FILES[key]
+        stats = second.stats()
+    finally:
+        cluster.start()
+    assert stats["cluster"]["errors"] >= 1
+    assert stats["blocks"]["fetched"] > 0
+
+
+@pytest.mark.parametrize(("url", "needle"), [
+    ("http://shared", "--cluster-cache"),
+    ("s3://Not_A_Bucket", "Not_A_Bucket"),
+    ("file:///tmp/cluster", "--cluster-cache must be s3://"),
+])
+def test_bad_cluster_urls_are_refused_with_one_line(
+        url: str, needle: str, tmp_path: Path, servers: tuple[SeaweedS3, SeaweedS3],
+        cluster_env: dict[str, str]) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    result = run_cli("mount", f"s3://{SOURCE_BUCKET}", str(mnt), "--cache-dir", str(tmp_path / "c"),
+                     "--cluster-cache", url, env=cluster_env)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("problem", ["unreachable endpoint", "missing bucket"])
+def test_an_unusable_cluster_store_is_refused_at_mount_with_one_line(
+        problem: str, tmp_path: Path, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if problem == "unreachable endpoint":
+        endpoint, bucket = f"http://127.0.0.1:{free_ports(1)[0]}", CLUSTER_BUCKET
+    else:
+        endpoint, bucket = cluster.endpoint_url, "no-such-bucket"
+    result = run_cli("mount", f"s3://{SOURCE_BUCKET}", str(mnt), "--cache-dir", str(tmp_path / "c"),
+                     "--cluster-cache", f"s3://{bucket}/x", "--cluster-endpoint-url", endpoint,
+                     "--cluster-profile", "cluster", env=cluster_env)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "cluster cache" in result.stderr and "Traceback" not in result.stderr
+    assert cluster.secret_key not in result.stderr
+
+
+def test_prefetch_tier_cluster_warms_the_cluster_once_for_every_node(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    clear_cluster(cluster)
+    warmer = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), env=cluster_env)
+    check = run_cli("prefetch", str(warmer.path), "--check", "--tier", "cluster", env=cluster_env)
+    assert check.returncode == 1 and "0.0% cached in the cluster tier" in check.stdout, check.stdout + check.stderr
+    warm = run_cli("prefetch", str(warmer.path), "--tier", "cluster", env=cluster_env)
+    assert warm.returncode == 0, warm.stderr
+    check = run_cli("prefetch", str(warmer.path), "--check", "--tier", "cluster", env=cluster_env)
+    assert check.returncode == 0 and "100.0% cached in the cluster tier" in check.stdout, check.stdout
+    stats = warmer.stats()
+    assert stats["tiers"]["disk"]["entries"] == 0 and stats["tiers"]["ram"]["entries"] == 0
+    blocks = sum(-(-len(d) // BLOCK) for d in FILES.values())
+    assert stats["cluster"]["inserts"] == len(cluster_keys(cluster)) == blocks
+    # Another node reads everything at in-cluster speed: no GET to the source at all.
+    reader = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), env=cluster_env)
+    assert read_all(reader) == FILES
+    stats = reader.stats()
+    assert stats["object_store"]["get_requests"] == 0 and stats["blocks"]["cluster_served"] == blocks
+
+
+def test_cluster_gc_deletes_the_oldest_blocks_down_to_the_size(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    source, cluster = servers
+    fill_cluster(mounter, servers, cluster_env)
+    client = cluster.client()
+    objects = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX):
+        objects.extend(page.get("Contents", []))
+    total = sum(o["Size"] for o in objects)
+    keep = total // 2
+    gc = ["cluster", "gc", "--cluster-cache", f"s3://{CLUSTER_BUCKET}/{CLUSTER_PREFIX}", "--cluster-endpoint-url",
+          cluster.endpoint_url, "--cluster-profile", "cluster", "--max-size", str(keep)]
+    dry = run_cli(*gc, "--dry-run", "--json", env=cluster_env)
+    assert dry.returncode == 0, dry.stderr
+    assert len(cluster_keys(cluster)) == len(objects)  # a dry run deletes nothing
+    result = run_cli(*gc, env=cluster_env)
+    assert result.returncode == 0 and "deleted" in result.stdout, result.stderr
+    left = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX):
+        left.extend(page.get("Contents", []))
+    assert 0 < len(left) < len(objects) and sum(o["Size"] for o in left) <= keep
+    newest_deleted = max(o["LastModified"] for o in objects if o["Key"] not in {x["Key"] for x in left})
+    assert all(o["LastModified"] >= newest_deleted for o in left)
+    bad = run_cli("cluster", "gc", "--cluster-cache", f"s3://{CLUSTER_BUCKET}", "--cluster-endpoint-url",
+                  f"http://127.0.0.1:{free_ports(1)[0]}", "--cluster-profile", "cluster", "--max-size", "1GiB",
+                  env=cluster_env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cluster gc" in bad.stderr, bad.stderr

@@ -1,0 +1,397 @@
+"""The shared cluster tier: blocks as objects in an in-cluster S3 store, below the local disk.
+
+Why. Every node reading a dataset from a remote bucket pays for every byte itself: N nodes cost N
+times the dataset in remote GETs. With a cluster tier, a block comes from the source once for the
+whole cluster; every other node (and every new pod on a fresh node) reads it from an S3-compatible
+store inside the cluster (SeaweedFS, Ceph RGW, ...), which brings its own replication and scale-out.
+We build no distributed store: the tier is a second ``ObjectStore`` opened on its own bucket/prefix.
+
+Keys. A block of the source is named by the source's identity (its URL and endpoint), the block
+size (block ``i`` of one size is not block ``i`` of another), and the ``BlockKey`` (object key, ETag,
+index): a changed object has another ETag, so its old blocks are never asked for. That identity, the
+*token*, is hashed (SHA-256) into ``blocks/<digest[:2]>/<digest>`` under the cluster prefix: fixed
+length whatever the source key, and spread over 256 prefixes (S3 partitions by key prefix).
+
+Format. Each object is framed exactly as a block file of the disk tier (``tiering.disk``: magic,
+format version, token, data length, data CRC-32, header CRC-32, then the data), by the same code.
+A read checks everything a disk read checks, the full token included, so a hash collision, a
+foreign writer's object, a truncated or bit-flipped one is a *miss* (counted in
+``stats.corrupt_blocks``, the object deleted before the miss is answered), never data. The block is then
+fetched from the source and the write-behind replaces the object.
+
+Reads cost a HEAD (the object's size and ETag; a 404 is the cheap miss) and a GET of the whole
+object under ``If-Match`` (the presigned fast path of the S3 store). Both run under one deadline,
+the cluster timeout, which is shorter than the source's fetch timeout: a slow cluster store must
+leave the reader time to go to the source.
+
+Health. The tier has its own ``StoreHealth`` circuit (the one the source uses, a second instance,
+probing with the cluster store's ``check()``): a timeout or connection failure opens it, and while
+it is open every lookup is a miss without a request (counted in ``stats.skipped``) and every write
+is dropped, until a probe finds the store again. A failing cluster store therefore costs one
+timeout, then reads go straight to the source at source speed. Nothing here ever raises to a
+caller: every failure is a miss or a write not made, counted in ``stats.errors``.
+
+Write-behind. ``WriteBehind`` queues blocks fetched from the source for upload to this tier. The
+reader never waits for it: ``offer`` appends or refuses at once. The queue is bounded in blocks and
+in bytes (the blocks are held in memory until uploaded); a block offered to a full queue is dropped
+and counted (another node, or the next read of it, will write it). A few workers upload in parallel.
+
+Capacity. The tier is shared and enforces no size itself: ``collect_garbage`` (``cachefs cluster
+gc``) deletes the least recently *written* blocks (S3 LastModified) until the total is under a size;
+an S3 lifecycle expiration rule on the prefix is the simple alternative.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from tiering.blocks import BlockKey
+from tiering.clock import Clock, SystemClock
+from tiering.disk import CorruptBlockError, decode_block, encode_token, frame_header, header_size
+from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
+from tiering.protocols import ClusterBlockTier, ClusterTierStats, ObjectStore
+from tiering.settings import (
+    DEFAULT_CLUSTER_TIMEOUT_S,
+    DEFAULT_WRITE_BEHIND_BLOCKS,
+    DEFAULT_WRITE_BEHIND_BYTES,
+    DEFAULT_WRITE_BEHIND_WORKERS,
+)
+from tiering.storehealth import StoreHealth
+
+log = logging.getLogger("tiering.cluster")
+
+BLOCKS_PREFIX = "blocks/"
+
+def cluster_token(source_id: str, block_size: int, key: BlockKey) -> bytes:
+    """The identity of a block in the shared store: source, block size, key, ETag, index."""
+    return f"{source_id}\x00{block_size}\x00".encode("utf-8", "surrogateescape") + encode_token(key)
+
+
+def cluster_object_key(token: bytes) -> str:
+    """Where the block of ``token`` lives, relative to the cluster prefix."""
+    digest = hashlib.sha256(token).hexdigest()
+    return f"{BLOCKS_PREFIX}{digest[:2]}/{digest}"
+
+
+class ClusterTier:
+    """A ``ClusterBlockTier`` over an ``ObjectStore`` (the module docstring)."""
+
+    name = "cluster"
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        source_id: str,
+        block_size: int,
+        timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S,
+        clock: Clock | None = None,
+        health: StoreHealth | None = None,
+        where: str = "",
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError("the cluster timeout must be positive")
+        self.store = store
+        self.source_id = source_id
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self.where = where  # the cluster URL, for /stats (no credentials in it)
+        self.stats = ClusterTierStats()
+        self.health = health or StoreHealth(clock or SystemClock(), probe=store.check, name="cluster store")
+
+    def _locate(self, key: BlockKey) -> tuple[bytes, str]:
+        token = cluster_token(self.source_id, self.block_size, key)
+        return token, cluster_object_key(token)
+
+    async def _call(self, make: Callable[[], Awaitable[Any]], what: str) -> Any:
+        return await self.health.call(make, self.timeout_s, f"cluster tier: {what}")
+
+    async def get(self, key: BlockKey, length: int) -> bytes | None:
+        token, name = self._locate(key)
+        if not self.health.reachable:
+            self.stats.skipped += 1
+            self.health.maybe_probe()
+            return None
+        try:
+            async def fetch() -> bytes | None:
+                info = await self.store.head(name)
+                if info.size != header_size(token) + length:
+                    raise CorruptBlockError(f"object is {info.size} bytes, expected {header_size(token) + length}")
+                return await self.store.get_range(name, info.etag, 0, info.size)
+
+            blob = await self._call(fetch, f"reading {name}")
+            data = decode_block(blob, token)
+        except (ObjectNotFoundError, ObjectChangedError):
+            self.stats.misses += 1  # absent, or replaced between the HEAD and the GET
+            return None
+        except CorruptBlockError as exc:
+            self.stats.corrupt_blocks += 1
+            self.stats.misses += 1
+            log.warning("cluster tier: block %s of %r failed its check (%s); deleting it", name, key.key, exc)
+            # Awaited, not left to run in the background: the caller fetches the block from the
+            # source next and the write-behind puts it back, which a late delete would undo.
+            await self._delete(name)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a cache tier must never fail a read
+            self._count_error("get", exc)
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.hit_bytes += len(data)
+        return data
+
+    async def put(self, key: BlockKey, data: bytes) -> bool:
+        if not self.health.reachable:
+            self.health.maybe_probe()
+            return False
+        token, name = self._locate(key)
+        blob = frame_header(token, data) + data
+        try:
+            await self._call(lambda: self.store.put(name, len(blob), lambda s, e: blob[s:e]), f"writing {name}")
+        except Exception as exc:  # noqa: BLE001 - a write not made is only a later miss
+            self._count_error("put", exc)
+            return False
+        self.stats.puts += 1
+        self.stats.put_bytes += len(data)
+        return True
+
+    async def contains(self, key: BlockKey) -> bool:
+        if not self.health.reachable:
+            return False
+        _, name = self._locate(key)
+        try:
+            await self._call(lambda: self.store.head(name), f"looking up {name}")
+        except ObjectNotFoundError:
+            return False
+        except Exception as exc:  # noqa: BLE001
+            self._count_error("head", exc)
+            return False
+        return True
+
+    def _count_error(self, what: str, exc: BaseException) -> None:
+        self.stats.errors += 1
+        if isinstance(exc, ObjectStoreError):
+            log.debug("cluster tier %s failed: %s", what, exc)
+        else:
+            log.warning("cluster tier %s failed unexpectedly", what, exc_info=True)
+
+    async def _delete(self, name: str) -> None:
+        try:
+            await self._call(lambda: self.store.delete(name), f"deleting {name}")
+        except Exception as exc:  # noqa: BLE001 - the write-behind overwrites it anyway
+            self._count_error("delete", exc)
+
+    async def close(self) -> None:
+        await self.health.close()
+        await self.store.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": "healthy" if self.health.reachable else "down", "url": self.where,
+                "timeout_s": self.timeout_s, "health": self.health.snapshot()}
+
+
+class InMemoryClusterTier:
+    """A ``ClusterBlockTier`` in a dict: the double for engine tests. ``failing`` makes every call a
+    failure (counted, a miss), as a dead cluster store would."""
+
+    name = "cluster"
+
+    def __init__(self) -> None:
+        self.stats = ClusterTierStats()
+        self.blocks: dict[BlockKey, bytes] = {}
+        self.failing = False
+
+    async def get(self, key: BlockKey, length: int) -> bytes | None:
+        await asyncio.sleep(0)
+        if self.failing:
+            self.stats.errors += 1
+            self.stats.misses += 1
+            return None
+        data = self.blocks.get(key)
+        if data is None or len(data) != length:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.hit_bytes += len(data)
+        return data
+
+    async def put(self, key: BlockKey, data: bytes) -> bool:
+        await asyncio.sleep(0)
+        if self.failing:
+            self.stats.errors += 1
+            return False
+        self.blocks[key] = bytes(data)
+        self.stats.puts += 1
+        self.stats.put_bytes += len(data)
+        return True
+
+    async def contains(self, key: BlockKey) -> bool:
+        await asyncio.sleep(0)
+        return not self.failing and key in self.blocks
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": "down" if self.failing else "healthy", "url": "memory://"}
+
+
+@dataclass
+class WriteBehindStats:
+    queued: int = 0  # blocks accepted
+    written: int = 0
+    failed: int = 0  # accepted, then the tier did not store them
+    dropped: int = 0  # refused: the queue was full
+    dropped_bytes: int = 0
+
+
+class WriteBehind:
+    """A bounded queue of blocks to upload to the cluster tier; ``offer`` never waits."""
+
+    def __init__(
+        self,
+        tier: ClusterBlockTier,
+        *,
+        max_blocks: int = DEFAULT_WRITE_BEHIND_BLOCKS,
+        max_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
+        workers: int = DEFAULT_WRITE_BEHIND_WORKERS,
+    ) -> None:
+        if max_blocks < 1 or max_bytes < 1 or workers < 1:
+            raise ValueError("the write-behind queue needs room for a block and a worker")
+        self.tier = tier
+        self.max_blocks = max_blocks
+        self.max_bytes = max_bytes
+        self.workers = workers
+        self.stats = WriteBehindStats()
+        self._queue: collections.deque[tuple[BlockKey, bytes]] = collections.deque()
+        self._pending = set[BlockKey]()
+        self._bytes = 0  # queued and uploading
+        self._uploading = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def depth(self) -> int:
+        """Blocks waiting or being uploaded."""
+        return len(self._queue) + self._uploading
+
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def offer(self, key: BlockKey, data: bytes) -> bool:
+        """Queue ``data`` for upload; False (counted as dropped) when the queue is full."""
+        if key in self._pending:
+            return True
+        if self.depth() >= self.max_blocks or self._bytes + len(data) > self.max_bytes:
+            self.stats.dropped += 1
+            self.stats.dropped_bytes += len(data)
+            return False
+        self._queue.append((key, data))
+        self._pending.add(key)
+        self._bytes += len(data)
+        self.stats.queued += 1
+        self._idle.clear()
+        if len(self._tasks) < self.workers:
+            task = asyncio.get_running_loop().create_task(self._work())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _work(self) -> None:
+        while self._queue:
+            key, data = self._queue.popleft()
+            self._uploading += 1
+            try:
+                stored = await self.tier.put(key, data)
+            except Exception:  # noqa: BLE001 - the tier never raises; this guards a broken one
+                log.warning("cluster write-behind failed", exc_info=True)
+                stored = False
+            finally:
+                self._uploading -= 1
+                self._bytes -= len(data)
+                self._pending.discard(key)
+            if stored:
+                self.stats.written += 1
+            else:
+                self.stats.failed += 1
+        if self.depth() == 0:
+            self._idle.set()
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until the queue is empty (at most ``timeout_s``); whether it is."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self, timeout_s: float) -> None:
+        """Finish the uploads in ``timeout_s`` if possible, then drop what is left."""
+        if not await self.drain(timeout_s):
+            self._queue.clear()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def snapshot(self) -> dict[str, int]:
+        return {
+            "depth": self.depth(),
+            "queued_bytes": self._bytes,
+            "max_blocks": self.max_blocks,
+            "max_bytes": self.max_bytes,
+            "queued": self.stats.queued,
+            "written": self.stats.written,
+            "failed": self.stats.failed,
+            "dropped": self.stats.dropped,
+            "dropped_bytes": self.stats.dropped_bytes,
+        }
+
+
+@dataclass
+class GarbageReport:
+    blocks: int = 0  # blocks found
+    bytes: int = 0  # their total size
+    deleted: int = 0
+    deleted_bytes: int = 0
+
+
+async def collect_garbage(store: ObjectStore, max_bytes: int, *, dry_run: bool = False) -> GarbageReport:
+    """Delete the least recently written blocks under ``blocks/`` until they total at most ``max_bytes``.
+
+    One LIST per prefix directory (256 of them) and one DELETE per block removed. Recency is the
+    object's LastModified, i.e. LRU by write time: a block read every day but written a month ago
+    goes first. A reader of a deleted block misses, fetches it from the source and writes it again.
+    """
+    found: list[tuple[float, str, int]] = []
+    top = await store.list_dir(BLOCKS_PREFIX)
+    for sub in sorted(top.dirs):
+        listing = await store.list_dir(f"{BLOCKS_PREFIX}{sub}/")
+        for name, info in listing.files.items():
+            found.append((info.mtime, f"{BLOCKS_PREFIX}{sub}/{name}", info.size))
+    report = GarbageReport(blocks=len(found), bytes=sum(size for _, _, size in found))
+    total = report.bytes
+    for _, name, size in sorted(found):
+        if total <= max_bytes:
+            break
+        if not dry_run:
+            try:
+                await store.delete(name)
+            except ObjectNotFoundError:
+                pass
+        total -= size
+        report.deleted += 1
+        report.deleted_bytes += size
+    return report
+
+
+__all__ = [
+    "ClusterTier",
+    "InMemoryClusterTier",
+    "WriteBehind",
+    "collect_garbage",
+    "cluster_object_key",
+    "cluster_token",
+]
