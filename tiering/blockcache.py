@@ -69,7 +69,7 @@ from typing import Callable, Iterable, TypeVar
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range, spans
 from tiering.clock import Clock, SystemClock
 from tiering.cluster import WriteBehind
-from tiering.disk import object_footprint
+from tiering.blockformat import object_footprint
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
 from tiering.latency import LatencyHistogram
 from tiering.pins import PinError, PinLimitError, PinTable, block_keys

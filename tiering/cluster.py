@@ -52,7 +52,7 @@ from typing import Any, Awaitable, Callable
 
 from tiering.blocks import BlockKey
 from tiering.clock import Clock, SystemClock
-from tiering.disk import CorruptBlockError, decode_block, encode_token, frame_header, header_size
+from tiering.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ClusterBlockTier, ClusterTierStats, ObjectStore
 from tiering.settings import (

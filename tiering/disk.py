@@ -6,23 +6,9 @@ Layout
 of the key token). 256 prefix directories keep every directory small enough for fast lookups even
 with millions of blocks; they are created on first use.
 
-File format (version 1), all integers little-endian::
-
-    offset        size  field
-    0             4     magic  b"CFSB"
-    4             2     format version (u16) = 1
-    6             4     token length T (u32), in bytes
-    10            8     data length D (u64)
-    18            4     CRC-32 of the data (u32, zlib polynomial)
-    22            T     key token: BlockKey.token() encoded utf-8 with surrogateescape
-    22+T          4     CRC-32 of bytes [0, 22+T) (u32): the header checks itself
-    26+T          D     data
-
-The fixed part is ``_FIXED`` below; a golden-bytes test pins it. A reader checks, in order: magic,
-version, that the token length and then the token equal the requested key's (the file name is only a
-hash: a collision, a stray copy or an old block under the same name must never be returned), the
-header CRC, that the file length agrees with the header, and the data CRC. A block failing any check
-is deleted, counted in ``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it.
+File format: ``tiering.blockformat`` (a header with the block's identity and checksums, then the
+data), shared with the cluster tier. A block failing any check is deleted, counted in
+``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it.
 
 Writes
 ------
@@ -122,15 +108,26 @@ import errno
 import itertools
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable
 
+from tiering.blockformat import (
+    FIXED_HEADER_SIZE,
+    HEADER_CRC_SIZE,
+    CorruptBlockError,
+    block_file_size,
+    check_data,
+    check_fixed_header,
+    check_header_token,
+    encode_header,
+    encode_token,
+    header_size,
+    object_footprint,
+)
 from tiering.blocks import BlockKey
-from tiering.checksum import crc32
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.protocols import TierStats
@@ -138,13 +135,9 @@ from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
 
 log = logging.getLogger("tiering.disk")
 
-MAGIC = b"CFSB"
-FORMAT_VERSION = 1
-# magic, format version, token length, data length, data CRC-32. Little-endian, no padding.
-HEADER_FORMAT = "<4sHIQI"
-_FIXED = struct.Struct(HEADER_FORMAT)
-# CRC-32 of the fixed part plus the token, right after the token.
-_HEADER_CRC = struct.Struct("<I")
+# Re-exported: what the disk tier's callers (the engine, tests) used to import from here.
+__all__ = ["DiskTier", "CorruptBlockError", "block_file_size", "check_cache_dir", "encode_header",
+           "filesystem_free_bytes", "object_footprint"]
 
 BLOCKS_DIRNAME = "blocks"
 BLOCK_SUFFIX = ".blk"
@@ -152,87 +145,6 @@ TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
 _DIGEST_LEN = 64  # hex SHA-256
 _HEX = frozenset("0123456789abcdef")
-
-
-class CorruptBlockError(Exception):
-    """A block file failed a check. Internal: turned into a miss, never raised to a caller."""
-
-
-def encode_token(key: BlockKey) -> bytes:
-    """The key token as written into a block header."""
-    return key.token().encode("utf-8", "surrogateescape")
-
-
-def encode_header(key: BlockKey, data: bytes) -> bytes:
-    """The header of the block file holding ``data`` for ``key`` (see the module docstring)."""
-    return frame_header(encode_token(key), data)
-
-
-# -- the block framing, shared with the cluster tier (tiering.cluster): header, then data ----------
-
-def frame_header(token: bytes, data: bytes | memoryview) -> bytes:
-    """The header framing ``data`` under the identity ``token`` (format in the module docstring)."""
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(token), len(data), crc32(data))
-    return fixed + token + _HEADER_CRC.pack(crc32(token, crc32(fixed)))
-
-
-def header_size(token: bytes) -> int:
-    """Bytes of the header for ``token``."""
-    return _FIXED.size + len(token) + _HEADER_CRC.size
-
-
-def check_fixed_header(fixed: bytes, token: bytes) -> tuple[int, int]:
-    """Check the fixed part of a header against the expected ``token``: ``(data length, data CRC)``.
-
-    Raises ``CorruptBlockError`` (truncated, bad magic, another format version, another token length).
-    """
-    if len(fixed) != _FIXED.size:
-        raise CorruptBlockError("truncated header")
-    magic, version, token_len, data_len, data_crc = _FIXED.unpack(fixed)
-    if magic != MAGIC:
-        raise CorruptBlockError(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
-    if token_len != len(token):
-        raise CorruptBlockError("key token length differs from the requested key's")
-    return data_len, data_crc
-
-
-def check_header_token(fixed: bytes, rest: bytes, token: bytes) -> None:
-    """Check the token and header CRC after the fixed part (``rest``: token plus CRC)."""
-    if len(rest) != len(token) + _HEADER_CRC.size:
-        raise CorruptBlockError("truncated header")
-    stored_token = rest[: len(token)]
-    (header_crc,) = _HEADER_CRC.unpack_from(rest, len(token))
-    if crc32(stored_token, crc32(fixed)) != header_crc:
-        raise CorruptBlockError("header checksum mismatch")
-    if stored_token != token:
-        raise CorruptBlockError("block belongs to another key")
-
-
-def check_data(data: bytes, data_len: int, data_crc: int) -> None:
-    if len(data) != data_len:
-        raise CorruptBlockError("truncated data")
-    if crc32(data) != data_crc:
-        raise CorruptBlockError("data checksum mismatch")
-
-
-def decode_block(blob: bytes, token: bytes) -> bytes:
-    """The data of a framed block held whole in memory (an object of the cluster tier), checked as a
-    block file is; ``CorruptBlockError`` on any failed check."""
-    data_len, data_crc = check_fixed_header(blob[: _FIXED.size], token)
-    head = header_size(token)
-    check_header_token(blob[: _FIXED.size], blob[_FIXED.size : head], token)
-    if len(blob) != head + data_len:
-        raise CorruptBlockError(f"block is {len(blob)} bytes, header says {head + data_len}")
-    data = blob[head:]
-    check_data(data, data_len, data_crc)
-    return data
-
-
-def block_file_size(key: BlockKey, data_len: int) -> int:
-    """Bytes on disk of the file holding ``data_len`` bytes of ``key``: what capacity counts."""
-    return _FIXED.size + len(encode_token(key)) + _HEADER_CRC.size + data_len
 
 
 def check_cache_dir(path: Path) -> None:
@@ -266,22 +178,6 @@ def filesystem_free_bytes(path: Path) -> int:
     probe the daemon passes as ``free_space``: the root-reserved blocks stay for the system."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def object_footprint(key: str, etag: str, size: int, block_size: int) -> int:
-    """Bytes on disk of every block of one object version: data plus one header per block.
-
-    Closed form of ``sum(block_file_size(BlockKey(key, etag, i), len_i))`` over the blocks (the
-    token holds the decimal block index, so header sizes grow by a byte per power of ten).
-    """
-    blocks = (size + block_size - 1) // block_size
-    fixed = _FIXED.size + _HEADER_CRC.size + len(encode_token(BlockKey(key, etag, 0))) - 1
-    digits, width, start = 0, 1, 0
-    while start < blocks:
-        stop = min(blocks, 10**width)
-        digits += (stop - start) * width
-        start, width = stop, width + 1
-    return size + blocks * fixed + digits
 
 
 def _is_hex(text: str) -> bool:
@@ -731,9 +627,9 @@ class DiskTier:
     def _read_block(path: Path, token: bytes, indexed_size: int) -> bytes:
         """Read and verify one block file; raise ``CorruptBlockError`` or ``OSError``."""
         with open(path, "rb") as f:
-            fixed = f.read(_FIXED.size)
+            fixed = f.read(FIXED_HEADER_SIZE)
             data_len, data_crc = check_fixed_header(fixed, token)
-            check_header_token(fixed, f.read(len(token) + _HEADER_CRC.size), token)
+            check_header_token(fixed, f.read(len(token) + HEADER_CRC_SIZE), token)
             head = header_size(token)
             if head + data_len != indexed_size:
                 raise CorruptBlockError(f"file is {indexed_size} bytes, header says {head + data_len}")
