@@ -242,6 +242,19 @@ class BlockCache:
             started += 1
         return started
 
+    async def load_ahead(self, ref: ObjectRef, index: int) -> bool:
+        """Load one block into RAM (and the disk tier) as read-ahead does, and wait for it, without
+        counting a read: for announced read orders (``tiering.orderprefetch``). Returns whether a
+        load was needed (False: already in RAM). Raises the load's error."""
+        key = BlockKey(ref.key, ref.etag, index)
+        if self.ram.contains(key):
+            return False
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = self._start_load(ref, key, readahead=True)
+        await asyncio.shield(fut)
+        return True
+
     def is_cached(self, key: BlockKey) -> bool:
         return self.ram.contains(key) or (self.disk is not None and self.disk.contains(key))
 
