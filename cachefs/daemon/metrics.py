@@ -52,6 +52,18 @@ TIER_ENTRIES = "cachefs_tier_entries"
 TIER_STATE = "cachefs_tier_state"  # labels tier, state; 1 for the current state (disk tier health)
 TIER_STATES = ("healthy", "unstable", "down")
 # Object store (label "operation" on requests and latency).
+# Evictions by the policy that chose the victims: "lru", or "announced" (farthest next use in an
+# announced read order, tiering.victims).
+TIER_EVICTIONS_BY_POLICY_TOTAL = "cachefs_tier_evictions_by_policy_total"  # labels tier, policy
+# Announced read orders (cachefs.daemon.announce).
+ANNOUNCED_FILES_TOTAL = "cachefs_announced_files_total"
+ANNOUNCED_BYTES_TOTAL = "cachefs_announced_bytes_total"
+ANNOUNCE_ORDER_HITS_TOTAL = "cachefs_announce_order_hits_total"  # opens of announced files found cached
+ANNOUNCE_STALLS_TOTAL = "cachefs_announce_stalls_total"  # opens of announced files that waited for a block
+ANNOUNCE_PREFETCHED_BLOCKS_TOTAL = "cachefs_announce_prefetched_blocks_total"
+ANNOUNCE_WINDOW_BYTES = "cachefs_announce_window_bytes"  # bytes fetched ahead of the readers now
+ANNOUNCE_STREAMS = "cachefs_announce_streams"
+
 STORE_REQUESTS_TOTAL = "cachefs_object_store_requests_total"
 STORE_READ_BYTES_TOTAL = "cachefs_object_store_read_bytes_total"
 STORE_ERRORS_TOTAL = "cachefs_object_store_errors_total"
@@ -127,6 +139,7 @@ class CacheFSCollector(Collector):
         yield from self._warm(doc.get("warm", {}), doc.get("pins", {}))
         yield from self._filesystem(doc.get("filesystem", {}))
         yield from self._writeback(doc.get("writeback"))
+        yield from self._announce(doc.get("announce"))
 
     @staticmethod
     def _tiers(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
@@ -156,6 +169,14 @@ class CacheFSCollector(Collector):
             for tier, values in tiers.items():
                 gauge.add_metric([tier], values.get(field, 0))
             yield gauge
+        policy = CounterMetricFamily(TIER_EVICTIONS_BY_POLICY_TOTAL,
+                                     "Blocks evicted, by the policy that chose them (lru, announced).",
+                                     labels=["tier", "policy"])
+        for tier, values in tiers.items():
+            ordered = values.get("ordered_evictions", 0)
+            policy.add_metric([tier, "lru"], values.get("evictions", 0) - ordered)
+            policy.add_metric([tier, "announced"], ordered)
+        yield policy
         state = GaugeMetricFamily(TIER_STATE, "Health of the tier: 1 for its current state.", labels=["tier", "state"])
         for tier, values in tiers.items():
             if "state" in values:
@@ -240,6 +261,23 @@ class CacheFSCollector(Collector):
         yield GaugeMetricFamily(PINNED_OBJECTS, "Pinned objects.", value=pins.get("objects", 0))
         yield GaugeMetricFamily(PIN_LIMIT_BYTES, "Most bytes that may be pinned (--max-pinned).",
                                 value=pins.get("limit_bytes", 0))
+
+    @staticmethod
+    def _announce(section: Any) -> Iterator[Metric]:
+        if not isinstance(section, dict):
+            return
+        counters = [
+            (ANNOUNCED_FILES_TOTAL, "announced_files", "Files announced in read orders."),
+            (ANNOUNCED_BYTES_TOTAL, "announced_bytes", "Bytes of the files announced in read orders."),
+            (ANNOUNCE_ORDER_HITS_TOTAL, "order_hits", "Opens of announced files already cached (fetched ahead)."),
+            (ANNOUNCE_STALLS_TOTAL, "stalls", "Opens of announced files that had to wait for a block."),
+            (ANNOUNCE_PREFETCHED_BLOCKS_TOTAL, "prefetched_blocks", "Blocks loaded ahead of announced readers."),
+        ]
+        for name, field, doc in counters:
+            yield CounterMetricFamily(name, doc, value=section.get(field, 0))
+        yield GaugeMetricFamily(ANNOUNCE_WINDOW_BYTES, "Bytes fetched ahead of announced readers now.",
+                                value=section.get("window_bytes", 0))
+        yield GaugeMetricFamily(ANNOUNCE_STREAMS, "Announced read orders held.", value=section.get("streams", 0))
 
     @staticmethod
     def _filesystem(fs: dict[str, Any]) -> Iterator[Metric]:

@@ -34,6 +34,7 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "evicted_bytes": st.evicted_bytes,
             "errors": st.errors,
             "corrupt_blocks": st.corrupt_blocks,
+            "ordered_evictions": st.ordered_evictions,
         }
         # Bytes reads had to load from below this tier because it missed (see EngineStats).
         entry["miss_bytes"] = (cache.stats.ram_miss_bytes if tier is cache.ram
@@ -110,6 +111,9 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "truncates": fs.stats.truncates,
             "fsyncs": fs.stats.fsyncs,
         },
+        # Announced read orders (tiering.readorder): files, stalls, the window fetched ahead.
+        # Evictions ranked by the order are each tier's "ordered_evictions".
+        **({"announce": fs.read_order.snapshot()} if fs.read_order is not None else {}),
         # Staged writes and their uploads (tiering.writeback); absent on a read-only mount.
         **({"writeback": fs.writeback.stats_snapshot()} if fs.writeback is not None else {}),
     }
