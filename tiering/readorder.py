@@ -198,6 +198,8 @@ class ReadOrder:
         self.clock = clock or SystemClock()
         self.stats = ReadOrderStats()
         self._streams: dict[str, Stream] = {}
+        # The window actually used: the fetcher (OrderPrefetcher) bounds the configured one by the cache.
+        self.window_limit_bytes = self.settings.window_bytes
         self.changed = asyncio.Event()  # set when a stream is added, extended, advanced or ended
 
     # ------------------------------------------------------------------ announcing
@@ -304,7 +306,12 @@ class ReadOrder:
     def next_use(self, key: BlockKey) -> float:
         best = math.inf
         for stream in list(self._streams.values()):
-            d = stream.distance(key)
+            try:
+                d = stream.distance(key)
+            except (IndexError, KeyError):
+                # The disk tier asks from a worker thread: a compaction on the loop may be half
+                # done. That stream's answer is unknown this once (see the module docstring).
+                continue
             if d < best:
                 best = d
         return best
@@ -337,7 +344,7 @@ class ReadOrder:
             "prefetched_blocks": st.prefetched_blocks,
             "prefetch_errors": st.prefetch_errors,
             "window_bytes": self.window_bytes(),
-            "window_limit_bytes": self.settings.window_bytes,
+            "window_limit_bytes": self.window_limit_bytes,
         }
 
     def describe(self) -> str:

@@ -269,7 +269,7 @@ def test_a_diverging_reader_reads_correct_bytes_and_waste_is_bounded() -> None:
 def test_window_is_bounded_by_the_cache() -> None:
     store = InMemoryObjectStore()
     cache = make_cache(store, ram_bytes=8 * BS)
-    assert window_limit(cache, 1 << 40) == 4 * BS
+    assert window_limit(cache, 1 << 40) == 2 * BS
 
 
 def test_announced_loads_leave_fetch_slots_to_reads() -> None:
@@ -278,5 +278,21 @@ def test_announced_loads_leave_fetch_slots_to_reads() -> None:
         cache = make_cache(store, fetches=8)
         pf = OrderPrefetcher(ReadOrder(BS), cache)
         assert pf.slot_count == 6
+
+    asyncio.run(main())
+
+
+def test_a_file_larger_than_the_window_is_fetched_up_to_the_window() -> None:
+    async def main() -> None:
+        store = InMemoryObjectStore()
+        info = store.put_object("big", b"b" * (10 * BS))
+        big = ObjectRef(info.key, info.etag, info.size)
+        cache = make_cache(store)
+        order = ReadOrder(BS)
+        pf = OrderPrefetcher(order, cache, window_bytes=3 * BS)
+        order.announce("s", [big])
+        await pf.round()
+        await pf.drain()
+        assert [i for i in range(10) if cache.is_cached(key(big, i))] == [0, 1, 2]
 
     asyncio.run(main())
