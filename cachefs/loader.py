@@ -129,6 +129,8 @@ def announce(mountpoint: str | os.PathLike[str], paths: Iterable[str | os.PathLi
             result.invalid_count += 1
             if len(result.invalid) < NAMES_KEPT:
                 result.invalid.append(text)
+    if not relative and result.invalid_count:
+        return result  # nothing in the mount to announce (an empty request would end the stream)
     try:
         sock = control_socket(Path(root))
         first = True

@@ -54,6 +54,9 @@ def test_announce_pages_and_reports(daemon: FakeDaemon) -> None:
 def test_an_empty_order_ends_the_stream(daemon: FakeDaemon) -> None:
     loader.announce(MNT, [], stream="s")
     assert daemon.bodies == [{"stream": "s", "paths": [], "append": False}]
+    # An order of paths all outside the mount is reported, and does not end the stream.
+    result = loader.announce(MNT, ["/etc/passwd"], stream="s")
+    assert len(daemon.bodies) == 1 and result.invalid == ["/etc/passwd"]
 
 
 def test_sampler_yields_indices_unchanged_and_announces_each_epoch(daemon: FakeDaemon) -> None:
@@ -121,12 +124,12 @@ def test_a_mount_that_cannot_be_told_costs_a_warning(monkeypatch: pytest.MonkeyP
         raise UsageError("/mnt/data is not a mountpoint")
 
     monkeypatch.setattr(loader, "control_socket", not_a_mount)
-    sampler = loader.AnnouncingSampler([2, 0, 1], MNT, path_of=str)
+    sampler = loader.AnnouncingSampler([2, 0, 1], MNT, path_of=lambda i: f"{MNT}/f{i}")
     assert list(sampler) == [2, 0, 1] and list(sampler) == [2, 0, 1]
     assert sampler.failures == 2
     assert len([r for r in caplog.records if "could not announce" in r.getMessage()]) == 1
     with pytest.raises(loader.AnnounceError, match="not a mountpoint"):
-        list(loader.AnnouncingSampler([0], MNT, path_of=str, strict=True))
+        list(loader.AnnouncingSampler([0], MNT, path_of=lambda i: f"{MNT}/f{i}", strict=True))
 
 
 def test_a_dataset_without_paths_is_refused_in_one_line() -> None:
