@@ -50,7 +50,6 @@ from typing import Callable, Iterable
 
 from tiering.blocks import BlockKey, ObjectRef, block_count
 from tiering.clock import Clock, SystemClock
-from tiering.units import format_size
 
 MiB = 1024 * 1024
 
@@ -346,6 +345,3 @@ class ReadOrder:
             "window_bytes": self.window_bytes(),
             "window_limit_bytes": self.window_limit_bytes,
         }
-
-    def describe(self) -> str:
-        return f"{len(self._streams)} streams, {format_size(self.window_bytes())} ahead"
