@@ -151,7 +151,9 @@ class Bench:
         self.limits: dict[str, list[float]] = {}
         self.errors: dict[str, list[str]] = {}
         self.unavailable: dict[str, str] = {}
-        self.can_drop = True
+        # --keep-page-cache: drop_caches is system-wide, so a run beside other work (the test suite's
+        # smoke test) must not take every other process's cached pages away.
+        self.can_drop = not args.keep_page_cache
         self.log: list[str] = []
 
     def say(self, text: str) -> None:
@@ -189,6 +191,8 @@ class Bench:
     # -- limits -----------------------------------------------------------------------------------
 
     def drop(self) -> None:
+        if not self.can_drop:
+            return
         if not drop_page_cache():
             self.can_drop = False
 
@@ -449,7 +453,7 @@ def markdown(result: dict[str, Any]) -> str:
     for name, reason in result["unavailable"].items():
         lines.append(f"- **{name}: unavailable: {reason}**")
     if not result["page_cache_dropped"]:
-        lines.append("- the page cache could not be dropped (not root): cold and disk-tier figures are warm")
+        lines.append("- the page cache was not dropped (not root, or --keep-page-cache): cold and disk-tier figures are warm")
     lines.append("")
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
     header = ["figure", "unit", "limit"] + [f"{n} (x limit)" for n in names] + [f"{a} / {b}" for a, b in pairs]
@@ -529,6 +533,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ram-cache", type=parse_size, default=parse_size("1GiB"), help="cachefs RAM tier")
     parser.add_argument("--file-workers", type=int, default=1, help="threads reading small files")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    parser.add_argument("--keep-page-cache", action="store_true",
+                        help="never drop the system's page cache (for runs beside other work; cold figures are then warm)")
     parser.add_argument("--workdir", type=Path, default=None, help="mounts, caches and local copies (default: a temp dir)")
     args = parser.parse_args(argv)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]

@@ -6,6 +6,7 @@
               metrics), the /stats document
     fuse/     the pyfuse3 adapter (the only place pyfuse3 is imported)
     fs/       POSIX semantics: CacheFS over its inode table, listing cache, handles, rename
+    loader    what a data loader calls to announce its read order (a client of the daemon)
     client, manifest, paths, names, mounts, settings
               small leaf modules the floors above share
 

@@ -126,6 +126,12 @@ class EngineStats:
     dropped_blocks: int = 0
     dropped_bytes: int = 0
 
+    def hit_ratio(self) -> float:
+        """Share of the blocks reads asked for that a tier served; warming fetches are not reads."""
+        served = self.ram_served + self.disk_served + self.cluster_served
+        total = served + self.store_fetches - self.warm_blocks
+        return served / total if total else 0.0
+
 
 class WarmOutcome(enum.Enum):
     """What ``warm_block`` did for one block."""
@@ -259,6 +265,19 @@ class BlockCache:
             self._start_load(ref, key, readahead=True)
             started += 1
         return started
+
+    async def load_ahead(self, ref: ObjectRef, index: int) -> bool:
+        """Load one block into RAM (and the disk tier) as read-ahead does, and wait for it, without
+        counting a read: for announced read orders (``tiering.orderprefetch``). Returns whether a
+        load was needed (False: already in RAM). Raises the load's error."""
+        key = BlockKey(ref.key, ref.etag, index)
+        if self.ram.contains(key):
+            return False
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = self._start_load(ref, key, readahead=True)
+        await asyncio.shield(fut)
+        return True
 
     def is_cached(self, key: BlockKey) -> bool:
         return self.ram.contains(key) or (self.disk is not None and self.disk.contains(key))
@@ -722,11 +741,3 @@ class BlockCache:
                 task.cancel()
         if self.write_behind is not None:
             await self.write_behind.close(self.settings.fetch_timeout_s)
-
-    # ------------------------------------------------------------------ stats
-    def hit_ratio(self) -> float:
-        """Share of the blocks reads asked for that a tier served; warming fetches are not reads."""
-        served = self.stats.ram_served + self.stats.disk_served + self.stats.cluster_served
-        total = served + self.stats.store_fetches - self.stats.warm_blocks
-        return served / total if total else 0.0
-

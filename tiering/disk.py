@@ -28,6 +28,10 @@ never exceeded, even with many writer threads. When an insert would take usage a
 fits under ``low_watermark * capacity``: eviction runs in batches (one pass frees ~10% of the tier
 with the defaults) instead of one unlink per insert.
 
+A ``VictimOrder`` passed in (an announced read order) reorders the eviction candidates while it is
+active: farthest next use first, LRU among equals (``tiering.victims``); blocks found at start-up and
+not touched since have no known key and rank as never needed.
+
 Recency is an in-memory ``OrderedDict`` keyed by digest, in LRU order. To survive a restart, recency
 is also written to the files' mtimes: every insert and every hit stamps the file with ``os.utime``
 (one cheap metadata call) using strictly increasing nanosecond stamps, and the start-up scan orders
@@ -112,7 +116,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from tiering.blockformat import (
     FIXED_HEADER_SIZE,
@@ -130,7 +134,8 @@ from tiering.blockformat import (
 from tiering.blocks import BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
-from tiering.protocols import TierStats
+from tiering.protocols import TierStats, VictimOrder
+from tiering.victims import rank_victims
 from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
 
 log = logging.getLogger("tiering.disk")
@@ -199,6 +204,7 @@ class DiskTier:
         pinned: Iterable[BlockKey] = (),
         min_free_bytes: int = 0,
         free_space: Callable[[], int] | None = None,
+        victim_order: VictimOrder | None = None,
     ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
@@ -220,6 +226,7 @@ class DiskTier:
         self._low_bytes = int(capacity_bytes * low_watermark)
         self.min_free_bytes = min_free_bytes
         self._free_space = free_space
+        self.victim_order = victim_order
 
         self._lock = threading.Lock()
         # digest -> (file size, generation), least recently used first. The generation tells a
@@ -508,12 +515,17 @@ class DiskTier:
             return []
         victims: list[str] = []
         remaining = self._used
-        for digest, (size, _gen) in self._index.items():
+        candidates: Sequence[str] | OrderedDict[str, tuple[int, int]] = self._index
+        ordered = False
+        if self.victim_order is not None and self.victim_order.active():
+            candidates, ordered = rank_victims([d for d in self._index if self._evictable(d)], self.victim_order,
+                                               self._known.get)
+        for digest in candidates:
             if remaining <= target_bytes:
                 break
             if self._evictable(digest):
                 victims.append(digest)
-                remaining -= size
+                remaining -= self._index[digest][0]
         for digest in victims:
             size, _gen = self._index.pop(digest)
             self._used -= size
@@ -521,6 +533,8 @@ class DiskTier:
             self._busy.add(digest)
             self.stats.evictions += 1
             self.stats.evicted_bytes += size
+            if ordered:
+                self.stats.ordered_evictions += 1
         return victims
 
     def _evict_pinned_until(self, target_bytes: int) -> list[str]:

@@ -12,6 +12,8 @@
                    below the disk tier and above the source. Asynchronous (``get``/``put``); no pins,
                    no capacity, no recency: what it holds is bounded by ``cachefs cluster gc`` or a
                    lifecycle rule, and a failure is always a miss (``tiering.cluster``).
+``VictimOrder``    the order in which a tier takes its eviction victims, when something knows better
+                   than recency (an announced read order, ``tiering.readorder``).
 ``SpaceBudget``    bytes of local disk that staged (dirty) data may take; the disk tier implements
                    it, so staged bytes and cached blocks share one capacity and only clean blocks
                    are evicted.
@@ -30,6 +32,21 @@ from tiering.blocks import BlockKey
 from tiering.health import TierHealth
 
 
+@runtime_checkable
+class VictimOrder(Protocol):
+    """How soon each block will be read again, for a tier choosing what to evict (``tiering.victims``).
+
+    ``next_use`` is a distance (blocks read before it; ``inf``: not known to be needed); a tier
+    evicts the farthest first and keeps LRU order among equals. While ``active()`` is False the
+    tier skips the ranking altogether and evicts in plain LRU order. The disk tier calls both from
+    worker threads under its lock, so they must not block.
+    """
+
+    def active(self) -> bool: ...
+
+    def next_use(self, key: BlockKey) -> float: ...
+
+
 @dataclass
 class TierStats:
     """Counters of one tier. Only ever incremented; read by the stats endpoint."""
@@ -46,6 +63,8 @@ class TierStats:
     errors: int = 0
     corrupt_blocks: int = 0
     rejected: int = 0  # puts refused (block larger than the tier, or nothing evictable)
+    # Evictions whose victims a VictimOrder ranked (farthest next use first) rather than plain LRU.
+    ordered_evictions: int = 0
 
 
 @runtime_checkable

@@ -15,16 +15,19 @@ Capacity is counted in payload bytes (``len(data)``); the Python object overhead
 ``bytes`` plus the dict slot) is negligible next to blocks of 64 KiB and more.
 
 Eviction goes through one method, ``_evict_until``, which walks the LRU order and takes only blocks
-that ``_evictable`` allows. Today every held block is evictable (the tier holds clean, re-fetchable
+that ``_evictable`` allows. A ``VictimOrder`` passed in (an announced read order) reorders the
+candidates while it is active: farthest next use first (``tiering.victims``). Today every held block is evictable (the tier holds clean, re-fetchable
 data only); pinning and dirty blocks will plug in there without touching ``put``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Sequence
 
 from tiering.blocks import BlockKey
-from tiering.protocols import TierStats
+from tiering.protocols import TierStats, VictimOrder
+from tiering.victims import rank_victims
 
 
 class RamTier:
@@ -33,12 +36,13 @@ class RamTier:
     ``capacity_bytes == 0`` means the tier is disabled: every put is refused.
     """
 
-    def __init__(self, capacity_bytes: int, name: str = "ram") -> None:
+    def __init__(self, capacity_bytes: int, name: str = "ram", *, victim_order: VictimOrder | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
+        self.victim_order = victim_order
         self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
         self._used = 0
 
@@ -113,17 +117,23 @@ class RamTier:
             return
         victims: list[BlockKey] = []
         remaining = self._used
-        for key, data in self._blocks.items():
+        candidates: Sequence[BlockKey] | OrderedDict[BlockKey, bytes] = self._blocks
+        ordered = False
+        if self.victim_order is not None and self.victim_order.active():
+            candidates, ordered = rank_victims(list(self._blocks), self.victim_order, lambda k: k)
+        for key in candidates:
             if remaining <= target_bytes:
                 break
             if self._evictable(key):
                 victims.append(key)
-                remaining -= len(data)
+                remaining -= len(self._blocks[key])
         for key in victims:
             data = self._blocks.pop(key)
             self._used -= len(data)
             self.stats.evictions += 1
             self.stats.evicted_bytes += len(data)
+            if ordered:
+                self.stats.ordered_evictions += 1
 
     def _remove(self, key: BlockKey) -> None:
         data = self._blocks.pop(key, None)

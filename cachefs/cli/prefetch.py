@@ -9,6 +9,12 @@ which does the work (``cachefs.daemon.prefetch``). Manifest lines are relative t
 ``juicefs warmup`` and Alluxio's ``load`` do for a directory; a PATH that is a directory still needs
 ``--recursive``, so a typo cannot start fetching a whole tree.
 
+``prefetch MOUNT --order FILE`` does not warm: it announces a read order (one path per line, in
+the order a job will open them; lines relative to the mount root, or absolute) for the daemon to
+fetch ahead of the reader and to rank eviction by (``cachefs.loader``, ``cachefs.daemon.announce``).
+It returns at once; ``--stream`` names the order (announcing again under the same name replaces
+it, an empty file ends it). Paths that are missing or outside the mount are listed, and exit 1.
+
 ``prefetch`` starts a job in the daemon and polls it every ``POLL_INTERVAL_S``: on a terminal it
 draws a progress bar (bytes, files, fetch rate, ETA) on stderr, otherwise it prints one summary
 line at the end. Ctrl-C, SIGTERM and SIGHUP cancel the job in the daemon before exiting; a CLI
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cachefs.client import CONTROL_TIMEOUT_S, ControlError, UsageError, control_socket, request_json
+from cachefs.loader import AnnounceError, announce
 from cachefs.manifest import PREFETCH_TIERS, ManifestError, format_manifest, read_manifest
 from cachefs.paths import PathError, mount_relative
 from tiering.units import format_size
@@ -56,6 +63,8 @@ START_TIMEOUT_S = 60.0
 MAX_LISTED_LINES = 50
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# The stream ``prefetch --order`` announces under unless told otherwise.
+DEFAULT_ORDER_STREAM = "cli"
 
 
 def _parallel(text: str) -> int:
@@ -110,6 +119,10 @@ def register(sub: Any) -> None:
     p.add_argument("--tier", choices=PREFETCH_TIERS, default="disk",
                    help="warm this node's disk tier (default), or the shared cluster tier only (no RAM or disk "
                         "use here; the mount needs --cluster-cache)")
+    p.add_argument("--order", metavar="FILE",
+                   help="announce this read order instead of warming: one path per line, in read order (- for stdin)")
+    p.add_argument("--stream", default=DEFAULT_ORDER_STREAM, metavar="NAME",
+                   help=f"the name of the announced order (with --order; default {DEFAULT_ORDER_STREAM!r})")
     p.add_argument("--json", action="store_true", help="print the final job document as JSON")
     p.set_defaults(handler=cmd_prefetch)
     _intermixed(p)
@@ -222,7 +235,42 @@ def prefetch_body(args: argparse.Namespace, mountpoint: str, cwd: str) -> dict[s
             "tier": args.tier}
 
 
+def read_order_file(name: str) -> list[str]:
+    """The paths of an order file (``-``: stdin), blank lines skipped; UsageError if unreadable."""
+    try:
+        text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError as exc:
+        raise UsageError(f"cannot read order file {name}: {exc.strerror or exc}") from None
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def cmd_order(args: argparse.Namespace) -> int:
+    """``prefetch MOUNT --order FILE``: announce, report, return."""
+    others = [flag for flag, on in (("PATH", bool(args.paths)), ("--manifest", args.manifest is not None),
+                                    ("--check", args.check), ("--pin", args.pin), ("--recursive", args.recursive),
+                                    ("--tier cluster", args.tier == "cluster"))
+              if on]
+    if others:
+        raise UsageError(f"--order does not go with {', '.join(others)}: it announces a read order, it warms nothing")
+    mountpoint, _socket = _mountpoint(args)
+    paths = read_order_file(args.order)
+    try:
+        result = announce(mountpoint, paths, stream=args.stream, cwd=mountpoint)
+    except AnnounceError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        _print_json(vars(result))
+    else:
+        print(f"announced {result.files} files ({format_size(result.bytes)}) in read order as stream {result.stream!r}")
+    _listed("missing", result.missing, result.missing_count)
+    _listed("not a path in the mount", result.invalid, result.invalid_count)
+    _listed("directories (not files)", result.directories, result.directories_count)
+    return EXIT_OK if result.ok else EXIT_INCOMPLETE
+
+
 def cmd_prefetch(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    if args.order is not None:
+        return cmd_order(args)
     mountpoint, socket = _mountpoint(args)
     body = prefetch_body(args, mountpoint, os.getcwd())
     tty = sys.stderr.isatty() and not args.json

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from cachefs.daemon import metrics, prefetch, writeback
+from cachefs.daemon import announce, metrics, prefetch, writeback
 from cachefs.daemon.context import DaemonContext, Feature
 from cachefs.daemon.control import ControlServer, socket_path_for
 from cachefs.daemon.errors import SetupError
@@ -47,6 +47,7 @@ from tiering.objectstore import CHECK_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, open
 from tiering.protocols import ObjectStore
 from tiering.pins import PIN_FILENAME, pinned_block_keys
 from tiering.ram import RamTier
+from tiering.readorder import ReadOrder
 from tiering.storehealth import StoreHealth
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ ReadyCallback = Callable[[str | None], None]
 WarnCallback = Callable[[str], None]
 
 # The features wired into every mount, in start order; they stop in reverse (see cachefs.daemon.context).
-FEATURES = (writeback.install, prefetch.install, metrics.install)
+FEATURES = (writeback.install, prefetch.install, announce.install, metrics.install)
 
 def lock_cache_dir(directory: Path) -> IO[str]:
     """Take the per-source lock; refuse if another daemon holds it."""
@@ -152,6 +153,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             json.dumps({"source": settings.source, "endpoint_url": settings.endpoint_url}, indent=2) + "\n"
         )
         cs = settings.cache
+        # Announced read orders rank both tiers' eviction victims (tiering.readorder, cachefs.daemon.announce).
+        read_order = ReadOrder(cs.block_size)
         disk = None
         if cs.disk_bytes > 0:
             disk = await asyncio.to_thread(
@@ -163,8 +166,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 pinned=pinned_block_keys(cache_dir / PIN_FILENAME, cs.block_size),
                 min_free_bytes=cs.disk_min_free_bytes,
                 free_space=lambda: filesystem_free_bytes(cache_dir),
+                victim_order=read_order,
             )
-        ram = RamTier(cs.ram_bytes)
+        ram = RamTier(cs.ram_bytes, victim_order=read_order)
         # One store-health circuit for reads, metadata and write-back (tiering.storehealth).
         health = StoreHealth(SystemClock(), probe=store.check)
         write_behind = None
@@ -173,7 +177,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                                        max_bytes=settings.cluster.write_behind_bytes)
         cache = BlockCache(cs, store, ram, disk, health=health, cluster=cluster, write_behind=write_behind)
         socket_path = socket_path_for(settings.mountpoint)
-        fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path))
+        fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order)
         control = ControlServer(
             socket_path,
             lambda: stats_document(fs),

@@ -60,6 +60,18 @@ TIER_WRITE_BEHIND_WRITTEN_TOTAL = "cachefs_tier_write_behind_written_total"
 TIER_WRITE_BEHIND_DROPPED_TOTAL = "cachefs_tier_write_behind_dropped_total"  # refused: queue full
 TIER_INSERTED_BYTES_TOTAL = "cachefs_tier_inserted_bytes_total"
 # Object store (label "operation" on requests and latency).
+# Evictions by the policy that chose the victims: "lru", or "announced" (farthest next use in an
+# announced read order, tiering.victims).
+TIER_EVICTIONS_BY_POLICY_TOTAL = "cachefs_tier_evictions_by_policy_total"  # labels tier, policy
+# Announced read orders (cachefs.daemon.announce).
+ANNOUNCED_FILES_TOTAL = "cachefs_announced_files_total"
+ANNOUNCED_BYTES_TOTAL = "cachefs_announced_bytes_total"
+ANNOUNCE_ORDER_HITS_TOTAL = "cachefs_announce_order_hits_total"  # opens of announced files found cached
+ANNOUNCE_STALLS_TOTAL = "cachefs_announce_stalls_total"  # opens of announced files that waited for a block
+ANNOUNCE_PREFETCHED_BLOCKS_TOTAL = "cachefs_announce_prefetched_blocks_total"
+ANNOUNCE_WINDOW_BYTES = "cachefs_announce_window_bytes"  # bytes fetched ahead of the readers now
+ANNOUNCE_STREAMS = "cachefs_announce_streams"
+
 STORE_REQUESTS_TOTAL = "cachefs_object_store_requests_total"
 STORE_READ_BYTES_TOTAL = "cachefs_object_store_read_bytes_total"
 STORE_ERRORS_TOTAL = "cachefs_object_store_errors_total"
@@ -135,6 +147,7 @@ class CacheFSCollector(Collector):
         yield from self._warm(doc.get("warm", {}), doc.get("pins", {}))
         yield from self._filesystem(doc.get("filesystem", {}))
         yield from self._writeback(doc.get("writeback"))
+        yield from self._announce(doc.get("announce"))
 
     @staticmethod
     def _tiers(local: dict[str, dict[str, Any]], cluster: dict[str, Any] | None) -> Iterator[Metric]:
@@ -182,6 +195,14 @@ class CacheFSCollector(Collector):
                 wb_family: GaugeMetricFamily | CounterMetricFamily = kind(name, doc, labels=["tier"])
                 wb_family.add_metric(["cluster"], wb.get(field, 0))
                 yield wb_family
+        policy = CounterMetricFamily(TIER_EVICTIONS_BY_POLICY_TOTAL,
+                                     "Blocks evicted, by the policy that chose them (lru, announced).",
+                                     labels=["tier", "policy"])
+        for tier, values in local.items():  # the cluster tier evicts nothing (cachefs cluster gc does)
+            ordered = values.get("ordered_evictions", 0)
+            policy.add_metric([tier, "lru"], values.get("evictions", 0) - ordered)
+            policy.add_metric([tier, "announced"], ordered)
+        yield policy
         state = GaugeMetricFamily(TIER_STATE, "Health of the tier: 1 for its current state.", labels=["tier", "state"])
         for tier, values in tiers.items():
             if "state" in values:
@@ -267,6 +288,23 @@ class CacheFSCollector(Collector):
         yield GaugeMetricFamily(PINNED_OBJECTS, "Pinned objects.", value=pins.get("objects", 0))
         yield GaugeMetricFamily(PIN_LIMIT_BYTES, "Most bytes that may be pinned (--max-pinned).",
                                 value=pins.get("limit_bytes", 0))
+
+    @staticmethod
+    def _announce(section: Any) -> Iterator[Metric]:
+        if not isinstance(section, dict):
+            return
+        counters = [
+            (ANNOUNCED_FILES_TOTAL, "announced_files", "Files announced in read orders."),
+            (ANNOUNCED_BYTES_TOTAL, "announced_bytes", "Bytes of the files announced in read orders."),
+            (ANNOUNCE_ORDER_HITS_TOTAL, "order_hits", "Opens of announced files already cached (fetched ahead)."),
+            (ANNOUNCE_STALLS_TOTAL, "stalls", "Opens of announced files that had to wait for a block."),
+            (ANNOUNCE_PREFETCHED_BLOCKS_TOTAL, "prefetched_blocks", "Blocks loaded ahead of announced readers."),
+        ]
+        for name, field, doc in counters:
+            yield CounterMetricFamily(name, doc, value=section.get(field, 0))
+        yield GaugeMetricFamily(ANNOUNCE_WINDOW_BYTES, "Bytes fetched ahead of announced readers now.",
+                                value=section.get("window_bytes", 0))
+        yield GaugeMetricFamily(ANNOUNCE_STREAMS, "Announced read orders held.", value=section.get("streams", 0))
 
     @staticmethod
     def _filesystem(fs: dict[str, Any]) -> Iterator[Metric]:

@@ -57,6 +57,7 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
             "evicted_bytes": st.evicted_bytes,
             "errors": st.errors,
             "corrupt_blocks": st.corrupt_blocks,
+            "ordered_evictions": st.ordered_evictions,
         }
         # Bytes reads had to load from below this tier because it missed (see EngineStats).
         entry["miss_bytes"] = (cache.stats.ram_miss_bytes if tier is cache.ram
@@ -83,7 +84,7 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
         },
         # The store-health circuit (tiering.storehealth): reachable or not, and for how long.
         **({"store_health": cache.health.snapshot()} if cache.health is not None else {}),
-        "hit_ratio": round(cache.hit_ratio(), 6),
+        "hit_ratio": round(cache.stats.hit_ratio(), 6),
         "blocks": {
             "block_size": cache.block_size,
             "requests": engine.block_requests,
@@ -137,6 +138,9 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
         },
         # The shared cluster tier (tiering.cluster) and its write-behind queue; absent without one.
         **({"cluster": cluster_section(cache)} if cache.cluster is not None else {}),
+        # Announced read orders (tiering.readorder): files, stalls, the window fetched ahead.
+        # Evictions ranked by the order are each tier's "ordered_evictions".
+        **({"announce": fs.read_order.snapshot()} if fs.read_order is not None else {}),
         # Staged writes and their uploads (tiering.writeback); absent on a read-only mount.
         **({"writeback": fs.writeback.stats_snapshot()} if fs.writeback is not None else {}),
     }

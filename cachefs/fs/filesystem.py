@@ -56,6 +56,7 @@ from tiering.blockcache import BlockCache
 from tiering.errors import ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.readahead import ReadAhead
+from tiering.readorder import ReadOrder
 from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
 from tiering.writeback.staged import StagedFile
 
@@ -120,6 +121,7 @@ class CacheFS:
         *,
         clock: Clock | None = None,
         control_path: str | None = None,
+        read_order: ReadOrder | None = None,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -130,6 +132,7 @@ class CacheFS:
         self.dir_mode: int = settings.dir_mode
         self.clock = clock or SystemClock()
         self.control_path = control_path
+        self.read_order = read_order  # announced read orders: every open of a store version is reported
         self.stats = FsStats()
         # Directories have no mtime in an object store; they show the time of the mount.
         self.inodes = InodeTable(mount_time=time.time())
@@ -426,6 +429,8 @@ class CacheFS:
             ref = self._ref(node)
             keep_cache = node.page_cache_etag == ref.etag
             node.page_cache_etag = ref.etag
+            if self.read_order is not None:
+                self.read_order.opened(ref, self.cache.is_cached)
         self.stats.opens += 1
         fh = self.handles.add(FileHandleState(
             node, ref, ReadAhead(self.cache.block_size, self.cache.readahead_limit),

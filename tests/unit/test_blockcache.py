@@ -338,7 +338,7 @@ async def test_second_read_is_a_ram_hit() -> None:
     assert len(store.gets) == 3
     assert cache.ram.stats.hits == hits + 3
     assert cache.stats.ram_served == 3
-    assert cache.hit_ratio() == pytest.approx(0.5)
+    assert cache.stats.hit_ratio() == pytest.approx(0.5)
 
 
 async def test_hit_bytes_count_the_bytes_served_not_the_whole_block(tmp_path: Path) -> None:
@@ -646,7 +646,7 @@ async def test_close_waits_for_pending_loads(tmp_path: Path) -> None:
 async def test_close_with_nothing_pending_returns() -> None:
     cache = make_cache(InMemoryObjectStore())
     await cache.close()
-    assert cache.hit_ratio() == 0.0
+    assert cache.stats.hit_ratio() == 0.0
 
 
 async def test_a_block_the_disk_tier_lacks_is_a_counted_miss_without_a_disk_read(tmp_path) -> None:

@@ -52,7 +52,7 @@ async def test_source_fetches_are_written_behind_and_a_second_node_reads_from_th
     second = _engine(tmp_path / "b", source, cluster, health=health)
     assert bytes(await second.read(ref, 0, SIZE)) == SOURCE
     assert second.stats.cluster_served == BLOCKS and second.stats.store_fetches == 0
-    assert second.hit_ratio() == 1.0
+    assert second.stats.hit_ratio() == 1.0
     await second.close()  # waits for the loads' disk writes
     assert second.disk is not None and all(second.disk.contains(BlockKey(KEY, ref.etag, i)) for i in range(BLOCKS))
 

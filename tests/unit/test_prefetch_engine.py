@@ -59,7 +59,7 @@ async def test_warm_fills_disk_not_ram_and_skips_cached_blocks_without_io(tmp_pa
     data = await cache.read(ref, 0, ref.size)
     assert data == random.Random("a/big.bin").randbytes(ref.size)
     assert len(store.gets) == 6
-    assert cache.hit_ratio() == 1.0  # prefetch fetches are not read misses
+    assert cache.stats.hit_ratio() == 1.0  # prefetch fetches are not read misses
 
 
 async def test_warm_writes_ram_blocks_to_disk_without_a_get(tmp_path: Path) -> None:

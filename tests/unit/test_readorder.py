@@ -1,0 +1,298 @@
+"""Announced read orders: positions follow opens, windows are bounded, limits refuse, eviction ranks.
+
+A fake store and clock: no timing assertions. The prefetcher's rounds are driven by hand
+(``round`` then ``drain``) so every check sees a settled state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tiering.blockcache import BlockCache
+from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef
+from tiering.clock import FakeClock
+from tiering.disk import DiskTier
+from tiering.objectstore.memory import InMemoryObjectStore
+from tiering.orderprefetch import OrderPrefetcher, window_limit
+from tiering.ram import RamTier
+from tiering.readorder import SLACK, ReadOrder, ReadOrderLimitError, ReadOrderSettings
+from tiering.settings import CacheSettings
+
+BS = MIN_BLOCK_SIZE
+
+
+def refs(n: int, size: int = 1000, prefix: str = "f") -> list[ObjectRef]:
+    return [ObjectRef(f"{prefix}{i:05d}", f"e{i}", size) for i in range(n)]
+
+
+def key(ref: ObjectRef, index: int = 0) -> BlockKey:
+    return BlockKey(ref.key, ref.etag, index)
+
+
+def never_cached(_key: BlockKey) -> bool:
+    return False
+
+
+# ------------------------------------------------------------------------------------------ order state
+def test_next_use_follows_the_order_and_the_position() -> None:
+    order = ReadOrder(BS)
+    files = refs(10)
+    order.announce("s", files)
+    assert [order.next_use(key(r)) for r in files] == list(range(10))
+    assert order.next_use(BlockKey("other", "x", 0)) == math.inf
+    assert order.opened(files[3], never_cached)  # a skip of three: the position follows
+    assert order.next_use(key(files[3])) == 0
+    assert order.next_use(key(files[9])) == 6
+    # Skipped entries within SLACK behind the position are still needed (a lagging worker), sooner
+    # than anything ahead.
+    assert order.next_use(key(files[1])) < 0
+
+
+def test_opened_entries_behind_the_position_are_not_needed_again() -> None:
+    order = ReadOrder(BS)
+    files = refs(5)
+    order.announce("s", files)
+    for r in files[:3]:
+        order.opened(r, never_cached)
+    assert order.next_use(key(files[0])) == math.inf
+    assert order.next_use(key(files[2])) == 0  # being read now
+
+
+def test_multi_block_files_count_blocks() -> None:
+    order = ReadOrder(BS)
+    big = ObjectRef("big", "e", 3 * BS)
+    small = ObjectRef("small", "e", 10)
+    order.announce("s", [big, small])
+    assert order.next_use(key(big, 2)) == 2
+    assert order.next_use(key(small)) == 3
+
+
+def test_a_repeated_file_matches_its_next_occurrence() -> None:
+    order = ReadOrder(BS)
+    a, b = refs(2)
+    order.announce("s", [a, b, a])
+    order.opened(a, never_cached)
+    order.opened(b, never_cached)
+    assert order.next_use(key(a)) == 1  # the second occurrence, one entry after b
+    order.opened(a, never_cached)
+    assert order.stats.unmatched_opens == 0
+    assert order.opened(a, never_cached) is False  # a repeat beyond the order: no match, no harm
+    assert order.stats.unmatched_opens == 1
+
+
+def test_a_far_skip_does_not_move_the_position() -> None:
+    order = ReadOrder(BS)
+    files = refs(6000)
+    order.announce("s", files)
+    assert order.opened(files[5000], never_cached) is False  # beyond MATCH_AHEAD
+    assert order.streams()[0].position == 0
+
+
+def test_hits_and_stalls_are_counted_at_open() -> None:
+    order = ReadOrder(BS)
+    a, b = refs(2)
+    order.announce("s", [a, b])
+    order.opened(a, lambda k: True)
+    order.opened(b, never_cached)
+    assert (order.stats.order_hits, order.stats.stalls) == (1, 1)
+
+
+def test_two_streams_the_nearest_use_wins() -> None:
+    order = ReadOrder(BS)
+    files = refs(4)
+    order.announce("one", files)
+    order.announce("two", list(reversed(files)))
+    assert order.next_use(key(files[3])) == 0
+    assert order.next_use(key(files[1])) == 1
+
+
+def test_passed_entries_are_compacted_and_paging_appends() -> None:
+    order = ReadOrder(BS)
+    files = refs(5000)
+    order.announce("s", files[:3000])
+    for r in files[:2900]:
+        order.opened(r, never_cached)
+    order.announce("s", files[3000:], append=True)
+    stream = order.streams()[0]
+    assert len(stream) == 5000 - 2899 + SLACK  # the reader is at entry 2899
+    assert order.next_use(key(files[4999])) == 4999 - 2899
+    assert order.next_use(key(files[0])) == math.inf
+
+
+def test_an_empty_order_ends_the_stream() -> None:
+    order = ReadOrder(BS)
+    order.announce("s", refs(3))
+    assert order.active()
+    order.announce("s", [])
+    assert not order.active()
+
+
+# ------------------------------------------------------------------------------------------ bounds
+def test_limits_refuse_with_one_line_and_change_nothing() -> None:
+    clock = FakeClock()
+    order = ReadOrder(BS, ReadOrderSettings(max_page_entries=10, max_stream_entries=15, max_total_entries=20,
+                                            max_streams=2, stale_after_s=60), clock=clock)
+    with pytest.raises(ReadOrderLimitError, match="11 files is over the limit of 10 per request"):
+        order.announce("a", refs(11))
+    order.announce("a", refs(10))
+    with pytest.raises(ReadOrderLimitError, match="would hold 20 files, over the limit of 15 per stream"):
+        order.announce("a", refs(10, prefix="g"), append=True)
+    order.announce("b", refs(10, prefix="h"))
+    with pytest.raises(ReadOrderLimitError, match="over its limit of 20"):
+        order.announce("c", refs(1, prefix="i"))
+    assert order.held_entries() == 20
+    for message in ("", "x" * 201):
+        with pytest.raises(ReadOrderLimitError, match="stream id"):
+            order.announce(message, refs(1))
+    # An idle stream is dropped to make room, a recent one is not.
+    clock.advance(61)
+    order.opened(refs(1, prefix="h")[0], never_cached)  # b is active again
+    order.announce("c", refs(5, prefix="i"))
+    assert sorted(s.id for s in order.streams()) == ["b", "c"]
+    assert order.stats.streams_dropped == 1
+
+
+# ------------------------------------------------------------------------------------------ eviction
+def test_ram_tier_evicts_unannounced_first_then_farthest() -> None:
+    order = ReadOrder(BS)
+    ram = RamTier(4 * 100, victim_order=order)
+    files = refs(6, size=100)
+    stray = ObjectRef("stray", "e", 100)
+    ram.put(key(stray), b"s" * 100)  # least recently used, not announced
+    for r in files[:3]:
+        ram.put(key(r), b"x" * 100)
+    order.announce("s", files)
+    ram.put(key(files[5]), b"x" * 100)  # stray goes first (nobody needs it)
+    assert not ram.contains(key(stray))
+    ram.put(key(files[4]), b"x" * 100)  # then the farthest announced: files[5]
+    assert not ram.contains(key(files[5]))
+    assert all(ram.contains(key(r)) for r in files[:3])
+    assert ram.stats.ordered_evictions == 2
+
+
+def test_without_an_active_order_eviction_is_lru() -> None:
+    order = ReadOrder(BS)
+    ram = RamTier(2 * 100, victim_order=order)
+    a, b, c = refs(3, size=100)
+    ram.put(key(a), b"x" * 100)
+    ram.put(key(b), b"x" * 100)
+    ram.put(key(c), b"x" * 100)
+    assert not ram.contains(key(a)) and ram.stats.ordered_evictions == 0
+
+
+def test_disk_tier_ranks_victims_too() -> None:
+    order = ReadOrder(BS)
+    with tempfile.TemporaryDirectory() as tmp:
+        block = 4096
+        disk = DiskTier(Path(tmp), 10 * (block + 200), high_watermark=0.9, low_watermark=0.5, victim_order=order)
+        files = refs(12, size=block)
+        order.announce("s", files)
+        for r in reversed(files[:9]):  # nearest inserted last: LRU would evict the nearest first
+            disk.put(key(r), b"x" * block)
+        disk.put(key(files[9]), b"x" * block)
+        kept = [i for i, r in enumerate(files[:9]) if disk.contains(key(r))]  # files[9] is the new block
+        assert kept == list(range(len(kept))) and disk.stats.ordered_evictions == 9 - len(kept) > 0
+
+
+# ------------------------------------------------------------------------------------------ prefetcher
+def make_cache(store: InMemoryObjectStore, ram_bytes: int = 64 * BS, fetches: int = 8) -> BlockCache:
+    settings = CacheSettings(block_size=BS, ram_bytes=ram_bytes, disk_bytes=0, max_concurrent_fetches=fetches)
+    return BlockCache(settings, store, RamTier(ram_bytes))
+
+
+def stored(store: InMemoryObjectStore, n: int, size: int) -> list[ObjectRef]:
+    out = []
+    for i in range(n):
+        info = store.put_object(f"d/{i:04d}", bytes([i % 251]) * size)
+        out.append(ObjectRef(info.key, info.etag, info.size))
+    return out
+
+
+def test_prefetcher_fetches_within_the_window_and_follows_opens() -> None:
+    async def main() -> None:
+        store = InMemoryObjectStore()
+        files = stored(store, 40, 10_000)
+        cache = make_cache(store)
+        order = ReadOrder(BS)
+        pf = OrderPrefetcher(order, cache, window_bytes=50_000)
+        order.announce("s", files)
+        await pf.round()
+        await pf.drain()
+        fetched = [r for r in files if cache.is_cached(key(r))]
+        assert fetched == files[:5]  # five files of 10,000 bytes fill the 50,000-byte window
+        assert order.window_bytes() <= 50_000
+        for r in files[:5]:
+            order.opened(r, cache.is_cached)
+        await pf.round()
+        await pf.drain()
+        assert [r for r in files if cache.is_cached(key(r))] == files[:9]
+        assert order.stats.order_hits == 5 and order.stats.stalls == 0
+        # Reads of prefetched blocks are RAM hits, not fetches.
+        gets = store.stats.get_requests
+        for i in range(4, 9):
+            assert bytes(await cache.read(files[i], 0, 10_000)) == bytes([i % 251]) * 10_000
+        assert store.stats.get_requests == gets
+        await pf.stop()
+
+    asyncio.run(main())
+
+
+def test_a_diverging_reader_reads_correct_bytes_and_waste_is_bounded() -> None:
+    async def main() -> None:
+        store = InMemoryObjectStore()
+        files = stored(store, 60, 10_000)
+        cache = make_cache(store)
+        order = ReadOrder(BS)
+        pf = OrderPrefetcher(order, cache, window_bytes=30_000)
+        order.announce("s", files[:50])
+        pf.start()
+        # Skips, repeats, reads of files never announced, then stops.
+        for i in [0, 1, 1, 7, 3, 55, 20, 20, 21]:
+            r = files[i]
+            order.opened(r, cache.is_cached)
+            data = await cache.read(r, 0, r.size)
+            assert bytes(data) == bytes([i % 251]) * 10_000
+            await asyncio.sleep(0)
+        await pf.drain()
+        # At most one window beyond the furthest entry opened (index 21) was fetched.
+        assert order.streams()[0].cursor <= 21 + 1 + 3
+        await pf.stop()
+
+    asyncio.run(main())
+
+
+def test_window_is_bounded_by_the_cache() -> None:
+    store = InMemoryObjectStore()
+    cache = make_cache(store, ram_bytes=8 * BS)
+    assert window_limit(cache, 1 << 40) == 2 * BS
+
+
+def test_announced_loads_leave_fetch_slots_to_reads() -> None:
+    async def main() -> None:
+        store = InMemoryObjectStore()
+        cache = make_cache(store, fetches=8)
+        pf = OrderPrefetcher(ReadOrder(BS), cache)
+        assert pf.slot_count == 6
+
+    asyncio.run(main())
+
+
+def test_a_file_larger_than_the_window_is_fetched_up_to_the_window() -> None:
+    async def main() -> None:
+        store = InMemoryObjectStore()
+        info = store.put_object("big", b"b" * (10 * BS))
+        big = ObjectRef(info.key, info.etag, info.size)
+        cache = make_cache(store)
+        order = ReadOrder(BS)
+        pf = OrderPrefetcher(order, cache, window_bytes=3 * BS)
+        order.announce("s", [big])
+        await pf.round()
+        await pf.drain()
+        assert [i for i in range(10) if cache.is_cached(key(big, i))] == [0, 1, 2]
+
+    asyncio.run(main())
