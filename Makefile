@@ -12,7 +12,7 @@ PY     := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 PYTEST_FLAGS ?= -q -p no:cacheprovider -ra --strict-markers -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: all setup demo test pytest lint-imports typecheck bench clean help
+.PHONY: all setup demo test pytest lint-imports typecheck bench bench-cluster clean help
 
 all: test
 
@@ -24,6 +24,8 @@ help:
 	@echo "make typecheck     mypy over the product packages only"
 	@echo "make bench         cachefs vs rclone mount vs s3fs-fuse on a local SeaweedFS (root; ~20 min;"
 	@echo "                   BENCH_ARGS=\"--size 256MiB --files 1000 --runs 1\" for a short one); see docs/benchmarks.md"
+	@echo "make bench-cluster 4 nodes, one dataset, a throttled source and a shared cluster tier (root;"
+	@echo "                   BENCH_CLUSTER_ARGS=\"--size 256MiB\"); results in bench-results/cluster.{json,md}"
 	@echo "make clean         remove $(VENV), build outputs and caches"
 
 setup:
@@ -61,6 +63,11 @@ BENCH_ARGS ?=
 bench:
 	bash scripts/setup.sh --bench
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)
+
+# The shared cluster tier's benchmark (benchmarks/cluster.py): two local SeaweedFS, one behind a
+# throttled proxy; not part of `make test` (its smoke test is).
+bench-cluster:
+	$(PY) -m benchmarks.cluster $(BENCH_CLUSTER_ARGS)
 
 # Refuses while anything under the tree is still mounted: rm -rf would otherwise walk into a live
 # mount (a demo interrupted with kill -9 can leave one behind).
