@@ -1,0 +1,103 @@
+"""deploy/components/cluster-store (SeaweedFS as the cluster tier's store) rendered by real kustomize.
+
+The example overlay that uses it, ``deploy/overlays/with-cluster-store``, is rendered with
+``kubectl kustomize`` (tests/csi/kustomize.py) and every object validated against the Kubernetes
+schemas (the component's own files are also validated one by one by tests/csi/test_manifests.py).
+Then the pieces are checked against each other and against the driver's parsers: the StorageClass
+parameters the component adds parse and point at the component's Service and port, the store
+listens where the Service sends, the bucket Job creates the bucket the StorageClass names, both
+read the same Secret with the keys the driver's credential parser knows, and every image is pinned
+(the cachefs one renamed by the overlay).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+
+from csi_driver import attributes
+from tests.csi.kustomize import kustomize_build
+from tests.csi.test_manifests import CLUSTER_SCOPED, DEPLOY, VERSIONS, by_kind, containers
+
+OVERLAY = DEPLOY / "overlays" / "with-cluster-store"
+SITE_IMAGE = "registry.example.com/cachefs-csi:0.1.0"
+STORE_SECRET = "cachefs-cluster-store-credentials"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return kustomize_build(OVERLAY)
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (obj,) = by_kind(objects, kind)
+    return obj
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_overlay_with_the_component_is_valid_kubernetes(rendered, version: str) -> None:
+    kinds = {obj["kind"] for obj in rendered}
+    assert {"StatefulSet", "Service", "Job", "StorageClass", "DaemonSet", "Deployment"} <= kinds
+    for obj in rendered:
+        kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)
+        if obj["kind"] not in CLUSTER_SCOPED:
+            assert obj["metadata"]["namespace"] == "cachefs", obj["metadata"]["name"]
+
+
+def test_storage_class_points_at_the_component_store(rendered) -> None:
+    params = one(rendered, "StorageClass")["parameters"]
+    attributes.parse_provision_parameters(params)  # the driver accepts them
+    options = attributes.parse_cache_options(params)
+    assert options.cluster_cache == "s3://cachefs-cluster/"
+    url = urlsplit(params["clusterEndpointUrl"])
+    service = one(rendered, "Service")
+    assert url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    (port,) = service["spec"]["ports"]
+    assert url.port == port["port"] == 8333
+
+
+def test_store_listens_where_the_service_sends_and_keeps_its_data(rendered) -> None:
+    store, service = one(rendered, "StatefulSet"), one(rendered, "Service")
+    assert store["spec"]["serviceName"] == service["metadata"]["name"]
+    labels = store["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    (server,) = store["spec"]["template"]["spec"]["containers"]
+    args = server["args"]
+    assert args[0] == "server" and "-s3" in args
+    (s3_port,) = [p for p in server["ports"] if p["name"] == service["spec"]["ports"][0]["targetPort"]]
+    assert f"-s3.port={s3_port['containerPort']}" in args
+    data_dir = next(a.split("=", 1)[1] for a in args if a.startswith("-dir="))
+    (claim,) = store["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": data_dir} in server["volumeMounts"]
+    config = next(a.split("=", 1)[1] for a in args if a.startswith("-s3.config="))
+    (init,) = store["spec"]["template"]["spec"]["initContainers"]
+    assert config in init["command"][-1]  # the init container writes the identities file the server reads
+
+
+def test_bucket_job_and_store_share_the_secret_and_the_bucket(rendered) -> None:
+    store, job = one(rendered, "StatefulSet"), one(rendered, "Job")
+    params = one(rendered, "StorageClass")["parameters"]
+    (creator,) = job["spec"]["template"]["spec"]["containers"]
+    endpoint, bucket = creator["command"][-2:]
+    assert f"s3://{bucket}/" == params["clusterCache"]
+    assert urlsplit(endpoint).port == 8333
+    for container in [creator, *containers(store)]:
+        refs = {e["valueFrom"]["secretKeyRef"]["name"]: None for e in container.get("env", []) if "valueFrom" in e}
+        keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", []) if "valueFrom" in e}
+        if container["name"] == "seaweedfs":
+            continue  # the server reads the identities file, not the Secret
+        assert set(refs) == {STORE_SECRET}, container["name"]
+        # the same keys as a volume's Secret, as the driver's credential parser reads them
+        assert attributes.parse_credentials({k: "x" for k in keys}) is not None
+
+
+def test_images_are_pinned_and_the_overlay_renames_cachefs(rendered) -> None:
+    images = [c["image"] for obj in rendered if obj["kind"] in ("DaemonSet", "Deployment", "StatefulSet", "Job")
+              for c in containers(obj)]
+    assert all(":" in image and not image.endswith(":latest") for image in images), images
+    assert SITE_IMAGE in [c["image"] for c in containers(one(rendered, "Job"))]
+    assert {c["image"] for c in containers(one(rendered, "StatefulSet"))} == {"chrislusf/seaweedfs:4.48"}
