@@ -125,6 +125,11 @@ class Node:
         self.pid = int(call(self.mnt, "/info")["pid"])
         return self
 
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the daemon has used so far (/proc/PID/stat)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stats(self) -> dict[str, Any]:
         return call(self.mnt, "/stats")
 
@@ -151,6 +156,7 @@ class ClusterBench:
         self.hashes: dict[str, str] = {}
         self.nodes: list[Node] = []
         self.proxy: ThrottledProxy | None = None
+        self.daemon_cpu: dict[str, tuple[float, float]] = {}  # node -> (CPU seconds, wall seconds) of its read
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -197,11 +203,13 @@ class ClusterBench:
         keys = sorted(self.hashes)
         each = self.dataset_bytes // len(keys)
 
+        cpu = node.cpu_s()
         begin = time.perf_counter()
         with ThreadPoolExecutor(max_workers=self.args.readers) as pool:
             futures = {key: pool.submit(read_whole, node.mnt / key, each) for key in keys}
             results = {key: f.result(timeout=self.read_timeout_s()) for key, f in futures.items()}
         elapsed = time.perf_counter() - begin
+        self.daemon_cpu[node.name] = (node.cpu_s() - cpu, elapsed)
         for key, data in results.items():
             if len(data) != each or hashlib.sha256(data).hexdigest() != self.hashes[key]:
                 raise RuntimeError(f"{node.name}: {key} read {len(data)} bytes with the wrong SHA-256")
@@ -254,7 +262,9 @@ class ClusterBench:
             per_node[node.name] = {"source_bytes": s["object_store"]["bytes_read"],
                                    "source_gets": s["object_store"]["get_requests"],
                                    "cluster_hits": s["cluster"]["hits"], "cluster_misses": s["cluster"]["misses"],
-                                   "cluster_errors": s["cluster"]["errors"], "read_mib_s": round(rates[node.name], 1)}
+                                   "cluster_errors": s["cluster"]["errors"], "read_mib_s": round(rates[node.name], 1),
+                                   "daemon_cpu_s": round(self.daemon_cpu[node.name][0], 2),
+                                   "read_s": round(self.daemon_cpu[node.name][1], 2)}
         source_bytes = sum(n["source_bytes"] for n in per_node.values())
 
         # Mounted while the store is up (a mount refuses an unreachable cluster store), then stopped.
@@ -323,9 +333,10 @@ def markdown(r: dict[str, Any]) -> str:
     d = r["cluster_down"]
     lines.append(f"| cluster store stopped, fresh node | {d['read_mib_s']:.1f} MiB/s, bytes verified "
                  f"({d['ratio_to_node1']:.2f}x node 1) | source speed |")
-    lines += ["", "| node | from source | cluster hits | read MiB/s |", "|---|---|---|---|"]
+    lines += ["", "| node | from source | cluster hits | read MiB/s | daemon CPU s / read s |", "|---|---|---|---|---|"]
     for name, n in r["per_node"].items():
-        lines.append(f"| {name} | {n['source_bytes'] / MiB:.0f} MiB | {n['cluster_hits']} | {n['read_mib_s']:.1f} |")
+        lines.append(f"| {name} | {n['source_bytes'] / MiB:.0f} MiB | {n['cluster_hits']} | {n['read_mib_s']:.1f} "
+                     f"| {n['daemon_cpu_s']:.2f} / {n['read_s']:.2f} |")
     lines += ["", "| target | measured | wanted | status |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['measured']} | {t['target']} | {t['status']} |" for t in r["targets"]]
     return "\n".join(lines) + "\n"

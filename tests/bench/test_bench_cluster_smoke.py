@@ -52,6 +52,7 @@ def test_cluster_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert data["source_bytes_all_nodes"] == SIZE and data["source_bytes_ratio"] == 1.0
     assert data["node1_write_behind"]["dropped"] == 0
     assert data["cluster_blocks"] > 0
+    assert all(n["daemon_cpu_s"] >= 0 and n["read_s"] > 0 for n in data["per_node"].values())
     for key in ("node1_cold_mib_s", "later_nodes_median_mib_s", "cluster_raw_get_mib_s", "later_nodes_ratio_to_raw_get"):
         assert data[key] > 0, key
     down = data["cluster_down"]
