@@ -21,18 +21,26 @@ The remount of one trial is the mount the next trial writes to, so later trials 
 left by earlier kills and overwrite objects uploaded after them. The trial count, the acknowledged
 versions checked and the zero losses are printed. ``CACHEFS_WB_CRASH_TRIALS`` and
 ``CACHEFS_WB_CRASH_SEED`` change and replay a run.
+
+A failure keeps its evidence in a directory under ``$TMPDIR`` named in the message: the daemons'
+logs, the journal records the killed daemon left (decoded with ``tiering.writeback.journal``) and
+those left after the flush, the staging files, the bucket listing, and which of the names with a
+problem still answer a HEAD (stored but not listed: a listing problem, not a loss).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,6 +56,7 @@ from tests.fuse.writeback_support import (
     s3env,
     sha256,
 )
+from tiering.writeback.journal import RECORD_SUFFIX, decode_record
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
 
@@ -182,6 +191,7 @@ def test_kill_9_during_writes_loses_nothing_acknowledged(seaweed, mounter, tmp_p
                 flusher.wait(10)
                 pytest.fail(f"trial {number}: cachefs flush still runs 60 s after its daemon was killed")
         t_killed = time.monotonic()
+        journal_at_kill = _journal(cache)  # what the dead daemon left for the next one to replay
         way = clear_dead_mount(m)
         ways[way] = ways.get(way, 0) + 1
         t_cleared = time.monotonic()
@@ -222,9 +232,13 @@ def test_kill_9_during_writes_loses_nothing_acknowledged(seaweed, mounter, tmp_p
                 kind = "earlier verified state changed"
             losses.append(f"{name}: {kind} (expected {_short(want)}, allowed {sorted(map(_short, allowed))}, "
                           f"bucket {_short(got)})")
+        evidence = ""
+        if losses:
+            lost = [problem.partition(":")[0] for problem in losses]
+            evidence = _keep_evidence(seed, number, cache, client, bucket, journal_at_kill, lost)
         assert not losses, (
             f"seed {seed}, trial {number} ({'with' if with_flush else 'without'} a concurrent flush): "
-            f"{len(losses)} problems:\n  " + "\n  ".join(losses[:30])
+            f"{len(losses)} problems:\n  " + "\n  ".join(losses[:30]) + "\n" + evidence
         )
         if pending is not None:
             landed = bucket_now.get(pending.name) == pending.sha and pending.sha != expected.get(pending.name)
@@ -255,6 +269,58 @@ def test_kill_9_during_writes_loses_nothing_acknowledged(seaweed, mounter, tmp_p
           f"completed {totals['pending_landed']}, not {totals['pending_not_landed']}; "
           f"{totals['checked_objects']} object checks; dead mounts cleared by {ways}; "
           f"{time.monotonic() - started:.0f} s")
+
+
+def _journal(cache: Path) -> dict[str, str]:
+    """The journal records under ``cache`` now: key -> "op seq=N" (unreadable ones by file name)."""
+    found: dict[str, str] = {}
+    for path in sorted(cache.glob(f"*/staging/records/*{RECORD_SUFFIX}")):
+        try:
+            record = decode_record(path.read_bytes())
+        except (OSError, ValueError, TypeError) as exc:
+            found[path.name] = f"unreadable: {exc}"
+            continue
+        found[record.key] = f"{record.op} seq={record.seq} size={record.size}"
+    return found
+
+
+def _keep_evidence(seed: int, number: int, cache: Path, client: Any, bucket: str,
+                   journal_at_kill: dict[str, str], lost: list[str]) -> str:
+    """On a loss, keep what explains it: the daemons' logs, the journal as the killed daemon left it
+    and as it is now, the staging directory, the bucket listing (markers included) and whether each
+    name answers a HEAD (a listing that leaves keys out is not a loss). Copied to a
+    directory that outlives the test's tmp_path; returns a summary for the failure message."""
+    keep = Path(tempfile.gettempdir()) / f"cachefs-wbcrash-seed{seed}-trial{number}-{uuid.uuid4().hex[:6]}"
+    keep.mkdir(parents=True)
+    for log in cache.glob("*/daemon.log*"):
+        shutil.copy(log, keep / log.name)
+    journal_now = _journal(cache)
+    (keep / "journal-at-kill.txt").write_text("".join(f"{k} {v}\n" for k, v in sorted(journal_at_kill.items())))
+    (keep / "journal-after-flush.txt").write_text("".join(f"{k} {v}\n" for k, v in sorted(journal_now.items())))
+    listing = [f"{p.relative_to(cache)} {p.stat().st_size}" for p in sorted(cache.glob("*/staging/**/*")) if p.is_file()]
+    (keep / "staging-files.txt").write_text("\n".join(listing) + "\n")
+    keys = list_keys(client, bucket, PREFIX)
+    (keep / "bucket.txt").write_text("".join(f"{k} {m.get('size')} {m.get('etag')}\n" for k, m in sorted(keys.items())))
+    at_kill = [name for name in lost if name in journal_at_kill or PREFIX + name in journal_at_kill]
+    directories = sorted({name.rpartition("/")[0] + "/" for name in lost if "/" in name})
+    markers = ", ".join(f"{d} {journal_at_kill.get(d) or journal_at_kill.get(PREFIX + d) or 'no record'}"
+                        for d in directories[:5])
+    # A HEAD per name, independent of the listing: a key that answers is stored, only not listed.
+    stored = []
+    for name in lost:
+        try:
+            client.head_object(Bucket=bucket, Key=PREFIX + name)
+            stored.append(name)
+        except Exception:  # noqa: BLE001 - evidence only: any error counts as not found
+            pass
+    replay_lines = []
+    for log in sorted(keep.glob("daemon.log*")):
+        replay_lines += [line.strip() for line in log.read_text(errors="replace").splitlines()
+                         if "replayed the journal" in line or "quarantin" in line or "ERROR" in line]
+    return (f"evidence kept in {keep}: of {len(lost)} names with a problem, {len(stored)} answer a HEAD "
+            f"(stored, not listed), {len(at_kill)} had a journal record after the kill; their directories' markers at the kill: {markers}; {len(journal_now)} records left "
+            f"after the flush; {len(keys)} keys listed; last log lines about replay and errors:\n    "
+            + "\n    ".join(replay_lines[-8:]))
 
 
 def _errname(exc: BaseException | None) -> str:

@@ -39,6 +39,8 @@ T = TypeVar("T")
 # Upper bound of a `cachefs flush` the tests expect to succeed: everything the tests write drains
 # from a loopback SeaweedFS in seconds; the margin is for a loaded 2-core CI runner.
 FLUSH_TIMEOUT_S = 120
+# Keys per ListObjectsV2 page asked for by ``list_keys`` (the S3 maximum and default).
+LIST_PAGE_KEYS = 1000
 # Upper bound for a kill -9'd daemon to be gone (it is not our child: we poll /proc).
 DEATH_WAIT_S = 10.0
 
@@ -197,19 +199,35 @@ def describe_diff(expected: bytes, actual: bytes) -> str:
 
 
 def list_keys(client: Any, bucket: str, prefix: str) -> dict[str, dict[str, Any]]:
-    """Every object under ``prefix`` (all pages): key -> {"size", "etag"}."""
+    """Every object under ``prefix`` (all pages): key -> {"size", "etag"}.
+
+    A full page answered "not truncated" is not trusted: SeaweedFS (4.48) answers a recursive
+    ListObjectsV2 whose page of 1,000 keys ends exactly on a directory marker that is the last entry
+    of its parent with ``IsTruncated: false``, so every key below that marker would be missed (the
+    crash test once reported a whole trial directory "lost" that way). After a full page the listing
+    goes on from its last key (``StartAfter``) until a page comes back short.
+    """
     out: dict[str, dict[str, Any]] = {}
     token: str | None = None
+    start_after: str | None = None
     while True:
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": LIST_PAGE_KEYS}
         if token:
             kwargs["ContinuationToken"] = token
+        elif start_after:
+            kwargs["StartAfter"] = start_after
         page = client.list_objects_v2(**kwargs)
-        for obj in page.get("Contents", []):
+        contents = page.get("Contents", [])
+        for obj in contents:
             out[obj["Key"]] = {"size": obj["Size"], "etag": obj["ETag"]}
-        if not page.get("IsTruncated"):
+        if page.get("IsTruncated"):
+            token, start_after = page["NextContinuationToken"], None
+        elif len(contents) >= LIST_PAGE_KEYS:
+            last = contents[-1]["Key"]
+            assert start_after is None or last > start_after, f"listing {prefix!r} does not advance past {last!r}"
+            token, start_after = None, last  # see the docstring: check past it
+        else:
             return out
-        token = page["NextContinuationToken"]
 
 
 def get_bytes(client: Any, bucket: str, key: str) -> bytes:
