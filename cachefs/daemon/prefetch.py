@@ -459,26 +459,25 @@ class PrefetchManager:
     def _check(self, job: PrefetchJob, files: list[_File]) -> None:
         """--check: how much of each file is on the disk tier; nothing is fetched."""
         for f in files:
-            f.cached_bytes = self._cached_bytes(f.ref)
-            job.bytes_cached += f.cached_bytes
-            job.files_done += 1
-            if f.cached_bytes == f.ref.size:
-                job.files_cached += 1
-            else:
-                job.not_cached.append(f.ref.key)
+            self._checked(job, f, self._cached_bytes(f.ref))
         job.bytes_done = job.bytes_cached
 
     async def _check_cluster(self, job: PrefetchJob, files: list[_File]) -> None:
         """--check --tier cluster: how much of each file the cluster tier holds; nothing is fetched."""
         for f in files:
-            f.cached_bytes = await self._cluster_cached_bytes(f.ref)
-            job.bytes_cached += f.cached_bytes
-            job.files_done += 1
-            if f.cached_bytes == f.ref.size:
-                job.files_cached += 1
-            else:
-                job.not_cached.append(f.ref.key)
+            self._checked(job, f, await self._cluster_cached_bytes(f.ref))
         job.bytes_done = job.bytes_cached
+
+    @staticmethod
+    def _checked(job: PrefetchJob, f: _File, cached_bytes: int) -> None:
+        """Count one file of a --check: cached whole, or named among those not cached."""
+        f.cached_bytes = cached_bytes
+        job.bytes_cached += cached_bytes
+        job.files_done += 1
+        if cached_bytes == f.ref.size:
+            job.files_cached += 1
+        else:
+            job.not_cached.append(f.ref.key)
 
     async def _cluster_cached_bytes(self, ref: ObjectRef) -> int:
         """Bytes of ``ref`` the cluster tier holds (one HEAD per block, at most the fetch slots at once)."""
