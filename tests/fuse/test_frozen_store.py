@@ -4,7 +4,7 @@ Two ways to freeze a private SeaweedFS after the test data is cached through a r
 
 * ``sigstop``: SIGSTOP of the server process this test started (its PID only; SIGCONT in a
   ``finally``). The kernel still accepts connections on its listening sockets; nothing answers.
-* ``blackhole``: the mount reaches the server through ``FreezableProxy``, a TCP proxy on 127.0.0.1
+* ``blackhole``: the mount reaches the server through ``LoopbackProxy``, a TCP proxy on 127.0.0.1
   that forwards until ``freeze()``, then accepts new connections and reads what is sent on any
   connection without ever answering; ``thaw()`` drops the connections it held and forwards again.
 
@@ -23,7 +23,6 @@ import json
 import os
 import random
 import signal
-import socket
 import threading
 import uuid
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from tests.fuse.conftest import run_cli
-from tests.fuse.writeback_support import bounded, flush, get_bytes, s3env
+from tests.fuse.writeback_support import LoopbackProxy, bounded, flush, get_bytes, s3env
 from tests.support.s3servers import SeaweedS3
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -50,101 +49,6 @@ CLI_BOUND_S = 3 * FLUSH_TIMEOUT_S + 10
 # After the thaw: the circuit's probe runs every 5 s, uploads wait 2 s after close; a flush this long
 # finds everything in the store unless something stayed stuck.
 DRAIN_TIMEOUT_S = 120
-
-
-class FreezableProxy:
-    """TCP proxy to ``127.0.0.1:target_port``: forwards, or (frozen) accepts and never answers."""
-
-    CHUNK = 64 * KiB
-
-    def __init__(self, target_port: int) -> None:
-        self.target = ("127.0.0.1", target_port)
-        self._frozen = threading.Event()
-        self._thawed = threading.Event()
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._held: list[socket.socket] = []  # accepted while frozen: never answered
-        self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.port = self._listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._accept, daemon=True, name="freezable-proxy")
-        self._thread.start()
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def freeze(self) -> None:
-        self._thawed.clear()
-        self._frozen.set()
-
-    def thaw(self) -> None:
-        self._frozen.clear()
-        self._thawed.set()
-        with self._lock:
-            held, self._held = self._held, []
-        for sock in held:
-            _close(sock)
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if self._frozen.is_set():
-                with self._lock:
-                    self._held.append(client)  # the kernel's buffers take what it sends; no answer
-                continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            client.settimeout(None)
-            with self._lock:
-                self._sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while not self._closed.is_set():
-                data = src.recv(self.CHUNK)
-                if not data:
-                    break
-                if self._frozen.is_set():
-                    # Swallow it and answer nothing; when thawed, drop the connection (a partition
-                    # that heals resets what was in flight).
-                    self._thawed.wait(600)
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            _close(src)
-            _close(dst)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._thawed.set()
-        self._listener.close()
-        with self._lock:
-            sockets = self._sockets + self._held
-        for sock in sockets:
-            _close(sock)
-        self._thread.join(5)
-
-
-def _close(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(OSError):
-        sock.close()
 
 
 @contextlib.contextmanager
@@ -215,7 +119,7 @@ def test_a_frozen_store_never_freezes_the_mount(mounter, how: str) -> None:
         server.put(bucket, "other/never-listed.bin", b"x")
         env = s3env(server)
         if how == "blackhole":
-            proxy = FreezableProxy(server.s3_port)
+            proxy = LoopbackProxy(server.s3_port)
             stack.callback(proxy.close)
             env["AWS_ENDPOINT_URL"] = proxy.endpoint_url
             freeze, thaw = proxy.freeze, proxy.thaw

@@ -33,7 +33,7 @@ import pytest
 
 from tests.fuse.conftest import run_cli
 from tests.fuse.writeback_support import (
-    ThrottledProxy,
+    LoopbackProxy,
     bounded,
     flush,
     flush_ok,
@@ -210,7 +210,7 @@ def test_back_pressure_small_disk_tier_slow_store(seaweed, mounter, tmp_path: Pa
     bucket = f"wbbp-{uuid.uuid4().hex[:8]}"
     seaweed.make_bucket(bucket)
     client = seaweed.client()
-    with ThrottledProxy(seaweed.s3_port, 40 * MiB) as proxy:
+    with LoopbackProxy(seaweed.s3_port, 40 * MiB) as proxy:
         env = {**s3env(seaweed), "AWS_ENDPOINT_URL": proxy.endpoint_url, "AWS_ENDPOINT_URL_S3": proxy.endpoint_url}
         m = mounter.mount(f"s3://{bucket}/bp", "--disk-cache", "64MiB", "--endpoint-url", proxy.endpoint_url,
                           env=env)

@@ -20,10 +20,12 @@ Every wait is bounded; processes are signalled only by the PIDs the test itself 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -291,34 +293,53 @@ def errno_name(code: int | None) -> str:
 # -- a slow link to the store -----------------------------------------------------------------------
 
 
-class ThrottledProxy:
-    """A TCP proxy on 127.0.0.1 that limits the bytes sent towards the store (uploads) to ``rate``
-    bytes per second over all connections together, so a test can make the store slower than its
-    writers without touching the server. Replies pass unthrottled. Threads, plain sockets; ``close``
-    stops everything (bounded)."""
+class LoopbackProxy:
+    """A TCP proxy on 127.0.0.1 in front of a store, for tests that change the link, not the server.
+
+    ``rate_bytes_per_s``: the bytes sent towards the store (uploads) are limited to that rate over all
+    connections together, so a test can make the store slower than its writers; replies pass
+    unthrottled. ``freeze()``: new connections are accepted and never answered, and what arrives on
+    open ones is swallowed (a silent partition, not a refused connection); ``thaw()`` drops what was
+    in flight, as a healed partition resets it, and forwards again. Threads and plain sockets;
+    ``close`` stops everything (bounded).
+    """
 
     CHUNK = 64 * 1024
 
-    def __init__(self, target_port: int, rate_bytes_per_s: float, host: str = "127.0.0.1") -> None:
-        import socket
-
-        self.target = (host, target_port)
+    def __init__(self, target_port: int, rate_bytes_per_s: float | None = None) -> None:
+        self.target = ("127.0.0.1", target_port)
         self.rate = rate_bytes_per_s
         self._lock = threading.Lock()
         self._next_free = time.monotonic()
+        self._frozen = threading.Event()
+        self._thawed = threading.Event()
         self._closed = threading.Event()
-        self._listener = socket.create_server((host, 0))
+        self._held: list[socket.socket] = []  # accepted while frozen: never answered
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
-        self._sockets: list[Any] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True, name="throttled-proxy")
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="loopback-proxy")
         self._thread.start()
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://{self.target[0]}:{self.port}"
+        return f"http://127.0.0.1:{self.port}"
+
+    def freeze(self) -> None:
+        self._thawed.clear()
+        self._frozen.set()
+
+    def thaw(self) -> None:
+        self._frozen.clear()
+        self._thawed.set()
+        with self._lock:
+            held, self._held = self._held, []
+        for sock in held:
+            _close(sock)
 
     def _throttle(self, nbytes: int) -> None:
+        assert self.rate is not None
         with self._lock:
             now = time.monotonic()
             start = max(now, self._next_free)
@@ -328,8 +349,6 @@ class ThrottledProxy:
             self._closed.wait(wait)
 
     def _accept(self) -> None:
-        import socket
-
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
@@ -337,6 +356,10 @@ class ThrottledProxy:
                 continue
             except OSError:
                 return
+            if self._frozen.is_set():
+                with self._lock:
+                    self._held.append(client)  # the kernel's buffers take what it sends; no answer
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
@@ -344,42 +367,48 @@ class ThrottledProxy:
                 continue
             upstream.settimeout(None)
             client.settimeout(None)
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+            with self._lock:
+                self._sockets += [client, upstream]
+            for src, dst, towards_store in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, towards_store), daemon=True).start()
 
-    def _pump(self, src: Any, dst: Any, throttled: bool) -> None:
-        import socket
-
+    def _pump(self, src: socket.socket, dst: socket.socket, towards_store: bool) -> None:
         try:
             while not self._closed.is_set():
                 data = src.recv(self.CHUNK)
                 if not data:
                     break
-                if throttled:
+                if self._frozen.is_set():
+                    self._thawed.wait(600)  # swallowed, never answered; the thaw drops the connection
+                    break
+                if towards_store and self.rate is not None:
                     self._throttle(len(data))
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _close(src)
+            _close(dst)
 
     def close(self) -> None:
         self._closed.set()
+        self._thawed.set()
         self._listener.close()
-        for s in self._sockets:
-            try:
-                s.close()
-            except OSError:
-                pass
+        with self._lock:
+            sockets = self._sockets + self._held
+        for sock in sockets:
+            _close(sock)
         self._thread.join(5)
 
-    def __enter__(self) -> "ThrottledProxy":
+    def __enter__(self) -> "LoopbackProxy":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
