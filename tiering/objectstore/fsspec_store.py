@@ -289,7 +289,7 @@ class FsspecObjectStore:
                 entries = await self._ls(self._root)
             except FileNotFoundError:
                 if self._http:
-                    raise
+                    raise ObjectNotFoundError(f"{self.source.url}: no such directory on the server (HTTP 404)") from None
                 entries = []
                 if self.protocol in ("gs", "az") and not await self._call("exists", self.source.bucket):
                     raise ObjectNotFoundError(f"{self.protocol}:// bucket {self.source.bucket!r} not found") from None
