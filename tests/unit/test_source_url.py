@@ -68,6 +68,8 @@ REFUSED = [
     ("memory://", "no memory root"),
     ("ftp://host/x", "'ftp' gives no stable version identity"),
     ("sftp://host/x", "'sftp'"),
+    ("gcs://bucket/x", "write gs://"),
+    ("abfs://container/x", "write az://"),
     ("webdav://host/x", "'webdav'"),
     ("nosuchproto://host/x", "unsupported source URL scheme 'nosuchproto'"),
     ("s3:bucket/x", "s3://bucket"),
@@ -169,7 +171,7 @@ def test_a_missing_backend_names_the_extra(url: str, package: str, extra: str) -
     with pytest.raises(ValueError) as info:
         open_object_store(url, endpoint_url=None, connect_timeout_s=1.0, read_timeout_s=1.0, environ={})
     message = str(info.value)
-    assert f"cachefs[{extra}]" in message and package in message and "\n" not in message
+    assert f"cachefs-fuse[{extra}]" in message and package in message and "\n" not in message
 
 
 @pytest.mark.parametrize(("url", "endpoint", "word"), [

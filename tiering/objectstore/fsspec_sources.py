@@ -28,7 +28,7 @@ class FsspecProtocol:
 
     scheme: str
     package: str | None  # the module that implements it (None: fsspec itself)
-    extra: str | None  # the pip extra of cachefs that installs ``package``
+    extra: str | None  # the pip extra of cachefs-fuse that installs ``package``
     identity: str  # where the version identity comes from (README and docs)
     # How a ranged read is pinned to the version (``fsspec_store`` module docstring):
     # "if-match" (the server refuses another version), "generation" (the read names the version),
@@ -48,6 +48,9 @@ FSSPEC_PROTOCOLS: dict[str, FsspecProtocol] = {
     )
 }
 FSSPEC_SCHEMES = tuple(FSSPEC_PROTOCOLS)
+# Other names fsspec gives the same backends: refused with the spelling to use, so that one source
+# has one URL (its cache directory and cluster-tier identity are derived from the URL).
+_ALIASES = {"gcs": "gs", "abfs": "az", "abfss": "az", "huggingface": "hf"}
 
 # GCS bucket names: 3-63 characters (222 with dots) of lowercase letters, digits, '-', '_' and '.',
 # beginning and ending with a letter or digit.
@@ -127,6 +130,8 @@ def parse_fsspec_url(scheme: str, url: str, parts: SplitResult) -> tuple[str, st
 def refusal(scheme: str, known_to_fsspec: bool) -> str:
     """The one line for a scheme cachefs does not mount."""
     supported = ", ".join(("s3", "file", *FSSPEC_SCHEMES))
+    if scheme in _ALIASES:
+        return f"source URL scheme {scheme!r}: write {_ALIASES[scheme]}:// (the one spelling cachefs accepts)"
     if known_to_fsspec:
         return (f"source protocol {scheme!r} gives no stable version identity per object (cachefs could not "
                 f"tell a changed object from the one it cached): supported are {supported}")

@@ -201,7 +201,7 @@ class FsspecObjectStore:
                 self._fs_class: Any = fsspec.get_filesystem_class(source.scheme)
             except ImportError as exc:
                 raise ValueError(f"{source.scheme}:// sources need the {protocol.package} package: "
-                                 f"pip install 'cachefs[{protocol.extra}]'") from exc
+                                 f"pip install 'cachefs-fuse[{protocol.extra}]'") from exc
         self.stats = ObjectStoreStats()
         self.source = source
         self.protocol = source.scheme
