@@ -230,7 +230,9 @@ class FsspecObjectStore:
         """The filesystem, made on first use inside the running loop (its sessions belong to it)."""
         if self._fs is not None:
             return self._fs
-        options: dict[str, Any] = {"skip_instance_cache": True}
+        # No instance shared with other code, and no listing cache: the filesystem layer keeps its
+        # own TTL caches, and a version re-read after a GET must come from the store, not a cache.
+        options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
         if self._http:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s,
                                             sock_read=self._read_timeout_s)
@@ -301,6 +303,7 @@ class FsspecObjectStore:
             fs = await self._filesystem()
             entries = await fs._ls(path, detail=True)
         else:
+            (await self._filesystem()).invalidate_cache(path.rstrip("/"))
             entries = await self._call("ls", path.rstrip("/") or "/", detail=True)
         return [entry for entry in entries if isinstance(entry, dict)]
 
@@ -377,6 +380,7 @@ class FsspecObjectStore:
         return ObjectInfo(key, int(info.get("size") or 0), version, _mtime(info))
 
     async def _info(self, path: str) -> dict[str, Any]:
+        (await self._filesystem()).invalidate_cache(path)  # a backend that caches anyway must ask again
         info = dict(await self._call("info", path))
         if self.protocol == "memory" and info.get("type") == "file":
             info["md5"] = md5_etag(bytes(await self._call("cat_file", path)))
