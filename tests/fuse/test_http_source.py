@@ -46,10 +46,8 @@ def fill(www: Path) -> dict[str, bytes]:
 
 
 def file_gets(server: StaticHttpServer) -> int:
-    """GETs of files below /ds/ (index pages of directories, which end in '/', not counted)."""
-    with server._lock:
-        return sum(n for (method, path), n in server.requests.items()
-                   if method == "GET" and path.startswith("/ds/") and not path.endswith("/"))
+    """GETs of files below /ds/ (index pages of directories not counted)."""
+    return server.gets("/ds/", files_only=True)
 
 
 def test_tree_bytes_and_block_cache(www: Path, server: StaticHttpServer, mounter, tmp_path: Path) -> None:

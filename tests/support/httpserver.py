@@ -59,11 +59,13 @@ class StaticHttpServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
 
-    def gets(self, path_prefix: str = "/") -> int:
-        """GET requests seen so far for paths below ``path_prefix`` (decoded, e.g. ``/ds/``)."""
+    def gets(self, path_prefix: str = "/", *, files_only: bool = False) -> int:
+        """GET requests seen so far for paths below ``path_prefix`` (decoded, e.g. ``/ds/``);
+        with ``files_only``, not those of directories' index pages (paths ending in ``/``)."""
         with self._lock:
             return sum(n for (method, path), n in self.requests.items()
-                       if method == "GET" and path.startswith(path_prefix))
+                       if method == "GET" and path.startswith(path_prefix)
+                       and not (files_only and path.endswith("/")))
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         path = unquote(request.raw_path.partition("?")[0])
