@@ -212,6 +212,7 @@ class FsspecObjectStore:
         self._read_timeout_s = read_timeout_s
         self._slots = asyncio.Semaphore(max_concurrency)
         self._fs: Any = filesystem
+        self._making = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
         self._warned: set[str] = set()
         if self._http:
@@ -230,6 +231,12 @@ class FsspecObjectStore:
         """The filesystem, made on first use inside the running loop (its sessions belong to it)."""
         if self._fs is not None:
             return self._fs
+        async with self._making:  # concurrent first calls make one filesystem (and one session)
+            if self._fs is None:
+                self._fs = await self._make_filesystem()
+        return self._fs
+
+    async def _make_filesystem(self) -> Any:
         # No instance shared with other code, and no listing cache: the filesystem layer keeps its
         # own TTL caches, and a version re-read after a GET must come from the store, not a cache.
         options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
@@ -244,9 +251,6 @@ class FsspecObjectStore:
         fs = self._fs_class(**options)
         if self._http:
             self._session = await fs.set_session()
-        elif self.protocol == "gs":
-            await fs.set_session()
-        self._fs = fs
         return fs
 
     @asynccontextmanager
