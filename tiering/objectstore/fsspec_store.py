@@ -379,8 +379,9 @@ class FsspecObjectStore:
                 raise ObjectNotFoundError(f"no such object: {self._where(key)} (a directory)")
             version = _version(self.protocol, info)
             if version is None:
-                raise UnversionedObjectError(f"{self._where(key)} has no version identity "
-                                       f"({FSSPEC_PROTOCOLS[self.protocol].identity} missing): not served")
+                identity = FSSPEC_PROTOCOLS[self.protocol].identity
+                raise UnversionedObjectError(f"{self._where(key)} has no version identity ({identity} missing): "
+                                             "not served")
         return ObjectInfo(key, int(info.get("size") or 0), version, _mtime(info))
 
     async def _info(self, path: str) -> dict[str, Any]:
