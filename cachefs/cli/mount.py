@@ -43,7 +43,7 @@ from cachefs.settings import (
     FsSettings,
     MountSettings,
 )
-from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
+from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, read_only_source_problem
 from tiering.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CLUSTER_TIMEOUT_S,
@@ -205,6 +205,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         cluster = _cluster_settings(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not args.read_only and (problem := read_only_source_problem(args.source)):
+        raise UsageError(problem)
     if not args.read_only and args.disk_cache == 0:
         raise UsageError("a writable mount stages writes in the disk cache: give --disk-cache a size, or use --read-only")
     if not args.read_only and args.disk_cache < args.block_size:
