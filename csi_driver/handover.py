@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from cachefs.handover import HandoverError
+from cachefs.handover import MAX_SOCKET_PATH, HandoverError
 from csi_driver import fusefd
 from csi_driver.errors import Code, CsiError
 from csi_driver.launchers import DaemonLauncher, DaemonSpec, daemon_name
@@ -113,6 +113,11 @@ class HandoverMounter(CachefsMounter):
             request = dataclasses.replace(request, owner=dataclasses.replace(
                 owner, uid=os.geteuid() if owner.uid is None else owner.uid,
                 gid=os.getegid() if owner.gid is None else owner.gid))
+        # The longest socket the daemon makes: its control socket, $XDG_RUNTIME_DIR/cachefs/<16 hex>.sock.
+        longest = run_dir / "cachefs" / f"{'0' * 16}.sock"
+        if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+            raise CsiError(Code.FAILED_PRECONDITION, f"the run root {self.run_root} is too long for unix socket "
+                                                     f"paths ({longest} exceeds {MAX_SOCKET_PATH} bytes)")
         args = self.mount_argv(request)[len(self.command):]
         args += ["--fuse-fd-socket", str(run_dir / "fuse.sock")]
         env = {key: value for key, value in self.child_environ(request).items() if key.startswith("AWS_")}
