@@ -44,9 +44,10 @@ MODES = ("node", "controller", "all")
 # and hands the FUSE fd to the daemon (csi_driver.handover).
 MOUNT_MODES = ("process",)
 DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
-# The daemons' run directories (handover and control sockets, pid records): tmpfs, like their mounts
-# gone at a reboot.
-DEFAULT_RUN_ROOT = Path("/run/cachefs-csi")
+# The daemons' run directories (handover and control sockets, pid records): on tmpfs, gone at a
+# reboot like the mounts. /run/cachefs is where a root `cachefs mount` puts its control socket, and
+# the host path the DaemonSet and deploy/examples/training-job-prefetch.yaml already share.
+DEFAULT_RUN_ROOT = Path("/run/cachefs")
 # gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
 # slow store); the kubelet runs a handful of volume operations at once, the provisioner a few more.
 GRPC_WORKERS = 16
