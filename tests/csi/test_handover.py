@@ -27,6 +27,7 @@ import pytest
 
 from cachefs import mounts
 from cachefs.client import call
+from cachefs.tuning import FUSE_READ_AHEAD_KB
 from csi_driver import fusefd
 from csi_driver.attributes import CacheOptions, Credentials, parse_volume_attributes
 from csi_driver.errors import Code, CsiError
@@ -165,6 +166,11 @@ def test_daemon_without_capabilities_serves_on_after_the_plugin_is_killed(seawee
         assert caps["CapEff"] == 0 and caps["CapPrm"] == 0 and caps["CapBnd"] == 0, caps  # no CAP_SYS_ADMIN
         assert seaweed.secret_key not in Path(f"/proc/{daemon}/cmdline").read_text()
         assert os.getsid(daemon) == daemon  # its own session, not the plugin's
+        # The plugin tuned the connection (sysfs), which the daemon without capabilities could not.
+        dev = os.stat(staging).st_dev
+        read_ahead = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+        if read_ahead.exists():
+            assert int(read_ahead.read_text()) == FUSE_READ_AHEAD_KB
 
         plugin.send_signal(signal.SIGKILL)  # the plugin this test started, after its handover
         plugin.wait(timeout=WAIT_S)
