@@ -223,6 +223,7 @@ def test_a_daemon_that_cannot_start_leaves_no_mount_and_no_process(seaweed, node
     assert info.value.code == Code.INTERNAL and "missing-" in info.value.message, info.value.message
     assert seaweed.secret_key not in info.value.message
     assert mounts.find_mount(target) is None and launcher.names() == []
+    assert not (run_root / daemon_name(target)).exists()
 
     invalid = MountRequest(**{**base.__dict__, "cache": CacheOptions(disk_bytes=0)})
     with pytest.raises(CsiError) as info:  # cachefs refuses its arguments: the daemon reports BAD
@@ -273,6 +274,7 @@ def test_a_launch_that_fails_leaves_no_mount(node_dirs, launcher) -> None:
     with pytest.raises(CsiError) as info:
         mounter.mount(request)
     assert mounts.find_mount(target) is None  # the plugin's own mount was undone
+    assert not (node_dirs["run_root"] / daemon_name(target)).exists()
     assert ("stop", daemon_name(target)) in fake.calls
     if type(fake) is FakeLauncher:
         assert info.value.code == Code.UNAVAILABLE
