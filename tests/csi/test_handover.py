@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -203,8 +204,29 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
         if read_ahead.exists():
             assert int(read_ahead.read_text()) == FUSE_READ_AHEAD_KB
 
-        plugin.send_signal(signal.SIGKILL)  # the plugin this test started, after its handover
-        plugin.wait(timeout=WAIT_S)
+        # A pod reads on while the plugin is SIGKILLed.
+        stop, reads, errors = threading.Event(), [0], []
+
+        def reader() -> None:
+            while not stop.is_set() and reads[0] < 1_000_000:
+                try:
+                    assert (pod / "sub" / "b.txt").read_bytes() == files["sub/b.txt"]
+                    reads[0] += 1
+                except (OSError, AssertionError) as exc:
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            plugin.send_signal(signal.SIGKILL)  # the plugin this test started, after its handover
+            plugin.wait(timeout=WAIT_S)
+        finally:
+            reads_at_kill = reads[0]
+            time.sleep(0.5)  # let the pod read on after the plugin is gone (not a timing assertion)
+            stop.set()
+            thread.join(WAIT_S)
+        assert errors == [] and reads[0] > reads_at_kill, (errors, reads)
         assert read_tree(pod) == files  # the daemon holds the only fd: it serves on
         (pod / "written-after-kill.txt").write_bytes(b"still here\n")
         flushed = subprocess.run([sys.executable, "-m", "cachefs", "flush", str(pod), "--timeout", "60"],
