@@ -2,7 +2,8 @@
 
 ``run_daemon`` is what ``cachefs mount --foreground`` runs. It validates everything that can only be
 checked with the store at hand (the bucket exists, credentials work, the endpoint answers) before
-mounting, reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
+mounting (or, with ``settings.fuse_fd``, before serving the mount a privileged process made and handed
+over: ``cachefs.handover``; then it neither mounts nor unmounts), reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
 waits on that), then serves FUSE until unmounted or signalled (SIGTERM/SIGINT unmount cleanly).
 
 Cache directory layout, per source (so several mounts may share one ``--cache-dir`` safely)::
@@ -35,7 +36,7 @@ from cachefs.daemon.errors import SetupError
 from cachefs.daemon.stats import stats_document
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseSession
-from cachefs.fuse.tuning import tune_fuse_connection
+from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
@@ -176,7 +177,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             write_behind = WriteBehind(cluster, max_blocks=settings.cluster.write_behind_blocks,
                                        max_bytes=settings.cluster.write_behind_bytes)
         cache = BlockCache(cs, store, ram, disk, health=health, cluster=cluster, write_behind=write_behind)
-        socket_path = socket_path_for(settings.mountpoint)
+        # A handed-over mount is already in the mount table, and waits for this very daemon.
+        handed_over = settings.fuse_fd is not None
+        socket_path = socket_path_for(settings.mountpoint, resolve=not handed_over)
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order)
         control = ControlServer(
             socket_path,
@@ -202,9 +205,10 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 for feature in features:
                     await feature.start()
                     started.append(feature)
-                session = FuseSession(
-                    fs, str(settings.mountpoint), read_only=settings.fs.read_only, allow_other=settings.allow_other
-                )
+                # libfuse takes "/dev/fd/N" as a session already mounted by someone else: it neither
+                # mounts nor, at the end, unmounts (the privileged process that mounted does).
+                device = f"/dev/fd/{settings.fuse_fd}" if handed_over else str(settings.mountpoint)
+                session = FuseSession(fs, device, read_only=settings.fs.read_only, allow_other=settings.allow_other)
                 try:
                     session.mount()
                 except OSError as exc:
@@ -212,10 +216,14 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, session.terminate)
-                log.info("mounted %s on %s", settings.source, settings.mountpoint)
+                log.info("%s %s on %s", "serving the handed-over mount of" if handed_over else "mounted",
+                         settings.source, settings.mountpoint)
                 ready(None)
                 # After ready: the stat needs the FUSE loop running to answer getattr on the root.
-                loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
+                # A handed-over mount is tuned by the process that mounted it (this one may see
+                # neither the mountpoint nor sysfs).
+                if not handed_over:
+                    loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
                 try:
                     await session.serve(FUSE_MAX_TASKS)
                 finally:
