@@ -175,6 +175,9 @@ class MountSettings:
     allow_other: bool = False
     log_level: str = "INFO"
     cluster: ClusterSettings | None = None
+    # A /dev/fuse descriptor already mounted at ``mountpoint`` by a privileged process and handed to
+    # this daemon (``cachefs mount --fuse-fd-socket``, ``cachefs.handover``); None: the daemon mounts.
+    fuse_fd: int | None = None
 
     def __post_init__(self) -> None:
         if self.cluster is not None and self.cluster.timeout_s >= self.cache.fetch_timeout_s:

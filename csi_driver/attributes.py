@@ -83,6 +83,10 @@ K8S_KEY_PREFIX = "csi.storage.k8s.io/"
 K8S_EPHEMERAL = "csi.storage.k8s.io/ephemeral"  # "true" for inline ephemeral volumes
 K8S_POD_NAME = "csi.storage.k8s.io/pod.name"
 K8S_POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
+K8S_POD_UID = "csi.storage.k8s.io/pod.uid"
+K8S_SERVICE_ACCOUNT = "csi.storage.k8s.io/serviceAccount.name"
+# The pod info a publish carries (podInfoOnMount): handed to the daemon's launcher, for its Events.
+POD_INFO_KEYS = frozenset({K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, K8S_SERVICE_ACCOUNT})
 
 # FlexVolume: kubelet passes the PV/pod volume options plus its own keys under kubernetes.io/.
 FLEX_KEY_PREFIX = "kubernetes.io/"

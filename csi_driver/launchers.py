@@ -21,6 +21,7 @@ a command line.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # The handover socket and the daemon's pid record, inside ``DaemonSpec.run_dir``.
 HANDOVER_SOCKET = "fuse.sock"
-PID_RECORD = "daemon.pid"
+PID_RECORD = "daemon.json"
 # A daemon name: "cachefs-" and 20 hex digits, a valid DNS-1123 label (a pod name part).
 NAME_PREFIX = "cachefs-"
 _NAME_HEX = 20
@@ -121,21 +122,20 @@ def _start_time(pid: int) -> str | None:
 
 class ProcessLauncher:
     """Daemons as host processes in their own sessions (``start_new_session``), so a plugin that
-    dies or restarts leaves them serving. Each daemon's pid and start time are written to
-    ``<run_dir>/daemon.pid``; a later plugin (a new ``ProcessLauncher`` over the same ``run_root``)
+    dies or restarts leaves them serving. Each daemon's pid, start time and log file are written to
+    ``<run_dir>/daemon.json``; a later plugin (a new ``ProcessLauncher`` over the same ``run_root``)
     finds the daemon there, and the start time guards against a reused pid.
 
     ``command`` is the program to run (default: this interpreter with ``-m cachefs``). ``environ`` is
-    the base environment; its AWS credential variables are dropped, the spec's ``env`` supplies them.
+    the base environment; its ``AWS_*`` variables are dropped, the spec's ``env`` supplies them.
     """
 
     def __init__(self, run_root: Path, *, command: Sequence[str] | None = None,
-                 environ: Mapping[str, str] | None = None, drop_env: Sequence[str] = ()) -> None:
+                 environ: Mapping[str, str] | None = None) -> None:
         self.run_root = run_root
         self.command = list(command or [sys.executable, "-m", "cachefs"])
-        self.environ = dict(os.environ if environ is None else environ)
-        for name in drop_env:
-            self.environ.pop(name, None)
+        base = os.environ if environ is None else environ
+        self.environ = {key: value for key, value in base.items() if not key.startswith("AWS_")}
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
     def _record(self, name: str) -> Path:
@@ -146,12 +146,18 @@ class ProcessLauncher:
         child = self._children.get(name)
         if child is not None and child.poll() is not None:
             del self._children[name]
+        record = self._read_record(name)
+        if record is None:
+            return None
+        pid = record.get("pid")
+        return pid if isinstance(pid, int) and _start_time(pid) == record.get("started") else None
+
+    def _read_record(self, name: str) -> dict | None:
         try:
-            pid_text, _, started = self._record(name).read_text().strip().partition(" ")
-            pid = int(pid_text)
+            data = json.loads(self._record(name).read_text())
         except (OSError, ValueError):
             return None
-        return pid if _start_time(pid) == started else None
+        return data if isinstance(data, dict) else None
 
     def start(self, spec: DaemonSpec) -> None:
         if self.is_running(spec.name):
@@ -174,10 +180,11 @@ class ProcessLauncher:
         except OSError as exc:
             raise CsiError(Code.INTERNAL, f"cannot start the daemon of {spec.target}: {exc.strerror or exc}") from None
         self._children[spec.name] = proc
-        started = _start_time(proc.pid) or ""
         record = self._record(spec.name)
+        record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = record.with_name(record.name + ".tmp")
-        tmp.write_text(f"{proc.pid} {started}\n")
+        tmp.write_text(json.dumps({"pid": proc.pid, "started": _start_time(proc.pid), "log": str(log_path),
+                                   "target": str(spec.target)}) + "\n")
         os.replace(tmp, record)
         log.info("started daemon %s for %s: pid %d, log %s", spec.name, spec.target, proc.pid, log_path)
 
@@ -219,8 +226,9 @@ class ProcessLauncher:
 
     def describe(self, name: str) -> str:
         pid = self._pid(name)
+        record = self._read_record(name) or {}
         where = f"pid {pid}" if pid is not None else "not running"
-        return f"{where}, log {self.run_root / name / 'daemon.log'} or the cache dir's daemon.log"
+        return f"daemon {where}, log {record.get('log', 'unknown')}"
 
 
 # --------------------------------------------------------------------------------------------- fake

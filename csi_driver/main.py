@@ -11,8 +11,10 @@ everything below receives settings objects. The environment (``AWS_*``) is the b
 and every controller call; a volume's Secret overrides its credentials.
 
 SIGTERM or SIGINT stops the server, letting calls in flight finish for a few seconds. Mounts are
-left alone: they belong to the pods using them. ``--mount-mode process`` (the only mode so far) runs
-each volume's daemon as a host process in its own session, so it outlives the plugin; at start-up
+left alone: they belong to the pods using them. The plugin mounts each volume itself (it opens
+``/dev/fuse`` and mounts it) and hands the FUSE fd over a unix socket to the daemon that serves it
+(``csi_driver.handover``), which needs no privilege. ``--mount-mode process`` (the only mode so far)
+runs each daemon as a host process in its own session, so it outlives the plugin; at start-up
 the node plugin takes up the volumes staged by its previous run from its records (``--state-dir``)
 and the mount table (``NodeOps.adopt``). See deploy/README.md for what survives what.
 """
@@ -26,16 +28,20 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from csi_driver import DRIVER_NAME
 from csi_driver.redact import RedactingFormatter
 
+if TYPE_CHECKING:
+    from csi_driver.mounter import Mounter
+
 log = logging.getLogger("csi_driver")
 
 MODES = ("node", "controller", "all")
-# Where the daemons run. `process`: host processes in their own sessions (`cachefs mount` detaches
-# them). `pod` (one mount pod per volume per node, issue 13) is not implemented yet.
+# Where the daemons run. `process`: host processes in their own sessions (ProcessLauncher). `pod`
+# (one mount pod per volume per node, issue 13) is not implemented yet. In both, the plugin mounts
+# and hands the FUSE fd to the daemon (csi_driver.handover).
 MOUNT_MODES = ("process",)
 DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
 # gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
@@ -94,6 +100,24 @@ def configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def build_mounter(mount_mode: str, cache_root: Path, environ: dict[str, str], log_level: str) -> Mounter:
+    """The node plugin's ``Mounter``: it mounts each volume itself and hands the FUSE fd to a daemon
+    that the mode's launcher runs (``csi_driver.handover``). The daemons' run directories (handover
+    and control sockets, pid records) live under ``<cache-root>/run``, on the host."""
+    from csi_driver.handover import HandoverMounter
+    from csi_driver.launchers import DaemonLauncher, ProcessLauncher
+
+    run_root = cache_root / "run"
+    launcher: DaemonLauncher
+    if mount_mode == "process":
+        launcher = ProcessLauncher(run_root, environ=environ)
+    else:
+        # `pod`: csi_driver.mountpods.PodLauncher (one mount pod per volume per node) goes here,
+        # built from its own flags (namespace, image, priority class); see docs/dev/handover-interface.md.
+        raise ValueError(f"mount mode {mount_mode!r} is not implemented")
+    return HandoverMounter(launcher, run_root, environ=environ, log_level=log_level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -112,7 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from csi_driver.controller import CachefsBucketAdmin, ControllerOps
-    from csi_driver.mounter import CachefsMounter
     from csi_driver.node import NodeOps, NodeSettings
     from csi_driver.server import DriverInfo, build_server, package_version
 
@@ -127,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         state_dir = Path(os.path.abspath(args.state_dir)) if args.state_dir else None
         node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir),
-                       CachefsMounter(environ=environ, log_level=args.log_level))
+                       build_mounter(args.mount_mode, cache_root, environ, args.log_level))
         node.adopt()
     controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
     info = DriverInfo(name=args.driver_name, version=package_version(),

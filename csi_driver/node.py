@@ -42,9 +42,9 @@ import re
 import shutil
 import stat as stat_mod
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from csi_driver.attributes import Credentials, VolumeSettings
 from csi_driver.errors import Code, CsiError, invalid
@@ -84,6 +84,7 @@ class PublishRequest:
     volume: VolumeSettings
     read_only: bool  # the effective mode: the request, the access mode and the volume's own attribute
     credentials: Credentials | None = None
+    context: Mapping[str, str] = field(default_factory=dict)  # the CO's pod info (csi.storage.k8s.io/pod.*)
 
 
 def check_volume_id(volume_id: str) -> str:
@@ -214,12 +215,14 @@ class NodeOps:
         elif _path_state(staging) == "broken":
             raise CsiError(Code.FAILED_PRECONDITION, f"{staging} is a dead mount of another filesystem")
         self._prepare_target(staging)
-        staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials)
+        staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials,
+                                request.context)
         cache_dir = self._claim_slot(staged)
         self.mounter.mount(MountRequest(
             source=request.volume.source, target=staging, cache_dir=cache_dir,
             endpoint_url=request.volume.endpoint_url, region=request.volume.region, cache=request.volume.cache,
             read_only=record.read_only, credentials=request.credentials, owner=record.owner,
+            volume_id=record.volume_id, context=request.context,
         ))
         log.info("mounted volume %s (%s) at staging path %s%s, cache %s", record.volume_id, request.volume.source,
                  staging, " read-only" if record.read_only else "", cache_dir)
@@ -308,6 +311,8 @@ class NodeOps:
                 read_only=request.read_only,
                 credentials=request.credentials,
                 owner=request.volume.owner,
+                volume_id=request.volume_id,
+                context=request.context,
             ))
             log.info("published volume %s (%s) at %s%s, cache %s", request.volume_id, request.volume.source,
                      target, " read-only" if request.read_only else "", cache_dir)

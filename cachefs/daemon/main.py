@@ -176,7 +176,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             write_behind = WriteBehind(cluster, max_blocks=settings.cluster.write_behind_blocks,
                                        max_bytes=settings.cluster.write_behind_bytes)
         cache = BlockCache(cs, store, ram, disk, health=health, cluster=cluster, write_behind=write_behind)
-        socket_path = socket_path_for(settings.mountpoint)
+        # A handed-over mount is already in the mount table, and waits for this very daemon.
+        handed_over = settings.fuse_fd is not None
+        socket_path = socket_path_for(settings.mountpoint, resolve=not handed_over)
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order)
         control = ControlServer(
             socket_path,
@@ -202,9 +204,10 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 for feature in features:
                     await feature.start()
                     started.append(feature)
-                session = FuseSession(
-                    fs, str(settings.mountpoint), read_only=settings.fs.read_only, allow_other=settings.allow_other
-                )
+                # libfuse takes "/dev/fd/N" as a session already mounted by someone else: it neither
+                # mounts nor, at the end, unmounts (the privileged process that mounted does).
+                device = f"/dev/fd/{settings.fuse_fd}" if handed_over else str(settings.mountpoint)
+                session = FuseSession(fs, device, read_only=settings.fs.read_only, allow_other=settings.allow_other)
                 try:
                     session.mount()
                 except OSError as exc:
@@ -212,7 +215,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, session.terminate)
-                log.info("mounted %s on %s", settings.source, settings.mountpoint)
+                log.info("%s %s on %s", "serving the handed-over mount of" if handed_over else "mounted",
+                         settings.source, settings.mountpoint)
                 ready(None)
                 # After ready: the stat needs the FUSE loop running to answer getattr on the root.
                 loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
