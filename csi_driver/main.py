@@ -31,18 +31,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from csi_driver import DRIVER_NAME
+from csi_driver.errors import CsiError
 from csi_driver.redact import RedactingFormatter
 
 if TYPE_CHECKING:
+    from csi_driver.launchers import DaemonLauncher
     from csi_driver.mounter import Mounter
+    from csi_driver.mountpods import PodLauncher
 
 log = logging.getLogger("csi_driver")
 
 MODES = ("node", "controller", "all")
-# Where the daemons run. `process`: host processes in their own sessions (ProcessLauncher). `pod`
-# (one mount pod per volume per node, issue 13) is not implemented yet. In both, the plugin mounts
-# and hands the FUSE fd to the daemon (csi_driver.handover).
-MOUNT_MODES = ("process",)
+# Where the daemons run. `process`: host processes in their own sessions (ProcessLauncher). `pod`:
+# one mount pod per volume per node through the Kubernetes API (csi_driver.mountpods.PodLauncher).
+# In both, the plugin mounts and hands the FUSE fd to the daemon (csi_driver.handover). `process`
+# stays the CLI's default: it needs no API server (local runs, the FlexVolume shim's nodes); the
+# manifests in deploy/ ask for `pod`.
+MOUNT_MODES = ("process", "pod")
 DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
 # gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
 # slow store); the kubelet runs a handful of volume operations at once, the provisioner a few more.
@@ -68,7 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node directory for the staged volumes' records (default CACHE_ROOT/staged); "
                         "keep it on the host so a restarted plugin finds them")
     p.add_argument("--mount-mode", choices=MOUNT_MODES, default="process",
-                   help="where the FUSE daemons run (default process: host processes that outlive the plugin)")
+                   help="where the FUSE daemons run: process (default: host processes that outlive the plugin "
+                        "process) or pod (one mount pod per volume per node, outliving the plugin's container)")
+    pods = p.add_argument_group("mount pods (--mount-mode pod)")
+    pods.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                      help="the driver's namespace, where mount pods and their Secrets live (default $POD_NAMESPACE)")
+    pods.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
+                      help="this node's Kubernetes name, the mount pods' nodeName (default $NODE_NAME, else --node-id)")
+    pods.add_argument("--mount-pod-image", default="", metavar="IMAGE",
+                      help="the image of the mount pods (the cachefs image; required in pod mode)")
+    pods.add_argument("--mount-pod-priority-class", default="", metavar="NAME",
+                      help="priorityClassName of the mount pods (default: none)")
+    pods.add_argument("--mount-pod-service-account", default="", metavar="NAME",
+                      help="serviceAccountName of the mount pods, for a volume without a Secret that uses the "
+                           "pod's own cloud identity (default: none, no token)")
+    pods.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""), metavar="PATH",
+                      help="reach the API server with this kubeconfig (default: the pod's in-cluster service account)")
+    pods.add_argument("--mount-pod-watch-seconds", type=int, default=0, help=argparse.SUPPRESS)  # tests only
     p.add_argument("--max-volumes", type=int, default=0, metavar="N",
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
@@ -100,22 +121,42 @@ def configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def build_mounter(mount_mode: str, cache_root: Path, environ: dict[str, str], log_level: str) -> Mounter:
+def build_mounter(mount_mode: str, cache_root: Path, environ: dict[str, str], log_level: str,
+                  pod_launcher: DaemonLauncher | None = None) -> Mounter:
     """The node plugin's ``Mounter``: it mounts each volume itself and hands the FUSE fd to a daemon
     that the mode's launcher runs (``csi_driver.handover``). The daemons' run directories (handover
     and control sockets, pid records) live under ``<cache-root>/run``, on the host."""
     from csi_driver.handover import HandoverMounter
-    from csi_driver.launchers import DaemonLauncher, ProcessLauncher
+    from csi_driver.launchers import ProcessLauncher
 
     run_root = cache_root / "run"
     launcher: DaemonLauncher
     if mount_mode == "process":
         launcher = ProcessLauncher(run_root, environ=environ)
+    elif pod_launcher is not None:
+        launcher = pod_launcher
     else:
-        # `pod`: csi_driver.mountpods.PodLauncher (one mount pod per volume per node) goes here,
-        # built from its own flags (namespace, image, priority class); see docs/dev/handover-interface.md.
-        raise ValueError(f"mount mode {mount_mode!r} is not implemented")
+        raise ValueError(f"mount mode {mount_mode!r} needs its launcher")
     return HandoverMounter(launcher, run_root, environ=environ, log_level=log_level)
+
+
+def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
+    """The mount pods' launcher from the flags; ValueError naming a missing flag."""
+    from csi_driver.mountpods import WATCH_S, MountPodSettings, PodLauncher, api_client
+
+    node_name = args.node_name or args.node_id
+    if not args.namespace:
+        raise ValueError("--mount-mode pod needs --namespace (or $POD_NAMESPACE): where the mount pods live")
+    if not args.mount_pod_image:
+        raise ValueError("--mount-mode pod needs --mount-pod-image")
+    settings = MountPodSettings(namespace=args.namespace, node_name=node_name, image=args.mount_pod_image,
+                                priority_class=args.mount_pod_priority_class,
+                                service_account=args.mount_pod_service_account)
+    try:
+        api = api_client(args.kubeconfig or None)
+    except CsiError as exc:
+        raise ValueError(str(exc)) from None
+    return PodLauncher(settings, api, watch_s=args.mount_pod_watch_seconds or WATCH_S)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,9 +190,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cachefs-csi: error: cache root {cache_root}: {exc.strerror}", file=sys.stderr)
             return 2
         state_dir = Path(os.path.abspath(args.state_dir)) if args.state_dir else None
+        pod_launcher = None
+        if args.mount_mode == "pod":
+            try:
+                pod_launcher = build_pod_launcher(args)
+            except ValueError as exc:
+                print(f"cachefs-csi: error: {exc}", file=sys.stderr)
+                return 2
         node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir),
-                       build_mounter(args.mount_mode, cache_root, environ, args.log_level))
-        node.adopt()
+                       build_mounter(args.mount_mode, cache_root, environ, args.log_level, pod_launcher))
+        staged = node.adopt()
+        if pod_launcher is not None:
+            from csi_driver.mountpods import take_over
+
+            try:
+                take_over(pod_launcher, node, {record.staging_path for record in staged})
+            except CsiError as exc:
+                print(f"cachefs-csi: error: taking over this node's mount pods: {exc}", file=sys.stderr)
+                return 1
     controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
     info = DriverInfo(name=args.driver_name, version=package_version(),
                       serves_controller=serve_controller, serves_node=serve_node)

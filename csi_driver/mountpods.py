@@ -54,7 +54,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import urllib3
 from kubernetes import client as k8s
@@ -66,6 +66,9 @@ from csi_driver.attributes import MountPodResources
 from csi_driver.errors import Code, CsiError
 from csi_driver.launchers import DaemonSpec
 from csi_driver.redact import REGISTRY
+
+if TYPE_CHECKING:
+    from csi_driver.node import NodeOps
 
 log = logging.getLogger(__name__)
 
@@ -532,3 +535,24 @@ class BrokenMountReporter:
             self.launcher.event(self.launcher.settings.namespace, state.name, state.uid, "MountPodDied", message)
         for workload in self.workloads_of(state.volume_id):
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsMountBroken", message)
+
+
+def take_over(launcher: PodLauncher, node: NodeOps, staged_paths: set[str]) -> threading.Event:
+    """At plugin start-up: adopt this node's mount pods that serve a staged volume (or any cachefs
+    mount still in the mount table), delete the others and orphaned Secrets, report pods that died
+    while no plugin watched, and start watching. Returns the watcher's stop event."""
+    mounter = node.mounter
+
+    def keep(pod: PodState) -> bool:
+        return pod.target in staged_paths or (bool(pod.target) and mounter.is_mounted(Path(pod.target)))
+
+    adopted, deleted = launcher.cleanup(keep)
+    log.info("mount pods on node %s: %d adopted (%s), %d deleted", launcher.settings.node_name, len(adopted),
+             ", ".join(p.name for p in adopted) or "-", len(deleted))
+
+    def workloads(volume_id: str) -> list[WorkloadPod]:
+        return [WorkloadPod(p.get("namespace", ""), p.get("name", ""), p.get("uid", ""))
+                for p in node.workloads(volume_id)]
+
+    reporter = BrokenMountReporter(launcher, mounter.is_broken, workloads)
+    return launcher.start_watching(reporter.observe)
