@@ -223,6 +223,8 @@ def test_mount_pod_shared_survives_plugin_death_and_recovers(cluster, seaweed, d
         # Two publishes, one daemon: the same device everywhere, and it is the mount pod's process.
         assert os.stat(pod1).st_dev == os.stat(pod2).st_dev == os.stat(staging).st_dev
         assert daemon_pid(pod1) == daemon_pid(pod2)
+        status = Path(f"/proc/{daemon_pid(pod1)}/status").read_text()
+        assert "CapEff:\t0000000000000000" in status and "NoNewPrivs:\t1" in status  # no privilege at all
         for name, data in files.items():
             assert (pod1 / name).read_bytes() == data
         proxy.close()  # the store is gone: the second pod reads from the shared cache
