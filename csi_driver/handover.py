@@ -11,8 +11,9 @@ stopped, the mount detached lazily):
    --fuse-fd-socket <run_dir>/fuse.sock`` (``launchers.DaemonSpec``);
 4. it sends the daemon the fd and closes its own copy, so that the daemon is the connection's only
    holder: the daemon's death ends the connection (ENOTCONN) instead of hanging the mount;
-5. it reads the daemon's start-up report (``OK``, or the one-line reason it cannot serve), then
-   checks that the mount answers.
+5. it reads the daemon's start-up report (``OK``, or the one-line reason it cannot serve), checks
+   that the mount answers, and tunes the connection's read-ahead and background requests
+   (``cachefs.tuning``: sysfs, which an unprivileged daemon may not write).
 
 The daemon needs no privilege: it neither mounts nor unmounts. Because it holds the only fd, it
 keeps serving when the plugin is killed or restarted; nothing needs re-attaching afterwards (the
@@ -40,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from cachefs.handover import HandoverError
+from cachefs.handover import MAX_SOCKET_PATH, HandoverError
+from cachefs.tuning import tune_fuse_connection
 from csi_driver import fusefd
 from csi_driver.errors import Code, CsiError
 from csi_driver.launchers import DaemonLauncher, DaemonSpec, daemon_name
@@ -113,6 +115,11 @@ class HandoverMounter(CachefsMounter):
             request = dataclasses.replace(request, owner=dataclasses.replace(
                 owner, uid=os.geteuid() if owner.uid is None else owner.uid,
                 gid=os.getegid() if owner.gid is None else owner.gid))
+        # The longest socket the daemon makes: its control socket, $XDG_RUNTIME_DIR/cachefs/<16 hex>.sock.
+        longest = run_dir / "cachefs" / f"{'0' * 16}.sock"
+        if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+            raise CsiError(Code.FAILED_PRECONDITION, f"the run root {self.run_root} is too long for unix socket "
+                                                     f"paths ({longest} exceeds {MAX_SOCKET_PATH} bytes)")
         args = self.mount_argv(request)[len(self.command):]
         args += ["--fuse-fd-socket", str(run_dir / "fuse.sock")]
         env = {key: value for key, value in self.child_environ(request).items() if key.startswith("AWS_")}
@@ -187,6 +194,7 @@ class HandoverMounter(CachefsMounter):
         if problem is not None:
             raise CsiError(Code.INTERNAL, f"{what}: the daemon reported ready, but the mount does not answer "
                                           f"({problem})")
+        tune_fuse_connection(spec.target)  # read-ahead, background requests: the daemon may not
 
     def _undo(self, spec: DaemonSpec) -> None:
         """Stop the daemon (ending the connection), then detach the mount; log what cannot be undone."""

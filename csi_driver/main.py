@@ -1,7 +1,7 @@
 """``cachefs-csi``: the CSI driver's entry point (flags, logging, the gRPC server on a unix socket).
 
     cachefs-csi --endpoint unix:///csi/csi.sock --node-id NODE [--mode node|controller|all]
-                [--cache-root DIR] [--state-dir DIR] [--mount-mode process]
+                [--cache-root DIR] [--state-dir DIR] [--run-root DIR] [--mount-mode process]
                 [--metrics-addr HOST:PORT] [--log-level LEVEL] [--max-volumes N]
 
 ``--mode node`` runs in the node DaemonSet (Identity + Node), ``--mode controller`` next to the
@@ -49,6 +49,10 @@ MODES = ("node", "controller", "all")
 # manifests in deploy/ ask for `pod`.
 MOUNT_MODES = ("process", "pod")
 DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
+# The daemons' run directories (handover and control sockets, pid records): on tmpfs, gone at a
+# reboot like the mounts. /run/cachefs is where a root `cachefs mount` puts its control socket, and
+# the host path the DaemonSet and deploy/examples/training-job-prefetch.yaml already share.
+DEFAULT_RUN_ROOT = Path("/run/cachefs")
 # gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
 # slow store); the kubelet runs a handful of volume operations at once, the provisioner a few more.
 GRPC_WORKERS = 16
@@ -72,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, default=None,
                    help="node directory for the staged volumes' records (default CACHE_ROOT/staged); "
                         "keep it on the host so a restarted plugin finds them")
+    p.add_argument("--run-root", type=Path, default=DEFAULT_RUN_ROOT,
+                   help=f"host directory for the daemons' sockets and records (default {DEFAULT_RUN_ROOT}); "
+                        "unix socket paths must stay short, so keep it short")
     p.add_argument("--mount-mode", choices=MOUNT_MODES, default="process",
                    help="where the FUSE daemons run: process (default: host processes that outlive the plugin "
                         "process) or pod (one mount pod per volume per node, outliving the plugin's container)")
@@ -121,15 +128,14 @@ def configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def build_mounter(mount_mode: str, cache_root: Path, environ: dict[str, str], log_level: str,
+def build_mounter(mount_mode: str, run_root: Path, environ: dict[str, str], log_level: str,
                   pod_launcher: DaemonLauncher | None = None) -> Mounter:
     """The node plugin's ``Mounter``: it mounts each volume itself and hands the FUSE fd to a daemon
     that the mode's launcher runs (``csi_driver.handover``). The daemons' run directories (handover
-    and control sockets, pid records) live under ``<cache-root>/run``, on the host."""
+    and control sockets, pid records) live under ``run_root``, on the host."""
     from csi_driver.handover import HandoverMounter
     from csi_driver.launchers import ProcessLauncher
 
-    run_root = cache_root / "run"
     launcher: DaemonLauncher
     if mount_mode == "process":
         launcher = ProcessLauncher(run_root, environ=environ)
@@ -191,14 +197,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         state_dir = Path(os.path.abspath(args.state_dir)) if args.state_dir else None
         pod_launcher = None
-        if args.mount_mode == "pod":
-            try:
+        run_root = Path(os.path.abspath(args.run_root))
+        try:
+            run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if args.mount_mode == "pod":
                 pod_launcher = build_pod_launcher(args)
-            except ValueError as exc:
-                print(f"cachefs-csi: error: {exc}", file=sys.stderr)
-                return 2
-        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir),
-                       build_mounter(args.mount_mode, cache_root, environ, args.log_level, pod_launcher))
+            mounter = build_mounter(args.mount_mode, run_root, environ, args.log_level, pod_launcher)
+        except OSError as exc:
+            print(f"cachefs-csi: error: run root {run_root}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except ValueError as exc:
+            print(f"cachefs-csi: error: {exc}", file=sys.stderr)
+            return 2
+        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir), mounter)
         staged = node.adopt()
         if pod_launcher is not None:
             from csi_driver.mountpods import take_over

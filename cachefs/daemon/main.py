@@ -2,7 +2,8 @@
 
 ``run_daemon`` is what ``cachefs mount --foreground`` runs. It validates everything that can only be
 checked with the store at hand (the bucket exists, credentials work, the endpoint answers) before
-mounting, reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
+mounting (or, with ``settings.fuse_fd``, before serving the mount a privileged process made and handed
+over: ``cachefs.handover``; then it neither mounts nor unmounts), reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
 waits on that), then serves FUSE until unmounted or signalled (SIGTERM/SIGINT unmount cleanly).
 
 Cache directory layout, per source (so several mounts may share one ``--cache-dir`` safely)::
@@ -35,7 +36,7 @@ from cachefs.daemon.errors import SetupError
 from cachefs.daemon.stats import stats_document
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseSession
-from cachefs.fuse.tuning import tune_fuse_connection
+from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
@@ -219,7 +220,10 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                          settings.source, settings.mountpoint)
                 ready(None)
                 # After ready: the stat needs the FUSE loop running to answer getattr on the root.
-                loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
+                # A handed-over mount is tuned by the process that mounted it (this one may see
+                # neither the mountpoint nor sysfs).
+                if not handed_over:
+                    loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
                 try:
                     await session.serve(FUSE_MAX_TASKS)
                 finally:

@@ -1,0 +1,249 @@
+"""The FUSE fd handover on real FUSE mounts of SeaweedFS: the node plugin mounts /dev/fuse and hands
+the fd to a daemon with no capabilities; the daemon serves on after the plugin is SIGKILLed; the
+daemon's death leaves ENOTCONN, which the next publish of the volume recovers; a daemon that cannot
+start leaves neither a mount nor a process behind.
+
+The daemon runs as root with an empty capability set (``setpriv --bounding-set=-all``), not as
+another uid: the test interpreter lives under /root (mode 0700), which no other user may execute.
+No capability means no CAP_SYS_ADMIN: it could not mount, nor unmount, nor write sysfs."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from cachefs import mounts
+from cachefs.client import call
+from cachefs.tuning import FUSE_READ_AHEAD_KB
+from csi_driver import fusefd
+from csi_driver.attributes import CacheOptions, Credentials, parse_volume_attributes
+from csi_driver.errors import Code, CsiError
+from csi_driver.handover import HandoverMounter
+from csi_driver.launchers import ProcessLauncher, daemon_name
+from csi_driver.mounter import MountRequest
+from csi_driver.node import NodeOps, NodeSettings, PublishRequest
+from tests.csi.conftest import driver_environ
+from tests.csi.test_node_service import context_for, read_tree
+
+pytestmark = [pytest.mark.fuse, pytest.mark.s3]
+
+MiB = 1024 * 1024
+WAIT_S = 60.0
+NO_CAPS = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--"]
+
+# The "node plugin": stages and publishes one volume through HandoverMounter + ProcessLauncher, says
+# READY, and waits to be killed. Its credentials come through its environment, never its argv.
+PLUGIN = textwrap.dedent("""
+    import json, os, sys, time
+    from pathlib import Path
+    from csi_driver.attributes import Credentials, parse_volume_attributes
+    from csi_driver.handover import HandoverMounter
+    from csi_driver.launchers import ProcessLauncher
+    from csi_driver.node import NodeOps, NodeSettings, PublishRequest
+
+    cfg = json.loads(sys.stdin.read())
+    env = {k: v for k, v in os.environ.items() if k not in ("TEST_KEY", "TEST_SECRET")}
+    launcher = ProcessLauncher(Path(cfg["run_root"]), command=cfg["daemon_command"], environ=env)
+    ops = NodeOps(NodeSettings("node", Path(cfg["cache_root"]), 0, Path(cfg["state_dir"])),
+                  HandoverMounter(launcher, Path(cfg["run_root"]), environ=env))
+    creds = Credentials(os.environ["TEST_KEY"], os.environ["TEST_SECRET"])
+    volume = parse_volume_attributes(cfg["context"])
+    ops.stage(PublishRequest("vol-h", Path(cfg["staging"]), volume, False, creds))
+    ops.publish_staged(PublishRequest("vol-h", Path(cfg["pod"]), volume, False, creds), Path(cfg["staging"]))
+    print("READY", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def node_dirs(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    run_root = Path(tempfile.mkdtemp(prefix="hv-", dir="/tmp"))  # unix socket paths must stay short
+    dirs = {"run_root": run_root, "cache_root": tmp_path / "cache", "state_dir": tmp_path / "state",
+            "staging": tmp_path / "staging" / "globalmount", "pod": tmp_path / "pod" / "mount"}
+    dirs["pod"].parent.mkdir(parents=True)
+    try:
+        yield dirs
+    finally:
+        for target in (dirs["pod"], dirs["staging"]):
+            while mounts.find_mount(target) is not None:
+                subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
+        launcher = ProcessLauncher(run_root)
+        for name in launcher.names():  # only daemons started under this test's run root
+            launcher.stop(name, 10)
+        shutil.rmtree(run_root, ignore_errors=True)
+
+
+@pytest.fixture
+def dataset(seaweed) -> tuple[str, dict[str, bytes]]:
+    bucket = f"handover-{uuid.uuid4().hex[:12]}"
+    seaweed.make_bucket(bucket)
+    files = {"train/a.bin": os.urandom(2 * MiB + 5), "train/sub/b.txt": b"hello\n"}
+    seaweed.put_many(bucket, files.items())
+    return bucket, {key.removeprefix("train/"): data for key, data in files.items()}
+
+
+def mountinfo_lines(*targets: Path) -> list[tuple[str, str, str, str, str]]:
+    """(mountpoint, major:minor, fstype, source, super options) of each mount at ``targets``."""
+    wanted = {str(t) for t in targets}
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if fields[4] in wanted:
+            found.append((fields[4], fields[2], tail[0], tail[1], tail[2]))
+    return found
+
+
+def capabilities(pid: int) -> dict[str, int]:
+    caps = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("CapEff", "CapPrm", "CapBnd"):
+            caps[key] = int(value.strip(), 16)
+    return caps
+
+
+def wait_broken(path: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            os.statvfs(path)
+        except OSError as exc:
+            assert exc.errno in (errno.ENOTCONN, errno.ECONNABORTED), exc
+            return
+        assert time.monotonic() < deadline, f"{path} did not break"
+        time.sleep(0.05)
+
+
+def test_daemon_without_capabilities_serves_on_after_the_plugin_is_killed(seaweed, dataset, node_dirs) -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    bucket, files = dataset
+    staging, pod, run_root = node_dirs["staging"], node_dirs["pod"], node_dirs["run_root"]
+    context = context_for(seaweed, bucket)
+    config = {**{k: str(v) for k, v in node_dirs.items()}, "context": context,
+              "daemon_command": [*NO_CAPS, sys.executable, "-m", "cachefs"]}
+    env = {**driver_environ(), "PYTHONPATH": os.getcwd(), "TEST_KEY": seaweed.access_key,
+           "TEST_SECRET": seaweed.secret_key}
+    plugin = subprocess.Popen([sys.executable, "-c", PLUGIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        out, err = "", ""
+        assert plugin.stdin is not None and plugin.stdout is not None
+        plugin.stdin.write(json.dumps(config))
+        plugin.stdin.close()
+        line = plugin.stdout.readline()  # READY, or EOF if the plugin failed
+        if line.strip() != "READY":
+            plugin.wait(timeout=WAIT_S)
+            pytest.fail(f"the plugin failed: {plugin.stderr.read() if plugin.stderr else ''}")
+
+        # One FUSE connection for the volume: the staged mount and the pod's bind share one device,
+        # and the mount table shows what a `cachefs mount` by hand shows.
+        lines = mountinfo_lines(staging, pod)
+        assert len(lines) == 2 and len({device for _, device, *_ in lines}) == 1, lines
+        for _, _, fstype, source, options in lines:
+            assert (fstype, source) == ("fuse.cachefs", "cachefs")
+            assert options.split(",")[1:] == ["user_id=0", "group_id=0", "default_permissions", "allow_other"]
+        names = ProcessLauncher(run_root).names()
+        assert names == [daemon_name(staging)]
+        record = json.loads((run_root / names[0] / "daemon.json").read_text())
+        daemon = int(record["pid"])
+        assert int(call(pod, "/info")["pid"]) == daemon
+        caps = capabilities(daemon)
+        assert caps["CapEff"] == 0 and caps["CapPrm"] == 0 and caps["CapBnd"] == 0, caps  # no CAP_SYS_ADMIN
+        assert seaweed.secret_key not in Path(f"/proc/{daemon}/cmdline").read_text()
+        assert os.getsid(daemon) == daemon  # its own session, not the plugin's
+        # The plugin tuned the connection (sysfs), which the daemon without capabilities could not.
+        dev = os.stat(staging).st_dev
+        read_ahead = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
+        if read_ahead.exists():
+            assert int(read_ahead.read_text()) == FUSE_READ_AHEAD_KB
+
+        plugin.send_signal(signal.SIGKILL)  # the plugin this test started, after its handover
+        plugin.wait(timeout=WAIT_S)
+        assert read_tree(pod) == files  # the daemon holds the only fd: it serves on
+        (pod / "written-after-kill.txt").write_bytes(b"still here\n")
+        flushed = subprocess.run([sys.executable, "-m", "cachefs", "flush", str(pod), "--timeout", "60"],
+                                 capture_output=True, text=True, timeout=90)
+        assert flushed.returncode == 0, flushed.stderr
+
+        # The daemon dies: with no other holder of the fd the kernel ends the connection.
+        os.kill(daemon, signal.SIGKILL)  # the daemon this test's plugin started, by its PID
+        wait_broken(pod)
+        wait_broken(staging)
+
+        # A restarted plugin: reports the broken volume, and the next publish recovers it.
+        launcher = ProcessLauncher(run_root, environ=driver_environ())
+        ops = NodeOps(NodeSettings("node", node_dirs["cache_root"], 0, node_dirs["state_dir"]),
+                      HandoverMounter(launcher, run_root, environ=driver_environ()))
+        assert [r.volume_id for r in ops.adopt()] == ["vol-h"]
+        creds = Credentials(seaweed.access_key, seaweed.secret_key)
+        volume = parse_volume_attributes(context)
+        ops.publish_staged(PublishRequest("vol-h", pod, volume, False, creds), staging)
+        assert read_tree(pod) == {**files, "written-after-kill.txt": b"still here\n"}
+        assert int(call(pod, "/info")["pid"]) != daemon
+        lines = mountinfo_lines(staging, pod)
+        assert len(lines) == 2 and len({device for _, device, *_ in lines}) == 1, lines
+
+        ops.unpublish("vol-h", pod)
+        ops.unstage("vol-h", staging)
+        assert mounts.find_mount(staging) is None and mounts.find_mount(pod) is None
+        assert launcher.names() == [] and not (run_root / daemon_name(staging)).exists()
+    finally:
+        if plugin.poll() is None:
+            plugin.kill()  # the plugin this test started
+            plugin.wait(timeout=WAIT_S)
+
+
+def test_a_daemon_that_cannot_start_leaves_no_mount_and_no_process(seaweed, node_dirs) -> None:
+    run_root, target = node_dirs["run_root"], node_dirs["staging"]
+    target.mkdir(parents=True)
+    launcher = ProcessLauncher(run_root, environ=driver_environ())
+    mounter = HandoverMounter(launcher, run_root, environ=driver_environ(), mount_timeout_s=WAIT_S)
+    creds = Credentials(seaweed.access_key, seaweed.secret_key)
+    base = MountRequest(source=f"s3://missing-{uuid.uuid4().hex[:10]}/x", target=target,
+                        cache_dir=node_dirs["cache_root"] / "slot-0", endpoint_url=seaweed.endpoint_url,
+                        credentials=creds, cache=CacheOptions(ram_bytes=16 * MiB, disk_bytes=64 * MiB))
+
+    with pytest.raises(CsiError) as info:  # the store refuses: the daemon reports ERR
+        mounter.mount(base)
+    assert info.value.code == Code.INTERNAL and "missing-" in info.value.message, info.value.message
+    assert seaweed.secret_key not in info.value.message
+    assert mounts.find_mount(target) is None and launcher.names() == []
+
+    invalid = MountRequest(**{**base.__dict__, "cache": CacheOptions(disk_bytes=0)})
+    with pytest.raises(CsiError) as info:  # cachefs refuses its arguments: the daemon reports BAD
+        mounter.mount(invalid)
+    assert info.value.code == Code.INVALID_ARGUMENT and "disk cache" in info.value.message, info.value.message
+    assert mounts.find_mount(target) is None and launcher.names() == []
+
+
+def test_fusefd_mount_looks_like_a_cachefs_mount_and_aborts_with_its_last_fd(tmp_path: Path) -> None:
+    target = tmp_path / "mnt"
+    target.mkdir()
+    fd = fusefd.mount_fuse(target, read_only=True)
+    try:
+        lines = mountinfo_lines(target)
+        assert len(lines) == 1 and lines[0][2:4] == ("fuse.cachefs", "cachefs")
+        assert mounts.find_mount(target) is not None and mounts.is_cachefs_mount(target)
+        assert "ro" in lines[0][4].split(",")
+    finally:
+        os.close(fd)  # nobody holds the connection now: every access fails at once, none hangs
+    try:
+        wait_broken(target)
+    finally:
+        fusefd.unmount(target, lazy=True)
+    assert mounts.find_mount(target) is None
