@@ -49,6 +49,8 @@ MODES = ("node", "controller", "all")
 # manifests in deploy/ ask for `pod`.
 MOUNT_MODES = ("process", "pod")
 DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
+# The node plugin's container in deploy/base/node-daemonset.yaml: its image is the mount pods'.
+PLUGIN_CONTAINER = "cachefs-csi"
 # The daemons' run directories (handover and control sockets, pid records): on tmpfs, gone at a
 # reboot like the mounts. /run/cachefs is where a root `cachefs mount` puts its control socket, and
 # the host path the DaemonSet and deploy/examples/training-job-prefetch.yaml already share.
@@ -87,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the driver's namespace, where mount pods and their Secrets live (default $POD_NAMESPACE)")
     pods.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
                       help="this node's Kubernetes name, the mount pods' nodeName (default $NODE_NAME, else --node-id)")
+    pods.add_argument("--pod-name", default=os.environ.get("POD_NAME", ""),
+                      help="the plugin's own pod (default $POD_NAME): its image is the mount pods' default")
     pods.add_argument("--mount-pod-image", default="", metavar="IMAGE",
-                      help="the image of the mount pods (the cachefs image; required in pod mode)")
+                      help="the image of the mount pods (default: the image of this pod's cachefs-csi container)")
     pods.add_argument("--mount-pod-priority-class", default="", metavar="NAME",
                       help="priorityClassName of the mount pods (default: none)")
     pods.add_argument("--mount-pod-service-account", default="", metavar="NAME",
@@ -148,20 +152,21 @@ def build_mounter(mount_mode: str, run_root: Path, environ: dict[str, str], log_
 
 def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
     """The mount pods' launcher from the flags; ValueError naming a missing flag."""
-    from csi_driver.mountpods import WATCH_S, MountPodSettings, PodLauncher, api_client
+    from csi_driver.mountpods import WATCH_S, MountPodSettings, PodLauncher, api_client, own_image
 
     node_name = args.node_name or args.node_id
     if not args.namespace:
         raise ValueError("--mount-mode pod needs --namespace (or $POD_NAMESPACE): where the mount pods live")
-    if not args.mount_pod_image:
-        raise ValueError("--mount-mode pod needs --mount-pod-image")
-    settings = MountPodSettings(namespace=args.namespace, node_name=node_name, image=args.mount_pod_image,
-                                priority_class=args.mount_pod_priority_class,
-                                service_account=args.mount_pod_service_account)
+    if not args.mount_pod_image and not args.pod_name:
+        raise ValueError("--mount-mode pod needs --mount-pod-image (or --pod-name/$POD_NAME to use this pod's image)")
     try:
         api = api_client(args.kubeconfig or None)
+        image = args.mount_pod_image or own_image(api, args.namespace, args.pod_name, PLUGIN_CONTAINER)
     except CsiError as exc:
         raise ValueError(str(exc)) from None
+    settings = MountPodSettings(namespace=args.namespace, node_name=node_name, image=image,
+                                priority_class=args.mount_pod_priority_class,
+                                service_account=args.mount_pod_service_account)
     return PodLauncher(settings, api, watch_s=args.mount_pod_watch_seconds or WATCH_S)
 
 

@@ -228,6 +228,9 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- API calls
+_API_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError)
+
+
 def api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     """A client from ``kubeconfig``, else the pod's in-cluster service account."""
     configuration = k8s.Configuration()
@@ -240,6 +243,19 @@ def api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
         raise CsiError(Code.FAILED_PRECONDITION, f"no Kubernetes API configuration: {exc}") from None
     configuration.retries = 1  # urllib3: one retry on a dropped connection, no more (calls are bounded)
     return k8s.ApiClient(configuration)
+
+
+def own_image(api: k8s.ApiClient, namespace: str, pod: str, container: str, timeout_s: float = API_TIMEOUT_S) -> str:
+    """The image of ``container`` in the plugin's own pod: mount pods run the plugin's own version,
+    whatever an overlay's ``images:`` renamed it to (kustomize rewrites image fields, not flags)."""
+    try:
+        own = k8s.CoreV1Api(api).read_namespaced_pod(pod, namespace, _request_timeout=timeout_s)
+    except (ApiException, *_API_ERRORS) as exc:
+        raise api_error(exc, f"reading the plugin's own pod {namespace}/{pod} for its image") from None
+    for candidate in own.spec.containers:
+        if candidate.name == container and candidate.image:
+            return str(candidate.image)
+    raise CsiError(Code.FAILED_PRECONDITION, f"pod {namespace}/{pod} has no container {container!r}")
 
 
 def _status_message(exc: ApiException) -> str:
@@ -264,9 +280,6 @@ def api_error(exc: Exception, what: str) -> CsiError:
             return CsiError(Code.UNAVAILABLE, f"{what}: the API server answered {status}: {message}")
         return CsiError(Code.INTERNAL, f"{what}: the API answered {status}: {message}")
     return CsiError(Code.UNAVAILABLE, f"{what}: the API server cannot be reached ({type(exc).__name__})")
-
-
-_API_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError)
 
 
 @dataclass(frozen=True)
@@ -547,8 +560,8 @@ def take_over(launcher: PodLauncher, node: NodeOps, staged_paths: set[str]) -> t
         return pod.target in staged_paths or (bool(pod.target) and mounter.is_mounted(Path(pod.target)))
 
     adopted, deleted = launcher.cleanup(keep)
-    log.info("mount pods on node %s: %d adopted (%s), %d deleted", launcher.settings.node_name, len(adopted),
-             ", ".join(p.name for p in adopted) or "-", len(deleted))
+    log.info("mount pods on node %s (image %s): %d adopted (%s), %d deleted", launcher.settings.node_name,
+             launcher.settings.image, len(adopted), ", ".join(p.name for p in adopted) or "-", len(deleted))
 
     def workloads(volume_id: str) -> list[WorkloadPod]:
         return [WorkloadPod(p.get("namespace", ""), p.get("name", ""), p.get("uid", ""))

@@ -83,9 +83,9 @@ def dataset(seaweed) -> tuple[str, dict[str, bytes]]:
     return bucket, {key.removeprefix("train/"): data for key, data in files.items()}
 
 
-def start_pod_driver(workdir: Path, api: ApiDouble) -> Driver:
-    return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE,
-                        "--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test",
+def start_pod_driver(workdir: Path, api: ApiDouble,
+                     image: tuple[str, ...] = ("--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test")) -> Driver:
+    return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE, *image,
                         "--mount-pod-priority-class", "system-node-critical", "--kubeconfig", str(api.kubeconfig),
                         "--mount-pod-watch-seconds", "1")
 
@@ -239,7 +239,7 @@ def test_mount_pod_shared_survives_plugin_death_and_recovers(cluster, seaweed, d
             readers.wait_reads(50)
             driver = start_pod_driver(tmp_path, api)
             drivers.append(driver)
-            assert "mount pods on node test-node: 1 adopted" in driver.log_text()
+            assert "1 adopted" in driver.log_text()
             (again,) = mount_pods(core)
             assert again.metadata.uid == pod.metadata.uid  # adopted, not replaced
             readers.wait_reads(50)
@@ -312,11 +312,17 @@ def test_start_up_deletes_stray_mount_pods_and_orphan_secrets(cluster, workdir) 
     core.create_namespaced_pod(NAMESPACE, stray)
     core.create_namespaced_pod(NAMESPACE, other)
     core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": "cachefs-mount-orphan", "labels": labels}})
-    driver = start_pod_driver(tmp_path, api)
+    plugin = {"metadata": {"name": "cachefs-csi-node-x1"}, "spec": {"nodeName": "not-this-kubelet", "containers": [
+        {"name": "registrar", "image": "registrar:1"}, {"name": "cachefs-csi", "image": "site/cachefs-csi:9"}]}}
+    core.create_namespaced_pod(NAMESPACE, plugin)
+    driver = start_pod_driver(tmp_path, api, image=("--pod-name", "cachefs-csi-node-x1"))
     try:
         assert "1 deleted" in driver.log_text()
-        assert [p.metadata.name for p in core.list_namespaced_pod(NAMESPACE).items] == ["cachefs-mount-other-node"]
+        assert sorted(p.metadata.name for p in core.list_namespaced_pod(NAMESPACE).items) == [
+            "cachefs-csi-node-x1", "cachefs-mount-other-node"]
         assert core.list_namespaced_secret(NAMESPACE).items == []
+        # The mount pods' image is the plugin's own (as an overlay's `images:` renamed it).
+        assert "image site/cachefs-csi:9" in driver.log_text()
     finally:
         stop_driver(driver)
 
@@ -330,4 +336,5 @@ def test_pod_mode_refuses_missing_flags(tmp_path) -> None:
                              "--mount-mode", "pod", "--namespace", NAMESPACE],
                             capture_output=True, text=True, timeout=60, env=driver_environ())
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == "cachefs-csi: error: --mount-mode pod needs --mount-pod-image"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "cachefs-csi: error: --mount-mode pod needs --mount-pod-image (or --pod-name/$POD_NAME to use this pod's image)")
