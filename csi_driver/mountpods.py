@@ -107,6 +107,8 @@ MiB = 1 << 20
 DEFAULT_RAM_CACHE_BYTES = 1 << 30
 DAEMON_OVERHEAD_BYTES = 320 * MiB
 DEFAULT_CPU_REQUEST = "100m"
+# /tmp of a mount pod (its root filesystem is read-only): the daemon writes nothing there itself.
+TMP_SIZE = "64Mi"
 # The daemon gets this long after SIGTERM to flush (unstage has flushed already; this covers a
 # pod deleted by hand, which breaks its mount anyway).
 TERMINATION_GRACE_S = 30
@@ -178,10 +180,14 @@ def build_secret(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]
 def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
     """The mount pod's manifest (plain JSON, as the API takes it): no credential anywhere in it."""
     name = pod_name(settings.node_name, spec.name)
-    volumes, mounts = [], []
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
     for volume, path in (("cache-dir", spec.cache_dir), ("run-dir", spec.run_dir)):
         volumes.append({"name": volume, "hostPath": {"path": str(path), "type": "Directory"}})
         mounts.append({"name": volume, "mountPath": str(path)})
+    # The root filesystem is read-only; a library's temporary file goes to a small tmpfs.
+    volumes.append({"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": TMP_SIZE}})
+    mounts.append({"name": "tmp", "mountPath": "/tmp"})
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} for key in sorted(spec.env)]
     wanted = spec.pod_resources
     chosen = wanted if wanted.requests() or wanted.limits() else default_resources(spec)

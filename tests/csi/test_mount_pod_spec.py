@@ -60,8 +60,8 @@ def test_the_pod_spec_holds_no_credential_and_grants_no_privilege() -> None:
     assert pod["spec"]["securityContext"]["runAsUser"] == 0
     assert container["command"][:2] == ["cachefs", "mount"]
     # hostPaths mounted at their own paths: every path in the argv is the host's
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    paths = {v["name"]: v["hostPath"]["path"] for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"] if m["name"] != "tmp"}
+    paths = {v["name"]: v["hostPath"]["path"] for v in pod["spec"]["volumes"] if "hostPath" in v}
     assert mounts == paths and set(paths.values()) == {"/var/cache/cachefs-csi/volumes/v/slot-0",
                                                        "/var/cache/cachefs-csi/run/x"}
 
@@ -154,3 +154,17 @@ def test_pod_state_reads_a_dead_container() -> None:
     assert state.dead and not state.running and state.terminated == "OOMKilled, exit code 137"
     assert state.target == "/t"
     assert MountPodResources().requests() == {}
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "latest"])
+def test_the_mount_pod_and_its_secret_are_valid_kubernetes(version: str) -> None:
+    import kubernetes_validate
+
+    if version == "latest":
+        version = kubernetes_validate.latest_version()
+    volume = parse_volume_attributes({"source": "s3://bucket/p", "mountPodCPULimit": "2", "mountPodMemoryLimit": "4Gi"})
+    for manifest in (build_pod(SETTINGS, spec(uid=1000, gid=1000, pod_resources=volume.mount_pod)),
+                     build_pod(MountPodSettings(namespace="n", node_name="x", image="i:1", service_account="sa"),
+                               spec()),
+                     build_secret(SETTINGS, spec())):
+        kubernetes_validate.validate(json.loads(json.dumps(manifest)), version, strict=True)

@@ -135,8 +135,9 @@ class Kubelet:
         if security is None or security.privileged is not False or security.allow_privilege_escalation is not False:
             return self._refuse(pod, "a mount pod must be unprivileged, without privilege escalation")
         host = {v.name: v.host_path.path for v in spec.volumes or [] if v.host_path is not None}
+        scratch = {v.name for v in spec.volumes or [] if v.empty_dir is not None}  # the process uses the real one
         for mount in container.volume_mounts or []:
-            if host.get(mount.name) != mount.mount_path:
+            if mount.name not in scratch and host.get(mount.name) != mount.mount_path:
                 return self._refuse(pod, f"volume {mount.name} is not a hostPath mounted at its own path")
         env: dict[str, str] = {}
         for var in container.env or []:
