@@ -32,7 +32,7 @@ from csi_driver import fusefd
 from csi_driver.attributes import CacheOptions, Credentials, parse_volume_attributes
 from csi_driver.errors import Code, CsiError
 from csi_driver.handover import HandoverMounter
-from csi_driver.launchers import ProcessLauncher, daemon_name
+from csi_driver.launchers import FakeLauncher, ProcessLauncher, daemon_name
 from csi_driver.mounter import MountRequest
 from csi_driver.node import NodeOps, NodeSettings, PublishRequest
 from tests.csi.conftest import driver_environ
@@ -247,3 +247,34 @@ def test_fusefd_mount_looks_like_a_cachefs_mount_and_aborts_with_its_last_fd(tmp
     finally:
         fusefd.unmount(target, lazy=True)
     assert mounts.find_mount(target) is None
+
+
+class _NeverConnects(FakeLauncher):
+    """Starts nothing, and says after a few looks that the daemon is gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks = 0
+
+    def is_running(self, name: str) -> bool:
+        self.looks += 1
+        return self.looks < 3 and super().is_running(name)
+
+
+@pytest.mark.parametrize("launcher", [FakeLauncher, _NeverConnects])
+def test_a_launch_that_fails_leaves_no_mount(node_dirs, launcher) -> None:
+    target = node_dirs["staging"]
+    target.mkdir(parents=True)
+    fake = launcher()
+    if type(fake) is FakeLauncher:
+        fake.fail_next = CsiError(Code.UNAVAILABLE, "the API server is down")
+    mounter = HandoverMounter(fake, node_dirs["run_root"], environ={}, mount_timeout_s=WAIT_S)
+    request = MountRequest(source="s3://bucket/x", target=target, cache_dir=node_dirs["cache_root"] / "slot-0")
+    with pytest.raises(CsiError) as info:
+        mounter.mount(request)
+    assert mounts.find_mount(target) is None  # the plugin's own mount was undone
+    assert ("stop", daemon_name(target)) in fake.calls
+    if type(fake) is FakeLauncher:
+        assert info.value.code == Code.UNAVAILABLE
+    else:
+        assert "exited before taking the mount" in info.value.message

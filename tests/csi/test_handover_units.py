@@ -316,3 +316,17 @@ def test_process_launcher_reaps_a_child_that_exited(tmp_path: Path) -> None:
     while launcher.is_running(name):  # a zombie would still answer kill(pid, 0)
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------ the daemon's side
+def test_cachefs_mount_without_a_handover_listener_fails_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "cachefs", "mount", "s3://bucket/prefix", str(tmp_path / "mnt"),
+         "--cache-dir", str(tmp_path / "cache"), "--fuse-fd-socket", str(tmp_path / "none.sock")],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachefs: error: cannot receive the FUSE descriptor"), lines
+    assert not (tmp_path / "mnt").exists()  # it neither mounted nor created anything there
