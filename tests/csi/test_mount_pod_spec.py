@@ -168,3 +168,42 @@ def test_the_mount_pod_and_its_secret_are_valid_kubernetes(version: str) -> None
                                spec()),
                      build_secret(SETTINGS, spec())):
         kubernetes_validate.validate(json.loads(json.dumps(manifest)), version, strict=True)
+
+
+class _Launcher:
+    """What BrokenMountReporter uses of a PodLauncher: its settings and ``event``."""
+
+    settings = SETTINGS
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, str]] = []
+
+    def event(self, namespace: str, pod: str, uid: str, reason: str, message: str) -> None:
+        self.events.append((namespace, pod, reason))
+
+
+def _state(uid: str = "u1", *, dead: bool = True) -> PodState:
+    return PodState(name="cachefs-mount-x", uid=uid, daemon="cachefs-d", volume_id="vol", target="/stage/vol",
+                    phase="Failed" if dead else "Running", terminated="Error, exit code 137" if dead else None,
+                    deleting=False)
+
+
+def test_a_dead_mount_pod_is_reported_once_on_it_and_on_every_workload_pod() -> None:
+    from csi_driver.mountpods import BrokenMountReporter, WorkloadPod
+
+    launcher, broken = _Launcher(), {"/stage/vol"}
+    seen: list[str] = []
+    reporter = BrokenMountReporter(launcher, lambda path: str(path) in broken,  # type: ignore[arg-type]
+                                   lambda volume_id: [WorkloadPod("ml", "trainer-0"), WorkloadPod("ml", "trainer-1")],
+                                   seen.append)
+    reporter.observe("MODIFIED", _state(dead=False))  # running: nothing to say
+    assert launcher.events == [] and seen == []
+    reporter.observe("MODIFIED", _state())
+    reporter.observe("ADDED", _state())  # the same pod seen again by a relist: reported once
+    assert launcher.events == [("cachefs", "cachefs-mount-x", "MountPodDied"), ("ml", "trainer-0", "CachefsMountBroken"),
+                               ("ml", "trainer-1", "CachefsMountBroken")]
+    assert seen == ["vol"]
+    broken.clear()  # a pod that exited after unstage unmounted its mount is not news
+    reporter.observe("MODIFIED", _state("u2"))
+    reporter.observe("DELETED", _state("u3", dead=False))
+    assert len(launcher.events) == 3
