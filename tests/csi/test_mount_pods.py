@@ -291,9 +291,10 @@ def test_mount_pod_shared_survives_plugin_death_and_recovers(cluster, seaweed, d
         kubelet.wait_gone(new.metadata.name)
     finally:
         proxy.close()
-        for d in drivers[:-1]:
-            d.targets.clear()
-        drivers[-1].targets = drivers[0].targets if drivers[-1] is not drivers[0] else drivers[-1].targets
+        targets = list(drivers[0].targets)  # every target and staging path, cleaned up once
+        for d in drivers:
+            d.targets = []
+        drivers[-1].targets = targets
         for d in drivers:
             stop_driver(d)
 
