@@ -109,6 +109,10 @@ DAEMON_OVERHEAD_BYTES = 320 * MiB
 DEFAULT_CPU_REQUEST = "100m"
 # /tmp of a mount pod (its root filesystem is read-only): the daemon writes nothing there itself.
 TMP_SIZE = "64Mi"
+# A container waiting for one of these will not start by itself: the mount fails at once (naming
+# the reason) instead of after the whole mount timeout; the kubelet retries the publish anyway.
+STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
+                           "CreateContainerError", "RunContainerError"})
 # The daemon gets this long after SIGTERM to flush (unstage has flushed already; this covers a
 # pod deleted by hand, which breaks its mount anyway).
 TERMINATION_GRACE_S = 30
@@ -300,30 +304,44 @@ class PodState:
     phase: str
     terminated: str | None  # why the container ended ("Error, exit code 137"), or None while it runs
     deleting: bool
+    waiting: str | None = None  # why the container has not started ("ErrImagePull: ..."), if it says
 
     @property
     def dead(self) -> bool:
         return self.terminated is not None or self.phase in ("Failed", "Succeeded")
 
     @property
+    def stuck(self) -> bool:
+        """The container cannot start without someone changing something (image, Secret, spec)."""
+        return self.waiting is not None and self.waiting.split(":", 1)[0] in STUCK_REASONS
+
+    @property
     def running(self) -> bool:
-        return not self.dead and not self.deleting
+        return not self.dead and not self.deleting and not self.stuck
+
+    def describe(self) -> str:
+        if self.terminated is not None:
+            return f"phase {self.phase}, {self.terminated}"
+        return f"phase {self.phase}" + (f", waiting: {self.waiting}" if self.waiting else "")
 
     @classmethod
     def of(cls, pod: Any) -> PodState:
         meta, status = pod.metadata, pod.status
         annotations = meta.annotations or {}
-        terminated = None
+        terminated = waiting = None
         for container in (status.container_statuses or []) if status is not None else []:
             state = container.state.terminated if container.state is not None else None
             if state is not None:
                 terminated = f"{state.reason or 'terminated'}, exit code {state.exit_code}"
+            held = container.state.waiting if container.state is not None else None
+            if held is not None and held.reason:
+                waiting = held.reason + (f": {held.message[:200]}" if held.message else "")
         phase = (status.phase if status is not None else None) or "Pending"
         if terminated is None and phase in ("Failed", "Succeeded"):
             terminated = phase + (f": {status.message}" if status.message else "")
         return cls(meta.name, meta.uid or "", annotations.get(ANNOTATION_DAEMON, ""),
                    annotations.get(ANNOTATION_VOLUME_ID, ""), annotations.get(ANNOTATION_TARGET, ""), phase,
-                   terminated, meta.deletion_timestamp is not None)
+                   terminated, meta.deletion_timestamp is not None, waiting)
 
 
 class PodLauncher:
@@ -388,7 +406,12 @@ class PodLauncher:
         return sorted(p.daemon for p in self.pods() if p.running and p.daemon)
 
     def describe(self, name: str) -> str:
-        return f"mount pod {self.settings.namespace}/{self.pod_name(name)}"
+        where = f"mount pod {self.settings.namespace}/{self.pod_name(name)}"
+        try:
+            state = self.get(name)
+        except CsiError:
+            return where
+        return f"{where}, " + (state.describe() if state is not None else "gone")
 
     # -- deletion -----------------------------------------------------------------------------------
     def _delete(self, name: str, wait_s: float, grace_s: float | None = None) -> None:

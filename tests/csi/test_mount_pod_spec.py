@@ -207,3 +207,10 @@ def test_a_dead_mount_pod_is_reported_once_on_it_and_on_every_workload_pod() -> 
     reporter.observe("MODIFIED", _state("u2"))
     reporter.observe("DELETED", _state("u3", dead=False))
     assert len(launcher.events) == 3
+
+
+def test_a_container_that_cannot_start_is_not_running() -> None:
+    pulling = PodState("p", "u", "d", "v", "/t", "Pending", None, False, "ErrImagePull: pull access denied")
+    creating = PodState("p", "u", "d", "v", "/t", "Pending", None, False, "ContainerCreating")
+    assert not pulling.running and pulling.stuck and "ErrImagePull" in pulling.describe()
+    assert creating.running and not creating.stuck

@@ -23,10 +23,19 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
+import grpc
 import pytest
 
 from cachefs import mounts
-from tests.csi.conftest import Driver, daemon_pid, driver_environ, secrets_of, start_driver, stop_driver
+from tests.csi.conftest import (
+    Driver,
+    daemon_pid,
+    driver_environ,
+    expect_rpc_error,
+    secrets_of,
+    start_driver,
+    stop_driver,
+)
 from tests.csi.test_node_service import context_for
 from tests.support.kubeapi import ApiDouble
 from tests.support.kubelet import Kubelet
@@ -88,6 +97,15 @@ def start_pod_driver(workdir: Path, api: ApiDouble,
     return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE, *image,
                         "--mount-pod-priority-class", "system-node-critical", "--kubeconfig", str(api.kubeconfig),
                         "--mount-pod-watch-seconds", "1")
+
+
+def mountinfo_devices() -> dict[str, str]:
+    """Mountpoint -> the major:minor of its filesystem, from /proc/self/mountinfo."""
+    found = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        found[fields[4].replace("\\040", " ")] = fields[2]
+    return found
 
 
 def pod_info(name: str) -> dict[str, str]:
@@ -221,6 +239,8 @@ def test_mount_pod_shared_survives_plugin_death_and_recovers(cluster, seaweed, d
         assert seaweed.secret_key not in " ".join(kubelet.running(pod.metadata.name).proc.args)
 
         # Two publishes, one daemon: the same device everywhere, and it is the mount pod's process.
+        devices = mountinfo_devices()
+        assert devices[str(pod1)] == devices[str(pod2)] == devices[str(staging)]
         assert os.stat(pod1).st_dev == os.stat(pod2).st_dev == os.stat(staging).st_dev
         assert daemon_pid(pod1) == daemon_pid(pod2)
         status = Path(f"/proc/{daemon_pid(pod1)}/status").read_text()
@@ -339,3 +359,20 @@ def test_pod_mode_refuses_missing_flags(tmp_path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "cachefs-csi: error: --mount-mode pod needs --mount-pod-image (or --pod-name/$POD_NAME to use this pod's image)")
+
+
+def test_a_mount_pod_that_cannot_start_fails_the_stage_at_once_and_leaves_nothing(cluster, seaweed, dataset,
+                                                                                   workdir) -> None:
+    api, _ = cluster
+    core = api.client()
+    bucket, _ = dataset
+    driver = start_pod_driver(workdir, api, image=("--mount-pod-image", "unpullable/cachefs:0"))
+    try:
+        staging = driver.target("globalmount")
+        # INTERNAL with the reason, not DEADLINE_EXCEEDED after the whole 130 s mount timeout
+        with expect_rpc_error(grpc.StatusCode.INTERNAL, "ErrImagePull", "pull access denied"):
+            driver.stage("vol-stuck", staging, context_for(seaweed, bucket), secrets=secrets_of(seaweed))
+        assert mounts.find_mount(staging) is None
+        assert mount_pods(core) == [] and core.list_namespaced_secret(NAMESPACE).items == []
+    finally:
+        stop_driver(driver)

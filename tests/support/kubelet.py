@@ -15,7 +15,8 @@ and, for each new one, does what a kubelet and a container runtime would do with
   ``terminated`` state when the process ends;
 - kills the process group (SIGTERM, then SIGKILL after the grace period) when the pod is deleted.
 
-``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod.
+``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod. An image
+named ``unpullable/...`` is never pulled: the container waits in ``ErrImagePull``, as it would.
 """
 
 from __future__ import annotations
@@ -131,6 +132,13 @@ class Kubelet:
     def _start(self, pod: Any) -> None:
         spec = pod.spec
         (container,) = spec.containers
+        if container.image.startswith("unpullable/"):
+            self.refused[pod.metadata.name] = "ErrImagePull"
+            self._patch_status(pod.metadata.name, {"phase": "Pending", "containerStatuses": [{
+                "name": container.name, "image": container.image, "imageID": "", "ready": False, "restartCount": 0,
+                "state": {"waiting": {"reason": "ErrImagePull", "message": f"pull access denied for {container.image}"}},
+            }]})
+            return None
         security = container.security_context
         if security is None or security.privileged is not False or security.allow_privilege_escalation is not False:
             return self._refuse(pod, "a mount pod must be unprivileged, without privilege escalation")
