@@ -81,6 +81,7 @@ ANNOTATION_DAEMON = "cachefs.io/daemon"  # launchers.daemon_name of the mount it
 ANNOTATION_VOLUME_ID = "cachefs.io/volume-id"
 ANNOTATION_TARGET = "cachefs.io/target"  # the host mountpoint it serves (the staging path)
 CONTAINER = "cachefs"
+USER_AGENT = "cachefs-csi-node"
 POD_NAME_PREFIX = "cachefs-mount-"
 # Pod names are DNS subdomains, but a pod's hostname is its name cut at 63: keep them that short.
 MAX_NAME = 63
@@ -252,7 +253,9 @@ def api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     except (k8s_config.ConfigException, OSError, ValueError) as exc:
         raise CsiError(Code.FAILED_PRECONDITION, f"no Kubernetes API configuration: {exc}") from None
     configuration.retries = 1  # urllib3: one retry on a dropped connection, no more (calls are bounded)
-    return k8s.ApiClient(configuration)
+    api = k8s.ApiClient(configuration)
+    api.user_agent = USER_AGENT  # audit logs (and the tests) tell the plugin's calls apart
+    return api
 
 
 def own_image(api: k8s.ApiClient, namespace: str, pod: str, container: str, timeout_s: float = API_TIMEOUT_S) -> str:

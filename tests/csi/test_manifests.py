@@ -181,7 +181,7 @@ def test_node_plugin_runs_mount_pods_with_least_privilege(base_objects) -> None:
             rules[role["kind"]] = role["rules"]
     assert rules["Role"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "create", "patch", "delete"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["list", "create", "patch", "delete"]},
     ]
     assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
 

@@ -37,6 +37,7 @@ from tests.csi.conftest import (
     stop_driver,
 )
 from tests.csi.test_node_service import context_for
+from csi_driver.mountpods import USER_AGENT
 from tests.support.kubeapi import ApiDouble
 from tests.support.kubelet import Kubelet
 
@@ -97,6 +98,19 @@ def start_pod_driver(workdir: Path, api: ApiDouble,
     return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE, *image,
                         "--mount-pod-priority-class", "system-node-critical", "--kubeconfig", str(api.kubeconfig),
                         "--mount-pod-watch-seconds", "1")
+
+
+def node_rbac() -> dict[str, set[tuple[str, str]]]:
+    """(verb, resource) pairs of the node plugin's Role and ClusterRole in deploy/base/node-rbac.yaml."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "base" / "node-rbac.yaml"
+    rules: dict[str, set[tuple[str, str]]] = {}
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc["kind"] in ("Role", "ClusterRole"):
+            rules[doc["kind"]] = {(verb, resource) for rule in doc["rules"] for resource in rule["resources"]
+                                  for verb in rule["verbs"]}
+    return rules
 
 
 def mountinfo_devices() -> dict[str, str]:
@@ -309,6 +323,15 @@ def test_mount_pod_shared_survives_plugin_death_and_recovers(cluster, seaweed, d
         assert mount_pods(core) == []
         assert core.list_namespaced_secret(NAMESPACE).items == []
         kubelet.wait_gone(new.metadata.name)
+
+        # Every call the plugin made is allowed by its RBAC in deploy/base/node-rbac.yaml, and the
+        # Role's rules are all used: least privilege, as measured.
+        calls = api.calls(USER_AGENT)
+        allowed = node_rbac()
+        in_namespace = {(verb, resource) for verb, resource, ns in calls if ns == NAMESPACE}
+        assert in_namespace - allowed["ClusterRole"] == allowed["Role"]
+        assert {(verb, resource) for verb, resource, ns in calls if ns != NAMESPACE} <= allowed["ClusterRole"]
+        assert ("create", "events", "ml") in calls and ("create", "events", NAMESPACE) in calls
     finally:
         proxy.close()
         targets = list(drivers[0].targets)  # every target and staging path, cleaned up once

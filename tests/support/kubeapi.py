@@ -119,6 +119,7 @@ class ApiDouble:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kube-api-double", daemon=True)
         self._error: BaseException | None = None
+        self.emulator: ClusterEmulator | None = None
 
     def _run(self) -> None:
         try:
@@ -131,6 +132,7 @@ class ApiDouble:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         async with ClusterEmulator() as emulator, kmock.Server(emulator) as server:
+            self.emulator = emulator
             for resource in RESOURCES:
                 emulator.resources[resource] = {}
             self.url = str(server.url).rstrip("/")
@@ -154,6 +156,23 @@ class ApiDouble:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=START_TIMEOUT_S)
+
+    def calls(self, user_agent: str) -> set[tuple[str, str, str | None]]:
+        """(verb, resource, namespace) of every request so far whose User-Agent starts with ``user_agent``,
+        with the verbs RBAC names (get, list, watch, create, patch, delete)."""
+        assert self.emulator is not None
+        found = set()
+        for request in list(self.emulator):  # a kmock view iterates over its requests
+            if request.resource is None or not request.headers.get("User-Agent", "").startswith(user_agent):
+                continue
+            method = request.method.value
+            if method == "GET":
+                verb = "watch" if request.action == enums.action.WATCH else "get" if request.name else "list"
+            else:
+                verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+            plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+            found.add((verb, plural, request.namespace))
+        return found
 
     def client(self) -> Any:
         """A ``kubernetes.client.CoreV1Api`` for the test's own reads and writes."""
