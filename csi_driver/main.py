@@ -215,15 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cachefs-csi: error: {exc}", file=sys.stderr)
             return 2
         node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir), mounter)
-        staged = node.adopt()
+        node.adopt()
         if pod_launcher is not None:
             from csi_driver.mountpods import take_over
 
-            try:
-                take_over(pod_launcher, node, {record.staging_path for record in staged})
-            except CsiError as exc:
-                print(f"cachefs-csi: error: taking over this node's mount pods: {exc}", file=sys.stderr)
-                return 1
+            take_over(pod_launcher, node)  # adopt, delete strays, watch (retried while the API is away)
     controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
     info = DriverInfo(name=args.driver_name, version=package_version(),
                       serves_controller=serve_controller, serves_node=serve_node)

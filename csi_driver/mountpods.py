@@ -481,17 +481,22 @@ class PodLauncher:
             log.warning("%s", exc)
 
     # -- watching -----------------------------------------------------------------------------------
-    def watch(self, on_pod: Callable[[str, PodState], None], stop: threading.Event) -> None:
+    def watch(self, on_pod: Callable[[str, PodState], None], stop: threading.Event,
+              prepare: Callable[[], None] | None = None) -> None:
         """Call ``on_pod(event_type, state)`` for every change of this node's mount pods until ``stop``.
 
         Level-triggered: each round lists the pods (a pod gone since the last list is reported as
         DELETED, every other one as ADDED), then watches from that list's resourceVersion for up to
-        ``watch_s`` seconds; an event missed between rounds is caught by the next list."""
+        ``watch_s`` seconds; an event missed between rounds is caught by the next list. ``prepare``
+        runs first, again each round until it succeeds (the start-up take-over)."""
         known: dict[str, PodState] = {}
         failures = 0
         while not stop.is_set():
             watcher = k8s_watch.Watch()
             try:
+                if prepare is not None:
+                    prepare()
+                    prepare = None
                 listed = self._call("listing mount pods", self.core.list_namespaced_pod, self.settings.namespace,
                                     label_selector=self.settings.node_selector())
                 current = {p.metadata.name: PodState.of(p) for p in listed.items if self._mine(p)}
@@ -528,10 +533,11 @@ class PodLauncher:
             finally:
                 watcher.stop()
 
-    def start_watching(self, on_pod: Callable[[str, PodState], None]) -> threading.Event:
+    def start_watching(self, on_pod: Callable[[str, PodState], None],
+                       prepare: Callable[[], None] | None = None) -> threading.Event:
         """``watch`` in a daemon thread; set the returned event to stop it."""
         stop = threading.Event()
-        threading.Thread(target=self.watch, args=(on_pod, stop), name="mount-pod-watch", daemon=True).start()
+        threading.Thread(target=self.watch, args=(on_pod, stop, prepare), name="mount-pod-watch", daemon=True).start()
         return stop
 
 
@@ -582,22 +588,33 @@ class BrokenMountReporter:
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsMountBroken", message)
 
 
-def take_over(launcher: PodLauncher, node: NodeOps, staged_paths: set[str]) -> threading.Event:
-    """At plugin start-up: adopt this node's mount pods that serve a staged volume (or any cachefs
-    mount still in the mount table), delete the others and orphaned Secrets, report pods that died
-    while no plugin watched, and start watching. Returns the watcher's stop event."""
+def take_over(launcher: PodLauncher, node: NodeOps) -> threading.Event:
+    """At plugin start-up: adopt this node's mount pods that serve a staged volume (a stage record)
+    or a cachefs mount still in the mount table, delete the others and Secrets without a pod, then
+    watch. Returns the watcher's stop event. An API server that cannot be reached does not stop the
+    plugin (unpublish and unstage of mounted volumes need no API): the take-over is retried by the
+    watcher thread until it succeeds."""
     mounter = node.mounter
 
-    def keep(pod: PodState) -> bool:
-        return pod.target in staged_paths or (bool(pod.target) and mounter.is_mounted(Path(pod.target)))
+    def cleanup() -> None:
+        staged = {record.staging_path for record in node.records.all()}  # now, not at start-up
 
-    adopted, deleted = launcher.cleanup(keep)
-    log.info("mount pods on node %s (image %s): %d adopted (%s), %d deleted", launcher.settings.node_name,
-             launcher.settings.image, len(adopted), ", ".join(p.name for p in adopted) or "-", len(deleted))
+        def keep(pod: PodState) -> bool:
+            return pod.target in staged or (bool(pod.target) and mounter.is_mounted(Path(pod.target)))
+
+        adopted, deleted = launcher.cleanup(keep)
+        log.info("mount pods on node %s (image %s): %d adopted (%s), %d deleted", launcher.settings.node_name,
+                 launcher.settings.image, len(adopted), ", ".join(p.name for p in adopted) or "-", len(deleted))
 
     def workloads(volume_id: str) -> list[WorkloadPod]:
         return [WorkloadPod(p.get("namespace", ""), p.get("name", ""), p.get("uid", ""))
                 for p in node.workloads(volume_id)]
 
+    prepare: Callable[[], None] | None = None
+    try:
+        cleanup()
+    except CsiError as exc:
+        log.warning("cannot take over this node's mount pods yet (%s); retrying every %g s", exc, WATCH_RETRY_S)
+        prepare = cleanup
     reporter = BrokenMountReporter(launcher, mounter.is_broken, workloads)
-    return launcher.start_watching(reporter.observe)
+    return launcher.start_watching(reporter.observe, prepare)

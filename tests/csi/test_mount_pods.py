@@ -399,3 +399,31 @@ def test_a_mount_pod_that_cannot_start_fails_the_stage_at_once_and_leaves_nothin
         assert mount_pods(core) == [] and core.list_namespaced_secret(NAMESPACE).items == []
     finally:
         stop_driver(driver)
+
+
+def test_an_api_server_away_at_start_up_does_not_stop_the_plugin(workdir) -> None:
+    """The plugin serves (unpublish and unstage need no API) and takes over its mount pods once the
+    API answers."""
+    from tests.support.s3servers import free_ports
+
+    (port,) = free_ports(1)
+    api = ApiDouble(workdir, port=port)
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
+              "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+              "users": [{"name": "u", "user": {"token": "t"}}],
+              "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}
+    api.kubeconfig.write_text(json.dumps(config))
+    driver = start_pod_driver(workdir, api)
+    try:
+        wait_for("the warning", lambda: "cannot take over this node's mount pods yet" in driver.log_text())
+        api.start()
+        api.client().create_namespaced_pod(NAMESPACE, {
+            "metadata": {"name": "cachefs-mount-stray", "labels": {"app.kubernetes.io/name": "cachefs-mount",
+                                                                 "cachefs.io/node": NODE}},
+            "spec": {"nodeName": "nowhere", "containers": [{"name": "cachefs", "image": "x"}]}})
+        wait_for("the take-over", lambda: "0 adopted (-), 1 deleted" in driver.log_text())
+        assert api.client().list_namespaced_pod(NAMESPACE).items == []
+        assert driver.proc.poll() is None
+    finally:
+        stop_driver(driver)
+        api.stop()

@@ -110,8 +110,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 class ApiDouble:
     """The emulator served on 127.0.0.1 from a thread of its own; ``kubeconfig`` points a client at it."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
         self.workdir = workdir
+        self.port = port
         self.url = ""
         self.kubeconfig = workdir / "kubeconfig"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,7 +132,7 @@ class ApiDouble:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with ClusterEmulator() as emulator, kmock.Server(emulator) as server:
+        async with ClusterEmulator() as emulator, kmock.Server(emulator, port=self.port) as server:
             self.emulator = emulator
             for resource in RESOURCES:
                 emulator.resources[resource] = {}
