@@ -114,9 +114,13 @@ TMP_SIZE = "64Mi"
 # the reason) instead of after the whole mount timeout; the kubelet retries the publish anyway.
 STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
                            "CreateContainerError", "RunContainerError"})
+# How long a dead or deleted pod's mount may go on answering before it is taken as served by a new
+# pod: the old process's grace period (SIGTERM to SIGKILL) and a little more.
+SETTLE_POLL_S = 0.5
 # The daemon gets this long after SIGTERM to flush (unstage has flushed already; this covers a
 # pod deleted by hand, which breaks its mount anyway).
 TERMINATION_GRACE_S = 30
+SETTLE_S = TERMINATION_GRACE_S + 5.0
 
 
 def label_value(text: str) -> str:
@@ -553,29 +557,57 @@ class WorkloadPod:
 class BrokenMountReporter:
     """Turns a dead mount pod into a log line and Events, once per pod (by uid).
 
-    ``is_broken(target)``: whether the pod's mount is still in the mount table and answers ENOTCONN (a
-    pod that exited after unstage unmounted it is not news). ``workloads_of(volume_id)``: the pods bound
-    to the volume on this node. ``on_broken(volume_id)``: for the caller's counters."""
+    ``is_mounted(target)``/``is_broken(target)``: the pod's mount in the mount table, and whether it
+    answers ENOTCONN. A pod whose mount is gone (unstage unmounts before it deletes the pod) is not
+    news. One whose mount still answers is watched a little longer (``SETTLE_S``): a deleted pod's
+    process may still be stopping. Each check runs in a thread of its own, so a mount that is slow to
+    answer never holds the watch. ``workloads_of(volume_id)``: the pods bound to the volume on this
+    node. ``on_broken(volume_id)``: for the caller's counters."""
 
-    def __init__(self, launcher: PodLauncher, is_broken: Callable[[Path], bool],
+    def __init__(self, launcher: PodLauncher, is_mounted: Callable[[Path], bool], is_broken: Callable[[Path], bool],
                  workloads_of: Callable[[str], Sequence[WorkloadPod]],
-                 on_broken: Callable[[str], None] = lambda volume_id: None) -> None:
+                 on_broken: Callable[[str], None] = lambda volume_id: None, settle_s: float | None = None) -> None:
         self.launcher = launcher
+        self.is_mounted = is_mounted
         self.is_broken = is_broken
         self.workloads_of = workloads_of
         self.on_broken = on_broken
-        self._reported: set[str] = set()
+        self.settle_s = SETTLE_S if settle_s is None else settle_s
+        self._seen: set[str] = set()  # uids checked or being checked
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def observe(self, event_type: str, state: PodState) -> None:
         if not (event_type == "DELETED" or state.dead) or not state.target:
             return
         with self._lock:
-            if state.uid in self._reported:
+            if state.uid in self._seen:
                 return
-            if not self.is_broken(Path(state.target)):
-                return  # unmounted first (unstage), or never mounted: nothing is broken
-            self._reported.add(state.uid)
+            self._seen.add(state.uid)
+            thread = threading.Thread(target=self._check, args=(event_type, state), name=f"check {state.name}",
+                                      daemon=True)
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the checks in flight (tests)."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _check(self, event_type: str, state: PodState) -> None:
+        target = Path(state.target)
+        deadline = time.monotonic() + self.settle_s
+        while self.is_mounted(target) and not self.is_broken(target):
+            if time.monotonic() >= deadline:
+                return  # still served: a replaced pod's mount, remade before the old pod went
+            time.sleep(SETTLE_POLL_S)
+        if not self.is_mounted(target):
+            return  # unmounted first (unstage), or never mounted: nothing is broken
+        self._report(event_type, state)
+
+    def _report(self, event_type: str, state: PodState) -> None:
         why = f"ended ({state.terminated})" if state.dead else "was deleted"
         message = (f"cachefs mount pod {state.name} of volume {state.volume_id} {why}: its mount at {state.target} "
                    "is broken (Transport endpoint is not connected) until the volume is published again on this "
@@ -616,5 +648,5 @@ def take_over(launcher: PodLauncher, node: NodeOps) -> threading.Event:
     except CsiError as exc:
         log.warning("cannot take over this node's mount pods yet (%s); retrying every %g s", exc, WATCH_RETRY_S)
         prepare = cleanup
-    reporter = BrokenMountReporter(launcher, mounter.is_broken, workloads)
+    reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads)
     return launcher.start_watching(reporter.observe, prepare)

@@ -191,21 +191,26 @@ def _state(uid: str = "u1", *, dead: bool = True) -> PodState:
 def test_a_dead_mount_pod_is_reported_once_on_it_and_on_every_workload_pod() -> None:
     from csi_driver.mountpods import BrokenMountReporter, WorkloadPod
 
-    launcher, broken = _Launcher(), {"/stage/vol"}
+    launcher, mounted, broken = _Launcher(), {"/stage/vol"}, {"/stage/vol"}
     seen: list[str] = []
-    reporter = BrokenMountReporter(launcher, lambda path: str(path) in broken,  # type: ignore[arg-type]
+    reporter = BrokenMountReporter(launcher, lambda path: str(path) in mounted,  # type: ignore[arg-type]
+                                   lambda path: str(path) in broken,
                                    lambda volume_id: [WorkloadPod("ml", "trainer-0"), WorkloadPod("ml", "trainer-1")],
-                                   seen.append)
+                                   seen.append, settle_s=0.0)
     reporter.observe("MODIFIED", _state(dead=False))  # running: nothing to say
+    reporter.join(10)
     assert launcher.events == [] and seen == []
     reporter.observe("MODIFIED", _state())
     reporter.observe("ADDED", _state())  # the same pod seen again by a relist: reported once
+    reporter.join(10)
     assert launcher.events == [("cachefs", "cachefs-mount-x", "MountPodDied"), ("ml", "trainer-0", "CachefsMountBroken"),
                                ("ml", "trainer-1", "CachefsMountBroken")]
     assert seen == ["vol"]
-    broken.clear()  # a pod that exited after unstage unmounted its mount is not news
+    broken.clear()  # a mount that still answers (a new pod serves it) is not news
     reporter.observe("MODIFIED", _state("u2"))
+    mounted.clear()  # nor is a pod that exited after unstage unmounted its mount
     reporter.observe("DELETED", _state("u3", dead=False))
+    reporter.join(10)
     assert len(launcher.events) == 3
 
 

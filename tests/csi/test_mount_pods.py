@@ -427,3 +427,29 @@ def test_an_api_server_away_at_start_up_does_not_stop_the_plugin(workdir) -> Non
     finally:
         stop_driver(driver)
         api.stop()
+
+
+def test_a_mount_pod_deleted_by_hand_is_reported_and_recovered(cluster, seaweed, dataset, workdir) -> None:
+    api, kubelet = cluster
+    core = api.client()
+    bucket, files = dataset
+    context = {**context_for(seaweed, bucket), **pod_info("notebook-0")}
+    driver = start_pod_driver(workdir, api)
+    try:
+        staging, target = driver.target("globalmount"), driver.target()
+        driver.stage("vol-del", staging, context, secrets=secrets_of(seaweed))
+        driver.publish_staged("vol-del", staging, target, context, secrets=secrets_of(seaweed))
+        assert (target / "sub" / "b.txt").read_bytes() == b"hello\n"
+        (pod,) = mount_pods(core)
+        core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)  # `kubectl delete pod`: no unmount first
+        kubelet.wait_gone(pod.metadata.name)
+        (event,) = wait_for("the Event on the workload pod", lambda: events(core, "ml", "CachefsMountBroken"))
+        assert event.involved_object.name == "notebook-0" and "was deleted" in event.message
+        assert core.list_namespaced_secret(NAMESPACE).items == []  # garbage-collected with its owner
+        driver.publish_staged("vol-del", staging, target, context, secrets=secrets_of(seaweed))
+        assert (target / "part-0.bin").read_bytes() == files["part-0.bin"]
+        driver.unpublish("vol-del", target)
+        driver.unstage("vol-del", staging)
+        assert mount_pods(core) == []
+    finally:
+        stop_driver(driver)
