@@ -207,6 +207,8 @@ class HandoverMounter(CachefsMounter):
         except OSError as exc:
             if exc.errno not in (errno.EINVAL, errno.ENOENT):
                 log.warning("undoing the mount at %s: %s", spec.target, exc.strerror)
+        if not self.launcher.is_running(spec.name):
+            shutil.rmtree(spec.run_dir, ignore_errors=True)
 
     def unmount(self, target: Path) -> None:
         name = daemon_name(target)

@@ -94,7 +94,8 @@ class DaemonLauncher(Protocol):
         started. A daemon of the same name left over (not running any more) is replaced."""
 
     def is_running(self, name: str) -> bool:
-        """Whether the daemon ``name`` exists and has not exited (a pod: not yet terminated)."""
+        """Whether the daemon ``name`` exists and has not exited (a pod: Pending or Running, so the
+        plugin keeps waiting for its handover while the pod is scheduled and pulled)."""
 
     def stop(self, name: str, timeout_s: float) -> None:
         """Stop the daemon (SIGTERM, then SIGKILL after ``timeout_s``) and wait until it is gone; a

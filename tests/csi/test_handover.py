@@ -1,11 +1,13 @@
 """The FUSE fd handover on real FUSE mounts of SeaweedFS: the node plugin mounts /dev/fuse and hands
-the fd to a daemon with no capabilities; the daemon serves on after the plugin is SIGKILLed; the
-daemon's death leaves ENOTCONN, which the next publish of the volume recovers; a daemon that cannot
-start leaves neither a mount nor a process behind.
+the fd to an unprivileged daemon; the daemon serves on after the plugin is SIGKILLed; the daemon's
+death leaves ENOTCONN, which the next publish of the volume recovers; a daemon that cannot start
+leaves neither a mount nor a process behind.
 
-The daemon runs as root with an empty capability set (``setpriv --bounding-set=-all``), not as
-another uid: the test interpreter lives under /root (mode 0700), which no other user may execute.
-No capability means no CAP_SYS_ADMIN: it could not mount, nor unmount, nor write sysfs."""
+The daemon runs as uid/gid 65534 (nobody) through the system's python3.X of the same version as the
+test's, with the test's packages on PYTHONPATH: the test interpreter itself lives under /root (mode
+0700), which no other user may execute. Where no such interpreter can import the daemon, it runs as
+root with an empty capability set (``setpriv --bounding-set=-all``) instead. Either way it holds no
+capability: it could not mount, unmount, or write sysfs."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -43,6 +47,7 @@ pytestmark = [pytest.mark.fuse, pytest.mark.s3]
 MiB = 1024 * 1024
 WAIT_S = 60.0
 NO_CAPS = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--"]
+NOBODY = 65534
 
 # The "node plugin": stages and publishes one volume through HandoverMounter + ProcessLauncher, says
 # READY, and waits to be killed. Its credentials come through its environment, never its argv.
@@ -58,7 +63,8 @@ PLUGIN = textwrap.dedent("""
     env = {k: v for k, v in os.environ.items() if k not in ("TEST_KEY", "TEST_SECRET")}
     launcher = ProcessLauncher(Path(cfg["run_root"]), command=cfg["daemon_command"], environ=env)
     ops = NodeOps(NodeSettings("node", Path(cfg["cache_root"]), 0, Path(cfg["state_dir"])),
-                  HandoverMounter(launcher, Path(cfg["run_root"]), environ=env))
+                  HandoverMounter(launcher, Path(cfg["run_root"]), environ=env, daemon_uid=cfg["uid"],
+                                  daemon_gid=cfg["uid"]))
     creds = Credentials(os.environ["TEST_KEY"], os.environ["TEST_SECRET"])
     volume = parse_volume_attributes(cfg["context"])
     ops.stage(PublishRequest("vol-h", Path(cfg["staging"]), volume, False, creds))
@@ -69,10 +75,12 @@ PLUGIN = textwrap.dedent("""
 
 
 @pytest.fixture
-def node_dirs(tmp_path: Path) -> Iterator[dict[str, Path]]:
-    run_root = Path(tempfile.mkdtemp(prefix="hv-", dir="/tmp"))  # unix socket paths must stay short
-    dirs = {"run_root": run_root, "cache_root": tmp_path / "cache", "state_dir": tmp_path / "state",
-            "staging": tmp_path / "staging" / "globalmount", "pod": tmp_path / "pod" / "mount"}
+def node_dirs() -> Iterator[dict[str, Path]]:
+    # Short (unix socket paths), and traversable by the daemon's user (pytest's tmp dirs are 0700).
+    base = Path(tempfile.mkdtemp(prefix="hv-", dir="/tmp"))
+    base.chmod(0o755)
+    dirs = {"run_root": base / "run", "cache_root": base / "cache", "state_dir": base / "state",
+            "staging": base / "staging" / "globalmount", "pod": base / "pod" / "mount"}
     dirs["pod"].parent.mkdir(parents=True)
     try:
         yield dirs
@@ -80,10 +88,28 @@ def node_dirs(tmp_path: Path) -> Iterator[dict[str, Path]]:
         for target in (dirs["pod"], dirs["staging"]):
             while mounts.find_mount(target) is not None:
                 subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
-        launcher = ProcessLauncher(run_root)
+        launcher = ProcessLauncher(dirs["run_root"])
         for name in launcher.names():  # only daemons started under this test's run root
             launcher.stop(name, 10)
-        shutil.rmtree(run_root, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def unprivileged_daemon() -> tuple[list[str], int | None, str]:
+    """(command, uid, PYTHONPATH) of a daemon that holds no capability: as nobody where the system
+    interpreter of this Python version can import the daemon, else as root with no capabilities."""
+    packages = sysconfig.get_paths()["purelib"]
+    pythonpath = f"{os.getcwd()}:{packages}"
+    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    if system.exists() and shutil.which("setpriv"):
+        probe = subprocess.run(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", str(system), "-c",
+             "import pyfuse3, cachefs.daemon.main"],
+            capture_output=True, timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath})
+        if probe.returncode == 0:
+            return [str(system), "-m", "cachefs"], NOBODY, pythonpath
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    return [*NO_CAPS, sys.executable, "-m", "cachefs"], None, pythonpath
 
 
 @pytest.fixture
@@ -128,15 +154,14 @@ def wait_broken(path: Path) -> None:
         time.sleep(0.05)
 
 
-def test_daemon_without_capabilities_serves_on_after_the_plugin_is_killed(seaweed, dataset, node_dirs) -> None:
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
+def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, dataset, node_dirs) -> None:
     bucket, files = dataset
     staging, pod, run_root = node_dirs["staging"], node_dirs["pod"], node_dirs["run_root"]
     context = context_for(seaweed, bucket)
+    daemon_command, uid, pythonpath = unprivileged_daemon()
     config = {**{k: str(v) for k, v in node_dirs.items()}, "context": context,
-              "daemon_command": [*NO_CAPS, sys.executable, "-m", "cachefs"]}
-    env = {**driver_environ(), "PYTHONPATH": os.getcwd(), "TEST_KEY": seaweed.access_key,
+              "daemon_command": daemon_command, "uid": uid}
+    env = {**driver_environ(), "PYTHONPATH": pythonpath, "TEST_KEY": seaweed.access_key,
            "TEST_SECRET": seaweed.secret_key}
     plugin = subprocess.Popen([sys.executable, "-c", PLUGIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env, text=True)
@@ -163,7 +188,14 @@ def test_daemon_without_capabilities_serves_on_after_the_plugin_is_killed(seawee
         daemon = int(record["pid"])
         assert int(call(pod, "/info")["pid"]) == daemon
         caps = capabilities(daemon)
-        assert caps["CapEff"] == 0 and caps["CapPrm"] == 0 and caps["CapBnd"] == 0, caps  # no CAP_SYS_ADMIN
+        assert caps["CapEff"] == 0 and caps["CapPrm"] == 0, caps  # no CAP_SYS_ADMIN, nor any other
+        if uid is not None:
+            assert os.stat(f"/proc/{daemon}").st_uid == uid  # runs as nobody
+            assert os.stat(run_root / names[0]).st_uid == uid
+            # Files keep the plugin's owner, not the daemon's.
+            assert (os.stat(pod / "a.bin").st_uid, os.stat(pod / "a.bin").st_gid) == (os.geteuid(), os.getegid())
+        else:
+            assert caps["CapBnd"] == 0, caps
         assert seaweed.secret_key not in Path(f"/proc/{daemon}/cmdline").read_text()
         assert os.getsid(daemon) == daemon  # its own session, not the plugin's
         # The plugin tuned the connection (sysfs), which the daemon without capabilities could not.
@@ -172,8 +204,29 @@ def test_daemon_without_capabilities_serves_on_after_the_plugin_is_killed(seawee
         if read_ahead.exists():
             assert int(read_ahead.read_text()) == FUSE_READ_AHEAD_KB
 
-        plugin.send_signal(signal.SIGKILL)  # the plugin this test started, after its handover
-        plugin.wait(timeout=WAIT_S)
+        # A pod reads on while the plugin is SIGKILLed.
+        stop, reads, errors = threading.Event(), [0], []
+
+        def reader() -> None:
+            while not stop.is_set() and reads[0] < 1_000_000:
+                try:
+                    assert (pod / "sub" / "b.txt").read_bytes() == files["sub/b.txt"]
+                    reads[0] += 1
+                except (OSError, AssertionError) as exc:
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            plugin.send_signal(signal.SIGKILL)  # the plugin this test started, after its handover
+            plugin.wait(timeout=WAIT_S)
+        finally:
+            reads_at_kill = reads[0]
+            time.sleep(0.5)  # let the pod read on after the plugin is gone (not a timing assertion)
+            stop.set()
+            thread.join(WAIT_S)
+        assert errors == [] and reads[0] > reads_at_kill, (errors, reads)
         assert read_tree(pod) == files  # the daemon holds the only fd: it serves on
         (pod / "written-after-kill.txt").write_bytes(b"still here\n")
         flushed = subprocess.run([sys.executable, "-m", "cachefs", "flush", str(pod), "--timeout", "60"],
@@ -186,9 +239,10 @@ def test_daemon_without_capabilities_serves_on_after_the_plugin_is_killed(seawee
         wait_broken(staging)
 
         # A restarted plugin: reports the broken volume, and the next publish recovers it.
-        launcher = ProcessLauncher(run_root, environ=driver_environ())
+        restarted_env = {**driver_environ(), "PYTHONPATH": pythonpath}
+        launcher = ProcessLauncher(run_root, command=daemon_command, environ=restarted_env)
         ops = NodeOps(NodeSettings("node", node_dirs["cache_root"], 0, node_dirs["state_dir"]),
-                      HandoverMounter(launcher, run_root, environ=driver_environ()))
+                      HandoverMounter(launcher, run_root, environ=restarted_env, daemon_uid=uid, daemon_gid=uid))
         assert [r.volume_id for r in ops.adopt()] == ["vol-h"]
         creds = Credentials(seaweed.access_key, seaweed.secret_key)
         volume = parse_volume_attributes(context)
@@ -223,6 +277,7 @@ def test_a_daemon_that_cannot_start_leaves_no_mount_and_no_process(seaweed, node
     assert info.value.code == Code.INTERNAL and "missing-" in info.value.message, info.value.message
     assert seaweed.secret_key not in info.value.message
     assert mounts.find_mount(target) is None and launcher.names() == []
+    assert not (run_root / daemon_name(target)).exists()
 
     invalid = MountRequest(**{**base.__dict__, "cache": CacheOptions(disk_bytes=0)})
     with pytest.raises(CsiError) as info:  # cachefs refuses its arguments: the daemon reports BAD
@@ -273,6 +328,7 @@ def test_a_launch_that_fails_leaves_no_mount(node_dirs, launcher) -> None:
     with pytest.raises(CsiError) as info:
         mounter.mount(request)
     assert mounts.find_mount(target) is None  # the plugin's own mount was undone
+    assert not (node_dirs["run_root"] / daemon_name(target)).exists()
     assert ("stop", daemon_name(target)) in fake.calls
     if type(fake) is FakeLauncher:
         assert info.value.code == Code.UNAVAILABLE
