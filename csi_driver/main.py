@@ -1,8 +1,10 @@
 """``cachefs-csi``: the CSI driver's entry point (flags, logging, the gRPC server on a unix socket).
 
     cachefs-csi --endpoint unix:///csi/csi.sock --node-id NODE [--mode node|controller|all]
-                [--cache-root DIR] [--state-dir DIR] [--run-root DIR] [--mount-mode process]
+                [--cache-root DIR] [--state-dir DIR] [--run-root DIR] [--mount-mode process|pod]
                 [--metrics-addr HOST:PORT] [--log-level LEVEL] [--max-volumes N]
+                [--namespace NS] [--node-name NODE] [--mount-pod-image IMAGE] [--kubeconfig PATH]
+                [--mount-pod-priority-class NAME] [--mount-pod-service-account NAME]
 
 ``--mode node`` runs in the node DaemonSet (Identity + Node), ``--mode controller`` next to the
 external-provisioner (Identity + Controller), ``--mode all`` both (for tests and single-node
@@ -13,10 +15,13 @@ and every controller call; a volume's Secret overrides its credentials.
 SIGTERM or SIGINT stops the server, letting calls in flight finish for a few seconds. Mounts are
 left alone: they belong to the pods using them. The plugin mounts each volume itself (it opens
 ``/dev/fuse`` and mounts it) and hands the FUSE fd over a unix socket to the daemon that serves it
-(``csi_driver.handover``), which needs no privilege. ``--mount-mode process`` (the only mode so far)
-runs each daemon as a host process in its own session, so it outlives the plugin; at start-up
-the node plugin takes up the volumes staged by its previous run from its records (``--state-dir``)
-and the mount table (``NodeOps.adopt``). See deploy/README.md for what survives what.
+(``csi_driver.handover``), which needs no privilege. ``--mount-mode process`` runs each daemon as a
+host process in its own session, so it outlives the plugin process; ``--mount-mode pod`` (the
+DaemonSet's) runs it in a mount pod through the Kubernetes API (``csi_driver.mountpods``), so it
+outlives the plugin's container too. At start-up the node plugin takes up the volumes staged by its
+previous run from its records (``--state-dir``) and the mount table (``NodeOps.adopt``), and in pod
+mode adopts its node's mount pods and deletes strays (``mountpods.take_over``). See deploy/README.md
+for what survives what.
 """
 
 from __future__ import annotations

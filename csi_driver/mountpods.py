@@ -5,9 +5,10 @@ over a unix socket (``launchers.py``, ``HandoverMounter``); this module starts t
 **mount pod** through the Kubernetes API, so the daemon belongs to no container of the node
 plugin: a plugin restart, an upgrade or an OOM kill of the plugin's container leaves it serving.
 
-**One pod per volume per node.** Its name is deterministic, ``cachefs-mount-`` + a hash of node and
-volume id (63 characters at most), so a restarted plugin finds it again, and two plugins can never
-race two pods into existence for one volume (the API answers 409 to the second create). Labels
+**One pod per volume per node.** Its name is deterministic, ``cachefs-mount-`` + a hash of the node
+and the daemon's name (``launchers.daemon_name``, a hash of the staging path: the same on every node,
+hence the node in the hash), 34 characters, so a restarted plugin finds it again and two creates of
+one pod cannot both succeed (the API answers 409 to the second). Labels
 name the app, the volume (a hash: a volume id may be 128 bytes of anything, a label value only 63
 characters of a few) and the node; annotations carry the volume id and the staging path in full.
 The pod is bound to the node (``nodeName``), tolerates every taint as the DaemonSet does, runs with
@@ -25,13 +26,16 @@ garbage collector deletes it with the pod), and reaches the container through ``
 The Secret is created first, then the pod, then the Secret is given its owner; a plugin killed in
 between leaves an orphan Secret, which start-up cleanup deletes.
 
-**Never a leaked pod.** Unstage deletes the pod and its Secret. At start-up the plugin lists the
-mount pods of its node: a pod whose volume has a stage record is adopted (kept, watched), any other
-is deleted with its Secret, as is any Secret of the node without a pod.
+**Never a leaked pod.** Unstage deletes the pod and its Secret. At start-up (``take_over``) the
+plugin lists the mount pods of its node: a pod that serves a staged volume (a stage record) or a
+cachefs mount still in the mount table is adopted (kept, watched), any other is deleted, as is any
+Secret of the node without its pod. An API server that does not answer then is retried in the
+background: the plugin serves meanwhile.
 
-**Watching.** One thread watches this node's mount pods (a watch bounded by ``WATCH_S``, then a
-fresh list and watch). A pod that died (phase Failed or Succeeded, a terminated container, or the
-pod deleted) while its staged mount is still in the mount table and answers ENOTCONN is a broken
+**Watching.** One thread watches this node's mount pods (a list, then a watch bounded by
+``WATCH_S``, then a fresh list: level-triggered, so a lost event costs at most one round). A pod
+that died (phase Failed or Succeeded, a terminated container, or the pod deleted) while its mount
+is still in the mount table and answers ENOTCONN is a broken
 mount: a log line, a Kubernetes Event on the mount pod and on every workload pod bound to the
 volume on this node (``podInfoOnMount`` names them), and ``cachefs_csi_mounts{state="broken"}``
 (which counts dead mounts from the mount table). The next publish of the volume mounts it again
