@@ -138,8 +138,8 @@ def events(core, namespace: str, reason: str) -> list:
 
 
 class Readers:
-    """Threads that read every file of their targets again and again, each read from the daemon
-    (the page cache is dropped for the file first, ``POSIX_FADV_DONTNEED``), counting reads and errors."""
+    """Threads that read every file of their targets again and again (the file's page cache dropped
+    first, ``POSIX_FADV_DONTNEED``), checking every byte, counting reads and errors."""
 
     def __init__(self, targets: list[Path], files: dict[str, bytes]) -> None:
         self.targets, self.files = targets, files
