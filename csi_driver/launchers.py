@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
+from csi_driver.attributes import MountPodResources
 from csi_driver.errors import Code, CsiError
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class DaemonSpec:
     # pod.uid, serviceAccount.name), where the CO sent it: where to report Events. Empty at stage.
     context: Mapping[str, str] = field(default_factory=dict)
     log_file: Path | None = None  # a host process's log (ProcessLauncher); a pod logs to stderr
+    # The volume's mountPod* attributes: the mount pod's requests and limits (PodLauncher only).
+    pod_resources: MountPodResources = field(default_factory=MountPodResources)
 
     @property
     def handover_socket(self) -> Path:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from cachefs import mounts
-from csi_driver.attributes import CacheOptions, Credentials, OwnerOptions
+from csi_driver.attributes import CacheOptions, Credentials, MountPodResources, OwnerOptions
 from csi_driver.errors import Code, CsiError
 from csi_driver.redact import REGISTRY
 
@@ -76,6 +76,7 @@ class MountRequest:
     # Pod info of the publish that mounts (csi.storage.k8s.io/pod.*), where the CO sent it: where a
     # launcher reports Events. Empty for a mount made at stage.
     context: Mapping[str, str] = field(default_factory=dict)
+    pod_resources: MountPodResources = field(default_factory=MountPodResources)  # the mount pod's (pod mode)
 
 
 class Mounter(Protocol):

@@ -1,0 +1,184 @@
+"""A Kubernetes API double for tests: kmock's ``KubernetesEmulator`` on 127.0.0.1, in a thread.
+
+kmock (by kopf's author) keeps objects in memory and serves create, read, list, watch, patch and
+delete over real HTTP, so the official ``kubernetes`` client talks to it unchanged (through a
+kubeconfig written by ``ApiDouble``). It is deliberately simple; ``ClusterEmulator`` adds the few
+behaviours of a real API server that the node plugin relies on:
+
+- ``metadata.uid``, ``resourceVersion`` and ``creationTimestamp`` on create (an ownerReference
+  needs the owner's uid);
+- ``?watch=True`` as the kubernetes client sends it (kmock expects ``true``);
+- ``labelSelector`` (equality terms, ``k=v,k2=v2``) on list and watch;
+- the garbage collector's part: deleting an object deletes the objects whose ``ownerReferences``
+  name its uid (a mount pod's Secret goes with the pod).
+
+Everything else (admission, RBAC, field validation) is not emulated: the manifests are validated
+separately (tests/csi/test_manifests.py), and tests assert on the objects as stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+from kmock._internal import enums, parsing, rendering
+
+START_TIMEOUT_S = 10.0
+RESOURCES = ("v1/pods", "v1/secrets", "v1/events", "v1/namespaces")
+
+
+_guess_k8s = parsing.guess_k8s
+
+
+def _guess_k8s_any_bool(k8s: Any, method: Any, query: dict[str, str]) -> Any:
+    """kmock's guess, with ``watch=True`` (how the kubernetes client writes a bool) as ``watch=true``."""
+    if str(query.get("watch", "")).lower() in ("true", "1"):
+        query = {**query, "watch": "true"}
+    return _guess_k8s(k8s, method, query)
+
+
+parsing.guess_k8s = _guess_k8s_any_bool
+
+
+def _selector(text: str | None) -> dict[str, str]:
+    terms: dict[str, str] = {}
+    for term in (text or "").split(","):
+        if term.strip():
+            key, _, value = term.partition("=")
+            terms[key.strip()] = value.lstrip("=").strip()
+    return terms
+
+
+def _matches(obj: dict[str, Any], terms: dict[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in terms.items())
+
+
+class ClusterEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus uids, label selectors and owner-reference garbage collection."""
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if request.action == enums.action.CREATE:
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            if request.action in (enums.action.CREATE, enums.action.UPDATE):
+                meta["resourceVersion"] = str(next(self._versions))
+        response = await super()._handle(request)
+        if request.resource is not None and request.action == enums.action.DELETE and request.name is not None:
+            await self._collect_garbage()
+        return response
+
+    async def _collect_garbage(self) -> None:
+        async with self._lock:
+            live = {(obj.get("metadata") or {}).get("uid") for obj in self.objects.values() if not obj.deleted}
+            for key, obj in list(self.objects.items()):
+                if obj.deleted:
+                    continue
+                owners = (obj.get("metadata") or {}).get("ownerReferences") or []
+                if owners and not any(owner.get("uid") in live for owner in owners):
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        answer = await super()._serve_list(request)
+        terms = _selector(request.params.get("labelSelector"))
+        answer["items"] = [item for item in answer["items"] if _matches(item, terms)]
+        answer["kind"], answer["apiVersion"] = "List", "v1"
+        return answer
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        terms = _selector(request.params.get("labelSelector"))
+        async for event in super()._serve_watch(request):
+            if isinstance(event, dict) and not _matches(event.get("object") or {}, terms):
+                continue
+            yield event
+
+
+class ApiDouble:
+    """The emulator served on 127.0.0.1 from a thread of its own; ``kubeconfig`` points a client at it."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.workdir = workdir
+        self.port = port
+        self.url = ""
+        self.kubeconfig = workdir / "kubeconfig"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kube-api-double", daemon=True)
+        self._error: BaseException | None = None
+        self.emulator: ClusterEmulator | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with ClusterEmulator() as emulator, kmock.Server(emulator, port=self.port) as server:
+            self.emulator = emulator
+            for resource in RESOURCES:
+                emulator.resources[resource] = {}
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def start(self) -> ApiDouble:
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT_S) or self._error is not None:
+            raise RuntimeError(f"the API double did not start: {self._error!r}")
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "double",
+            "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+            "users": [{"name": "plugin", "user": {"token": "not-a-secret"}}],
+            "contexts": [{"name": "double", "context": {"cluster": "double", "user": "plugin"}}],
+        }
+        self.kubeconfig.write_text(json.dumps(config))
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=START_TIMEOUT_S)
+
+    def calls(self, user_agent: str) -> set[tuple[str, str, str | None]]:
+        """(verb, resource, namespace) of every request so far whose User-Agent starts with ``user_agent``,
+        with the verbs RBAC names (get, list, watch, create, patch, delete)."""
+        assert self.emulator is not None
+        found = set()
+        for request in list(self.emulator):  # a kmock view iterates over its requests
+            if request.resource is None or not request.headers.get("User-Agent", "").startswith(user_agent):
+                continue
+            method = request.method.value
+            if method == "GET":
+                verb = "watch" if request.action == enums.action.WATCH else "get" if request.name else "list"
+            else:
+                verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+            plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+            found.add((verb, plural, request.namespace))
+        return found
+
+    def client(self) -> Any:
+        """A ``kubernetes.client.CoreV1Api`` for the test's own reads and writes."""
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
+        return client.CoreV1Api(client.ApiClient(configuration))
