@@ -158,6 +158,12 @@ def register(sub: Any) -> None:
     m.add_argument("--cluster-timeout", type=seconds, default=DEFAULT_CLUSTER_TIMEOUT_S, metavar="S",
                    help=f"a cluster-tier request not answered within this is a miss, and the block comes from the "
                         f"source (default {DEFAULT_CLUSTER_TIMEOUT_S:g}; must be below --fetch-timeout)")
+    # Pinned mounts (cachefs.fs.pinned): kept together, apart from the other options, on purpose.
+    m.add_argument("--manifest", type=Path, default=None, metavar="FILE",
+                   help="pin the mount to a manifest from 'cachefs snapshot' (JSON lines, plain or gzip): "
+                        "read-only, no LISTs, every read checked against the manifest's ETag (ESTALE if changed)")
+    m.add_argument("--manifest-key", default=None, metavar="KEY",
+                   help="as --manifest, with the manifest stored in the source itself at KEY (fetched at mount)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for containers)")
     m.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
@@ -185,6 +191,8 @@ def _pin_limit(value: tuple[str, float | int] | None, disk_bytes: int) -> int | 
 
 
 def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSettings:
+    if args.manifest is not None or args.manifest_key is not None:
+        args.read_only = True  # a mount pinned to a manifest is read-only
     try:
         cache = CacheSettings(
             block_size=args.block_size,
@@ -246,6 +254,8 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
         allow_other=args.allow_other,
         log_level=args.log_level,
         cluster=cluster,
+        manifest=Path(os.path.abspath(args.manifest)) if args.manifest is not None else None,
+        manifest_key=args.manifest_key,
     )
 
 
@@ -270,6 +280,8 @@ def preflight(settings: MountSettings) -> None:
     problem = check_resources(settings)
     if problem:
         raise UsageError(problem)
+    if settings.manifest is not None and not settings.manifest.is_file():
+        raise UsageError(f"manifest {settings.manifest} is not a file")
 
 
 def refuse_if_in_use(settings: MountSettings) -> None:
