@@ -322,9 +322,13 @@ class MetadataIndex:
             self.total_entries = int(self._conn.execute("SELECT coalesce(sum(count), 0) FROM dirs").fetchone()[0])
 
     def _insert_unique(self, batch: list[tuple[object, ...]], lines: list[int]) -> None:
+        self._conn.execute("SAVEPOINT batch")
         try:
             self._conn.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", batch)
+            self._conn.execute("RELEASE batch")
         except sqlite3.IntegrityError:
+            self._conn.execute("ROLLBACK TO batch")
+            self._conn.execute("RELEASE batch")
             for row, line in zip(batch, lines):
                 try:
                     self._conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", row)

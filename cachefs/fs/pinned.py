@@ -78,7 +78,7 @@ def manifest_rows(manifest: Path, mtime: float) -> Iterator[tuple[str, str, Entr
                                 f"(as 'cachefs snapshot' writes)")
         path = entry.path
         parent, _, base = path.rpartition("/")
-        problem = _component_problem(path) if parent not in seen_dirs else _component_problem(base)
+        problem = _component_problem(base if parent in seen_dirs and not path.startswith("/") else path)
         if problem is not None:
             raise ManifestError(f"{where}: path {path!r} {problem}")
         if parent not in seen_dirs:
