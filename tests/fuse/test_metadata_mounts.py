@@ -124,3 +124,16 @@ def test_a_remount_lists_nothing_within_the_ttl_and_lists_again_after(seaweed, m
     third = mounter.mount(f"s3://{dataset}/ds", "--read-only", "--dir-ttl", "1", env=env, cache_dir=cache)
     assert "late.bin" in os.listdir(third.path / "train")
     assert third.stats()["filesystem"]["listings"] >= 2
+
+
+def test_a_manifest_stored_in_the_source_pins_the_mount(seaweed, mounter, dataset, tmp_path: Path) -> None:
+    """``--manifest-key`` (the CSI volume attribute ``manifest``): fetched from the source at mount."""
+    manifest = snapshot(seaweed, mounter, dataset, tmp_path / "m.jsonl")
+    seaweed.put(dataset, "ds/manifests/v1.jsonl.gz", gzip.compress(manifest.read_bytes()))
+    m = mounter.mount(f"s3://{dataset}/ds", "--manifest-key", "manifests/v1.jsonl.gz", env=s3env(seaweed))
+    assert walk(m.path) == FILES  # the manifest object itself is not in the manifest
+    assert m.stats()["filesystem"]["listings"] == 0
+    with pytest.raises(MountFailed) as refused:
+        mounter.mount(f"s3://{dataset}/ds", "--manifest-key", "manifests/none.jsonl", env=s3env(seaweed), check=False)
+    message = refused.value.result.stderr.strip()
+    assert len(message.splitlines()) == 1 and "manifests/none.jsonl" in message
