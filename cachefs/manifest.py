@@ -1,4 +1,5 @@
-"""Dataset manifests: what ``cachefs snapshot`` writes and ``cachefs prefetch --manifest`` reads.
+"""Dataset manifests: what ``cachefs snapshot`` writes, ``cachefs prefetch --manifest`` reads and
+``cachefs mount --manifest`` pins a mount to (``cachefs.fs.pinned``; read as a stream, gzip too).
 
 A manifest is a text file of one entry per line, in UTF-8. Two line forms are accepted and may be
 mixed:

@@ -247,7 +247,10 @@ class ListingCache:
         return await asyncio.shield(flight)
 
     async def _load(self, path: str, stale: CachedDir | None) -> CachedDir:
-        """From the index while its listing is fresh, else from the store."""
+        """From the index while its listing is fresh, else from the store. An expired listing still
+        in RAM was stored in the index at the same time: the index has nothing fresher."""
+        if stale is not None and not self.pinned:
+            return await self._fetch(path, stale)
         fresh, expired = await self._from_index(path)
         if fresh is not None:
             self._remember(path, fresh)
