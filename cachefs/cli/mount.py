@@ -67,8 +67,8 @@ log = logging.getLogger("cachefs")
 
 # How long `cachefs mount` waits for the daemon to report. The daemon's own start-up check is
 # bounded at 20 s (cachefs.daemon.main); this leaves room for scanning a large disk tier on start
-# and for importing a --manifest (about 13 s per million lines on a 2-core machine: 10 M lines ~2.5 min).
-MOUNT_WAIT_S = 600.0
+# and for importing a --manifest (13 s per million lines on an idle 2-core machine, 8 min for 10 M lines on a busy one).
+MOUNT_WAIT_S = 900.0
 DEFAULT_UNMOUNT_TIMEOUT_S = 30.0
 # `cachefs unmount` flushes first and waits this long for the backlog to reach the store before it
 # refuses: a minute drains gigabytes on a healthy link, and a store that is down is reported to the
