@@ -137,3 +137,20 @@ def test_a_manifest_stored_in_the_source_pins_the_mount(seaweed, mounter, datase
         mounter.mount(f"s3://{dataset}/ds", "--manifest-key", "manifests/none.jsonl", env=s3env(seaweed), check=False)
     message = refused.value.result.stderr.strip()
     assert len(message.splitlines()) == 1 and "manifests/none.jsonl" in message
+
+
+def test_changes_written_through_the_mount_reach_the_index(seaweed, mounter, dataset, tmp_path: Path) -> None:
+    """A writable mount patches the stored listings as its uploads land: the next mount (within the
+    TTL, so nothing is listed) shows the new file and not the deleted one."""
+    env = s3env(seaweed)
+    cache = tmp_path / "shared-cache"
+    first = mounter.mount(f"s3://{dataset}/ds", "--dir-ttl", "600", "--upload-delay", "0", env=env, cache_dir=cache)
+    assert len(os.listdir(first.path / "train")) == 30  # listed, so stored in the index
+    (first.path / "train" / "new.bin").write_bytes(b"fresh")
+    (first.path / "train" / "000.bin").unlink()
+    assert first.unmount().returncode == 0  # flushes: every change is in the store
+    second = mounter.mount(f"s3://{dataset}/ds", "--dir-ttl", "600", "--read-only", env=env, cache_dir=cache)
+    names = os.listdir(second.path / "train")
+    assert "new.bin" in names and "000.bin" not in names and len(names) == 30
+    assert (second.path / "train" / "new.bin").read_bytes() == b"fresh"
+    assert second.stats()["filesystem"]["listings"] == 0
