@@ -67,6 +67,10 @@ ATTR_MOUNT_POD_CPU_REQUEST = "mountPodCPURequest"
 ATTR_MOUNT_POD_CPU_LIMIT = "mountPodCPULimit"
 ATTR_MOUNT_POD_MEMORY_REQUEST = "mountPodMemoryRequest"
 ATTR_MOUNT_POD_MEMORY_LIMIT = "mountPodMemoryLimit"
+# --manifest-key: pin the volume to a manifest from `cachefs snapshot`, stored as an object in the
+# volume's own source (a key relative to it, e.g. "manifests/v3.jsonl.gz"), fetched at every mount.
+# An object key rather than a node path: the user has the bucket at hand, not the nodes' disks.
+ATTR_MANIFEST = "manifest"
 
 # -------------------------------------------------------------------------- StorageClass parameters
 PARAM_BUCKET = "bucket"
@@ -111,7 +115,7 @@ OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
 MOUNT_POD_KEYS = (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT, ATTR_MOUNT_POD_MEMORY_REQUEST,
                   ATTR_MOUNT_POD_MEMORY_LIMIT)
 VOLUME_ATTRIBUTE_KEYS = frozenset({ATTR_SOURCE, ATTR_ENDPOINT_URL, ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS,
-                                   *OWNER_KEYS, *MOUNT_POD_KEYS})
+                                   *OWNER_KEYS, *MOUNT_POD_KEYS, ATTR_MANIFEST})
 PROVISION_PARAMETER_KEYS = frozenset({PARAM_BUCKET, PARAM_PREFIX, PARAM_ON_DELETE, ATTR_ENDPOINT_URL,
                                       ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS, *OWNER_KEYS, *MOUNT_POD_KEYS})
 SECRET_KEYS = frozenset({SECRET_ACCESS_KEY_ID, SECRET_SECRET_ACCESS_KEY, SECRET_SESSION_TOKEN})
@@ -158,6 +162,7 @@ class CacheOptions:
     cluster_cache: str | None = None
     cluster_endpoint_url: str | None = None
     cluster_timeout_s: float | None = None
+    manifest_key: str | None = None
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
@@ -167,7 +172,7 @@ class CacheOptions:
                             ("--max-fetches", self.max_fetches), ("--attr-ttl", self.attr_ttl_s),
                             ("--dir-ttl", self.dir_ttl_s), ("--cluster-cache", self.cluster_cache),
                             ("--cluster-endpoint-url", self.cluster_endpoint_url),
-                            ("--cluster-timeout", self.cluster_timeout_s)):
+                            ("--cluster-timeout", self.cluster_timeout_s), ("--manifest-key", self.manifest_key)):
             if value is not None:
                 out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return out
@@ -339,6 +344,14 @@ def _parse_region(key: str, value: str) -> str:
     return value
 
 
+def _parse_manifest_key(value: str) -> str:
+    if (not value or value.startswith("/") or value.endswith("/") or "\x00" in value
+            or len(value.encode("utf-8", "surrogateescape")) > 1024):
+        raise invalid(f"volume attribute {ATTR_MANIFEST!r} must be an object key relative to the volume's source "
+                      f"(e.g. manifests/v1.jsonl), got {_quote(value)}")
+    return value
+
+
 def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
     """The cache keys of ``values``, each checked, then the combination checked as cachefs will."""
     def get(key: str) -> str | None:
@@ -356,6 +369,7 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
         cluster_endpoint_url=(parse_endpoint_url(ATTR_CLUSTER_ENDPOINT_URL, v)
                               if (v := get(ATTR_CLUSTER_ENDPOINT_URL)) else None),
         cluster_timeout_s=_parse_seconds(ATTR_CLUSTER_TIMEOUT, v) if (v := get(ATTR_CLUSTER_TIMEOUT)) else None,
+        manifest_key=_parse_manifest_key(v) if (v := get(ATTR_MANIFEST)) is not None else None,
     )
     if options.cluster_cache is None and (options.cluster_endpoint_url or options.cluster_timeout_s is not None):
         raise invalid(f"volume attributes {ATTR_CLUSTER_ENDPOINT_URL!r} and {ATTR_CLUSTER_TIMEOUT!r} need "

@@ -13,6 +13,8 @@ Cache directory layout, per source (so several mounts may share one ``--cache-di
         lock          flock'd by the daemon using it: two daemons never share a disk tier
         blocks/       the disk tier (see tiering.disk)
         pins.json     pinned objects (see tiering.pins, cachefs.daemon.prefetch)
+        metadata.db   listings that outlive the mount (see cachefs.fs.metaindex, cachefs.daemon.metadata)
+        manifest-<sha256>.db   the namespace of a --manifest mount (see cachefs.fs.pinned)
         staging/      staged writes and their journal, on a writable mount (see tiering.writeback)
 """
 
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from cachefs.daemon import announce, metrics, prefetch, writeback
+from cachefs.daemon import announce, metadata, metrics, prefetch, writeback
 from cachefs.daemon.context import DaemonContext, Feature
 from cachefs.daemon.control import ControlServer, socket_path_for
 from cachefs.daemon.errors import SetupError
@@ -133,6 +135,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         raise SetupError(str(exc)) from exc
     lock = None
     cluster = None
+    index = None
     try:
         cluster = await open_cluster_tier(settings, environ)
         try:
@@ -153,6 +156,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         (cache_dir / "source.json").write_text(
             json.dumps({"source": settings.source, "endpoint_url": settings.endpoint_url}, indent=2) + "\n"
         )
+        index, pinned = await metadata.open_index(settings, store, cache_dir)
         cs = settings.cache
         # Announced read orders rank both tiers' eviction victims (tiering.readorder, cachefs.daemon.announce).
         read_order = ReadOrder(cs.block_size)
@@ -180,7 +184,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         # A handed-over mount is already in the mount table, and waits for this very daemon.
         handed_over = settings.fuse_fd is not None
         socket_path = socket_path_for(settings.mountpoint, resolve=not handed_over)
-        fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order)
+        fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order,
+                     index=index, pinned=pinned)
         control = ControlServer(
             socket_path,
             lambda: stats_document(fs),
@@ -243,6 +248,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         if cluster is not None:
             await cluster.close()
         await store.close()
+        if index is not None:
+            index.close()
         if lock is not None:
             lock.close()
 
