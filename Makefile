@@ -22,7 +22,7 @@ help:
 	@echo "make test          the test suite, the import-layer contracts and the type check"
 	@echo "make lint-imports  the import-layer contracts only"
 	@echo "make typecheck     mypy over the product packages only"
-	@echo "make bench         cachefs vs rclone mount vs s3fs-fuse on a local SeaweedFS (root; ~20 min;"
+	@echo "make bench         cachefs vs rclone mount vs s3fs-fuse on a local SeaweedFS (root; ~1 h;"
 	@echo "                   BENCH_ARGS=\"--size 256MiB --files 1000 --runs 1\" for a short one); see docs/benchmarks.md"
 	@echo "make bench-cluster 4 nodes, one dataset, a throttled source and a shared cluster tier (root;"
 	@echo "                   BENCH_CLUSTER_ARGS=\"--size 256MiB\"); results in bench-results/cluster.{json,md}"

@@ -17,6 +17,18 @@ in one directory), and then, ``--runs`` times, measures the limits and every too
                    poll; cachefs: `cachefs flush` first)
   write_to_store   write_close + drain: when the bytes are in the bucket  raw boto3 multipart upload
   peak_rss         VmHWM of the daemon, max over its mounts in a run      RAM tier + RSS_HEADROOM_MIB
+  cold_read_cpu    daemon CPU (user + system, /proc/PID/stat) over the    the raw parallel GET's own CPU
+                   cold read, seconds per GiB (lower is better)           (same fetch code, no FUSE)
+  epoch_1r/_nr     the small files in one shuffled order, whole, fresh    raw parallel small GET
+                   mount, 1 and --epoch-readers threads (DataLoader        (16 in flight, files/s)
+                   workers); cachefs also with the order announced
+                   (``cachefs.loader``, issue 15; peers cannot be told)
+  epoch_1r_cpu     daemon CPU per file of the 1-reader epochs (ms)        the raw small GET's own CPU
+  hit_lru/_order   cachefs only: a disk tier half the small-file          the share of the dataset the
+                   dataset, --epochs shuffled epochs on one mount, not    disk tier holds
+                   told (LRU) vs each epoch announced: the share of the
+                   files of epochs 2.. served without a GET
+                   (benchmarks/epochs.py)
 
 Every figure is a median over the runs; all raw samples are kept. Tool order rotates between runs
 so that no tool always runs on a machine warmed by another. A tool that cannot be started is
@@ -49,15 +61,17 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import epochs  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    MiB, drop_page_cache, peak_rss_mib, raw_multipart_upload, raw_parallel_get, read_mib_s, read_seconds,
+    MiB, drop_page_cache, peak_rss_mib, raw_multipart_upload, raw_parallel_get_cost, read_mib_s, read_seconds,
     wait_stored, write_seconds,
 )
-from benchmarks.peers import PART_SIZE, PARTS_IN_FLIGHT, TOOLS, PeerError, Tool  # noqa: E402
+from benchmarks.peers import PART_SIZE, PARTS_IN_FLIGHT, TOOLS, CachefsTool, PeerError, Tool  # noqa: E402
 from tests.support.s3servers import SeaweedS3  # noqa: E402
 from tiering.blocks import DEFAULT_BLOCK_SIZE  # noqa: E402
 from tiering.units import format_size, parse_size  # noqa: E402
 
+GiB = 1024 * 1024 * 1024
 BUCKET = "bench"
 BIG_KEY = "big/big.bin"
 SMALL_DIR = "small"
@@ -81,8 +95,10 @@ class Figure:
     unit: str
     limit: str
     higher_is_better: bool = True
+    only: tuple[str, ...] | None = None  # the tools it is measured for (None: all)
 
 
+CACHEFS = ("cachefs",)
 FIGURES = [
     Figure("cold_read", "cold sequential read", "MiB/s", "raw_get"),
     Figure("warm_read", "warm re-read", "MiB/s", "page_cache"),
@@ -95,6 +111,19 @@ FIGURES = [
     Figure("drain", "drain (close -> in store)", "MiB/s", "raw_multipart"),
     Figure("write_to_store", "write -> in store", "MiB/s", "raw_multipart"),
     Figure("peak_rss", "daemon peak RSS", "MiB", "rss_budget", higher_is_better=False),
+    Figure("cold_read_cpu", "daemon CPU, cold sequential read", "CPU-s/GiB", "raw_get_cpu", higher_is_better=False),
+    Figure("epoch_1r", "shuffled epoch, cold, 1 reader", "files/s", "raw_small_get"),
+    Figure("epoch_1r_announced", "shuffled epoch, cold, 1 reader, order announced", "files/s", "raw_small_get",
+           only=CACHEFS),
+    Figure("epoch_nr", "shuffled epoch, cold, N readers", "files/s", "raw_small_get"),
+    Figure("epoch_nr_announced", "shuffled epoch, cold, N readers, order announced", "files/s", "raw_small_get",
+           only=CACHEFS),
+    Figure("epoch_1r_cpu", "daemon CPU, shuffled epoch, 1 reader", "ms/file", "raw_small_get_cpu",
+           higher_is_better=False),
+    Figure("epoch_1r_announced_cpu", "daemon CPU, shuffled epoch, 1 reader, announced", "ms/file",
+           "raw_small_get_cpu", higher_is_better=False, only=CACHEFS),
+    Figure("hit_lru", "epochs 2x the disk tier: hit ratio, LRU", "share", "disk_fits", only=CACHEFS),
+    Figure("hit_order", "epochs 2x the disk tier: hit ratio, announced", "share", "disk_fits", only=CACHEFS),
 ]
 LIMITS = {
     "raw_get": "raw parallel ranged GET (MiB/s)",
@@ -107,6 +136,10 @@ LIMITS = {
     "local_disk_write": "local-disk write + fsync + close (MiB/s)",
     "raw_multipart": "raw boto3 multipart upload (MiB/s)",
     "rss_budget": f"RAM tier + {RSS_HEADROOM_MIB} MiB (MiB)",
+    "raw_get_cpu": "CPU of the raw parallel ranged GET (CPU-s/GiB)",
+    "raw_small_get": "raw parallel small GET, 16 in flight (files/s)",
+    "raw_small_get_cpu": "CPU of the raw parallel small GET (ms/file)",
+    "disk_fits": "share of the small-file dataset the hit-ratio run's disk tier holds",
 }
 
 
@@ -147,6 +180,8 @@ class Bench:
         self.size = args.size
         self.data = b""
         self.names = [f"f{i:05d}.bin" for i in range(args.files)]
+        self.small_bytes = args.files * args.file_size
+        self.hit_rows: list[dict[str, Any]] = []
         self.samples: dict[str, dict[str, list[float]]] = {}
         self.limits: dict[str, list[float]] = {}
         self.errors: dict[str, list[str]] = {}
@@ -215,7 +250,14 @@ class Bench:
         scratch = self.work / "local-write.bin"
         add("local_disk_write", self.size / write_seconds(scratch, self.data, fsync=True) / MiB)
         scratch.unlink()
-        add("raw_get", asyncio.run(raw_parallel_get(self.server, BUCKET, "", [BIG_KEY], DEFAULT_BLOCK_SIZE)))
+        rate, cpu, total = asyncio.run(raw_parallel_get_cost(self.server, BUCKET, "", [BIG_KEY], DEFAULT_BLOCK_SIZE))
+        add("raw_get", rate)
+        add("raw_get_cpu", cpu / (total / GiB))
+        rate, cpu, total = asyncio.run(raw_parallel_get_cost(self.server, BUCKET, SMALL_DIR + "/", self.names,
+                                                             DEFAULT_BLOCK_SIZE))
+        add("raw_small_get", rate * MiB / self.args.file_size)
+        add("raw_small_get_cpu", cpu * 1000 / len(self.names))
+        add("disk_fits", min(1.0, self.hit_disk_bytes() / self.small_bytes))
         key = f"raw/multipart-{run}.bin"
         seconds = raw_multipart_upload(self.server, BUCKET, key, self.data, part_size=PART_SIZE, parallel=PARTS_IN_FLIGHT)
         add("raw_multipart", self.size / seconds / MiB)
@@ -246,7 +288,9 @@ class Bench:
         cache = base / "cache-read"
         self.drop()
         with tool.mounted(mnt, cache) as m:
+            cpu = epochs.process_cpu_s(m.pid)
             got["cold_read"] = read_mib_s(mnt / BIG_KEY)
+            got["cold_read_cpu"] = (epochs.process_cpu_s(m.pid) - cpu) / (self.size / GiB)
             self.settle()
             got["warm_read"] = read_mib_s(mnt / BIG_KEY)
             note_rss(m.pid)
@@ -275,6 +319,11 @@ class Bench:
             note_rss(m.pid)
         shutil.rmtree(cache, ignore_errors=True)
 
+        # 4b: shuffled epochs (issue 15), each on a fresh mount.
+        got.update(self.measure_epochs(tool, base, mnt))
+        if tool.name == "cachefs":
+            got.update(self.measure_hit_ratio(tool, run))
+
         # 6: write the large file and wait for it to be in the store.
         cache = base / "cache-write"
         key = f"written-{tool.name}-{run}.bin"
@@ -299,6 +348,46 @@ class Bench:
         for key_, value in got.items():
             self.samples.setdefault(tool.name, {}).setdefault(key_, []).append(value)
         self.say(f"{tool.name} run {run + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()))
+
+    def measure_epochs(self, tool: Tool, base: Path, mnt: Path) -> dict[str, float]:
+        got: dict[str, float] = {}
+        order = [f"{SMALL_DIR}/{name}" for name in epochs.shuffled(self.names, epochs.SEED)]
+        modes = [False, True] if tool.name == "cachefs" else [False]
+        for readers, label in ((1, "1r"), (self.args.epoch_readers, "nr")):
+            for announce in modes:
+                key = f"epoch_{label}" + ("_announced" if announce else "")
+                cache = base / f"cache-{key}"
+                with tool.mounted(mnt, cache) as m:
+                    rate, cpu_ms = epochs.timed_epoch(mnt, m.pid, order, readers, announce=announce,
+                                                      expected_bytes=self.small_bytes)
+                shutil.rmtree(cache, ignore_errors=True)
+                got[key] = rate
+                if readers == 1:
+                    got[key + "_cpu"] = cpu_ms
+        return got
+
+    def hit_disk_bytes(self) -> int:
+        """The hit-ratio run's disk tier: half the small-file dataset (at least two blocks)."""
+        return max(self.small_bytes // 2, 2 * DEFAULT_BLOCK_SIZE)
+
+    def measure_hit_ratio(self, tool: Tool, run: int) -> dict[str, float]:
+        """cachefs only: --epochs shuffled epochs over a dataset twice the disk tier, LRU vs announced."""
+        narrow = CachefsTool(self.server, BUCKET, self.work, ram_bytes=epochs.SMALL_RAM, disk_bytes=self.hit_disk_bytes())
+        relative = [f"{SMALL_DIR}/{name}" for name in self.names]
+        got: dict[str, float] = {}
+        for announce, key in ((False, "hit_lru"), (True, "hit_order")):
+            base = self.work / f"hit-{key}-{run}"
+            mnt = base / "mnt"
+            mnt.mkdir(parents=True)
+            with narrow.mounted(mnt, base / "cache"):
+                rows = epochs.hit_ratio_run(mnt, relative, self.args.epochs, self.args.epoch_readers,
+                                            announce=announce, expected_bytes=self.small_bytes)
+            shutil.rmtree(base, ignore_errors=True)
+            self.hit_rows.append({"run": run + 1, "policy": "announced" if announce else "lru", "epochs": rows})
+            ratio_ = epochs.later_epochs_hit_ratio(rows)
+            if ratio_ is not None:
+                got[key] = ratio_
+        return got
 
     def run(self, tools: list[Tool]) -> None:
         for tool in tools:
@@ -351,7 +440,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
+    return a / b if a is not None and b else None
 
 
 def summarise(bench: Bench, tools: list[Tool], args: argparse.Namespace, started: str) -> dict[str, Any]:
@@ -361,7 +450,8 @@ def summarise(bench: Bench, tools: list[Tool], args: argparse.Namespace, started
     names = [t.name for t in tools]
     figures: dict[str, Any] = {}
     for fig in FIGURES:
-        entry: dict[str, Any] = {"title": fig.title, "unit": fig.unit, "limit": fig.limit, "limit_median": limits.get(fig.limit),
+        title = fig.title.replace("N readers", f"{args.epoch_readers} readers")
+        entry: dict[str, Any] = {"title": title, "unit": fig.unit, "only": list(fig.only or names), "limit": fig.limit, "limit_median": limits.get(fig.limit),
                                  "higher_is_better": fig.higher_is_better, "tools": {}}
         for name in names:
             value = medians.get(name, {}).get(fig.key)
@@ -376,7 +466,10 @@ def summarise(bench: Bench, tools: list[Tool], args: argparse.Namespace, started
         "started": started,
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "parameters": {"size": args.size, "files": args.files, "file_size": args.file_size, "runs": args.runs,
-                       "tools": names, "ram_cache": args.ram_cache, "file_workers": args.file_workers},
+                       "tools": names, "ram_cache": args.ram_cache, "file_workers": args.file_workers,
+                       "epoch_readers": args.epoch_readers, "epochs": args.epochs,
+                       "hit_ratio_disk": bench.hit_disk_bytes(), "hit_ratio_ram": epochs.SMALL_RAM},
+        "hit_ratio_runs": bench.hit_rows,
         "machine": machine_info(),
         "page_cache_dropped": bench.can_drop,
         "versions": {t.name: (None if t.name in bench.unavailable else safe_version(t)) for t in tools},
@@ -411,8 +504,9 @@ def targets(figures: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
 
     out = []
 
-    def check(name: str, measured: float | None, wanted: float, against: str) -> None:
-        status = "n/a" if measured is None else ("PASS" if measured >= wanted else "MISS")
+    def check(name: str, measured: float | None, wanted: float, against: str, strict: bool = False) -> None:
+        passed = measured is not None and (measured > wanted if strict else measured >= wanted)
+        status = "n/a" if measured is None else ("PASS" if passed else "MISS")
         out.append({"target": name, "measured": measured, "wanted": wanted, "against": against, "status": status})
 
     check("warm re-read >= 0.80x page cache", ratio(value("warm_read"), limit("warm_read")), 0.80, "page_cache")
@@ -430,6 +524,19 @@ def targets(figures: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
     rss, budget = value("peak_rss"), limit("peak_rss")
     # Expressed as budget / RSS so that, like the others, >= 1.0 passes.
     check(f"daemon RSS <= RAM tier + {RSS_HEADROOM_MIB} MiB", ratio(budget, rss), 1.0, "rss_budget")
+    # Issue 15. "Today's cold rate" is cachefs's own in-order small-file cold read of the same run.
+    check("announced epoch, 1 reader >= 5x the cold small-file rate",
+          ratio(value("epoch_1r_announced"), value("small_cold")), 5.0, "cachefs small_cold")
+    check("announced epoch, 1 reader >= 0.8x raw small GET",
+          ratio(value("epoch_1r_announced"), limit("epoch_1r_announced")), 0.8, "raw_small_get")
+    check("announced epoch, N readers >= 0.8x raw small GET",
+          ratio(value("epoch_nr_announced"), limit("epoch_nr_announced")), 0.8, "raw_small_get")
+    check("announced epoch, 1 reader > not announced", ratio(value("epoch_1r_announced"), value("epoch_1r")), 1.0,
+          "cachefs epoch_1r", strict=True)
+    check("hit ratio, announced > LRU", ratio(value("hit_order"), value("hit_lru")), 1.0, "cachefs hit_lru",
+          strict=True)
+    check("hit ratio, announced >= 0.9x the share that fits", ratio(value("hit_order"), limit("hit_order")), 0.9,
+          "disk_fits")
     return out
 
 
@@ -464,19 +571,42 @@ def markdown(result: dict[str, Any]) -> str:
             t = fig["tools"][n]
             row.append("—" if t["median"] is None else f"{fmt(t['median'])} ({fmt(t['ratio_to_limit'], 2)}x)")
         for a, b in pairs:
-            row.append(fmt(fig["tools"][a]["ratio_to_peers"].get(b), 2) + "x")
+            r = fig["tools"][a]["ratio_to_peers"].get(b)
+            row.append("—" if r is None else fmt(r, 2) + "x")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Limits", "", "| limit | median | samples |", "|---|---|---|"]
     for lim in result["limits"].values():
         lines.append(f"| {lim['title']} | {fmt(lim['median'])} | {', '.join(fmt(s) for s in lim['samples'])} |")
     lines += ["", "## Targets (cachefs)", "", "| target | measured | wanted | against | result |", "|---|---|---|---|---|"]
     for t in result["targets"]:
-        lines.append(f"| {t['target']} | {fmt(t['measured'], 2)}x | {t['wanted']}x | {t['against']} | **{t['status']}** |")
+        measured = "—" if t["measured"] is None else f"{fmt(t['measured'], 2)}x"
+        lines.append(f"| {t['target']} | {measured} | {t['wanted']}x | {t['against']} | **{t['status']}** |")
+    lines += hit_ratio_markdown(result)
     lines += ["", ("Notes: drain is the time from close() until the object is in the store; s3fs uploads inside "
                    "close(), so its drain is only the HEAD check and its upload shows in write + close. "
-                   "Peak RSS is compared with the cachefs budget for every tool (the peers have no RAM tier)."),
+                   "Peak RSS is compared with the cachefs budget for every tool (the peers have no RAM tier). "
+                   "CPU figures are the daemon process's user + system time (/proc/PID/stat) over the timed span; "
+                   "their limit is the CPU the harness itself spent on the raw parallel GETs (the engine's fetch "
+                   "code, no FUSE). On a shared machine, ratios measured in one run and CPU per unit of work "
+                   "vary less than the rates."),
               f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}.", ""]
     return "\n".join(lines)
+
+
+def hit_ratio_markdown(result: dict[str, Any]) -> list[str]:
+    p = result["parameters"]
+    rows = result.get("hit_ratio_runs") or []
+    if not rows:
+        return []
+    lines = ["", (f"## Epochs over a dataset twice the disk tier (cachefs; disk tier {format_size(p['hit_ratio_disk'])}, "
+                  f"RAM tier {format_size(p['hit_ratio_ram'])}, {p['epoch_readers']} readers)"), "",
+             "Hit ratio: the share of an epoch's files served without a GET. Epoch 1 is cold for both policies.", "",
+             "| run | policy | epoch | files/s | GETs | hit ratio | stalls |", "|---|---|---|---|---|---|---|"]
+    for block in rows:
+        for e in block["epochs"]:
+            lines.append(f"| {block['run']} | {block['policy']} | {e['epoch']} | {fmt(e['files_per_s'])} | {e['gets']} | "
+                         f"{fmt(e['hit_ratio'], 3)} | {e.get('stalls', '—')} |")
+    return lines
 
 
 def chart(result: dict[str, Any], path: Path) -> None:
@@ -493,7 +623,10 @@ def chart(result: dict[str, Any], path: Path) -> None:
         ys = []
         for f in figs:
             r = f["tools"][name]["ratio_to_limit"]
-            ys.append((1 / r if r else 0) if not f["higher_is_better"] else (r or 0))
+            if not r:
+                ys.append(float("nan"))  # not measured for this tool (e.g. an announced order: cachefs only)
+                continue
+            ys.append(1 / r if not f["higher_is_better"] else r)
         xs = [x + (i - (len(names) - 1) / 2) * width for x in range(len(figs))]
         ax.bar(xs, [min(y, CHART_CLIP) for y in ys], width, label=name)
         for x, y in zip(xs, ys):
@@ -532,6 +665,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tools", default="cachefs,rclone,s3fs", help="comma-separated, from: " + ",".join(TOOLS))
     parser.add_argument("--ram-cache", type=parse_size, default=parse_size("1GiB"), help="cachefs RAM tier")
     parser.add_argument("--file-workers", type=int, default=1, help="threads reading small files")
+    parser.add_argument("--epoch-readers", type=int, default=8,
+                        help="threads reading the shuffled epochs besides the 1-reader one (DataLoader workers)")
+    parser.add_argument("--epochs", type=int, default=3, help="shuffled epochs of the hit-ratio run (>= 2)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     parser.add_argument("--keep-page-cache", action="store_true",
                         help="never drop the system's page cache (for runs beside other work; cold figures are then warm)")
@@ -541,8 +677,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [t for t in tools if t not in TOOLS]
     if unknown or not tools:
         parser.error(f"--tools: unknown {unknown}; choose from {','.join(TOOLS)}")
-    if args.size < MiB or args.files < 1 or args.file_size < 128 or args.runs < 1 or args.file_workers < 1:
-        parser.error("--size >= 1MiB, --files >= 1, --file-size >= 128, --runs >= 1, --file-workers >= 1")
+    if (args.size < MiB or args.files < 1 or args.file_size < 128 or args.runs < 1 or args.file_workers < 1
+            or args.epoch_readers < 1 or args.epochs < 2):
+        parser.error("--size >= 1MiB, --files >= 1, --file-size >= 128, --runs >= 1, --file-workers >= 1, "
+                     "--epoch-readers >= 1, --epochs >= 2")
     args.tool_names = tools
     return args
 

@@ -195,8 +195,8 @@ class CachefsTool(Tool):
     def mounted(self, path: Path, cache_dir: Path) -> Iterator[Mounted]:
         log = self._log()
         self._cli("mount", f"s3://{self.bucket}", str(path), "--endpoint-url", self.server.endpoint_url,
-                  "--cache-dir", str(cache_dir), "--ram-cache", f"{self.ram_bytes // MiB}MiB",
-                  "--disk-cache", f"{self.disk_bytes // MiB}MiB", "--log-file", str(log),
+                  "--cache-dir", str(cache_dir), "--ram-cache", f"{self.ram_bytes}B",
+                  "--disk-cache", f"{self.disk_bytes}B", "--log-file", str(log),
                   "--log-level", "WARNING", timeout_s=MOUNT_TIMEOUT_S + 30)
         pid = None
         try:

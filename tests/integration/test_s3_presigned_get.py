@@ -55,6 +55,36 @@ async def test_ranges_come_from_presigned_urls(seaweed: SeaweedS3, seaweed_bucke
         await store.close()
 
 
+# Keys whose quoting in the URL path differs from the plain name: the URLs signed without the
+# client (every key after the first) must be accepted exactly like the client's own.
+AWKWARD_KEYS = ["first.bin", "dir/sub dir/a+b=c.bin", "tilde~and%percent", "ünïcødé/ñ.jpg", "x/.hidden", "q?&#.bin"]
+
+
+async def test_urls_signed_without_the_client_are_accepted(seaweed: SeaweedS3, seaweed_bucket: str) -> None:
+    for i, key in enumerate(AWKWARD_KEYS):
+        seaweed.put(seaweed_bucket, "p/" + key, DATA[i:i + 1000])
+    store = make_store(seaweed, seaweed_bucket)
+    try:
+        for i, key in enumerate(AWKWARD_KEYS):
+            info = await store.head(key)
+            assert await store.get_range(key, info.etag, 0, 1000) == DATA[i:i + 1000]
+        assert store.stats.presigned_gets == len(AWKWARD_KEYS)
+        assert store.stats.presigned_fallbacks == 0
+        assert store._signer is not None and store._signer.direct == len(AWKWARD_KEYS) - 1
+    finally:
+        await store.close()
+
+
+def test_fast_timestamp_matches_botocore() -> None:
+    from botocore.utils import parse_timestamp
+
+    from tiering.objectstore.s3presign import fast_timestamp
+
+    for text in ["2026-11-24T02:38:25.123Z", "2026-11-24T02:38:25Z", "2026-11-24T02:38:25.000+00:00",
+                 "Tue, 24 Nov 2026 02:38:25 GMT", "2026-11-24T02:38:25", 1764000000, "1764000000"]:
+        assert fast_timestamp(text) == parse_timestamp(text), text
+
+
 async def test_a_refused_url_is_retried_through_botocore_and_never_logged(
         seaweed: SeaweedS3, seaweed_bucket: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
@@ -91,13 +121,13 @@ async def test_a_store_that_keeps_refusing_urls_stops_presigning(
     store = make_store(seaweed, seaweed_bucket)
     try:
         etag = (await store.head("obj.bin")).etag
-        client = store._client
-        real = client.generate_presigned_url
+        signer = await store._url_signer()
+        real = signer.sign
 
-        async def refused(*args: object, **kwargs: object) -> str:
-            return tamper(await real(*args, **kwargs))
+        async def refused(full_key: str) -> str:
+            return tamper(await real(full_key))
 
-        monkeypatch.setattr(client, "generate_presigned_url", refused)
+        monkeypatch.setattr(signer, "sign", refused)
         for i in range(s3_module.PRESIGN_MAX_FALLBACKS + 5):
             assert await store.get_range("obj.bin", etag, i, i + 50) == DATA[i:i + 50]
         assert store.stats.presigned_fallbacks == s3_module.PRESIGN_MAX_FALLBACKS

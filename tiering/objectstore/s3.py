@@ -20,7 +20,8 @@ the new object (see ``tiering.blocks``).
 Ranged GETs on a presigned URL. botocore spends about 4 ms of CPU on every request (parameter
 validation, event hooks, signing, response parsing): measured on SeaweedFS over loopback, a 100 KiB
 ``get_object`` took 5.6-6.6 ms, the same GET through aiohttp on a presigned URL 1.7-2.3 ms, and the
-presigning itself 0.4 ms. So ``get_range`` presigns ``GetObject`` for a key once
+presigning itself 0.4 ms (0.16 ms since ``tiering.objectstore.s3presign`` signs every key after the
+first without the client's per-call machinery). So ``get_range`` presigns ``GetObject`` for a key once
 (``PRESIGN_TTL_S``, reused for ``PRESIGN_REUSE_S``, at most ``PRESIGN_CACHE_KEYS`` keys) and sends
 each ``Range`` + ``If-Match`` GET on its own aiohttp session. Only answers it can read without
 botocore are taken from that path: 206/200 with the exact length, 412 (changed), 416 (past the end).
@@ -88,6 +89,7 @@ from tiering.objectstore.keys import (
     key_room,
     split_listing_key,
 )
+from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
 
@@ -278,6 +280,7 @@ def aws_session(environ: Mapping[str, str]) -> AioSession:
     """A botocore session whose configuration chain and env credential provider read ``environ``."""
     env = dict(environ)
     session = AioSession()
+    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=fast_timestamp)
     factory = ConfigChainFactory(session=session, environ=env)
     store = session.get_component("config_store")
     for name, (config_name, env_vars, default, typecast) in AioSession.SESSION_VARIABLES.items():
@@ -334,6 +337,7 @@ class S3ObjectStore:
         self._client: Any = None
         self._http: aiohttp.ClientSession | None = None
         self._presigned: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._signer: UrlSigner | None = None
         self._presign_ok = True  # False once presigning failed (e.g. anonymous access): botocore only
         self._fallbacks_in_a_row = 0
 
@@ -472,9 +476,7 @@ class S3ObjectStore:
         if not self._presign_ok:
             return None
         try:
-            client = await self._session()
-            url = await client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": self.prefix + key}, ExpiresIn=PRESIGN_TTL_S)
+            url = await (await self._url_signer()).sign(self.prefix + key)
         except Exception as exc:  # noqa: BLE001 - no presigning (no credentials, ...): botocore serves GETs
             self._presign_ok = False
             log.info("ranged GETs go through botocore only: cannot presign (%s)", type(exc).__name__)
@@ -489,6 +491,13 @@ class S3ObjectStore:
         if len(self._presigned) > PRESIGN_CACHE_KEYS:
             self._presigned.popitem(last=False)
         return url
+
+    async def _url_signer(self) -> UrlSigner:
+        if self._signer is None:
+            client = await self._session()
+            credentials = await self._filesystem().session.get_credentials()  # the client's, cached
+            self._signer = UrlSigner(client, credentials, self.bucket, PRESIGN_TTL_S)
+        return self._signer
 
     def _http_session(self) -> aiohttp.ClientSession:
         if self._http is None:
