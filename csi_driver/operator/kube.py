@@ -126,9 +126,12 @@ class Kube:
             return None
         newest = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
         try:
-            return str(self.core.read_namespaced_pod_log(newest["metadata"]["name"], namespace, container="prefetch",
-                                                         tail_lines=LOG_TAIL_LINES,
-                                                         _request_timeout=REQUEST_TIMEOUT_S))
+            # Raw bytes: with its default decoding the client turns a log of JSON lines into a Python
+            # repr (kubernetes-client/python#1090), which no JSON parser reads back.
+            response = self.core.read_namespaced_pod_log(newest["metadata"]["name"], namespace, container="prefetch",
+                                                         tail_lines=LOG_TAIL_LINES, _preload_content=False,
+                                                         _request_timeout=REQUEST_TIMEOUT_S)
+            return bytes(response.data).decode("utf-8", errors="replace")
         except ApiException as exc:
             if exc.status in (HTTP_NOT_FOUND, 400):  # gone, or not started yet (400: "waiting to start")
                 return None

@@ -49,11 +49,19 @@ def _now() -> str:
 @attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesEmulator):
     _version: int = attrs.field(default=0, init=False)
+    # Pod logs, by pod name: what GET .../pods/NAME/log answers (the kubelet's part, played by tests).
+    logs: dict[str, str] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for key, info in RESOURCES.items():
             self.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+        self[kmock.resource("v1/pods"), kmock.subresource("log")] << self._serve_log
+
+    def _serve_log(self, request: rendering.Request) -> bytes:
+        lines = self.logs.get(request.name or "", "").splitlines(keepends=True)
+        tail = request.params.get("tailLines", "")
+        return "".join(lines[-int(tail):] if tail.isdigit() and int(tail) > 0 else lines).encode()
 
     async def _handle(self, request: rendering.Request) -> Any:
         if request.resource is not None and isinstance(request.data, (dict, list)):
