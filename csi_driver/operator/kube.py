@@ -182,3 +182,14 @@ class Kube:
             self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT_S)
         except ApiException as exc:
             raise _fail(f"cannot post an event on pod {meta['namespace']}/{meta['name']}", exc) from None
+
+    def container_image(self, namespace: str, pod: str, container: str) -> str | None:
+        """The image of ``container`` in a pod (the operator's own, for its warm-up Jobs); None if absent."""
+        try:
+            body = self._dict(self.core.read_namespaced_pod(pod, namespace, _request_timeout=REQUEST_TIMEOUT_S))
+        except ApiException as exc:
+            raise _fail(f"cannot read pod {namespace}/{pod}", exc) from None
+        for spec in (body.get("spec") or {}).get("containers") or []:
+            if spec.get("name") == container and spec.get("image"):
+                return str(spec["image"])
+        return None
