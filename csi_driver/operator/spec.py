@@ -87,6 +87,25 @@ def _warm_path(path: Any, index: int) -> str:
     return "" if normal == "." else normal
 
 
+# The driver's messages name volume attributes; a Dataset's author wrote spec fields.
+_FIELD_OF_ATTRIBUTE = {
+    f"'{attributes.ATTR_CLUSTER_CACHE}'": "'clusterTier.cache'",
+    f"'{attributes.ATTR_CLUSTER_ENDPOINT_URL}'": "'clusterTier.endpointUrl'",
+    f"'{attributes.ATTR_CLUSTER_TIMEOUT}'": "'clusterTier.timeout'",
+    **{f"'{key}'": f"'cache.{key}'" for key in (attributes.ATTR_RAM_CACHE, attributes.ATTR_DISK_CACHE,
+                                                attributes.ATTR_BLOCK_SIZE, attributes.ATTR_READAHEAD,
+                                                attributes.ATTR_MAX_FETCHES, attributes.ATTR_ATTR_TTL,
+                                                attributes.ATTR_DIR_TTL)},
+}
+
+
+def _spec_names(message: str) -> str:
+    message = message.replace("volume attributes", "fields").replace("volume attribute", "field")
+    for attribute, spec_field in _FIELD_OF_ATTRIBUTE.items():
+        message = message.replace(attribute, spec_field)
+    return message
+
+
 def volume_attributes(spec: Mapping[str, Any]) -> dict[str, str]:
     """The CSI volume attributes of a Dataset (the driver's names; every value a string)."""
     attrs: dict[str, str] = {attributes.ATTR_SOURCE: str(spec.get("source", "")), attributes.ATTR_READ_ONLY: "true"}
@@ -118,8 +137,7 @@ def parse_spec(spec: Mapping[str, Any]) -> DatasetSettings:
     try:
         volume = attributes.parse_volume_attributes(attrs)
     except CsiError as exc:
-        message = exc.message.replace("volume attribute", "attribute")
-        raise SpecError(f"spec: {message}") from None
+        raise SpecError(f"spec: {_spec_names(exc.message)}") from None
 
     secret = _mapping(spec, "secretRef", "spec.").get("name")
     if secret is not None and not (isinstance(secret, str) and _NAME_RE.fullmatch(secret)):
