@@ -33,8 +33,8 @@ import kopf
 
 from csi_driver.operator import manifests as m
 from csi_driver.operator.kube import Kube, KubeError
-from csi_driver.operator.spec import (DEFAULT_GATE_TIMEOUT_S, POLICY_CRON, TIER_CLUSTER, DatasetSettings, SpecError,
-                                      parse_spec)
+from csi_driver.operator.spec import (DEFAULT_GATE_TIMEOUT_S, POLICY_CRON, TIER_CLUSTER, TIER_NODE, DatasetSettings,
+                                      SpecError, parse_spec)
 
 # How often a Dataset's warm-up Jobs are read into its status: `kubectl get datasets` lags the Jobs by
 # at most this; each tick is a few GETs per Job. Cron schedules have minute resolution, well within.
@@ -121,13 +121,19 @@ def reconcile(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, st
             m.condition("Warm", False, "InvalidSpec", "the spec is invalid: nothing was created", generation=generation,
                         now=now, previous=status.get("conditions") or [])])
         return
+    # The claim first: if a claim of that name is someone else's, nothing else is created (a PV
+    # pre-bound to it could be bound to it).
+    claim, _ = state.kube.ensure(m.persistent_volume_claim(body, settings))
+    patch.status["observedGeneration"] = generation
+    if _taken("PersistentVolumeClaim", claim, meta["uid"], status, patch, generation, now):
+        return
     pv, _ = state.kube.ensure(m.persistent_volume(body, settings))
     wanted = m.persistent_volume(body, settings)["spec"]["csi"]["volumeAttributes"]
     have = ((pv.get("spec") or {}).get("csi") or {}).get("volumeAttributes") or {}
-    state.kube.ensure(m.persistent_volume_claim(body, settings))
+    if _taken("PersistentVolume", pv, meta["uid"], status, patch, generation, now):
+        return
     patch.status["claimName"] = meta["name"]
     patch.status["volumeName"] = pv["metadata"]["name"]
-    patch.status["observedGeneration"] = generation
     if dict(have) != dict(wanted):
         message = ("the volume's attributes cannot change (a PersistentVolume's CSI attributes are immutable): "
                    "delete the Dataset and create it again to change source, endpoint or cache options")
@@ -136,7 +142,7 @@ def reconcile(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, st
             previous=status.get("conditions") or [])])
         patch.status["errors"] = _errors(status, [message])
         return
-    ready = m.condition("Ready", True, "Bound", f"claim {meta['name']} is bound to volume {pv['metadata']['name']}",
+    ready = m.condition("Ready", True, "Bound", f"claim {meta['name']} pre-bound to volume {pv['metadata']['name']}",
                         generation=generation, now=now, previous=status.get("conditions") or [])
     patch.status["conditions"] = _conditions(status, [ready])
     ran = (status.get("warmUp") or status.get("lastWarmUp") or {})
@@ -144,6 +150,19 @@ def reconcile(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, st
         start_run(body, settings, status, patch, state, conditions=patch.status["conditions"])
     elif not status.get("phase") or status.get("phase") == "Failed":
         patch.status["phase"] = "Bound"
+
+
+def _taken(kind: str, obj: Mapping[str, Any], uid: str, status: Mapping[str, Any], patch: Any,
+           generation: int | None, now: str) -> bool:
+    """Whether ``obj`` (found under the name the Dataset needs) is not the Dataset's; if so, say so."""
+    if (obj["metadata"].get("labels") or {}).get(m.OWNER_UID_LABEL) == uid:
+        return False
+    message = f"{kind} {obj['metadata']['name']} exists already and is not this Dataset's: rename the Dataset"
+    patch.status["phase"] = "Failed"
+    patch.status["conditions"] = _conditions(status, [m.condition(
+        "Ready", False, "NameTaken", message, generation=generation, now=now, previous=status.get("conditions") or [])])
+    patch.status["errors"] = _errors(status, [message])
+    return True
 
 
 def start_run(body: Mapping[str, Any], settings: DatasetSettings, status: Mapping[str, Any], patch: Any,
@@ -212,7 +231,6 @@ def follow(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state
                 and cron.due(last, state.settings.now()):
             start_run(body, settings, status, patch, state)
         return
-    tier_kind = TIER_CLUSTER
     previous = {t.get("job"): t for t in status.get("tiers") or []}
     tiers, states, docs = [], [], []
     for name in run.get("jobs") or []:
@@ -222,7 +240,7 @@ def follow(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state
         doc = m.last_document(log_text) if log_text else None
         old = previous.get(name, {})
         node = old.get("node") or ((job or {}).get("metadata", {}).get("annotations") or {}).get("cachefs.io/node") or None
-        tier_kind = TIER_CLUSTER if old.get("tier", "cluster") == "cluster" else "Node"
+        tier_kind = TIER_NODE if old.get("tier") == "disk" else TIER_CLUSTER
         entry = m.tier_entry(name, node, job_state, doc, tier_kind)
         if doc is None and "totalBytes" in old:  # keep the last figures seen (the pod may be gone)
             entry.update({k: old[k] for k in ("totalBytes", "cachedBytes", "cachedPercent", "filesTotal",
@@ -269,7 +287,8 @@ def cleanup(body: Mapping[str, Any], state: OperatorState) -> None:
     owned = m.labels(meta["uid"])
     for job in state.kube.list_jobs(meta["namespace"], owned):
         state.kube.delete("Job", job["metadata"]["name"], meta["namespace"])
-    state.kube.delete("PersistentVolumeClaim", meta["name"], meta["namespace"])
+    for claim in state.kube.list_pvcs(meta["namespace"], owned):  # never a claim of the same name not ours
+        state.kube.delete("PersistentVolumeClaim", claim["metadata"]["name"], meta["namespace"])
     for pv in state.kube.list_pvs(owned):
         state.kube.delete("PersistentVolume", pv["metadata"]["name"])
 
@@ -364,7 +383,6 @@ def build_registry(state: OperatorState, *, login: Callable[..., Any] | None = N
         settings.persistence.finalizer = FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="cachefs.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="cachefs.io")
-        settings.posting.enabled = True
         memo["gate_task"] = asyncio.create_task(gate_loop(state))
 
     @kopf.on.cleanup(registry=registry)

@@ -106,6 +106,14 @@ class Kube:
             raise _fail("cannot list PersistentVolumes", exc) from None
         return [p for p in (self._dict(item) for item in found.items) if _matches(p, labels)]
 
+    def list_pvcs(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        try:
+            found = self.core.list_namespaced_persistent_volume_claim(namespace, label_selector=selector(labels),
+                                                                      _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            raise _fail(f"cannot list PersistentVolumeClaims in {namespace}", exc) from None
+        return [c for c in (self._dict(item) for item in found.items) if _matches(c, labels)]
+
     def list_nodes(self, labels: Mapping[str, str]) -> list[str]:
         try:
             found = self.core.list_node(label_selector=selector(labels), _request_timeout=REQUEST_TIMEOUT_S)

@@ -33,6 +33,8 @@ from tests.support.kubeapi import ApiServer
 NS = "ml"
 WAIT_S = 30.0
 FAST = dict(follow_interval_s=0.3, gate_interval_s=0.2)
+STOP_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30
 
 
 @pytest.fixture
@@ -52,7 +54,8 @@ class Cluster:
         self.custom = client.CustomObjectsApi(self.client)
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        # Bounded: a request left hanging would keep its thread, and the test process, alive.
+        return await asyncio.to_thread(fn, *args, _request_timeout=REQUEST_TIMEOUT_S, **kwargs)
 
     def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         for obj in self.all(resource):
@@ -152,7 +155,13 @@ async def running_operator(api: ApiServer, **settings: Any) -> AsyncIterator[Ope
         yield state
     finally:
         stop.set()
-        await asyncio.wait_for(task, timeout=30)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, timeout=STOP_TIMEOUT_S)
+            raise AssertionError(f"the operator did not stop within {STOP_TIMEOUT_S:g} s of its stop flag") from None
 
 
 CLUSTER_SPEC = {
@@ -340,3 +349,86 @@ async def test_bad_spec_creates_nothing_and_says_why(api: ApiServer, spec: dict,
         await eventually(lambda: k.gates("p") == [], "released")
         (event,) = await eventually(lambda: k.events("p"), "an Event on the pod")
         assert event["reason"] == "DatasetInvalid" and event["type"] == "Warning"
+
+
+# -------------------------------------------------------------------------------- update, resume
+async def test_spec_change_starts_a_new_run_and_a_volume_change_is_refused(api: ApiServer) -> None:
+    k = Cluster(api)
+    async with running_operator(api):
+        await k.create_dataset("ds", CLUSTER_SPEC)
+        (job1,) = await eventually(k.jobs, "run 1")
+        patch = {"spec": {"warmUp": {"paths": ["train"], "target": {"tier": "Cluster"}}}}
+        await k.call(k.custom.patch_namespaced_custom_object, m.GROUP, m.VERSION, NS, m.PLURAL, "ds", patch)
+        (job2,) = await eventually(lambda: [j for j in k.jobs() if j["metadata"]["labels"][m.RUN_LABEL] == "2"],
+                                   "run 2 after the change")
+        assert job2["spec"]["template"]["spec"]["containers"][0]["command"][3:5] == ["/data/train", "--recursive"]
+        await eventually(lambda: len(k.jobs()) == 1, "run 1's Job deleted")
+        run = await eventually(lambda: (k.status("ds").get("warmUp") or {}).get("run") == 2 and k.status("ds")["warmUp"],
+                               "run 2 in status")
+        assert run["generation"] == 2 and run["jobs"] == [job2["metadata"]["name"]]
+
+        # The PV's CSI attributes are immutable: a new cache size is reported, not half-applied.
+        patch = {"spec": {"cache": {"ramCache": "2GiB"}}}
+        await k.call(k.custom.patch_namespaced_custom_object, m.GROUP, m.VERSION, NS, m.PLURAL, "ds", patch)
+        ready = await eventually(lambda: next((c for c in k.status("ds").get("conditions", [])
+                                               if c["type"] == "Ready" and c["reason"] == "VolumeChanged"), None),
+                                 "Ready False: VolumeChanged")
+        assert ready["status"] == "False" and "delete the Dataset and create it again" in ready["message"]
+        pv = k.get("v1/persistentvolumes", None, "cachefs-ml-ds")
+        assert pv["spec"]["csi"]["volumeAttributes"]["ramCache"] == "1GiB"
+
+
+async def test_a_restarted_operator_resumes_without_a_new_run(api: ApiServer) -> None:
+    k = Cluster(api)
+    async with running_operator(api):
+        await k.create_dataset("ds", CLUSTER_SPEC)
+        await eventually(lambda: k.status("ds").get("warmUp"), "run 1 recorded in status")
+    async with running_operator(api) as state:
+        await eventually(lambda: ("ml", "ds") in state.datasets, "the restarted operator saw the Dataset")
+        await asyncio.sleep(1.0)  # several follow ticks
+        assert [j["metadata"]["labels"][m.RUN_LABEL] for j in k.jobs()] == ["1"]
+        assert k.status("ds")["warmUp"]["run"] == 1
+
+
+async def test_the_warm_up_image_is_the_operators_own(api: ApiServer) -> None:
+    from csi_driver.operator.handlers import DEFAULT_IMAGE
+    from csi_driver.operator.main import build_parser, warm_up_image
+
+    k = Cluster(api)
+    await k.call(k.core.create_namespaced_pod, "cachefs", {
+        "metadata": {"name": "cachefs-operator-abc", "namespace": "cachefs"},
+        "spec": {"containers": [{"name": "operator", "image": "registry.example.com/cachefs-csi:9"}]}})
+    kube = Kube(k.client)
+    env = {"POD_NAME": "cachefs-operator-abc", "POD_NAMESPACE": "cachefs"}
+    assert await asyncio.to_thread(warm_up_image, kube, None, env) == "registry.example.com/cachefs-csi:9"
+    assert await asyncio.to_thread(warm_up_image, kube, "mine:1", env) == "mine:1"
+    assert await asyncio.to_thread(warm_up_image, kube, None, {}) == DEFAULT_IMAGE
+
+    def exit_message(environ: dict[str, str]) -> str:  # SystemExit must not cross into the event loop
+        try:
+            warm_up_image(kube, None, environ)
+        except SystemExit as exc:
+            return str(exc)
+        return ""
+
+    message = await asyncio.to_thread(exit_message, {"POD_NAME": "gone", "POD_NAMESPACE": "cachefs"})
+    assert "cannot read pod cachefs/gone: HTTP 404" in message
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--follow-interval", "0"])
+
+
+async def test_a_claim_of_the_same_name_is_not_taken_over(api: ApiServer) -> None:
+    k = Cluster(api)
+    await k.call(k.core.create_namespaced_persistent_volume_claim, NS, {
+        "metadata": {"name": "taken", "namespace": NS},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    async with running_operator(api):
+        await k.create_dataset("taken", CLUSTER_SPEC)
+        status = await eventually(lambda: (s := k.status("taken")).get("phase") == "Failed" and s, "phase Failed")
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "NameTaken" and "PersistentVolumeClaim taken" in ready["message"]
+        assert k.jobs() == [] and k.all("v1/persistentvolumes") == []  # nothing could bind to their claim
+        await k.call(k.custom.delete_namespaced_custom_object, m.GROUP, m.VERSION, NS, m.PLURAL, "taken")
+        await eventually(lambda: k.dataset("taken") is None, "the Dataset deleted")
+        claim = k.get("v1/persistentvolumeclaims", NS, "taken")
+        assert claim is not None and "labels" not in claim["metadata"]  # theirs: left as it was
