@@ -134,3 +134,18 @@ def test_totals_report_the_least_cached_target() -> None:
                                "size": "100 B"}
     assert m.totals([]) == {}
     assert m.format_size(3 * 2**30) == "3.0 GiB"
+
+
+def test_a_manifest_warm_up_mounts_its_config_map_and_passes_the_file() -> None:
+    settings = parse_spec(spec(warmUp={"manifest": {"configMapRef": {"name": "train-v3", "key": "train.jsonl"}},
+                                       "target": {"tier": "Node"}, "parallel": 8}))
+    body = {"metadata": {"name": "ds", "namespace": "ml", "uid": "u1"}}
+    job = m.warm_up_job(body, settings, run=3, image="img:1", node="n1")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["cachefs", "prefetch", "/data", "--manifest", f"{m.MANIFEST_DIR}/train.jsonl",
+                                    "--parallel", "8", "--json-progress"]
+    assert {"name": "manifest", "configMap": {"name": "train-v3"}} in pod["volumes"]
+    assert {"name": "manifest", "mountPath": m.MANIFEST_DIR, "readOnly": True} in container["volumeMounts"]
+    assert pod["automountServiceAccountToken"] is False
+    assert m.DATASET_LABEL not in job["metadata"]["labels"]  # warm-up pods are never gated
