@@ -1,4 +1,5 @@
-"""Dataset manifests: what ``cachefs snapshot`` writes and ``cachefs prefetch --manifest`` reads.
+"""Dataset manifests: what ``cachefs snapshot`` writes, ``cachefs prefetch --manifest`` reads and
+``cachefs mount --manifest`` pins a mount to (``cachefs.fs.pinned``; read as a stream, gzip too).
 
 A manifest is a text file of one entry per line, in UTF-8. Two line forms are accepted and may be
 mixed:
@@ -20,11 +21,13 @@ checked in, diffed and hashed.
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import IO, Iterable, Iterator
 
 
 # The tiers a prefetch may warm (``cachefs prefetch --tier``): this node's disk tier, or the shared
@@ -44,31 +47,71 @@ class ManifestEntry:
     size: int | None = None
 
 
+def parse_line(text: str, number: int, name: str) -> ManifestEntry | None:
+    """One manifest line (without its newline): an entry, None for a blank line, or ``ManifestError``."""
+    if not text.strip():
+        return None
+    if not text.lstrip().startswith("{"):
+        return ManifestEntry(text, number)
+    where = f"manifest {name} line {number}"
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ManifestError(f"{where}: invalid JSON ({exc.args[0] if exc.args else exc})") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: expected a JSON object with a \"path\"")
+    path, etag, size = doc.get("path"), doc.get("etag"), doc.get("size")
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"{where}: \"path\" must be a non-empty string")
+    if etag is not None and (not isinstance(etag, str) or not etag):
+        raise ManifestError(f"{where}: \"etag\" must be a non-empty string")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise ManifestError(f"{where}: \"size\" must be a non-negative integer")
+    return ManifestEntry(path, number, etag, size)
+
+
 def parse_manifest(lines: Iterable[str], name: str) -> list[ManifestEntry]:
     entries: list[ManifestEntry] = []
     for number, raw in enumerate(lines, start=1):
-        text = raw.rstrip("\r\n")
-        if not text.strip():
-            continue
-        if not text.lstrip().startswith("{"):
-            entries.append(ManifestEntry(text, number))
-            continue
-        where = f"manifest {name} line {number}"
-        try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            raise ManifestError(f"{where}: invalid JSON ({exc.args[0] if exc.args else exc})") from None
-        if not isinstance(doc, dict):
-            raise ManifestError(f"{where}: expected a JSON object with a \"path\"")
-        path, etag, size = doc.get("path"), doc.get("etag"), doc.get("size")
-        if not isinstance(path, str) or not path:
-            raise ManifestError(f"{where}: \"path\" must be a non-empty string")
-        if etag is not None and (not isinstance(etag, str) or not etag):
-            raise ManifestError(f"{where}: \"etag\" must be a non-empty string")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-            raise ManifestError(f"{where}: \"size\" must be a non-negative integer")
-        entries.append(ManifestEntry(path, number, etag, size))
+        entry = parse_line(raw.rstrip("\r\n"), number, name)
+        if entry is not None:
+            entries.append(entry)
     return entries
+
+
+# Magic numbers of the compressed forms a manifest may take (``cachefs mount --manifest``).
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def iter_manifest_lines(path: str) -> Iterator[tuple[int, str]]:
+    """The lines of a manifest file, numbered from 1, read as a stream (a 10 M-line manifest is
+    never held whole): plain, or gzip-compressed (stdlib). zstd is refused with one line naming the
+    fix (no zstd library is a dependency). ``ManifestError`` for what cannot be read."""
+    try:
+        raw: IO[bytes] = open(path, "rb")
+    except FileNotFoundError:
+        raise ManifestError(f"manifest {path} does not exist") from None
+    except IsADirectoryError:
+        raise ManifestError(f"manifest {path} is a directory") from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
+    with raw:
+        magic = raw.read(4)
+        raw.seek(0)
+        if magic.startswith(ZSTD_MAGIC):
+            raise ManifestError(f"manifest {path} is zstd-compressed: decompress it (zstd -d) or compress it "
+                                f"with gzip; zstd is not supported")
+        stream: Iterable[bytes] = gzip.GzipFile(fileobj=raw) if magic.startswith(GZIP_MAGIC) else raw
+        number = 0
+        try:
+            for number, line in enumerate(stream, start=1):
+                try:
+                    yield number, line.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError:
+                    raise ManifestError(f"manifest {path} line {number}: not valid UTF-8") from None
+        except (OSError, EOFError, zlib.error) as exc:
+            raise ManifestError(f"manifest {path} line {number + 1}: cannot decompress ({exc})") from None
 
 
 def read_manifest(path: str) -> list[ManifestEntry]:

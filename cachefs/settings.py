@@ -175,8 +175,22 @@ class MountSettings:
     allow_other: bool = False
     log_level: str = "INFO"
     cluster: ClusterSettings | None = None
+    # A /dev/fuse descriptor already mounted at ``mountpoint`` by a privileged process and handed to
+    # this daemon (``cachefs mount --fuse-fd-socket``, ``cachefs.handover``); None: the daemon mounts.
+    fuse_fd: int | None = None
+    # A mount pinned to a manifest (cachefs.fs.pinned): a local file, or a key in the source itself
+    # (fetched at mount; the CSI volume attribute ``manifest``). Read-only.
+    manifest: Path | None = None
+    manifest_key: str | None = None
 
     def __post_init__(self) -> None:
+        if self.manifest is not None and self.manifest_key is not None:
+            raise ValueError("give --manifest or --manifest-key, not both")
+        if (self.manifest is not None or self.manifest_key is not None) and not self.fs.read_only:
+            raise ValueError("a mount pinned to a manifest is read-only")
+        if self.manifest_key is not None and (not self.manifest_key or self.manifest_key.startswith("/")
+                                              or self.manifest_key.endswith("/")):
+            raise ValueError(f"--manifest-key must be an object key relative to the source, got {self.manifest_key!r}")
         if self.cluster is not None and self.cluster.timeout_s >= self.cache.fetch_timeout_s:
             raise ValueError(f"--cluster-timeout ({self.cluster.timeout_s:g} s) must be shorter than --fetch-timeout "
                              f"({self.cache.fetch_timeout_s:g} s): a slow cluster store must leave time for the source")

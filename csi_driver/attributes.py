@@ -62,6 +62,15 @@ ATTR_DIR_MODE = "dirMode"  # --dir-mode, octal
 ATTR_CLUSTER_CACHE = "clusterCache"  # --cluster-cache s3://BUCKET[/PREFIX]
 ATTR_CLUSTER_ENDPOINT_URL = "clusterEndpointUrl"  # --cluster-endpoint-url
 ATTR_CLUSTER_TIMEOUT = "clusterTimeout"  # --cluster-timeout (seconds)
+# The mount pod's resources (``--mount-mode pod``): Kubernetes quantities, e.g. "500m", "2Gi".
+ATTR_MOUNT_POD_CPU_REQUEST = "mountPodCPURequest"
+ATTR_MOUNT_POD_CPU_LIMIT = "mountPodCPULimit"
+ATTR_MOUNT_POD_MEMORY_REQUEST = "mountPodMemoryRequest"
+ATTR_MOUNT_POD_MEMORY_LIMIT = "mountPodMemoryLimit"
+# --manifest-key: pin the volume to a manifest from `cachefs snapshot`, stored as an object in the
+# volume's own source (a key relative to it, e.g. "manifests/v3.jsonl.gz"), fetched at every mount.
+# An object key rather than a node path: the user has the bucket at hand, not the nodes' disks.
+ATTR_MANIFEST = "manifest"
 
 # -------------------------------------------------------------------------- StorageClass parameters
 PARAM_BUCKET = "bucket"
@@ -78,6 +87,10 @@ K8S_KEY_PREFIX = "csi.storage.k8s.io/"
 K8S_EPHEMERAL = "csi.storage.k8s.io/ephemeral"  # "true" for inline ephemeral volumes
 K8S_POD_NAME = "csi.storage.k8s.io/pod.name"
 K8S_POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
+K8S_POD_UID = "csi.storage.k8s.io/pod.uid"
+K8S_SERVICE_ACCOUNT = "csi.storage.k8s.io/serviceAccount.name"
+# The pod info a publish carries (podInfoOnMount): handed to the daemon's launcher, for its Events.
+POD_INFO_KEYS = frozenset({K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, K8S_SERVICE_ACCOUNT})
 
 # FlexVolume: kubelet passes the PV/pod volume options plus its own keys under kubernetes.io/.
 FLEX_KEY_PREFIX = "kubernetes.io/"
@@ -99,11 +112,23 @@ MOUNT_GROUP_FILE_MODE, MOUNT_GROUP_DIR_MODE = 0o664, 0o775
 CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
               ATTR_ATTR_TTL, ATTR_DIR_TTL, ATTR_CLUSTER_CACHE, ATTR_CLUSTER_ENDPOINT_URL, ATTR_CLUSTER_TIMEOUT)
 OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
+MOUNT_POD_KEYS = (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT, ATTR_MOUNT_POD_MEMORY_REQUEST,
+                  ATTR_MOUNT_POD_MEMORY_LIMIT)
 VOLUME_ATTRIBUTE_KEYS = frozenset({ATTR_SOURCE, ATTR_ENDPOINT_URL, ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS,
-                                   *OWNER_KEYS})
+                                   *OWNER_KEYS, *MOUNT_POD_KEYS, ATTR_MANIFEST})
 PROVISION_PARAMETER_KEYS = frozenset({PARAM_BUCKET, PARAM_PREFIX, PARAM_ON_DELETE, ATTR_ENDPOINT_URL,
-                                      ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS, *OWNER_KEYS})
+                                      ATTR_REGION, ATTR_READ_ONLY, *CACHE_KEYS, *OWNER_KEYS, *MOUNT_POD_KEYS})
 SECRET_KEYS = frozenset({SECRET_ACCESS_KEY_ID, SECRET_SECRET_ACCESS_KEY, SECRET_SESSION_TOKEN})
+
+# Mount pod quantities: plain decimal CPU ("2", "0.5") or millicores ("500m"); memory in bytes with an
+# optional binary or decimal suffix ("2Gi", "512Mi", "1G"). Exponent forms ("1e9") are refused: rare,
+# and easy to misread. A daemon needs ~150 MiB before any cache, so less than 64 MiB cannot be right.
+_CPU_RE = re.compile(r"(?P<num>[0-9]+(?:\.[0-9]{1,3})?)(?P<milli>m?)")
+_MEMORY_RE = re.compile(r"(?P<num>[0-9]+)(?P<unit>Ki|Mi|Gi|Ti|k|M|G|T)?")
+_MEMORY_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+                 "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+MIN_MOUNT_POD_MEMORY = 64 << 20
+MAX_MOUNT_POD_CPU_MILLI = 1024 * 1000  # 1024 cores: anything above is a typo
 
 # Limits of values we check ourselves (cachefs checks the rest when it builds its settings).
 _REGION_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,30}[a-z0-9]")
@@ -137,6 +162,7 @@ class CacheOptions:
     cluster_cache: str | None = None
     cluster_endpoint_url: str | None = None
     cluster_timeout_s: float | None = None
+    manifest_key: str | None = None
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
@@ -146,7 +172,7 @@ class CacheOptions:
                             ("--max-fetches", self.max_fetches), ("--attr-ttl", self.attr_ttl_s),
                             ("--dir-ttl", self.dir_ttl_s), ("--cluster-cache", self.cluster_cache),
                             ("--cluster-endpoint-url", self.cluster_endpoint_url),
-                            ("--cluster-timeout", self.cluster_timeout_s)):
+                            ("--cluster-timeout", self.cluster_timeout_s), ("--manifest-key", self.manifest_key)):
             if value is not None:
                 out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return out
@@ -191,6 +217,22 @@ class OwnerOptions:
 
 
 @dataclass(frozen=True)
+class MountPodResources:
+    """The mount pod's requests and limits, as validated Kubernetes quantities; None: not set."""
+
+    cpu_request: str | None = None
+    cpu_limit: str | None = None
+    memory_request: str | None = None
+    memory_limit: str | None = None
+
+    def requests(self) -> dict[str, str]:
+        return {k: v for k, v in (("cpu", self.cpu_request), ("memory", self.memory_request)) if v is not None}
+
+    def limits(self) -> dict[str, str]:
+        return {k: v for k, v in (("cpu", self.cpu_limit), ("memory", self.memory_limit)) if v is not None}
+
+
+@dataclass(frozen=True)
 class MountFlags:
     """What a capability's ``mount_flags`` (PersistentVolume mountOptions) ask for."""
 
@@ -209,6 +251,7 @@ class VolumeSettings:
     read_only: bool = False  # the volume's own readOnly attribute (the request may add read-only)
     ephemeral: bool = False
     owner: OwnerOptions = field(default_factory=OwnerOptions)
+    mount_pod: MountPodResources = field(default_factory=MountPodResources)
 
 
 @dataclass(frozen=True)
@@ -301,6 +344,14 @@ def _parse_region(key: str, value: str) -> str:
     return value
 
 
+def _parse_manifest_key(value: str) -> str:
+    if (not value or value.startswith("/") or value.endswith("/") or "\x00" in value
+            or len(value.encode("utf-8", "surrogateescape")) > 1024):
+        raise invalid(f"volume attribute {ATTR_MANIFEST!r} must be an object key relative to the volume's source "
+                      f"(e.g. manifests/v1.jsonl), got {_quote(value)}")
+    return value
+
+
 def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
     """The cache keys of ``values``, each checked, then the combination checked as cachefs will."""
     def get(key: str) -> str | None:
@@ -318,6 +369,7 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
         cluster_endpoint_url=(parse_endpoint_url(ATTR_CLUSTER_ENDPOINT_URL, v)
                               if (v := get(ATTR_CLUSTER_ENDPOINT_URL)) else None),
         cluster_timeout_s=_parse_seconds(ATTR_CLUSTER_TIMEOUT, v) if (v := get(ATTR_CLUSTER_TIMEOUT)) else None,
+        manifest_key=_parse_manifest_key(v) if (v := get(ATTR_MANIFEST)) is not None else None,
     )
     if options.cluster_cache is None and (options.cluster_endpoint_url or options.cluster_timeout_s is not None):
         raise invalid(f"volume attributes {ATTR_CLUSTER_ENDPOINT_URL!r} and {ATTR_CLUSTER_TIMEOUT!r} need "
@@ -339,6 +391,43 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
         keys = ", ".join(repr(k) for k in (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE) if k in values)
         raise invalid(f"volume attributes {keys or 'cache options'}: {exc}") from None
     return options
+
+
+def _cpu_milli(key: str, value: str) -> int:
+    match = _CPU_RE.fullmatch(value)
+    if match is None or (match["milli"] and "." in match["num"]):
+        raise invalid(f"volume attribute {key!r} must be a CPU quantity such as '500m' or '2', got {_quote(value)}")
+    milli = int(match["num"]) if match["milli"] else round(float(match["num"]) * 1000)
+    if not 0 < milli <= MAX_MOUNT_POD_CPU_MILLI:
+        raise invalid(f"volume attribute {key!r} must be more than 0 and at most {MAX_MOUNT_POD_CPU_MILLI // 1000} "
+                      f"cores, got {_quote(value)}")
+    return milli
+
+
+def _memory_bytes(key: str, value: str) -> int:
+    match = _MEMORY_RE.fullmatch(value)
+    if match is None:
+        raise invalid(f"volume attribute {key!r} must be a memory quantity such as '512Mi' or '2Gi', "
+                      f"got {_quote(value)}")
+    size = int(match["num"]) * _MEMORY_UNITS[match["unit"]]
+    if size < MIN_MOUNT_POD_MEMORY:
+        raise invalid(f"volume attribute {key!r} must be at least 64Mi (a cachefs daemon needs more), "
+                      f"got {_quote(value)}")
+    return size
+
+
+def parse_mount_pod_resources(values: Mapping[str, str]) -> MountPodResources:
+    """The ``mountPod*`` keys of ``values``: each a valid quantity, each request at most its limit."""
+    cpu = {key: _cpu_milli(key, values[key]) for key in (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT)
+           if key in values}
+    memory = {key: _memory_bytes(key, values[key])
+              for key in (ATTR_MOUNT_POD_MEMORY_REQUEST, ATTR_MOUNT_POD_MEMORY_LIMIT) if key in values}
+    for numbers, request, limit in ((cpu, ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT),
+                                    (memory, ATTR_MOUNT_POD_MEMORY_REQUEST, ATTR_MOUNT_POD_MEMORY_LIMIT)):
+        if request in numbers and limit in numbers and numbers[request] > numbers[limit]:
+            raise invalid(f"volume attribute {request!r} ({values[request]}) is more than {limit!r} ({values[limit]})")
+    return MountPodResources(values.get(ATTR_MOUNT_POD_CPU_REQUEST), values.get(ATTR_MOUNT_POD_CPU_LIMIT),
+                             values.get(ATTR_MOUNT_POD_MEMORY_REQUEST), values.get(ATTR_MOUNT_POD_MEMORY_LIMIT))
 
 
 def parse_owner_options(values: Mapping[str, str]) -> OwnerOptions:
@@ -427,6 +516,7 @@ def parse_volume_attributes(values: Mapping[str, str]) -> VolumeSettings:
         read_only=parse_bool(ATTR_READ_ONLY, values[ATTR_READ_ONLY]) if ATTR_READ_ONLY in values else False,
         ephemeral=values.get(K8S_EPHEMERAL, "").lower() == "true",
         owner=parse_owner_options(values),
+        mount_pod=parse_mount_pod_resources(values),
     )
 
 
@@ -456,9 +546,10 @@ def parse_provision_parameters(values: Mapping[str, str]) -> ProvisionSettings:
     region = values.get(ATTR_REGION) or None
     parse_cache_options(values)  # refuse bad cache values now, not at every publish
     parse_owner_options(values)
+    parse_mount_pod_resources(values)
     if ATTR_READ_ONLY in values:
         parse_bool(ATTR_READ_ONLY, values[ATTR_READ_ONLY])
-    copied = {k: values[k] for k in (*CACHE_KEYS, ATTR_READ_ONLY, *OWNER_KEYS) if k in values}
+    copied = {k: values[k] for k in (*CACHE_KEYS, ATTR_READ_ONLY, *OWNER_KEYS, *MOUNT_POD_KEYS) if k in values}
     return ProvisionSettings(
         bucket=bucket,
         prefix=prefix,

@@ -1,8 +1,10 @@
 """``cachefs-csi``: the CSI driver's entry point (flags, logging, the gRPC server on a unix socket).
 
     cachefs-csi --endpoint unix:///csi/csi.sock --node-id NODE [--mode node|controller|all]
-                [--cache-root DIR] [--state-dir DIR] [--mount-mode process]
+                [--cache-root DIR] [--state-dir DIR] [--run-root DIR] [--mount-mode process|pod]
                 [--metrics-addr HOST:PORT] [--log-level LEVEL] [--max-volumes N]
+                [--namespace NS] [--node-name NODE] [--mount-pod-image IMAGE] [--kubeconfig PATH]
+                [--mount-pod-priority-class NAME] [--mount-pod-service-account NAME]
 
 ``--mode node`` runs in the node DaemonSet (Identity + Node), ``--mode controller`` next to the
 external-provisioner (Identity + Controller), ``--mode all`` both (for tests and single-node
@@ -11,10 +13,15 @@ everything below receives settings objects. The environment (``AWS_*``) is the b
 and every controller call; a volume's Secret overrides its credentials.
 
 SIGTERM or SIGINT stops the server, letting calls in flight finish for a few seconds. Mounts are
-left alone: they belong to the pods using them. ``--mount-mode process`` (the only mode so far) runs
-each volume's daemon as a host process in its own session, so it outlives the plugin; at start-up
-the node plugin takes up the volumes staged by its previous run from its records (``--state-dir``)
-and the mount table (``NodeOps.adopt``). See deploy/README.md for what survives what.
+left alone: they belong to the pods using them. The plugin mounts each volume itself (it opens
+``/dev/fuse`` and mounts it) and hands the FUSE fd over a unix socket to the daemon that serves it
+(``csi_driver.handover``), which needs no privilege. ``--mount-mode process`` runs each daemon as a
+host process in its own session, so it outlives the plugin process; ``--mount-mode pod`` (the
+DaemonSet's) runs it in a mount pod through the Kubernetes API (``csi_driver.mountpods``), so it
+outlives the plugin's container too. At start-up the node plugin takes up the volumes staged by its
+previous run from its records (``--state-dir``) and the mount table (``NodeOps.adopt``), and in pod
+mode adopts its node's mount pods and deletes strays (``mountpods.take_over``). See deploy/README.md
+for what survives what.
 """
 
 from __future__ import annotations
@@ -26,18 +33,33 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from csi_driver import DRIVER_NAME
+from csi_driver.errors import CsiError
 from csi_driver.redact import RedactingFormatter
+
+if TYPE_CHECKING:
+    from csi_driver.launchers import DaemonLauncher
+    from csi_driver.mounter import Mounter
+    from csi_driver.mountpods import PodLauncher
 
 log = logging.getLogger("csi_driver")
 
 MODES = ("node", "controller", "all")
-# Where the daemons run. `process`: host processes in their own sessions (`cachefs mount` detaches
-# them). `pod` (one mount pod per volume per node, issue 13) is not implemented yet.
-MOUNT_MODES = ("process",)
+# Where the daemons run. `process`: host processes in their own sessions (ProcessLauncher). `pod`:
+# one mount pod per volume per node through the Kubernetes API (csi_driver.mountpods.PodLauncher).
+# In both, the plugin mounts and hands the FUSE fd to the daemon (csi_driver.handover). `process`
+# stays the CLI's default: it needs no API server (local runs, the FlexVolume shim's nodes); the
+# manifests in deploy/ ask for `pod`.
+MOUNT_MODES = ("process", "pod")
 DEFAULT_CACHE_ROOT = Path("/var/cache/cachefs-csi")
+# The node plugin's container in deploy/base/node-daemonset.yaml: its image is the mount pods'.
+PLUGIN_CONTAINER = "cachefs-csi"
+# The daemons' run directories (handover and control sockets, pid records): on tmpfs, gone at a
+# reboot like the mounts. /run/cachefs is where a root `cachefs mount` puts its control socket, and
+# the host path the DaemonSet and deploy/examples/training-job-prefetch.yaml already share.
+DEFAULT_RUN_ROOT = Path("/run/cachefs")
 # gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
 # slow store); the kubelet runs a handful of volume operations at once, the provisioner a few more.
 GRPC_WORKERS = 16
@@ -61,8 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, default=None,
                    help="node directory for the staged volumes' records (default CACHE_ROOT/staged); "
                         "keep it on the host so a restarted plugin finds them")
+    p.add_argument("--run-root", type=Path, default=DEFAULT_RUN_ROOT,
+                   help=f"host directory for the daemons' sockets and records (default {DEFAULT_RUN_ROOT}); "
+                        "unix socket paths must stay short, so keep it short")
     p.add_argument("--mount-mode", choices=MOUNT_MODES, default="process",
-                   help="where the FUSE daemons run (default process: host processes that outlive the plugin)")
+                   help="where the FUSE daemons run: process (default: host processes that outlive the plugin "
+                        "process) or pod (one mount pod per volume per node, outliving the plugin's container)")
+    pods = p.add_argument_group("mount pods (--mount-mode pod)")
+    pods.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", ""),
+                      help="the driver's namespace, where mount pods and their Secrets live (default $POD_NAMESPACE)")
+    pods.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
+                      help="this node's Kubernetes name, the mount pods' nodeName (default $NODE_NAME, else --node-id)")
+    pods.add_argument("--pod-name", default=os.environ.get("POD_NAME", ""),
+                      help="the plugin's own pod (default $POD_NAME): its image is the mount pods' default")
+    pods.add_argument("--mount-pod-image", default="", metavar="IMAGE",
+                      help="the image of the mount pods (default: the image of this pod's cachefs-csi container)")
+    pods.add_argument("--mount-pod-priority-class", default="", metavar="NAME",
+                      help="priorityClassName of the mount pods (default: none)")
+    pods.add_argument("--mount-pod-service-account", default="", metavar="NAME",
+                      help="serviceAccountName of the mount pods, for a volume without a Secret that uses the "
+                           "pod's own cloud identity (default: none, no token)")
+    pods.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""), metavar="PATH",
+                      help="reach the API server with this kubeconfig (default: the pod's in-cluster service account)")
+    pods.add_argument("--mount-pod-watch-seconds", type=int, default=0, help=argparse.SUPPRESS)  # tests only
     p.add_argument("--max-volumes", type=int, default=0, metavar="N",
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
@@ -94,6 +137,44 @@ def configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def build_mounter(mount_mode: str, run_root: Path, environ: dict[str, str], log_level: str,
+                  pod_launcher: DaemonLauncher | None = None) -> Mounter:
+    """The node plugin's ``Mounter``: it mounts each volume itself and hands the FUSE fd to a daemon
+    that the mode's launcher runs (``csi_driver.handover``). The daemons' run directories (handover
+    and control sockets, pid records) live under ``run_root``, on the host."""
+    from csi_driver.handover import HandoverMounter
+    from csi_driver.launchers import ProcessLauncher
+
+    launcher: DaemonLauncher
+    if mount_mode == "process":
+        launcher = ProcessLauncher(run_root, environ=environ)
+    elif pod_launcher is not None:
+        launcher = pod_launcher
+    else:
+        raise ValueError(f"mount mode {mount_mode!r} needs its launcher")
+    return HandoverMounter(launcher, run_root, environ=environ, log_level=log_level)
+
+
+def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
+    """The mount pods' launcher from the flags; ValueError naming a missing flag."""
+    from csi_driver.mountpods import WATCH_S, MountPodSettings, PodLauncher, api_client, own_image
+
+    node_name = args.node_name or args.node_id
+    if not args.namespace:
+        raise ValueError("--mount-mode pod needs --namespace (or $POD_NAMESPACE): where the mount pods live")
+    if not args.mount_pod_image and not args.pod_name:
+        raise ValueError("--mount-mode pod needs --mount-pod-image (or --pod-name/$POD_NAME to use this pod's image)")
+    try:
+        api = api_client(args.kubeconfig or None)
+        image = args.mount_pod_image or own_image(api, args.namespace, args.pod_name, PLUGIN_CONTAINER)
+    except CsiError as exc:
+        raise ValueError(str(exc)) from None
+    settings = MountPodSettings(namespace=args.namespace, node_name=node_name, image=image,
+                                priority_class=args.mount_pod_priority_class,
+                                service_account=args.mount_pod_service_account)
+    return PodLauncher(settings, api, watch_s=args.mount_pod_watch_seconds or WATCH_S)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -112,7 +193,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from csi_driver.controller import CachefsBucketAdmin, ControllerOps
-    from csi_driver.mounter import CachefsMounter
     from csi_driver.node import NodeOps, NodeSettings
     from csi_driver.server import DriverInfo, build_server, package_version
 
@@ -126,9 +206,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cachefs-csi: error: cache root {cache_root}: {exc.strerror}", file=sys.stderr)
             return 2
         state_dir = Path(os.path.abspath(args.state_dir)) if args.state_dir else None
-        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir),
-                       CachefsMounter(environ=environ, log_level=args.log_level))
+        pod_launcher = None
+        run_root = Path(os.path.abspath(args.run_root))
+        try:
+            run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if args.mount_mode == "pod":
+                pod_launcher = build_pod_launcher(args)
+            mounter = build_mounter(args.mount_mode, run_root, environ, args.log_level, pod_launcher)
+        except OSError as exc:
+            print(f"cachefs-csi: error: run root {run_root}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except ValueError as exc:
+            print(f"cachefs-csi: error: {exc}", file=sys.stderr)
+            return 2
+        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir), mounter)
         node.adopt()
+        if pod_launcher is not None:
+            from csi_driver.mountpods import take_over
+
+            take_over(pod_launcher, node)  # adopt, delete strays, watch (retried while the API is away)
     controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
     info = DriverInfo(name=args.driver_name, version=package_version(),
                       serves_controller=serve_controller, serves_node=serve_node)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from cachefs import mounts
-from csi_driver.attributes import CacheOptions, Credentials, OwnerOptions
+from csi_driver.attributes import CacheOptions, Credentials, MountPodResources, OwnerOptions
 from csi_driver.errors import Code, CsiError
 from csi_driver.redact import REGISTRY
 
@@ -72,6 +72,11 @@ class MountRequest:
     read_only: bool = False
     credentials: Credentials | None = field(default=None, repr=False)
     owner: OwnerOptions = field(default_factory=OwnerOptions)
+    volume_id: str = ""  # for the daemon's launcher (a mount pod's labels); "" when unknown
+    # Pod info of the publish that mounts (csi.storage.k8s.io/pod.*), where the CO sent it: where a
+    # launcher reports Events. Empty for a mount made at stage.
+    context: Mapping[str, str] = field(default_factory=dict)
+    pod_resources: MountPodResources = field(default_factory=MountPodResources)  # the mount pod's (pod mode)
 
 
 class Mounter(Protocol):
@@ -108,7 +113,7 @@ def probe_broken(path: Path) -> bool:
     return False
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     line = lines[-1] if lines else "no output"
     for prefix in ("cachefs: error: ", "cachefs: "):
@@ -168,7 +173,7 @@ class CachefsMounter:
                            f"mounting {request.source} on {request.target}")
         if result.returncode == 0:
             return
-        reason = _last_line(result.stderr)
+        reason = last_line(result.stderr)
         # Exit 2: the CLI refused its arguments (bad URL, size, mountpoint). Exit 1: the mount could
         # not be made (no bucket, access denied, endpoint down) - worth retrying later.
         code = Code.INVALID_ARGUMENT if result.returncode == 2 else Code.INTERNAL
@@ -181,7 +186,7 @@ class CachefsMounter:
         argv = [*self.command, "unmount", str(target), "--timeout", f"{self.unmount_timeout_s:g}"]
         result = self._run(argv, dict(self.environ), self.unmount_timeout_s + 10, f"unmounting {target}")
         if result.returncode != 0 and self.is_mounted(target):
-            raise CsiError(Code.INTERNAL, f"cannot unmount {target}: {_last_line(result.stderr)}")
+            raise CsiError(Code.INTERNAL, f"cannot unmount {target}: {last_line(result.stderr)}")
 
     def detach(self, target: Path) -> None:
         """Lazily detach a dead mount (``fusermount3 -u -z``): nothing is left to flush."""
@@ -191,7 +196,7 @@ class CachefsMounter:
         result = self._run([fusermount, "-u", "-z", str(target)], dict(self.environ), LAZY_UNMOUNT_TIMEOUT_S,
                            f"detaching {target}")
         if result.returncode != 0 and self.is_mounted(target):
-            raise CsiError(Code.INTERNAL, f"cannot detach broken mount {target}: {_last_line(result.stderr)}")
+            raise CsiError(Code.INTERNAL, f"cannot detach broken mount {target}: {last_line(result.stderr)}")
         log.warning("detached the broken mount at %s (its daemon was gone)", target)
 
     def is_mounted(self, target: Path) -> bool:
@@ -208,14 +213,14 @@ class CachefsMounter:
         result = self._run(["mount", "--bind", str(source), str(target)], env, LAZY_UNMOUNT_TIMEOUT_S,
                            f"binding {source} on {target}")
         if result.returncode != 0:
-            raise CsiError(Code.INTERNAL, f"cannot bind {source} on {target}: {_last_line(result.stderr)}")
+            raise CsiError(Code.INTERNAL, f"cannot bind {source} on {target}: {last_line(result.stderr)}")
         if not read_only:
             return
         # A bind inherits the source's flags; read-only is a second step on the bind alone.
         result = self._run(["mount", "-o", "remount,ro,bind", str(target)], env, LAZY_UNMOUNT_TIMEOUT_S,
                            f"making {target} read-only")
         if result.returncode != 0:
-            reason = _last_line(result.stderr)
+            reason = last_line(result.stderr)
             self._run(["umount", str(target)], env, LAZY_UNMOUNT_TIMEOUT_S, f"undoing the bind on {target}")
             raise CsiError(Code.INTERNAL, f"cannot make the bind on {target} read-only: {reason}")
 
@@ -223,7 +228,7 @@ class CachefsMounter:
         argv = ["umount", "-l", str(target)] if self.is_broken(target) else ["umount", str(target)]
         result = self._run(argv, dict(self.environ), LAZY_UNMOUNT_TIMEOUT_S, f"unbinding {target}")
         if result.returncode != 0 and self.is_mounted(target):
-            raise CsiError(Code.INTERNAL, f"cannot remove the bind mount {target}: {_last_line(result.stderr)}")
+            raise CsiError(Code.INTERNAL, f"cannot remove the bind mount {target}: {last_line(result.stderr)}")
 
 
 class FakeMounter:

@@ -42,11 +42,11 @@ import re
 import shutil
 import stat as stat_mod
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
-from csi_driver.attributes import Credentials, VolumeSettings
+from csi_driver.attributes import K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, Credentials, VolumeSettings
 from csi_driver.errors import Code, CsiError, invalid
 from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
 from csi_driver.staging import StageRecord, StageRecords
@@ -84,6 +84,15 @@ class PublishRequest:
     volume: VolumeSettings
     read_only: bool  # the effective mode: the request, the access mode and the volume's own attribute
     credentials: Credentials | None = None
+    context: Mapping[str, str] = field(default_factory=dict)  # the CO's pod info (csi.storage.k8s.io/pod.*)
+
+
+def pod_of(context: Mapping[str, str]) -> dict[str, str]:
+    """The pod a publish is for, from its pod info (podInfoOnMount): namespace, name, uid; {} if unnamed."""
+    namespace, name = context.get(K8S_POD_NAMESPACE, ""), context.get(K8S_POD_NAME, "")
+    if not namespace or not name:
+        return {}
+    return {"namespace": namespace, "name": name, "uid": context.get(K8S_POD_UID, "")}
 
 
 def check_volume_id(volume_id: str) -> str:
@@ -170,9 +179,15 @@ class NodeOps:
             live = {t: ro for t, ro in record.targets.items() if self.mounter.is_mounted(Path(t))}
             if live != record.targets:
                 record.targets = live
+                record.pods = {t: pod for t, pod in record.pods.items() if t in live}
                 self.records.save(cache_dir_name(record.volume_id), record)
             log.info("adopted staged volume %s at %s: %s, %d target(s)", record.volume_id, staging, state, len(live))
         return found
+
+    def workloads(self, volume_id: str) -> list[dict[str, str]]:
+        """The pods bound to staged volume ``volume_id`` on this node, as their publishes named them."""
+        record = self.records.load(cache_dir_name(volume_id))
+        return list(record.pods.values()) if record is not None else []
 
     # -- stage --------------------------------------------------------------------------------------
     def stage(self, request: PublishRequest) -> None:
@@ -214,12 +229,14 @@ class NodeOps:
         elif _path_state(staging) == "broken":
             raise CsiError(Code.FAILED_PRECONDITION, f"{staging} is a dead mount of another filesystem")
         self._prepare_target(staging)
-        staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials)
+        staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials,
+                                request.context)
         cache_dir = self._claim_slot(staged)
         self.mounter.mount(MountRequest(
             source=request.volume.source, target=staging, cache_dir=cache_dir,
             endpoint_url=request.volume.endpoint_url, region=request.volume.region, cache=request.volume.cache,
             read_only=record.read_only, credentials=request.credentials, owner=record.owner,
+            volume_id=record.volume_id, context=request.context, pod_resources=request.volume.mount_pod,
         ))
         log.info("mounted volume %s (%s) at staging path %s%s, cache %s", record.volume_id, request.volume.source,
                  staging, " read-only" if record.read_only else "", cache_dir)
@@ -277,6 +294,9 @@ class NodeOps:
             self._prepare_target(target)
             self.mounter.bind(staging, target, request.read_only)
             record.targets[str(target)] = request.read_only
+            workload = pod_of(request.context)
+            if workload:
+                record.pods[str(target)] = workload
             self.records.save(key, record)
             log.info("published staged volume %s at %s%s", request.volume_id, target,
                      " (read-only bind)" if request.read_only else "")
@@ -308,6 +328,9 @@ class NodeOps:
                 read_only=request.read_only,
                 credentials=request.credentials,
                 owner=request.volume.owner,
+                volume_id=request.volume_id,
+                context=request.context,
+                pod_resources=request.volume.mount_pod,
             ))
             log.info("published volume %s (%s) at %s%s, cache %s", request.volume_id, request.volume.source,
                      target, " read-only" if request.read_only else "", cache_dir)
@@ -420,6 +443,7 @@ class NodeOps:
                 raise CsiError(Code.FAILED_PRECONDITION, f"{target} is not a directory")
             if bound and record is not None and volume_id:
                 del record.targets[str(target)]
+                record.pods.pop(str(target), None)
                 self.records.save(cache_dir_name(volume_id), record)
                 return
             self._release_slot(volume_id, str(target))

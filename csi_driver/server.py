@@ -26,6 +26,7 @@ from google.protobuf import wrappers_pb2
 from cachefs import package_version
 from csi_driver import DRIVER_NAME, metrics
 from csi_driver.attributes import (
+    POD_INFO_KEYS,
     Credentials,
     MountFlags,
     VolumeSettings,
@@ -186,7 +187,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         group = parse_mount_group(request.volume_capability.mount.volume_mount_group)
         owner = volume.owner.merged(flags.owner, "mount option").with_mount_group(group, read_only=read_only)
         volume = dataclasses.replace(volume, owner=owner)
-        return PublishRequest(volume_id, path, volume, read_only, credentials)
+        context = {key: value for key, value in request.volume_context.items() if key in POD_INFO_KEYS}
+        return PublishRequest(volume_id, path, volume, read_only, credentials, context)
 
     @rpc
     def NodeStageVolume(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -21,7 +21,7 @@ is refused with FAILED_PRECONDITION naming the difference.
 
 **Records.** One JSON file per staged volume under the node's state directory (``StageRecords``),
 written atomically (temporary file, then rename): the staging path, the stage's read-only mode and
-owner, and the targets bound to it. The mount table is the truth for what is mounted; the records say
+owner, the targets bound to it and the pods using them. The mount table is the truth for what is mounted; the records say
 what it was mounted for. Because the daemons run in their own sessions (``cachefs mount`` detaches
 them) and the records live on the host, a node plugin that is killed and started again finds its
 staged volumes as it left them and carries on: nothing is held in memory between calls.
@@ -54,6 +54,9 @@ class StageRecord:
     owner: OwnerOptions
     source: str
     targets: dict[str, bool] = field(default_factory=dict)  # bound target -> read-only
+    # bound target -> the pod using it (namespace, name, uid), where the publish named it
+    # (podInfoOnMount): where a broken mount is reported as a Kubernetes Event.
+    pods: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -65,7 +68,9 @@ class StageRecord:
         return cls(volume_id=str(data["volume_id"]), staging_path=str(data["staging_path"]),
                    read_only=bool(data["read_only"]), owner=OwnerOptions(**data.get("owner") or {}),
                    source=str(data.get("source", "")),
-                   targets={str(k): bool(v) for k, v in (data.get("targets") or {}).items()})
+                   targets={str(k): bool(v) for k, v in (data.get("targets") or {}).items()},
+                   pods={str(k): {str(a): str(b) for a, b in v.items()}
+                         for k, v in (data.get("pods") or {}).items() if isinstance(v, dict)})
 
 
 class StageRecords:

@@ -44,6 +44,12 @@ class ObjectChangedError(ObjectStoreError):
     errno = errno.ESTALE
 
 
+class ReadOnlySourceError(ObjectStoreError):
+    """A write to a source cachefs only reads (the fsspec sources: ``tiering.objectstore.fsspec_store``)."""
+
+    errno = errno.EROFS
+
+
 class InvalidRangeError(CacheError):
     """A read asked for bytes outside the object."""
 

@@ -11,6 +11,11 @@ inherited environment (the standard AWS variables and config files), never throu
 The foreground command runs the daemon (``cachefs.daemon.main.serve``), imported only then: it
 brings pyfuse3, the filesystem and the engine, which no other command needs.
 
+``cachefs mount --fuse-fd-socket PATH`` serves a mount that a privileged process (the CSI node plugin)
+has already made: it receives the mounted ``/dev/fuse`` descriptor on the unix socket PATH
+(``cachefs.handover``), runs in the foreground, reports its start-up on that connection, and needs no
+privilege. It leaves the unmount to the process that mounted.
+
 ``cachefs unmount`` flushes written data first (through the daemon's control API), then unmounts
 with ``fusermount3`` and waits for the daemon to exit.
 """
@@ -18,6 +23,7 @@ with ``fusermount3`` and waits for the daemon to exit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import logging.handlers
 import os
@@ -34,6 +40,7 @@ from cachefs.client import UsageError, call
 from cachefs.cli.argtypes import address, fraction_or_size, mode, seconds, size, user_id
 from cachefs.cli.resources import check_resources
 from cachefs.daemon.errors import SetupError
+from cachefs.handover import HandoverError, receive_fd
 from cachefs.settings import (
     DEFAULT_ATTR_TTL_S,
     DEFAULT_METADATA_TIMEOUT_S,
@@ -43,7 +50,7 @@ from cachefs.settings import (
     FsSettings,
     MountSettings,
 )
-from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
+from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, read_only_source_problem
 from tiering.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CLUSTER_TIMEOUT_S,
@@ -66,9 +73,12 @@ from tiering.writeback.settings import (
 log = logging.getLogger("cachefs")
 
 # How long `cachefs mount` waits for the daemon to report. The daemon's own start-up check is
-# bounded at 20 s (cachefs.daemon.main); this leaves room for scanning a large disk tier on start.
-MOUNT_WAIT_S = 120.0
+# bounded at 20 s (cachefs.daemon.main); this leaves room for scanning a large disk tier on start
+# and for importing a --manifest (13 s per million lines on an idle 2-core machine, 8 min for 10 M lines on a busy one).
+MOUNT_WAIT_S = 900.0
 DEFAULT_UNMOUNT_TIMEOUT_S = 30.0
+# How long `--fuse-fd-socket` waits for the descriptor: the plugin listens before it starts the daemon.
+HANDOVER_WAIT_S = 30.0
 # `cachefs unmount` flushes first and waits this long for the backlog to reach the store before it
 # refuses: a minute drains gigabytes on a healthy link, and a store that is down is reported to the
 # user (who may retry, flush longer, or --force) instead of holding the command for many minutes.
@@ -158,12 +168,21 @@ def register(sub: Any) -> None:
     m.add_argument("--cluster-timeout", type=seconds, default=DEFAULT_CLUSTER_TIMEOUT_S, metavar="S",
                    help=f"a cluster-tier request not answered within this is a miss, and the block comes from the "
                         f"source (default {DEFAULT_CLUSTER_TIMEOUT_S:g}; must be below --fetch-timeout)")
+    # Pinned mounts (cachefs.fs.pinned): kept together, apart from the other options, on purpose.
+    m.add_argument("--manifest", type=Path, default=None, metavar="FILE",
+                   help="pin the mount to a manifest from 'cachefs snapshot' (JSON lines, plain or gzip): "
+                        "read-only, no LISTs, every read checked against the manifest's ETag (ESTALE if changed)")
+    m.add_argument("--manifest-key", default=None, metavar="KEY",
+                   help="as --manifest, with the manifest stored in the source itself at KEY (fetched at mount)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for containers)")
     m.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
     m.add_argument("--log-file", type=Path, default=None,
                    help="log file of a background mount (default: daemon.log in the cache dir)")
     m.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    m.add_argument("--fuse-fd-socket", type=Path, default=None, metavar="PATH",
+                   help="serve a mount made by a privileged process (the CSI node plugin): receive its /dev/fuse "
+                        "descriptor on this unix socket instead of mounting; needs no privilege; implies --foreground")
 
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
     u.add_argument("mountpoint", type=Path)
@@ -185,6 +204,8 @@ def _pin_limit(value: tuple[str, float | int] | None, disk_bytes: int) -> int | 
 
 
 def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSettings:
+    if args.manifest is not None or args.manifest_key is not None:
+        args.read_only = True  # a mount pinned to a manifest is read-only
     try:
         cache = CacheSettings(
             block_size=args.block_size,
@@ -205,6 +226,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         cluster = _cluster_settings(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if not args.read_only and (problem := read_only_source_problem(args.source)):
+        raise UsageError(problem)
     if not args.read_only and args.disk_cache == 0:
         raise UsageError("a writable mount stages writes in the disk cache: give --disk-cache a size, or use --read-only")
     if not args.read_only and args.disk_cache < args.block_size:
@@ -246,11 +269,16 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
         allow_other=args.allow_other,
         log_level=args.log_level,
         cluster=cluster,
+        manifest=Path(os.path.abspath(args.manifest)) if args.manifest is not None else None,
+        manifest_key=args.manifest_key,
     )
 
 
-def preflight(settings: MountSettings) -> None:
-    """Checks that need no store: URL syntax, mountpoint, cache dir. Raises UsageError."""
+def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None:
+    """Checks that need no store: URL syntax, mountpoint, cache dir. Raises UsageError.
+
+    ``check_mountpoint=False`` for a handed-over mount: its mountpoint is already mounted (and
+    answers nothing until this daemon serves it), or not even visible to the daemon."""
     from tiering.disk import check_cache_dir
     from tiering.objectstore import parse_source
 
@@ -260,7 +288,7 @@ def preflight(settings: MountSettings) -> None:
         raise UsageError(str(exc)) from None
     if settings.endpoint_url and not settings.endpoint_url.startswith(("http://", "https://")):
         raise UsageError(f"invalid endpoint URL {settings.endpoint_url!r}: expected http:// or https://")
-    problem = mounts.check_mountpoint(settings.mountpoint)
+    problem = mounts.check_mountpoint(settings.mountpoint) if check_mountpoint else None
     if problem:
         raise UsageError(problem)
     try:
@@ -270,6 +298,8 @@ def preflight(settings: MountSettings) -> None:
     problem = check_resources(settings)
     if problem:
         raise UsageError(problem)
+    if settings.manifest is not None and not settings.manifest.is_file():
+        raise UsageError(f"manifest {settings.manifest} is not a file")
 
 
 def refuse_if_in_use(settings: MountSettings) -> None:
@@ -409,7 +439,35 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
+def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    """``--fuse-fd-socket``: take the mounted /dev/fuse descriptor from the socket and serve it in the
+    foreground, reporting start-up (``WARN``/``OK``/``ERR``, or ``BAD`` for refused arguments) on the
+    same connection (``cachefs.handover``)."""
+    try:
+        fuse_fd, conn = receive_fd(Path(os.path.abspath(args.fuse_fd_socket)), HANDOVER_WAIT_S)
+    except HandoverError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return 1
+    report_fd = os.dup(conn.fileno())
+    conn.close()
+    try:
+        settings = dataclasses.replace(mount_settings(args, environ), fuse_fd=fuse_fd)
+        preflight(settings, check_mountpoint=False)
+        refuse_if_in_use(settings)
+    except (UsageError, ValueError) as exc:
+        try:
+            os.write(report_fd, f"BAD {exc}\n".encode())
+        except OSError:
+            pass
+        os.close(report_fd)
+        os.close(fuse_fd)
+        raise UsageError(str(exc)) from None
+    return run_foreground(settings, report_fd, args.log_file, environ)
+
+
 def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, str]) -> int:
+    if args.fuse_fd_socket is not None:
+        return run_handed_over(args, environ)
     settings = mount_settings(args, environ)
     if args.ready_fd is None:  # the child re-runs these checks only through the daemon itself
         preflight(settings)

@@ -32,8 +32,11 @@ def runtime_dir() -> Path:
     return path
 
 
-def socket_path_for(mountpoint: Path) -> Path:
-    digest = hashlib.sha256(str(mountpoint.resolve()).encode()).hexdigest()[:16]
+def socket_path_for(mountpoint: Path, *, resolve: bool = True) -> Path:
+    """The control socket of the mount at ``mountpoint``. ``resolve=False`` for a mount whose daemon
+    has not started serving yet: resolving stats the mount's root, which waits for that daemon."""
+    name = mountpoint.resolve() if resolve else mountpoint
+    digest = hashlib.sha256(str(name).encode()).hexdigest()[:16]
     return runtime_dir() / f"{digest}.sock"
 
 

@@ -2,7 +2,8 @@
 
 ``run_daemon`` is what ``cachefs mount --foreground`` runs. It validates everything that can only be
 checked with the store at hand (the bucket exists, credentials work, the endpoint answers) before
-mounting, reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
+mounting (or, with ``settings.fuse_fd``, before serving the mount a privileged process made and handed
+over: ``cachefs.handover``; then it neither mounts nor unmounts), reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
 waits on that), then serves FUSE until unmounted or signalled (SIGTERM/SIGINT unmount cleanly).
 
 Cache directory layout, per source (so several mounts may share one ``--cache-dir`` safely)::
@@ -12,6 +13,8 @@ Cache directory layout, per source (so several mounts may share one ``--cache-di
         lock          flock'd by the daemon using it: two daemons never share a disk tier
         blocks/       the disk tier (see tiering.disk)
         pins.json     pinned objects (see tiering.pins, cachefs.daemon.prefetch)
+        metadata.db   listings that outlive the mount (see cachefs.fs.metaindex, cachefs.daemon.metadata)
+        manifest-<sha256>.db   the namespace of a --manifest mount (see cachefs.fs.pinned)
         staging/      staged writes and their journal, on a writable mount (see tiering.writeback)
 """
 
@@ -28,14 +31,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from cachefs.daemon import announce, metrics, prefetch, writeback
+from cachefs.daemon import announce, metadata, metrics, prefetch, writeback
 from cachefs.daemon.context import DaemonContext, Feature
 from cachefs.daemon.control import ControlServer, socket_path_for
 from cachefs.daemon.errors import SetupError
 from cachefs.daemon.stats import stats_document
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseSession
-from cachefs.fuse.tuning import tune_fuse_connection
+from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
@@ -132,6 +135,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         raise SetupError(str(exc)) from exc
     lock = None
     cluster = None
+    index = None
     try:
         cluster = await open_cluster_tier(settings, environ)
         try:
@@ -152,6 +156,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         (cache_dir / "source.json").write_text(
             json.dumps({"source": settings.source, "endpoint_url": settings.endpoint_url}, indent=2) + "\n"
         )
+        index, pinned = await metadata.open_index(settings, store, cache_dir)
         cs = settings.cache
         # Announced read orders rank both tiers' eviction victims (tiering.readorder, cachefs.daemon.announce).
         read_order = ReadOrder(cs.block_size)
@@ -176,8 +181,11 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             write_behind = WriteBehind(cluster, max_blocks=settings.cluster.write_behind_blocks,
                                        max_bytes=settings.cluster.write_behind_bytes)
         cache = BlockCache(cs, store, ram, disk, health=health, cluster=cluster, write_behind=write_behind)
-        socket_path = socket_path_for(settings.mountpoint)
-        fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order)
+        # A handed-over mount is already in the mount table, and waits for this very daemon.
+        handed_over = settings.fuse_fd is not None
+        socket_path = socket_path_for(settings.mountpoint, resolve=not handed_over)
+        fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order,
+                     index=index, pinned=pinned)
         control = ControlServer(
             socket_path,
             lambda: stats_document(fs),
@@ -202,9 +210,10 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 for feature in features:
                     await feature.start()
                     started.append(feature)
-                session = FuseSession(
-                    fs, str(settings.mountpoint), read_only=settings.fs.read_only, allow_other=settings.allow_other
-                )
+                # libfuse takes "/dev/fd/N" as a session already mounted by someone else: it neither
+                # mounts nor, at the end, unmounts (the privileged process that mounted does).
+                device = f"/dev/fd/{settings.fuse_fd}" if handed_over else str(settings.mountpoint)
+                session = FuseSession(fs, device, read_only=settings.fs.read_only, allow_other=settings.allow_other)
                 try:
                     session.mount()
                 except OSError as exc:
@@ -212,10 +221,14 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, session.terminate)
-                log.info("mounted %s on %s", settings.source, settings.mountpoint)
+                log.info("%s %s on %s", "serving the handed-over mount of" if handed_over else "mounted",
+                         settings.source, settings.mountpoint)
                 ready(None)
                 # After ready: the stat needs the FUSE loop running to answer getattr on the root.
-                loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
+                # A handed-over mount is tuned by the process that mounted it (this one may see
+                # neither the mountpoint nor sysfs).
+                if not handed_over:
+                    loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
                 try:
                     await session.serve(FUSE_MAX_TASKS)
                 finally:
@@ -235,6 +248,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         if cluster is not None:
             await cluster.close()
         await store.close()
+        if index is not None:
+            index.close()
         if lock is not None:
             lock.close()
 

@@ -44,6 +44,7 @@ from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
 from cachefs.fs.listings import ListingCache
+from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
 from cachefs.mounts import CONTROL_XATTR
@@ -122,6 +123,8 @@ class CacheFS:
         clock: Clock | None = None,
         control_path: str | None = None,
         read_order: ReadOrder | None = None,
+        index: MetadataIndex | None = None,
+        pinned: bool = False,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -136,7 +139,10 @@ class CacheFS:
         self.stats = FsStats()
         # Directories have no mtime in an object store; they show the time of the mount.
         self.inodes = InodeTable(mount_time=time.time())
-        self.listings = ListingCache(store, self.clock, settings, self.inodes, self.stats, health=cache.health)
+        # ``index``: listings on disk (cachefs.fs.metaindex); ``pinned``: that index is a manifest's,
+        # the whole namespace, never listed again (cachefs.fs.pinned).
+        self.listings = ListingCache(store, self.clock, settings, self.inodes, self.stats, health=cache.health,
+                                     index=index, pinned=pinned)
         self.handles = HandleTable()
         self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit)
         self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount

@@ -26,7 +26,9 @@ InodeNo = NewType("InodeNo", int)
 ROOT_INODE = InodeNo(1)
 
 
-@dataclass
+# slots: a node with its path and table entries is ~315 bytes instead of ~365 (measured, 3.11); a walk
+# of a million-object bucket leaves a node per entry the kernel caches, most of the RSS after one.
+@dataclass(slots=True)
 class Node:
     inode: InodeNo
     path: str  # relative to the mount root, no leading or trailing "/"; "" is the root

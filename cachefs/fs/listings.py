@@ -16,6 +16,16 @@ view. When a pending change reaches the store, write-back calls ``applied``: the
 its directory is patched (the overlay stops covering it now), and so is the node of the file. A
 listing being fetched at that moment is patched when it arrives, from a bounded log of applied
 changes; one that cannot be made exact is answered to its waiters but not cached.
+
+Behind the hot set in RAM (LRU, bounded by entries) sits the on-disk metadata index
+(``cachefs.fs.metaindex``) when the mount has one: every listing fetched is stored there (from a
+worker thread), dated by the wall clock. A directory not in the hot set is answered from the index
+while its stored listing is younger than ``dir_ttl_s`` (a lookup is one point query; a readdir loads
+the listing into the hot set if it fits); an older one is listed again, and served stale from the
+index if the store is unreachable, also right after a remount. Changes that reach the store patch
+the index as they patch the hot set. On a mount pinned to a manifest (``pinned``) the index is the
+whole namespace: nothing expires and the store is never listed; a directory the index does not hold
+is empty.
 """
 
 from __future__ import annotations
@@ -25,8 +35,10 @@ import itertools
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Callable
 
 from cachefs.fs.inodes import InodeTable
+from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.stats import FsStats
 from cachefs.names import WarnOnce, name_problem
 from cachefs.paths import join
@@ -39,9 +51,12 @@ from tiering.writeback import MISSING, WriteBack
 
 log = logging.getLogger(__name__)
 
-# The listing cache is bounded by the number of entries it holds across all directories (about
-# 200 bytes each): 500,000 entries is ~100 MiB, enough for several 100,000-entry directories.
-MAX_CACHED_LISTING_ENTRIES = 500_000
+_UNKNOWN = object()  # no fresh listing holds the answer: list the directory
+
+# The hot set in RAM is bounded by the number of entries it holds across all directories (about
+# 200 bytes each): 250,000 entries is ~50 MiB, room for two 100,000-entry directories being walked.
+# Without a metadata index it is the whole cache; with one, everything else is on disk.
+MAX_CACHED_LISTING_ENTRIES = 250_000
 # Store changes remembered for patching listings that were being fetched when the change landed; a
 # LIST outlived by more changes than this is answered but not cached.
 MAX_APPLIED_LOG = 10_000
@@ -76,8 +91,14 @@ class ListingCache:
     """
 
     def __init__(self, store: ObjectStore, clock: Clock, settings: FsSettings, inodes: InodeTable,
-                 stats: FsStats, health: StoreHealth | None = None) -> None:
+                 stats: FsStats, health: StoreHealth | None = None, *, index: MetadataIndex | None = None,
+                 pinned: bool = False) -> None:
+        if pinned and index is None:
+            raise ValueError("a pinned listing cache needs a metadata index (the manifest's)")
         self.store = store
+        self.index = index
+        self.pinned = pinned
+        self._index_warned = False
         self.health = health
         self._stale_warned_outage = -1  # the outage (health.outages) the stale-listing warning was logged for
         self.clock = clock
@@ -103,8 +124,10 @@ class ListingCache:
     # ------------------------------------------------------------------ the merged view
     async def lookup(self, path: str, name: str) -> object:
         """``name`` in directory ``path`` with pending changes applied: info, None (a directory), MISSING."""
-        listing = await self.get(path)
-        stored = listing.entries.get(name, MISSING)
+        stored = self._indexed_lookup(path, name)
+        if stored is _UNKNOWN:
+            listing = await self.get(path)
+            stored = listing.entries.get(name, MISSING)
         if self.writeback is None:
             return stored
         return self.writeback.resolve(path, name, stored)
@@ -125,6 +148,86 @@ class ListingCache:
             return MISSING
         return await self.lookup(parent, name)
 
+    # ------------------------------------------------------------------ the metadata index
+    def _fresh_until(self, fetched_at: float) -> float | None:
+        """The monotonic expiry of a listing stored at wall time ``fetched_at``; None if expired."""
+        if self.pinned:
+            return float("inf")
+        age = self._wall() - fetched_at
+        if 0 <= age < self.settings.dir_ttl_s:
+            return self.clock.monotonic() + (self.settings.dir_ttl_s - age)
+        return None
+
+    def _wall(self) -> float:
+        assert self.index is not None
+        return self.index.wall()
+
+    def _indexed_lookup(self, path: str, name: str) -> object:
+        """``name`` from a fresh listing of ``path`` in RAM or in the index; ``_UNKNOWN`` if neither
+        holds one (the caller lists the directory)."""
+        cached = self._listings.get(path)
+        if cached is not None and cached.expires_at > self.clock.monotonic():
+            self._listings.move_to_end(path)
+            return cached.entries.get(name, MISSING)
+        if self.index is None or path in self._flights:
+            return _UNKNOWN
+        try:
+            hit = self.index.lookup(path, name)
+        except Exception as exc:  # noqa: BLE001 - a failing index is a miss, never an error
+            self._index_failed(exc)
+            return _UNKNOWN
+        if hit is None:
+            return MISSING if self.pinned else _UNKNOWN
+        fetched_at, entry = hit
+        return entry if self._fresh_until(fetched_at) is not None else _UNKNOWN
+
+    def _index_failed(self, exc: BaseException) -> None:
+        self.stats.index_errors += 1
+        if not self._index_warned:
+            self._index_warned = True
+            log.warning("metadata index failed (listing the store instead): %s", exc)
+
+    async def _from_index(self, path: str) -> tuple[CachedDir | None, CachedDir | None]:
+        """The stored listing of ``path``: (fresh, None), or (None, expired), or (None, None)."""
+        if self.index is None:
+            return None, None
+        try:
+            loaded = await asyncio.to_thread(self.index.load, path)
+        except Exception as exc:  # noqa: BLE001 - a failing index is a miss, never an error
+            self._index_failed(exc)
+            return None, None
+        if loaded is None:
+            return None, None
+        fetched_at, entries = loaded
+        until = self._fresh_until(fetched_at)
+        if until is None:
+            return None, CachedDir(entries, self.clock.monotonic())
+        self.stats.index_listings += 1
+        return CachedDir(entries, until), None
+
+    async def _to_index(self, path: str, listing: CachedDir, fetched_at: float) -> None:
+        index = self.index
+        if index is None:
+            return
+        mark = self._applied_total
+        try:
+            await asyncio.to_thread(index.store, path, list(listing.entries.items()), fetched_at)
+        except Exception as exc:  # noqa: BLE001 - a failing index is a miss, never an error
+            self._index_failed(exc)
+            return
+        # Changes that reached the store while the thread wrote may have patched the index before
+        # the listing landed there: apply them again (a patch is idempotent).
+        first = self._applied_total - len(self._applied_log)
+        if mark < first:
+            self._index_call(lambda ix: ix.forget(path))
+            return
+        for parent, name, info, marker in itertools.islice(self._applied_log, mark - first, None):
+            if parent == path:
+                if marker and info is None:
+                    self._index_call(lambda ix: ix.forget(path))
+                    return
+                self._index_call(lambda ix: ix.patch(parent, name, info, marker))  # noqa: B023 - called at once
+
     # ------------------------------------------------------------------ store listings
     async def get(self, path: str) -> CachedDir:
         """The store's listing of directory ``path``, from the cache while it is fresh."""
@@ -137,14 +240,28 @@ class ListingCache:
         if flight is None:
             # The LIST runs as its own task, so a caller that is cancelled does not cancel the
             # listing other lookups of the same directory are waiting for.
-            flight = asyncio.get_running_loop().create_task(self._fetch(path, cached))
+            flight = asyncio.get_running_loop().create_task(self._load(path, cached))
             flight.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._flights[path] = flight
             flight.add_done_callback(lambda f: self._flights.pop(path, None) if self._flights.get(path) is f else None)
         return await asyncio.shield(flight)
 
+    async def _load(self, path: str, stale: CachedDir | None) -> CachedDir:
+        """From the index while its listing is fresh, else from the store. An expired listing still
+        in RAM was stored in the index at the same time: the index has nothing fresher."""
+        if stale is not None and not self.pinned:
+            return await self._fetch(path, stale)
+        fresh, expired = await self._from_index(path)
+        if fresh is not None:
+            self._remember(path, fresh)
+            return fresh
+        if self.pinned:
+            return CachedDir({}, float("inf"))  # not in the manifest: an empty directory, never listed
+        return await self._fetch(path, stale or expired)
+
     async def _fetch(self, path: str, stale: CachedDir | None) -> CachedDir:
         self.stats.listings += 1
+        fetched_at = self.index.wall() if self.index is not None else 0.0
         mark = self._applied_total
         prefix = path + "/" if path else ""
         try:
@@ -181,6 +298,7 @@ class ListingCache:
         listing = CachedDir(entries, self.clock.monotonic() + self.settings.dir_ttl_s)
         if self._replay_applied(path, listing, mark):
             self._remember(path, listing)
+            await self._to_index(path, listing, fetched_at)
         # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
         for name, entry in entries.items():
             node = self.inodes.at(join(path, name))
@@ -198,7 +316,7 @@ class ListingCache:
             log.debug("serving cached listing of /%s: %s", path, exc)
 
     def _remember(self, path: str, listing: CachedDir) -> None:
-        self.forget(path)
+        self._forget_hot(path)
         if len(listing.entries) > MAX_CACHED_LISTING_ENTRIES:
             return
         self._listings[path] = listing
@@ -214,6 +332,10 @@ class ListingCache:
 
     def forget(self, path: str) -> None:
         """Drop the cached listing of ``path`` (the next lookup lists it again)."""
+        self._forget_hot(path)
+        self._index_call(lambda index: index.forget(path))
+
+    def _forget_hot(self, path: str) -> None:
         old = self._listings.pop(path, None)
         if old is not None:
             self.entry_count -= len(old.entries)
@@ -222,7 +344,18 @@ class ListingCache:
         """Drop the cached listings of ``path`` and of every directory below it."""
         prefix = path + "/"
         for cached in [p for p in self._listings if p == path or p.startswith(prefix)]:
-            self.forget(cached)
+            self._forget_hot(cached)
+        self._index_call(lambda index: index.forget_under(path))
+
+    def _index_call(self, change: Callable[[MetadataIndex], None]) -> None:
+        """A small change to the index (one directory, on the loop: a few rows). On a pinned mount
+        the index is the manifest and is never changed."""
+        if self.index is None or self.pinned:
+            return
+        try:
+            change(self.index)
+        except Exception as exc:  # noqa: BLE001 - a failing index is a miss, never an error
+            self._index_failed(exc)
 
     # ------------------------------------------------------------------ changes reaching the store
     def applied(self, key: str, info: ObjectInfo | None) -> None:
@@ -237,13 +370,14 @@ class ListingCache:
         if len(self._applied_log) > MAX_APPLIED_LOG:
             self._applied_log.popleft()
         listing = self._listings.get(parent)
-        if listing is not None:
-            if marker and info is None:
-                self.forget(parent)  # other keys may still imply the directory: list again
-            else:
+        if marker and info is None:
+            self.forget(parent)  # other keys may still imply the directory: list again
+        else:
+            if listing is not None:
                 before = len(listing.entries)
                 _patch_entries(listing.entries, name, info, marker)
                 self.entry_count += len(listing.entries) - before
+            self._index_call(lambda index: index.patch(parent, name, info, marker))
         node = self.inodes.at(path)
         if not marker and node is not None and not node.is_dir and info is not None:
             node.info = info

@@ -15,6 +15,8 @@ class FsStats:
     listings: int = 0
     listing_errors: int = 0
     stale_listings_served: int = 0
+    index_listings: int = 0  # listings answered from the on-disk metadata index (no LIST)
+    index_errors: int = 0  # metadata index operations that failed (answered by listing instead)
     stale_attributes_served: int = 0  # getattr/open kept a node's attributes: store unreachable, listing gone
     opens: int = 0
     reads: int = 0

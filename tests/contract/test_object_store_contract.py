@@ -12,22 +12,30 @@ The in-memory store has no root prefix; the one case about objects outside the r
 
 The write half (``put``, ``delete``, ``copy``: what write-back uploads with) is checked the same
 way; every write is read back through the store and, for S3, through the server's own client.
+
+``FsspecObjectStore`` runs the read half twice: on fsspec's ``memory://`` filesystem and on its
+HTTP filesystem against a static file server on 127.0.0.1 (``tests/support/httpserver.py``: ETags,
+ranges, ``If-Match``, HTML index pages). Both are read-only sources, so the write half (marked
+``writes``) is skipped for them, with that reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterable
+from typing import AsyncIterator, Callable, Iterable, Iterator
 
 import pytest
 
-from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
-from tiering.objectstore import InMemoryObjectStore, LocalObjectStore, S3ObjectStore
+from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ReadOnlySourceError
+from tiering.objectstore import FsspecObjectStore, InMemoryObjectStore, LocalObjectStore, S3ObjectStore, parse_source
 from tiering.protocols import ObjectStore
+from tests.support.httpserver import StaticHttpServer, write_file
 
 ROOT = "ds/"  # the prefix the local and S3 stores are opened on
 # Keys in the pagination case: more than two full ListObjectsV2 pages (1,000 entries each), with
@@ -55,6 +63,8 @@ class Backend:
     delete: Callable[[str], None]
     put_outside: Callable[[str, bytes], None] | None  # key relative to the bucket/dir, beside ROOT
     is_s3: bool = False
+    writable: bool = True  # False: a read-only source; the write half of the contract is skipped
+    lists_by_head: bool = False  # its listings HEAD each file (an HTML index has no sizes or ETags)
 
 
 def _memory_backend() -> Backend:
@@ -125,9 +135,75 @@ def _s3_backend(name: str, server, bucket: str) -> Backend:
     )
 
 
+def _fsspec_memory_backend() -> Backend:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    bucket = f"contract-{uuid.uuid4().hex[:12]}"  # fsspec's memory store is one per process
+
+    def put_rel(key: str, data: bytes) -> None:
+        if key.endswith("/"):
+            fs.makedirs(f"/{bucket}/{key}".rstrip("/"), exist_ok=True)  # a directory is the marker
+        else:
+            fs.pipe_file(f"/{bucket}/{key}", data)
+
+    def put_many(items: Iterable[tuple[str, bytes]]) -> None:
+        for key, data in items:
+            put_rel(ROOT + key, data)
+
+    return Backend(
+        "fsspec-memory",
+        lambda: FsspecObjectStore(parse_source(f"memory://{bucket}/{ROOT}")),
+        lambda key, data: put_rel(ROOT + key, data),
+        put_many,
+        lambda key: fs.rm_file(f"/{bucket}/{ROOT}{key}"),
+        put_rel,
+        writable=False,
+        lists_by_head=True,  # memory:// files carry no version: it is computed by reading them
+    )
+
+
+def _http_backend(base: Path, server: StaticHttpServer) -> Backend:
+    served = server.root
+    (served / ROOT).mkdir(parents=True)
+
+    def put_rel(key: str, data: bytes) -> None:
+        if key.endswith("/"):
+            (served / key).mkdir(parents=True, exist_ok=True)
+        else:
+            write_file(served / key, data)
+
+    def put_many(items: Iterable[tuple[str, bytes]]) -> None:
+        for key, data in items:
+            path = served / ROOT / key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+
+    return Backend(
+        "http",
+        lambda: FsspecObjectStore(parse_source(f"{server.url}{ROOT}"), connect_timeout_s=CONNECT_TIMEOUT_S,
+                                  read_timeout_s=READ_TIMEOUT_S),
+        lambda key, data: put_rel(ROOT + key, data),
+        put_many,
+        lambda key: (served / ROOT / key).unlink(),
+        put_rel,
+        writable=False,
+        lists_by_head=True,
+    )
+
+
+@pytest.fixture
+def http_server(tmp_path: Path) -> Iterator[StaticHttpServer]:
+    (tmp_path / "www").mkdir()
+    with StaticHttpServer(tmp_path / "www") as server:
+        yield server
+
+
 @pytest.fixture(params=[
     "memory",
     "local",
+    "fsspec-memory",
+    "http",
     pytest.param("moto", marks=pytest.mark.s3),
     pytest.param("seaweed", marks=pytest.mark.s3),
 ])
@@ -136,12 +212,18 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
         return _memory_backend()
     if request.param == "local":
         return _local_backend(tmp_path)
+    if request.param == "fsspec-memory":
+        return _fsspec_memory_backend()
+    if request.param == "http":
+        return _http_backend(tmp_path, request.getfixturevalue("http_server"))
     bucket = request.getfixturevalue(f"{request.param}_bucket")
     return _s3_backend(request.param, request.getfixturevalue(request.param), bucket)
 
 
 @pytest.fixture
-async def store(backend: Backend) -> AsyncIterator[ObjectStore]:
+async def store(backend: Backend, request: pytest.FixtureRequest) -> AsyncIterator[ObjectStore]:
+    if request.node.get_closest_marker("writes") is not None and not backend.writable:
+        pytest.skip(f"{backend.name} is a read-only source: cachefs never writes to it (writes raise EROFS)")
     s = backend.open()
     assert isinstance(s, ObjectStore)
     try:
@@ -249,6 +331,8 @@ async def test_listing_follows_all_pages(backend: Backend, store: ObjectStore) -
 async def test_listing_a_directory_of_100k_entries(backend: Backend, store: ObjectStore) -> None:
     if backend.is_s3:
         pytest.skip("100,000 uploads take minutes on the S3 test servers; paging is covered above")
+    if backend.lists_by_head:
+        pytest.skip("an HTML-index listing HEADs every file: 100,000 HEADs; listing is covered above")
     backend.put_many((f"huge/{i:06d}", b"") for i in range(LARGE_DIR_ENTRIES))
     listing = await store.list_dir("huge/")
     assert len(listing.files) == LARGE_DIR_ENTRIES
@@ -344,8 +428,10 @@ async def test_stats_are_counted(backend: Backend, store: ObjectStore) -> None:
 
     await store.list_dir("s/")
     assert stats.list_requests == start[1] + 1
+    heads = stats.head_requests  # a listing of an HTML index HEADs each file too
+    assert heads == start[2] + (1 if backend.lists_by_head else 0)
     info = await store.head("s/obj")
-    assert stats.head_requests == start[2] + 1
+    assert stats.head_requests == heads + 1
     assert await store.get_range("s/obj", info.etag, 0, 700) == b"z" * 700
     assert stats.get_requests == start[3] + 1
     assert stats.bytes_read == start[4] + 700
@@ -392,6 +478,7 @@ async def content(store: ObjectStore, key: str) -> bytes:
     return await store.get_range(key, info.etag, 0, info.size)
 
 
+@pytest.mark.writes
 async def test_put_creates_and_replaces(store: ObjectStore) -> None:
     first = os.urandom(3000)
     info = await store.put("w/new.bin", len(first), reader(first))
@@ -409,6 +496,7 @@ async def test_put_creates_and_replaces(store: ObjectStore) -> None:
         await store.get_range("w/new.bin", info.etag, 0, 10)
 
 
+@pytest.mark.writes
 async def test_put_of_an_empty_object_and_a_directory_marker(store: ObjectStore) -> None:
     info = await store.put("empty.txt", 0, reader(b""))
     assert info.size == 0 and (await store.head("empty.txt")).size == 0
@@ -419,6 +507,7 @@ async def test_put_of_an_empty_object_and_a_directory_marker(store: ObjectStore)
     assert inside.files == {} and inside.dirs == set()
 
 
+@pytest.mark.writes
 async def test_put_is_idempotent(store: ObjectStore) -> None:
     data = os.urandom(10_000)
     one = await store.put("idem", len(data), reader(data))
@@ -429,6 +518,7 @@ async def test_put_is_idempotent(store: ObjectStore) -> None:
         assert one.etag == two.etag
 
 
+@pytest.mark.writes
 async def test_multipart_put_reads_each_range_once(backend: Backend, store: ObjectStore) -> None:
     data = os.urandom(12 * 1024 * 1024 + 12345)  # three parts of 5 MiB on S3
     calls: list[tuple[int, int]] = []
@@ -444,6 +534,7 @@ async def test_multipart_put_reads_each_range_once(backend: Backend, store: Obje
         assert "-" in info.etag.strip('"'), "a multipart ETag ends in -<parts>"
 
 
+@pytest.mark.writes
 async def test_a_failed_put_leaves_the_old_object(store: ObjectStore) -> None:
     old = os.urandom(2000)
     await store.put("keep", len(old), reader(old))
@@ -463,6 +554,7 @@ async def test_a_failed_put_leaves_the_old_object(store: ObjectStore) -> None:
     assert await content(store, "keep") == old
 
 
+@pytest.mark.writes
 async def test_failed_multipart_put_leaves_the_old_object(backend: Backend, store: ObjectStore) -> None:
     old = os.urandom(1000)
     await store.put("mp", len(old), reader(old))
@@ -478,6 +570,7 @@ async def test_failed_multipart_put_leaves_the_old_object(backend: Backend, stor
     assert await content(store, "mp") == old
 
 
+@pytest.mark.writes
 async def test_delete(backend: Backend, store: ObjectStore) -> None:
     backend.put("d/a", b"a")
     backend.put("d/b", b"b")
@@ -495,6 +588,7 @@ async def test_delete(backend: Backend, store: ObjectStore) -> None:
     assert "d" not in (await store.list_dir("")).dirs
 
 
+@pytest.mark.writes
 async def test_delete_of_a_marker(store: ObjectStore) -> None:
     await store.put("m/", 0, reader(b""))
     assert "m" in (await store.list_dir("")).dirs
@@ -503,6 +597,7 @@ async def test_delete_of_a_marker(store: ObjectStore) -> None:
     await store.delete("m/")
 
 
+@pytest.mark.writes
 async def test_copy(store: ObjectStore) -> None:
     data = os.urandom(50_000)
     src = await store.put("c/src", len(data), reader(data))
@@ -522,6 +617,7 @@ async def test_copy(store: ObjectStore) -> None:
         await store.copy("c/missing", src.etag, "c/x")
 
 
+@pytest.mark.writes
 async def test_copy_above_the_single_request_limit(backend: Backend, store: ObjectStore,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     if not backend.is_s3:
@@ -537,6 +633,7 @@ async def test_copy_above_the_single_request_limit(backend: Backend, store: Obje
     assert await content(store, "cp/dst") == data
 
 
+@pytest.mark.writes
 async def test_write_stats_are_counted(store: ObjectStore) -> None:
     stats = store.stats
     before = (stats.put_requests, stats.delete_requests, stats.copy_requests, stats.bytes_written)
@@ -549,9 +646,22 @@ async def test_write_stats_are_counted(store: ObjectStore) -> None:
     assert stats.bytes_written == before[3] + 700
 
 
+@pytest.mark.writes
 @pytest.mark.parametrize("key", ["", "/abs", "a//b", "a/../b", "./a", "a/.", "x\x00y", "//"])
 async def test_bad_keys_are_never_written(store: ObjectStore, key: str) -> None:
     with pytest.raises(ValueError):
         await store.put(key, 1, reader(b"x"))
     with pytest.raises(ValueError):
         await store.delete(key)
+
+
+async def test_a_read_only_source_refuses_every_write(backend: Backend, store: ObjectStore) -> None:
+    if backend.writable:
+        pytest.skip(f"{backend.name} is writable")
+    backend.put("ro/x", b"data")
+    info = await store.head("ro/x")
+    for attempt in (store.put("ro/x", 1, reader(b"y")), store.delete("ro/x"), store.copy("ro/x", info.etag, "ro/y")):
+        with pytest.raises(ReadOnlySourceError) as refused:
+            await attempt
+        assert refused.value.errno == errno.EROFS and "read-only" in str(refused.value)
+    assert await content(store, "ro/x") == b"data"

@@ -14,6 +14,7 @@ ever killed, by PID.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -158,8 +159,15 @@ def daemon_pid(target: Path) -> int:
     return int(call(target, "/info")["pid"])
 
 
+def driver_run_root(workdir: Path) -> Path:
+    """The daemons' run root of the drivers over ``workdir``: short (unix socket paths), and the same
+    for a driver restarted over the same workdir, as ``/run/cachefs-csi`` is on a node."""
+    return Path("/tmp") / f"csi-run-{hashlib.sha256(str(workdir).encode()).hexdigest()[:12]}"
+
+
 def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None) -> Driver:
     sock_dir = Path(tempfile.mkdtemp(prefix="csi-", dir="/tmp"))  # unix socket paths must stay short
+    run_root = driver_run_root(workdir)
     sock = sock_dir / "csi.sock"
     log_path = workdir / "driver.log"
     cache_root = workdir / "node-cache"
@@ -171,7 +179,7 @@ def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None) 
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [*command, "--endpoint", f"unix://{sock}", "--node-id", "test-node", "--mode", "all",
-             "--cache-root", str(cache_root), "--log-level", "DEBUG", "--metrics-addr", f"127.0.0.1:{metrics_port}",
+             "--cache-root", str(cache_root), "--run-root", str(run_root), "--log-level", "DEBUG", "--metrics-addr", f"127.0.0.1:{metrics_port}",
              *extra],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env or driver_environ(),
         )
@@ -204,6 +212,13 @@ def stop_driver(driver: Driver) -> None:
             driver.proc.kill()
             driver.proc.wait(timeout=STOP_TIMEOUT_S)
     shutil.rmtree(driver.socket.parent, ignore_errors=True)
+    # The daemons' run directories, once none of their daemons runs (a target cleaned up with
+    # `cachefs unmount` rather than through the driver leaves its directory behind).
+    from csi_driver.launchers import ProcessLauncher
+
+    run_root = driver_run_root(driver.workdir)
+    if not ProcessLauncher(run_root).names():
+        shutil.rmtree(run_root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ def assert_installed_in(objects: list[dict[str, Any]], namespace: str, version: 
     for obj in namespaced:
         assert obj["metadata"]["namespace"] == namespace, (obj["kind"], obj["metadata"]["name"])
     bindings = by_kind(objects, "RoleBinding") + by_kind(objects, "ClusterRoleBinding")
-    assert len(bindings) == 2
+    assert len(bindings) == 4  # the provisioner's two, the node plugin's two (mount pods, Events)
     for binding in bindings:
         for subject in binding["subjects"]:
             assert subject["namespace"] == namespace, (binding["kind"], subject)

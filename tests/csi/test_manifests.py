@@ -100,7 +100,8 @@ def test_every_manifest_is_valid_kubernetes(path: Path, version: str) -> None:
 def test_rendered_base_is_valid_kubernetes(rendered, version: str) -> None:
     kinds = sorted(obj["kind"] for obj in rendered)
     assert kinds == sorted(["Namespace", "CSIDriver", "ServiceAccount", "ServiceAccount", "ClusterRole",
-                            "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Deployment", "StorageClass"])
+                            "ClusterRoleBinding", "Role", "RoleBinding", "DaemonSet", "Deployment", "StorageClass",
+                            "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "PriorityClass"])
     for obj in rendered:
         kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)
         if obj["kind"] not in CLUSTER_SCOPED:
@@ -155,6 +156,39 @@ def test_node_plugin_is_set_up_for_fuse(base_objects) -> None:
     controller = next(c for c in containers(deployment) if c["name"] == "cachefs-csi")
     assert build_parser().parse_args(controller["args"]).mode == "controller"
     assert any(c["name"] == "csi-provisioner" for c in containers(deployment))
+
+
+def test_node_plugin_runs_mount_pods_with_least_privilege(base_objects) -> None:
+    """The DaemonSet asks for --mount-mode pod with what that mode needs, and the node plugin's RBAC
+    is exactly what csi_driver.mountpods uses: pods and Secrets in its own namespace, Events."""
+    (daemonset,) = by_kind(base_objects, "DaemonSet")
+    pod_spec = daemonset["spec"]["template"]["spec"]
+    plugin = next(c for c in containers(daemonset) if c["name"] == "cachefs-csi")
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in plugin["env"] if "valueFrom" in e}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+    args = build_parser().parse_args([a.replace("$(NODE_NAME)", "node-1") for a in plugin["args"]])
+    assert args.mount_mode == "pod" and not args.mount_pod_image  # the plugin's own image, read through POD_NAME
+    from csi_driver.main import PLUGIN_CONTAINER
+
+    assert plugin["name"] == PLUGIN_CONTAINER
+    (priority,) = by_kind(base_objects, "PriorityClass")
+    assert args.mount_pod_priority_class == priority["metadata"]["name"]
+    assert pod_spec["automountServiceAccountToken"] is True
+    assert daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate"  # restarts leave mounts alone
+    mounts = {m["name"]: m["mountPath"] for m in plugin["volumeMounts"]}
+    assert str(args.run_root) == mounts["control-sockets"]  # the handover and control sockets, on the host
+    node_sa = pod_spec["serviceAccountName"]
+    rules: dict[str, list[dict[str, Any]]] = {}
+    for binding in by_kind(base_objects, "RoleBinding") + by_kind(base_objects, "ClusterRoleBinding"):
+        if any(s["name"] == node_sa for s in binding["subjects"]):
+            (role,) = [r for r in by_kind(base_objects, binding["roleRef"]["kind"])
+                       if r["metadata"]["name"] == binding["roleRef"]["name"]]
+            rules[role["kind"]] = role["rules"]
+    assert rules["Role"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["list", "create", "patch", "delete"]},
+    ]
+    assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
 
 
 def test_storage_class_parameters_parse(base_objects) -> None:

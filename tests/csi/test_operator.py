@@ -1,5 +1,5 @@
 """The Dataset operator end to end on an API double: kopf's real reactor, watches and patches, against
-kmock's stateful emulator (tests/support/kubeapi.py) on 127.0.0.1.
+kmock's stateful emulator (``OperatorApiServer``, tests/support/kubeapi.py) on 127.0.0.1.
 
 The operator runs as ``kopf.operator(...)`` on the test's own event loop, with its own registry and a
 login that points at the double. (kopf's ``KopfRunner`` runs the operator on a second loop in a
@@ -28,7 +28,7 @@ from csi_driver import attributes
 from csi_driver.operator import manifests as m
 from csi_driver.operator.handlers import OperatorSettings, OperatorState, build_registry
 from csi_driver.operator.kube import JOB_NAME_LABEL, Kube
-from tests.support.kubeapi import ApiServer
+from tests.support.kubeapi import OperatorApiServer
 
 NS = "ml"
 WAIT_S = 30.0
@@ -38,15 +38,15 @@ REQUEST_TIMEOUT_S = 30
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[ApiServer]:
-    async with ApiServer() as server, kmock.Server(server):
+async def api() -> AsyncIterator[OperatorApiServer]:
+    async with OperatorApiServer() as server, kmock.Server(server):
         yield server
 
 
 class Cluster:
     """The test's side of the API: a kubernetes client on the double, called off the loop."""
 
-    def __init__(self, api: ApiServer) -> None:
+    def __init__(self, api: OperatorApiServer) -> None:
         self.api = api
         self.client = client.ApiClient(client.Configuration(host=str(api.url).rstrip("/")))
         self.core = client.CoreV1Api(self.client)
@@ -140,7 +140,7 @@ async def eventually(check: Callable[[], Any], what: str, timeout_s: float = WAI
 
 
 @contextlib.asynccontextmanager
-async def running_operator(api: ApiServer, **settings: Any) -> AsyncIterator[OperatorState]:
+async def running_operator(api: OperatorApiServer, **settings: Any) -> AsyncIterator[OperatorState]:
     url = str(api.url).rstrip("/")
     state = OperatorState(kube=Kube(client.ApiClient(client.Configuration(host=url))),
                           settings=OperatorSettings(**{**FAST, **settings}))
@@ -176,7 +176,7 @@ CLUSTER_SPEC = {
 
 
 # ------------------------------------------------------------------------------------ create, warm
-async def test_create_warm_up_progress_and_gate_release(api: ApiServer) -> None:
+async def test_create_warm_up_progress_and_gate_release(api: OperatorApiServer) -> None:
     k = Cluster(api)
     async with running_operator(api):
         await k.create_dataset("imagenet", CLUSTER_SPEC)
@@ -224,7 +224,7 @@ async def test_create_warm_up_progress_and_gate_release(api: ApiServer) -> None:
         assert event["reason"] == "DatasetWarm" and event["type"] == "Normal"
 
 
-async def test_failed_warm_up_is_not_warm_and_says_why(api: ApiServer) -> None:
+async def test_failed_warm_up_is_not_warm_and_says_why(api: OperatorApiServer) -> None:
     k = Cluster(api)
     async with running_operator(api):
         await k.create_dataset("ds", CLUSTER_SPEC)
@@ -240,7 +240,7 @@ async def test_failed_warm_up_is_not_warm_and_says_why(api: ApiServer) -> None:
 
 
 # ------------------------------------------------------------------------------------------ gates
-async def test_gate_timeout_releases_cold_with_a_warning_event(api: ApiServer) -> None:
+async def test_gate_timeout_releases_cold_with_a_warning_event(api: OperatorApiServer) -> None:
     k = Cluster(api)
     long_ago = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=2)
     async with running_operator(api):
@@ -258,7 +258,7 @@ async def test_gate_timeout_releases_cold_with_a_warning_event(api: ApiServer) -
         assert k.gates("recent") == [m.GATE_NAME]  # created now, 60 s not passed
 
 
-async def test_other_gates_are_kept(api: ApiServer) -> None:
+async def test_other_gates_are_kept(api: OperatorApiServer) -> None:
     k = Cluster(api)
     async with running_operator(api):
         body = {"metadata": {"name": "p", "namespace": NS, "labels": {m.DATASET_LABEL: "x"},
@@ -270,7 +270,7 @@ async def test_other_gates_are_kept(api: ApiServer) -> None:
 
 
 # --------------------------------------------------------------------------------------- schedule
-async def test_cron_schedule_starts_a_new_run_when_due(api: ApiServer) -> None:
+async def test_cron_schedule_starts_a_new_run_when_due(api: OperatorApiServer) -> None:
     k = Cluster(api)
     clock = {"now": dt.datetime(2026, 3, 1, 2, 0, tzinfo=dt.timezone.utc)}
     spec = {**CLUSTER_SPEC, "warmUp": {"target": {"tier": "Cluster"},
@@ -291,12 +291,14 @@ async def test_cron_schedule_starts_a_new_run_when_due(api: ApiServer) -> None:
         (job2,) = await eventually(lambda: [j for j in k.jobs() if j["metadata"]["labels"][m.RUN_LABEL] == "2"],
                                    "run 2 at 03:00")
         await eventually(lambda: len(k.jobs()) == 1, "run 1's Job deleted")
-        assert k.status("nightly")["phase"] == "WarmingUp"
-        assert k.status("nightly")["warmUp"]["run"] == 2
+        status = await eventually(lambda: (s := k.status("nightly")).get("phase") == "WarmingUp" and s,
+                                  "run 2 in status")
+        assert status["warmUp"]["run"] == 2 and status["warmUp"]["jobs"] == [job2["metadata"]["name"]]
+        assert status["lastWarmUp"]["run"] == 1  # the finished run stays on record
 
 
 # ----------------------------------------------------------------------------------- delete, nodes
-async def test_node_tier_warms_each_matching_node_and_delete_cleans_up(api: ApiServer) -> None:
+async def test_node_tier_warms_each_matching_node_and_delete_cleans_up(api: OperatorApiServer) -> None:
     k = Cluster(api)
     for node, labels in (("gpu-a", {"gpu": "true"}), ("gpu-b", {"gpu": "true"}), ("cpu-c", {})):
         await k.call(k.core.create_node, {"metadata": {"name": node, "labels": labels}})
@@ -334,7 +336,7 @@ async def test_node_tier_warms_each_matching_node_and_delete_cleans_up(api: ApiS
      "cron minute field '61'"),
     ({"source": "s3://training/x", "endpointUrl": "http://user:pw@host"}, "must not contain user info"),
 ])
-async def test_bad_spec_creates_nothing_and_says_why(api: ApiServer, spec: dict, message: str) -> None:
+async def test_bad_spec_creates_nothing_and_says_why(api: OperatorApiServer, spec: dict, message: str) -> None:
     k = Cluster(api)
     async with running_operator(api):
         await k.create_dataset("bad", spec)
@@ -352,7 +354,7 @@ async def test_bad_spec_creates_nothing_and_says_why(api: ApiServer, spec: dict,
 
 
 # -------------------------------------------------------------------------------- update, resume
-async def test_spec_change_starts_a_new_run_and_a_volume_change_is_refused(api: ApiServer) -> None:
+async def test_spec_change_starts_a_new_run_and_a_volume_change_is_refused(api: OperatorApiServer) -> None:
     k = Cluster(api)
     async with running_operator(api):
         await k.create_dataset("ds", CLUSTER_SPEC)
@@ -378,7 +380,7 @@ async def test_spec_change_starts_a_new_run_and_a_volume_change_is_refused(api: 
         assert pv["spec"]["csi"]["volumeAttributes"]["ramCache"] == "1GiB"
 
 
-async def test_a_restarted_operator_resumes_without_a_new_run(api: ApiServer) -> None:
+async def test_a_restarted_operator_resumes_without_a_new_run(api: OperatorApiServer) -> None:
     k = Cluster(api)
     async with running_operator(api):
         await k.create_dataset("ds", CLUSTER_SPEC)
@@ -390,7 +392,7 @@ async def test_a_restarted_operator_resumes_without_a_new_run(api: ApiServer) ->
         assert k.status("ds")["warmUp"]["run"] == 1
 
 
-async def test_the_warm_up_image_is_the_operators_own(api: ApiServer) -> None:
+async def test_the_warm_up_image_is_the_operators_own(api: OperatorApiServer) -> None:
     from csi_driver.operator.handlers import DEFAULT_IMAGE
     from csi_driver.operator.main import build_parser, warm_up_image
 
@@ -417,7 +419,7 @@ async def test_the_warm_up_image_is_the_operators_own(api: ApiServer) -> None:
         build_parser().parse_args(["--follow-interval", "0"])
 
 
-async def test_a_claim_of_the_same_name_is_not_taken_over(api: ApiServer) -> None:
+async def test_a_claim_of_the_same_name_is_not_taken_over(api: OperatorApiServer) -> None:
     k = Cluster(api)
     await k.call(k.core.create_namespaced_persistent_volume_claim, NS, {
         "metadata": {"name": "taken", "namespace": NS},

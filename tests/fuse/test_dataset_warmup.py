@@ -26,7 +26,7 @@ from csi_driver import attributes
 from csi_driver.operator import manifests as m
 from tests.csi.test_operator import NS, Cluster, eventually, running_operator
 from tests.fuse.conftest import CLI, Mounter, run_cli
-from tests.support.kubeapi import ApiServer
+from tests.support.kubeapi import OperatorApiServer
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
 FILES = {"train/a.bin": 3 << 20, "train/b.bin": 1 << 20, "train/sub/c.bin": 700_000, "val/v.bin": 2 << 20,
@@ -113,7 +113,7 @@ async def test_dataset_warms_a_real_mount_and_releases_the_gated_pod(seaweed, mo
     seaweed.put_many(bucket, [(f"imagenet/{k}", random.Random(k).randbytes(n)) for k, n in FILES.items()])
     env = {**seaweed.env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
-    async with ApiServer() as api:
+    async with OperatorApiServer() as api:
         import kmock
 
         async with kmock.Server(api):

@@ -1,34 +1,197 @@
-"""A Kubernetes API double for operator tests: kmock's ``KubernetesEmulator`` plus the metadata a real
-API server keeps.
+"""A Kubernetes API double for tests: kmock's ``KubernetesEmulator`` on 127.0.0.1, in a thread.
 
-kmock stores objects and streams watch events but, by design, treats them as plain JSON ("inherit
-and implement for your cases"). kopf needs what a real server adds: a ``resourceVersion`` that
-changes on every write (kopf's finalizer patch tests it), a ``uid``, a ``creationTimestamp``, and a
-``generation`` that moves when the spec does. ``ApiServer`` adds exactly those, by rewriting the
-request before kmock applies it, so the watch events carry them too. Label selectors are not
-applied by kmock; the code under test filters lists itself as well (kube.py), so nothing here
-depends on it.
+kmock (by kopf's author) keeps objects in memory and serves create, read, list, watch, patch and
+delete over real HTTP, so the official ``kubernetes`` client talks to it unchanged (through a
+kubeconfig written by ``ApiDouble``). It is deliberately simple; ``ClusterEmulator`` adds the few
+behaviours of a real API server that the node plugin relies on:
 
-A watch from a list's ``resourceVersion`` skips what the list already showed (kmock replays every
-object to a new watch, which a real server does not; kopf would act on the stale copies).
+- ``metadata.uid``, ``resourceVersion`` and ``creationTimestamp`` on create (an ownerReference
+  needs the owner's uid);
+- ``?watch=True`` as the kubernetes client sends it (kmock expects ``true``);
+- ``labelSelector`` (equality terms, ``k=v,k2=v2``) on list and watch;
+- the garbage collector's part: deleting an object deletes the objects whose ``ownerReferences``
+  name its uid (a mount pod's Secret goes with the pod).
 
-``RESOURCES`` declares the resources the operator uses for discovery (kopf scans the API groups,
-and waits for namespaces and CRDs to be listed before it watches anything).
+``OperatorApiServer`` (at the end) adds what kopf relies on, for the Dataset operator's tests.
+
+Everything else (admission, RBAC, field validation) is not emulated: the manifests are validated
+separately (tests/csi/test_manifests.py), and tests assert on the objects as stored.
 """
 
 from __future__ import annotations
 
-import datetime as dt
+import asyncio
+import datetime
+import itertools
+import json
+import threading
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp.web
-import attrs
 import jsonpatch
 import kmock
-from kmock._internal import enums, rendering
+from kmock._internal import enums, parsing, rendering
 
-RESOURCES: dict[str, dict[str, Any]] = {
+START_TIMEOUT_S = 10.0
+RESOURCES = ("v1/pods", "v1/secrets", "v1/events", "v1/namespaces")
+
+
+_guess_k8s = parsing.guess_k8s
+
+
+def _guess_k8s_any_bool(k8s: Any, method: Any, query: dict[str, str]) -> Any:
+    """kmock's guess, with ``watch=True`` (how the kubernetes client writes a bool) as ``watch=true``."""
+    if str(query.get("watch", "")).lower() in ("true", "1"):
+        query = {**query, "watch": "true"}
+    return _guess_k8s(k8s, method, query)
+
+
+parsing.guess_k8s = _guess_k8s_any_bool
+
+
+def _selector(text: str | None) -> dict[str, str]:
+    terms: dict[str, str] = {}
+    for term in (text or "").split(","):
+        if term.strip():
+            key, _, value = term.partition("=")
+            terms[key.strip()] = value.lstrip("=").strip()
+    return terms
+
+
+def _matches(obj: dict[str, Any], terms: dict[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in terms.items())
+
+
+class ClusterEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus uids, label selectors and owner-reference garbage collection."""
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.resource is not None and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if request.action == enums.action.CREATE:
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            if request.action in (enums.action.CREATE, enums.action.UPDATE):
+                meta["resourceVersion"] = str(next(self._versions))
+        response = await super()._handle(request)
+        if request.resource is not None and request.action == enums.action.DELETE and request.name is not None:
+            await self._collect_garbage()
+        return response
+
+    async def _collect_garbage(self) -> None:
+        async with self._lock:
+            live = {(obj.get("metadata") or {}).get("uid") for obj in self.objects.values() if not obj.deleted}
+            for key, obj in list(self.objects.items()):
+                if obj.deleted:
+                    continue
+                owners = (obj.get("metadata") or {}).get("ownerReferences") or []
+                if owners and not any(owner.get("uid") in live for owner in owners):
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        answer = await super()._serve_list(request)
+        terms = _selector(request.params.get("labelSelector"))
+        answer["items"] = [item for item in answer["items"] if _matches(item, terms)]
+        answer["kind"], answer["apiVersion"] = "List", "v1"
+        return answer
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        terms = _selector(request.params.get("labelSelector"))
+        async for event in super()._serve_watch(request):
+            if isinstance(event, dict) and not _matches(event.get("object") or {}, terms):
+                continue
+            yield event
+
+
+class ApiDouble:
+    """The emulator served on 127.0.0.1 from a thread of its own; ``kubeconfig`` points a client at it."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.workdir = workdir
+        self.port = port
+        self.url = ""
+        self.kubeconfig = workdir / "kubeconfig"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kube-api-double", daemon=True)
+        self._error: BaseException | None = None
+        self.emulator: ClusterEmulator | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with ClusterEmulator() as emulator, kmock.Server(emulator, port=self.port) as server:
+            self.emulator = emulator
+            for resource in RESOURCES:
+                emulator.resources[resource] = {}
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def start(self) -> ApiDouble:
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT_S) or self._error is not None:
+            raise RuntimeError(f"the API double did not start: {self._error!r}")
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "double",
+            "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+            "users": [{"name": "plugin", "user": {"token": "not-a-secret"}}],
+            "contexts": [{"name": "double", "context": {"cluster": "double", "user": "plugin"}}],
+        }
+        self.kubeconfig.write_text(json.dumps(config))
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=START_TIMEOUT_S)
+
+    def calls(self, user_agent: str) -> set[tuple[str, str, str | None]]:
+        """(verb, resource, namespace) of every request so far whose User-Agent starts with ``user_agent``,
+        with the verbs RBAC names (get, list, watch, create, patch, delete)."""
+        assert self.emulator is not None
+        found = set()
+        for request in list(self.emulator):  # a kmock view iterates over its requests
+            if request.resource is None or not request.headers.get("User-Agent", "").startswith(user_agent):
+                continue
+            method = request.method.value
+            if method == "GET":
+                verb = "watch" if request.action == enums.action.WATCH else "get" if request.name else "list"
+            else:
+                verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+            plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+            found.add((verb, plural, request.namespace))
+        return found
+
+    def client(self) -> Any:
+        """A ``kubernetes.client.CoreV1Api`` for the test's own reads and writes."""
+        from kubernetes import client, config
+
+        configuration = client.Configuration()
+        config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
+        return client.CoreV1Api(client.ApiClient(configuration))
+
+
+# ------------------------------------------------------------------------------ the Dataset operator
+# What kopf (cachefs-operator, tests/csi/test_operator.py) finds by discovery: it scans the API groups
+# and waits until namespaces and CRDs are listed before it watches anything.
+OPERATOR_RESOURCES: dict[str, dict[str, Any]] = {
     "cachefs.io/v1alpha1/datasets": dict(kind="Dataset", namespaced=True, subresources={"status"}),
     "v1/pods": dict(kind="Pod", namespaced=True, subresources={"log", "status"}),
     "v1/persistentvolumes": dict(kind="PersistentVolume", namespaced=False),
@@ -39,23 +202,26 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(kind="CustomResourceDefinition", namespaced=False),
     "batch/v1/jobs": dict(kind="Job", namespaced=True, subresources={"status"}),
 }
-VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+OPERATOR_VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+class OperatorApiServer(ClusterEmulator):
+    """``ClusterEmulator`` plus what kopf relies on, served on the test's own loop:
 
-
-@attrs.define(kw_only=True)
-class ApiServer(kmock.KubernetesEmulator):
-    _version: int = attrs.field(default=0, init=False)
-    # Pod logs, by pod name: what GET .../pods/NAME/log answers (the kubelet's part, played by tests).
-    logs: dict[str, str] = attrs.field(factory=dict, init=False)
+    - a ``resourceVersion`` on every write, JSON patches included (kopf adds its finalizer with a JSON
+      patch that first tests the version), and 422 when such a test fails (a real server's answer;
+      kopf retries a 5xx with the same patch, and takes 422 as "re-read the object");
+    - ``metadata.generation``, moved by a change of ``spec``; ``generateName``;
+    - a watch from a list's ``resourceVersion`` sends only what changed after it (kmock replays
+      every object to a new watch; kopf would act on the stale copies);
+    - pod logs: ``logs[POD]`` is what ``GET .../pods/POD/log`` answers (``tailLines`` honoured).
+    """
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for key, info in RESOURCES.items():
-            self.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+        self.logs: dict[str, str] = {}
+        for key, info in OPERATOR_RESOURCES.items():
+            self.resources[key] = kmock.ResourceInfo(verbs=OPERATOR_VERBS, **info)
         self[kmock.resource("v1/pods"), kmock.subresource("log")] << self._serve_log
 
     def _serve_log(self, request: rendering.Request) -> bytes:
@@ -64,42 +230,30 @@ class ApiServer(kmock.KubernetesEmulator):
         return "".join(lines[-int(tail):] if tail.isdigit() and int(tail) > 0 else lines).encode()
 
     async def _handle(self, request: rendering.Request) -> Any:
-        if request.resource is not None and isinstance(request.data, (dict, list)):
-            self._version += 1
-            version = str(self._version)
-            if request.action == enums.action.CREATE and isinstance(request.data, dict):
-                meta = request.data.setdefault("metadata", {})
-                if not meta.get("name") and meta.get("generateName"):
-                    meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
-                meta.setdefault("uid", str(uuid.uuid4()))
-                meta.setdefault("creationTimestamp", _now())
-                meta.setdefault("generation", 1)
-                meta["resourceVersion"] = version
-            elif request.action == enums.action.UPDATE and request.name is not None:
-                key = (request.resource, request.namespace, request.name)
-                generation = self.objects[key].get("metadata", {}).get("generation", 1) if key in self.objects else 1
-                if isinstance(request.data, dict):
-                    bump = "spec" in request.data and request.subresource is None
-                    meta = request.data.setdefault("metadata", {}) or {}
-                    request.data["metadata"] = meta
-                    meta["resourceVersion"] = version
-                    if bump:
-                        meta["generation"] = generation + 1
-                else:
-                    bump = any(str(op.get("path", "")).startswith("/spec") for op in request.data)
-                    request.data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
-                    if bump:
-                        request.data.append({"op": "add", "path": "/metadata/generation", "value": generation + 1})
+        if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
+            meta.setdefault("generation", 1)
+        elif request.resource is not None and request.action == enums.action.UPDATE and request.name is not None:
+            key = (request.resource, request.namespace, request.name)
+            generation = self.objects[key].get("metadata", {}).get("generation", 1) if key in self.objects else 1
+            if isinstance(request.data, dict):  # a merge patch: ClusterEmulator sets its resourceVersion
+                if "spec" in request.data and request.subresource is None:
+                    request.data.setdefault("metadata", {})["generation"] = generation + 1
+            elif isinstance(request.data, list):  # a JSON patch
+                if any(str(op.get("path", "")).startswith("/spec") for op in request.data):
+                    request.data.append({"op": "add", "path": "/metadata/generation", "value": generation + 1})
+                request.data.append({"op": "add", "path": "/metadata/resourceVersion",
+                                     "value": str(next(self._versions))})
         return await super()._handle(request)
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         answer = await super()._serve_list(request)
-        answer["metadata"]["resourceVersion"] = str(self._version)
+        answer["metadata"]["resourceVersion"] = str(next(self._versions))  # newer than anything listed
         return answer
 
-    async def _serve_watch(self, request: rendering.Request) -> Any:
-        # A watch from a list's resourceVersion sends only what changed after it, as a real server does
-        # (kmock replays every object first): a replayed old version would make kopf act on stale data.
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
         since = request.params.get("resourceVersion", "")
         async for event in super()._serve_watch(request):
             if since.isdigit() and isinstance(event, dict):
@@ -109,8 +263,6 @@ class ApiServer(kmock.KubernetesEmulator):
             yield event
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
-        # A JSON patch whose "test" fails (a stale resourceVersion) is 422 Unprocessable Entity on a real
-        # server, not a 500: kopf retries 5xx with the same patch, and takes 422 as "re-read the object".
         if isinstance(exc, jsonpatch.JsonPatchException):
             exc = kmock.KubernetesError(status=422, reason="Invalid", message=f"the patch does not apply: {exc}",
                                         details={})

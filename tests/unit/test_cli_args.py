@@ -109,8 +109,12 @@ def test_bad_mount_options(extra: list[str], needles: list[str], mnt: Path, cach
 @pytest.mark.parametrize(
     ("source", "needles"),
     [
-        ("gs://b", ["unsupported", "'gs'"]),
-        ("http://x", ["unsupported", "'http'"]),
+        ("gs://b", ["GCS bucket name 'b'"]),
+        ("ftp://host/x", ["'ftp'", "version identity"]),
+        ("nosuch://b", ["unsupported", "'nosuch'"]),
+        ("http://x/p", ["end it with '/'"]),
+        ("https://user:pw@x/", ["credentials"]),
+        ("http://127.0.0.1:9/ds/", ["read-only", "--read-only"]),
         ("s3://A_B", ["bucket name 'A_B'"]),
         ("s3://ab", ["bucket name 'ab'"]),
         ("s3://", ["no bucket"]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cachefs.fuse.tuning import FUSE_CONGESTION_THRESHOLD, FUSE_MAX_BACKGROUND, set_max_background
+from cachefs.tuning import FUSE_CONGESTION_THRESHOLD, FUSE_MAX_BACKGROUND, set_max_background
 
 
 def test_max_background_is_written_to_the_connection_named_by_the_kernel_device_number(tmp_path: Path) -> None:
@@ -28,6 +28,6 @@ def test_a_device_with_a_major_number_is_encoded_as_the_kernel_does(tmp_path: Pa
 
 
 def test_without_fusectl_the_mount_keeps_the_defaults_and_says_so(tmp_path: Path, caplog) -> None:
-    caplog.set_level("INFO", logger="cachefs.fuse.tuning")
+    caplog.set_level("INFO", logger="cachefs.tuning")
     assert not set_max_background(os.makedev(0, 99), tmp_path / "not-mounted")
     assert "max_background left at the kernel's default" in caplog.text

@@ -138,9 +138,8 @@ async def test_write_commit_upload_and_dispose(rig: Rig) -> None:
     assert rig.wb.status("a/b.bin") is None
     assert list((rig.root / "staging" / "records").iterdir()) == []
     rig.wb.unhold(sf)
-    await asyncio.sleep(0.05)
-    assert sf.disposed and rig.wb.file("a/b.bin") is None
-    assert os.listdir(rig.root / "staging" / "data") == []
+    await eventually(lambda: sf.disposed and os.listdir(rig.root / "staging" / "data") == [], timeout=10)
+    assert rig.wb.file("a/b.bin") is None
     assert rig.budget.reserved_space() == 0
     stats = rig.wb.stats_snapshot()
     assert stats["files_uploaded"] == 1 and stats["bytes_uploaded"] == len(data) and stats["dirty_files"] == 0
@@ -574,8 +573,7 @@ async def test_staging_never_exceeds_the_budget_under_load(tmp_path: Path) -> No
     await settle(r.wb, 20)
     assert peak <= r.budget.capacity_bytes
     assert len(r.keys()) == 36 and all(r.data(k) == r.data(k)[:1] * 128 * 1024 for k in r.keys())
-    await asyncio.sleep(0.05)
-    assert r.budget.reserved_space() == 0
+    await eventually(lambda: r.budget.reserved_space() == 0, timeout=10)
     await r.wb.stop()
 
 
@@ -601,16 +599,14 @@ async def test_unlink_of_an_open_file_keeps_its_data_for_the_handle(rig: Rig) ->
     await settle(rig.wb)
     assert rig.keys() == []
     rig.wb.unhold(sf)
-    await asyncio.sleep(0.05)
-    assert sf.disposed and os.listdir(rig.root / "staging" / "data") == []
+    await eventually(lambda: sf.disposed and os.listdir(rig.root / "staging" / "data") == [], timeout=10)
     assert rig.budget.reserved_space() == 0
 
 
 async def test_a_failing_store_never_blocks_a_delete_behind_a_put(rig: Rig) -> None:
     rig.store.fail_writes = True
     await write_file(rig.wb, "p", b"1")
-    await asyncio.sleep(0.05)
-    assert rig.wb.status("p")["attempts"] >= 1
+    await eventually(lambda: rig.wb.status("p")["attempts"] >= 1, timeout=10)
     rig.store.fail_writes = False
     await rig.wb.remove("p", may_exist=False)
     await settle(rig.wb)

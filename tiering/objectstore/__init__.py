@@ -2,6 +2,9 @@
 
 ``s3://bucket[/prefix]``  -> ``S3ObjectStore`` (s3fs/aiobotocore on the caller's event loop)
 ``file:///abs/path``      -> ``LocalObjectStore`` (a local disk or NFS mount)
+``gs://``, ``az://``, ``hf://``, ``http(s)://``, ``memory://``
+                          -> ``FsspecObjectStore`` (read-only; the protocols whose filesystem gives
+                             each object a version identity: ``fsspec_sources``)
 
 ``InMemoryObjectStore`` and ``FailingObjectStore`` are the doubles for tests and the demo.
 
@@ -10,8 +13,9 @@
 refused with a one-line message naming the problem, never silently corrected. Keys in an S3 URL are
 taken literally, not percent-decoded, as the AWS CLI does.
 
-``S3ObjectStore`` is imported lazily (module ``__getattr__``), so code that only needs the in-memory
-or local store does not pay for importing s3fs, aiobotocore and botocore.
+``S3ObjectStore`` and ``FsspecObjectStore`` are imported lazily (module ``__getattr__``), so code that
+only needs the in-memory or local store does not pay for importing s3fs, aiobotocore, botocore or
+fsspec; the S3 path never goes through ``FsspecObjectStore``.
 """
 
 from __future__ import annotations
@@ -23,16 +27,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 from urllib.parse import urlsplit
 
+from tiering.objectstore.fsspec_sources import FSSPEC_PROTOCOLS, FSSPEC_SCHEMES, parse_fsspec_url, refusal
 from tiering.objectstore.keys import MAX_KEY_BYTES, key_room
 from tiering.objectstore.local import LocalObjectStore
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.protocols import ObjectStore
 
 if TYPE_CHECKING:
+    from tiering.objectstore.fsspec_store import FsspecObjectStore
     from tiering.objectstore.s3 import S3ObjectStore
 
 __all__ = [
     "FailingObjectStore",
+    "FsspecObjectStore",
     "InMemoryObjectStore",
     "LocalObjectStore",
     "S3ObjectStore",
@@ -43,6 +50,7 @@ __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_READ_TIMEOUT_S",
     "parse_source",
+    "read_only_source_problem",
 ]
 
 # S3 client timeouts, the one definition for the mount, the CSI controller and the store's own
@@ -57,7 +65,7 @@ DEFAULT_READ_TIMEOUT_S = 30.0
 # provisioner's own deadline is 60 s in deploy/).
 CHECK_TIMEOUT_S = 20.0
 
-SUPPORTED_SCHEMES = ("s3", "file")
+SUPPORTED_SCHEMES = ("s3", "file", *FSSPEC_SCHEMES)
 
 # S3 bucket naming rules (general purpose buckets): 3-63 characters of lowercase letters, digits,
 # dots and hyphens, beginning and ending with a letter or digit, no two adjacent dots, not an IP.
@@ -69,7 +77,8 @@ class Source:
     """A parsed source URL. ``prefix`` has no leading ``/`` and is ``""`` or ends in ``/``.
 
     For ``file`` sources ``bucket`` is ``""`` and ``prefix`` is the absolute path without its leading
-    slash (``file:///data/train`` -> ``"data/train/"``); ``path`` gives it back as a ``Path``.
+    slash (``file:///data/train`` -> ``"data/train/"``); ``path`` gives it back as a ``Path``. For the
+    fsspec sources ``bucket`` is what precedes the prefix (``fsspec_sources.parse_fsspec_url``).
     """
 
     scheme: str
@@ -85,7 +94,12 @@ class Source:
         """The canonical form of the URL."""
         if self.scheme == "file":
             return "file:///" + self.prefix
-        return f"s3://{self.bucket}/{self.prefix}"
+        return f"{self.scheme}://{self.bucket}/{self.prefix}"
+
+    @property
+    def writable(self) -> bool:
+        """Whether cachefs can write back to this source (the fsspec sources are read-only)."""
+        return self.scheme in ("s3", "file")
 
 
 def _bucket_problem(bucket: str) -> str | None:
@@ -137,7 +151,13 @@ def parse_source(url: str) -> Source:
     if not scheme:
         raise ValueError("source URL has no scheme: use s3://bucket[/prefix] or file:///abs/path")
     if scheme not in SUPPORTED_SCHEMES:
-        raise ValueError(f"unsupported source URL scheme {scheme!r}: use s3://bucket[/prefix] or file:///abs/path")
+        raise ValueError(refusal(scheme, _known_to_fsspec(scheme)))
+    if scheme in FSSPEC_PROTOCOLS:
+        bucket, path = parse_fsspec_url(scheme, url, parts)
+        prefix = _normalise_prefix(path, f"{scheme}:// path")
+        if key_room(prefix) < 1:
+            raise ValueError(f"{scheme}:// path is longer than {MAX_KEY_BYTES} bytes: no room for a name below it")
+        return Source(scheme, bucket, prefix)
     if scheme == "s3" and not url[len("s3:"):].startswith("//"):
         raise ValueError("s3 source URL must have the form s3://bucket[/prefix]")
 
@@ -164,6 +184,29 @@ def parse_source(url: str) -> Source:
     return Source("file", "", _normalise_prefix(parts.path, "file:// path"))
 
 
+def _known_to_fsspec(scheme: str) -> bool:
+    """Whether fsspec has a filesystem for ``scheme`` (only asked to word a refusal)."""
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+        return False
+    from tiering.objectstore.fsspec_store import known_protocol
+
+    return known_protocol(scheme)
+
+
+def read_only_source_problem(url: str) -> str | None:
+    """The one line refusing a writable mount of ``url``, if it is a read-only source (else None).
+
+    A URL that does not parse gives None: ``parse_source`` reports that problem in its own words.
+    """
+    try:
+        source = parse_source(url)
+    except ValueError:
+        return None
+    if source.writable:
+        return None
+    return f"{source.scheme}:// sources are read-only in cachefs: mount with --read-only"
+
+
 def open_object_store(
     url: str,
     *,
@@ -179,10 +222,15 @@ def open_object_store(
     ``AWS_PROFILE``, ...); credentials are never passed or logged by us.
     """
     source = parse_source(url)
+    if source.scheme != "s3" and endpoint_url is not None:
+        raise ValueError("an endpoint URL applies only to s3:// sources")
     if source.scheme == "file":
-        if endpoint_url is not None:
-            raise ValueError("an endpoint URL applies only to s3:// sources")
         return LocalObjectStore(source.path)
+    if source.scheme in FSSPEC_PROTOCOLS:
+        from tiering.objectstore.fsspec_store import FsspecObjectStore
+
+        # Credentials: each protocol's own chain (environment, its config files), never arguments.
+        return FsspecObjectStore(source, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
     from tiering.objectstore.s3 import DEFAULT_MAX_POOL_CONNECTIONS, S3ObjectStore
 
     return S3ObjectStore(
@@ -201,4 +249,8 @@ def __getattr__(name: str) -> Any:
         from tiering.objectstore.s3 import S3ObjectStore
 
         return S3ObjectStore
+    if name == "FsspecObjectStore":
+        from tiering.objectstore.fsspec_store import FsspecObjectStore
+
+        return FsspecObjectStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,9 @@
 The kernel's defaults suit small files; a cache of large training files is read much faster with a
 larger read-ahead and more requests in flight. Both are set through sysfs after the mount, where
 permitted (root); without them the mount works at the kernel's defaults, and says so in the log.
+
+A leaf module (stdlib only): the daemon tunes the mount it made, and the CSI node plugin tunes the
+mounts it hands over (their daemons have no privilege to).
 """
 
 from __future__ import annotations

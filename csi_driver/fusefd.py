@@ -1,0 +1,202 @@
+"""The privileged half of the FUSE fd handover: mount ``/dev/fuse`` at a target, hand the fd over.
+
+``mount_fuse`` opens ``/dev/fuse`` and calls ``mount(2)`` (through libc, with ctypes) the way libfuse
+does for ``cachefs mount``: type ``fuse.cachefs``, source ``cachefs``, data
+``fd=N,rootmode=40000,user_id=0,group_id=0,default_permissions,allow_other``, flags ``nosuid,nodev``
+(and ``ro`` for a read-only mount), so the mount table cannot tell a handed-over mount from one the
+daemon made itself. The kernel then waits for a daemon to read from that fd (every access to the
+mount blocks until one answers the INIT request).
+
+``HandoverSocket`` listens on a unix socket (mode 0600, owned by the daemon's user) in a private
+directory, accepts the daemon's one connection and sends the fd with SCM_RIGHTS
+(``cachefs.handover``); ``read_report`` then reads the daemon's start-up report on that connection.
+Every wait is bounded by a deadline and gives up early when the daemon is seen to have exited.
+
+The caller closes its own copy of the fd once it has been sent: the daemon must be its only holder,
+so that the daemon's death ends the FUSE connection (every access then fails with ENOTCONN, which
+``mounter.probe_broken`` detects) instead of leaving the mount hanging on a descriptor nobody reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import select
+import socket
+import stat
+import struct
+import time
+from pathlib import Path
+from typing import Callable
+
+from cachefs.handover import HandoverError, check_socket_path, send_fd
+from cachefs.mounts import FSTYPE
+
+log = logging.getLogger(__name__)
+
+FUSE_DEVICE = "/dev/fuse"
+# What `cachefs mount` (pyfuse3: fsname=cachefs, subtype=cachefs) shows as the mount's source.
+FSNAME = "cachefs"
+# mount(2) flags (linux/mount.h) and umount2(2) flags: part of the kernel ABI, not syscall numbers.
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MNT_DETACH = 0x2
+# How often a wait looks at whether the daemon is still alive.
+ALIVE_POLL_S = 1.0
+# The longest report line read (a one-line reason).
+MAX_REPORT_BYTES = 64 * 1024
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+
+
+def mount_options(fd: int, rootmode: int, *, user_id: int = 0, group_id: int = 0, allow_other: bool = True,
+                  default_permissions: bool = True) -> str:
+    """The FUSE mount data string for a mount of ``/dev/fuse`` descriptor ``fd``."""
+    options = [f"fd={fd}", f"rootmode={rootmode:o}", f"user_id={user_id}", f"group_id={group_id}"]
+    if default_permissions:
+        options.append("default_permissions")
+    if allow_other:
+        options.append("allow_other")
+    return ",".join(options)
+
+
+def mount_flags(read_only: bool) -> int:
+    return MS_NOSUID | MS_NODEV | (MS_RDONLY if read_only else 0)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+
+
+def mount_fuse(target: Path, *, read_only: bool, allow_other: bool = True, default_permissions: bool = True) -> int:
+    """Open ``/dev/fuse`` and mount it at ``target``; the open fd (close-on-exec). ``OSError`` if refused."""
+    fd = os.open(FUSE_DEVICE, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        st = os.stat(target)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, f"{target} is not a directory")
+        data = mount_options(fd, stat.S_IFMT(st.st_mode), user_id=os.getuid(), group_id=os.getgid(),
+                             allow_other=allow_other, default_permissions=default_permissions)
+        _check(_libc.mount(FSNAME.encode(), os.fsencode(target), FSTYPE.encode(), mount_flags(read_only),
+                           data.encode()), f"mount {FSTYPE} on {target}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def unmount(target: Path, *, lazy: bool = False) -> None:
+    """Unmount ``target`` (``lazy``: detach now, even busy or dead). ``OSError`` if the kernel refuses."""
+    _check(_libc.umount2(os.fsencode(target), MNT_DETACH if lazy else 0), f"unmount {target}")
+
+
+class HandoverTimeout(HandoverError):
+    """The daemon did not connect, or did not report, before the deadline."""
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+    except OSError:
+        return "an unknown peer"
+    return f"pid {pid} (uid {uid}, gid {gid})"
+
+
+class HandoverSocket:
+    """A listening unix socket for one handover; ``close`` (or leaving the ``with``) removes it."""
+
+    def __init__(self, path: Path, *, uid: int | None = None, gid: int | None = None) -> None:
+        check_socket_path(path)
+        self.path = path
+        path.unlink(missing_ok=True)  # left by a handover that never completed
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.bind(str(path))
+            os.chmod(path, 0o600)
+            if uid is not None or gid is not None:
+                os.chown(path, -1 if uid is None else uid, -1 if gid is None else gid)
+            self.sock.listen(1)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> HandoverSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def hand_over(self, fd: int, deadline: float, alive: Callable[[], bool]) -> socket.socket:
+        """Accept the daemon's connection and send it ``fd``; the connection, for ``read_report``.
+
+        ``HandoverError`` when no daemon connects before ``deadline`` (``time.monotonic``) or
+        ``alive()`` says the daemon is gone."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise HandoverTimeout(f"the daemon did not connect to {self.path} in time")
+            readable, _, _ = select.select([self.sock], [], [], min(ALIVE_POLL_S, remaining))
+            if readable:
+                break
+            if not alive():
+                raise HandoverError("the daemon exited before taking the mount")
+        conn, _ = self.sock.accept()
+        conn.settimeout(max(0.1, deadline - time.monotonic()))
+        try:
+            send_fd(conn, fd)
+        except OSError as exc:
+            conn.close()
+            raise HandoverError(f"cannot send the FUSE descriptor: {exc.strerror or exc}") from None
+        log.debug("handed the FUSE descriptor of %s over to %s", self.path, _peer(conn))
+        return conn
+
+
+def read_report(conn: socket.socket, deadline: float, alive: Callable[[], bool]) -> tuple[list[str], str | None, bool]:
+    """The daemon's start-up report: ``(warnings, error, invalid)``; ``error`` is None once it serves.
+
+    ``invalid`` is True when the daemon refused its arguments (``BAD`` rather than ``ERR``)."""
+    warnings: list[str] = []
+    buffer = b""
+    while True:
+        while b"\n" in buffer:
+            raw, buffer = buffer.split(b"\n", 1)
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("WARN "):
+                warnings.append(line[5:])
+            elif line == "OK":
+                return warnings, None, False
+            elif line.startswith(("ERR ", "BAD ")):
+                return warnings, line[4:] or "unknown error", line.startswith("BAD ")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise HandoverTimeout("the daemon did not report that it serves the mount in time")
+        readable, _, _ = select.select([conn], [], [], min(ALIVE_POLL_S, remaining))
+        if not readable:
+            if not alive():
+                raise HandoverError("the daemon exited during start-up")
+            continue
+        try:
+            chunk = conn.recv(4096)
+        except OSError as exc:
+            raise HandoverError(f"lost the daemon's report: {exc.strerror or exc}") from None
+        if not chunk:
+            raise HandoverError("the daemon exited during start-up")
+        buffer += chunk
+        if len(buffer) > MAX_REPORT_BYTES:
+            raise HandoverError("the daemon's report is too long")

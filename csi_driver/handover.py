@@ -1,0 +1,259 @@
+"""``HandoverMounter``: the node plugin mounts, a launched daemon serves (the ``Mounter`` of
+``--mount-mode process`` and ``--mount-mode pod``).
+
+A mount is made in this order, every step bounded, and undone whole on any failure (the daemon
+stopped, the mount detached lazily):
+
+1. the daemon's run directory (``<run_root>/<name>``, mode 0700) is prepared, and it and the cache
+   slot are handed to the daemon's user when the daemon runs as another user;
+2. the plugin mounts ``/dev/fuse`` at the target itself (``fusefd.mount_fuse``);
+3. it listens on ``<run_dir>/fuse.sock`` and has the launcher start ``cachefs mount ...
+   --fuse-fd-socket <run_dir>/fuse.sock`` (``launchers.DaemonSpec``);
+4. it sends the daemon the fd and closes its own copy, so that the daemon is the connection's only
+   holder: the daemon's death ends the connection (ENOTCONN) instead of hanging the mount;
+5. it reads the daemon's start-up report (``OK``, or the one-line reason it cannot serve), checks
+   that the mount answers, and tunes the connection's read-ahead and background requests
+   (``cachefs.tuning``: sysfs, which an unprivileged daemon may not write).
+
+The daemon needs no privilege: it neither mounts nor unmounts. Because it holds the only fd, it
+keeps serving when the plugin is killed or restarted; nothing needs re-attaching afterwards (the
+staged volumes' records and the mount table say what is mounted, ``NodeOps.adopt``). A daemon that
+never gets its fd gives up after ``cachefs.cli.mount.HANDOVER_WAIT_S``, and one whose mount is
+unmounted exits by itself, so no daemon outlives its mount for long.
+
+**Unmount**: flush (``cachefs flush`` through the daemon's control socket, which lives in the run
+directory: reachable from the plugin in either mode), the kernel unmount (the daemon sees the
+connection end and exits), then the launcher makes sure the daemon is gone. A broken mount (its
+daemon died) is detached lazily and its daemon's remains stopped.
+
+Credentials reach the daemon only through ``DaemonSpec.env``: never its argv, never a log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from cachefs.handover import MAX_SOCKET_PATH, HandoverError
+from cachefs.tuning import tune_fuse_connection
+from csi_driver import fusefd
+from csi_driver.errors import Code, CsiError
+from csi_driver.launchers import DaemonLauncher, DaemonSpec, daemon_name
+from csi_driver.mounter import (
+    MOUNT_TIMEOUT_S,
+    UNMOUNT_TIMEOUT_S,
+    CachefsMounter,
+    MountRequest,
+    last_line,
+)
+from csi_driver.redact import REGISTRY
+
+log = logging.getLogger(__name__)
+
+# How long a daemon may take to exit after SIGTERM before it is killed.
+STOP_TIMEOUT_S = 30.0
+# After the daemon reports OK, how long the mount may take to answer its first request.
+ANSWER_TIMEOUT_S = 20.0
+# How long the unmount waits for the daemon to exit by itself once its mount is gone.
+EXIT_WAIT_S = 30.0
+POLL_S = 0.1
+
+
+def _answers(target: Path, timeout_s: float) -> str | None:
+    """None once ``statvfs(target)`` answers (it always reaches the daemon), else why not. The call
+    runs in a thread: a daemon that never answers must not hold this caller."""
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            os.statvfs(target)
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc.strerror or str(exc))
+
+    thread = threading.Thread(target=probe, name=f"probe {target}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return outcome[0] if outcome else f"no answer within {timeout_s:g} s"
+
+
+class HandoverMounter(CachefsMounter):
+    """A ``Mounter`` that mounts itself and hands each mount to a daemon from ``launcher``.
+
+    ``command`` is the ``cachefs`` CLI the plugin runs itself (``flush``); the daemon's program is the
+    launcher's. ``daemon_uid``/``daemon_gid``: run every daemon as this user (its cache slot and run
+    directory are chowned to it; files in the mount stay owned by the plugin's user unless the volume
+    says otherwise). Bind mounts, ``is_mounted`` and ``is_broken`` are ``CachefsMounter``'s."""
+
+    def __init__(self, launcher: DaemonLauncher, run_root: Path, *, command: Sequence[str] | None = None,
+                 environ: Mapping[str, str] | None = None, daemon_uid: int | None = None,
+                 daemon_gid: int | None = None, mount_timeout_s: float = MOUNT_TIMEOUT_S,
+                 unmount_timeout_s: float = UNMOUNT_TIMEOUT_S, stop_timeout_s: float = STOP_TIMEOUT_S,
+                 log_level: str = "INFO") -> None:
+        super().__init__(command=command, environ=environ, mount_timeout_s=mount_timeout_s,
+                         unmount_timeout_s=unmount_timeout_s, log_level=log_level)
+        self.launcher = launcher
+        self.run_root = run_root
+        self.daemon_uid = daemon_uid
+        self.daemon_gid = daemon_gid
+        self.stop_timeout_s = stop_timeout_s
+
+    # -- the daemon's description -------------------------------------------------------------------
+    def spec_for(self, request: MountRequest) -> DaemonSpec:
+        name = daemon_name(request.target)
+        run_dir = self.run_root / name
+        if self.daemon_uid is not None:
+            # An unprivileged daemon would make itself the owner of every file: keep the plugin's.
+            owner = request.owner
+            request = dataclasses.replace(request, owner=dataclasses.replace(
+                owner, uid=os.geteuid() if owner.uid is None else owner.uid,
+                gid=os.getegid() if owner.gid is None else owner.gid))
+        # The longest socket the daemon makes: its control socket, $XDG_RUNTIME_DIR/cachefs/<16 hex>.sock.
+        longest = run_dir / "cachefs" / f"{'0' * 16}.sock"
+        if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+            raise CsiError(Code.FAILED_PRECONDITION, f"the run root {self.run_root} is too long for unix socket "
+                                                     f"paths ({longest} exceeds {MAX_SOCKET_PATH} bytes)")
+        args = self.mount_argv(request)[len(self.command):]
+        args += ["--fuse-fd-socket", str(run_dir / "fuse.sock")]
+        env = {key: value for key, value in self.child_environ(request).items() if key.startswith("AWS_")}
+        env["XDG_RUNTIME_DIR"] = str(run_dir)  # the control socket: in the run dir, reachable from here
+        return DaemonSpec(
+            name=name, volume_id=request.volume_id, target=request.target, args=tuple(args), env=env,
+            cache_dir=request.cache_dir, run_dir=run_dir, read_only=request.read_only,
+            uid=self.daemon_uid, gid=self.daemon_gid, ram_cache_bytes=request.cache.ram_bytes,
+            disk_cache_bytes=request.cache.disk_bytes, context=dict(request.context),
+            pod_resources=request.pod_resources,
+            log_file=request.cache_dir / "daemon.log",
+        )
+
+    def _prepare_dirs(self, spec: DaemonSpec) -> None:
+        try:
+            spec.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            spec.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if spec.uid is not None:
+                for directory in (spec.run_dir, spec.cache_dir):
+                    _chown_tree(directory, spec.uid, spec.gid)
+        except OSError as exc:
+            raise CsiError(Code.INTERNAL, f"cannot prepare the daemon's directories for {spec.target}: "
+                                          f"{exc.strerror or exc}") from None
+
+    # -- Mounter ------------------------------------------------------------------------------------
+    def mount(self, request: MountRequest) -> None:
+        spec = self.spec_for(request)
+        what = f"cannot mount {request.source} on {request.target}"
+        if self.launcher.is_running(spec.name):
+            # A daemon of an earlier mount at this target (a dead mount being replaced).
+            log.warning("a daemon for %s is still running (%s); stopping it before mounting again", spec.target,
+                        self.launcher.describe(spec.name))
+            self.launcher.stop(spec.name, self.stop_timeout_s)
+        self._prepare_dirs(spec)
+        try:
+            fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only)
+        except OSError as exc:
+            raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
+        deadline = time.monotonic() + self.mount_timeout_s
+        try:
+            self._hand_over(spec, fd, deadline, what)
+        except BaseException:
+            self._undo(spec)
+            raise
+        log.info("mounted %s on %s; served by daemon %s (%s)", request.source, spec.target, spec.name,
+                 self.launcher.describe(spec.name))
+
+    def _hand_over(self, spec: DaemonSpec, fd: int, deadline: float, what: str) -> None:
+        def alive() -> bool:
+            return self.launcher.is_running(spec.name)
+
+        try:
+            try:
+                with fusefd.HandoverSocket(spec.handover_socket, uid=spec.uid, gid=spec.gid) as listener:
+                    self.launcher.start(spec)
+                    conn = listener.hand_over(fd, deadline, alive)
+            finally:
+                os.close(fd)  # from here on the daemon holds the connection's only fd
+            with conn:
+                warnings, error, invalid = fusefd.read_report(conn, deadline, alive)
+        except HandoverError as exc:
+            code = Code.DEADLINE_EXCEEDED if isinstance(exc, fusefd.HandoverTimeout) else Code.INTERNAL
+            raise CsiError(code, f"{what}: {exc} ({self.launcher.describe(spec.name)})") from None
+        except OSError as exc:
+            raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
+        for line in warnings:
+            log.warning("%s: %s", spec.target, REGISTRY.scrub(line))
+        if error is not None:
+            code = Code.INVALID_ARGUMENT if invalid else Code.INTERNAL
+            raise CsiError(code, f"{what}: {REGISTRY.scrub(error)}")
+        problem = _answers(spec.target, min(ANSWER_TIMEOUT_S, max(1.0, deadline - time.monotonic())))
+        if problem is not None:
+            raise CsiError(Code.INTERNAL, f"{what}: the daemon reported ready, but the mount does not answer "
+                                          f"({problem})")
+        tune_fuse_connection(spec.target)  # read-ahead, background requests: the daemon may not
+
+    def _undo(self, spec: DaemonSpec) -> None:
+        """Stop the daemon (ending the connection), then detach the mount; log what cannot be undone."""
+        try:
+            self.launcher.stop(spec.name, self.stop_timeout_s)
+        except CsiError as exc:
+            log.warning("undoing the mount at %s: %s", spec.target, exc.message)
+        try:
+            fusefd.unmount(spec.target, lazy=True)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOENT):
+                log.warning("undoing the mount at %s: %s", spec.target, exc.strerror)
+        if not self.launcher.is_running(spec.name):
+            shutil.rmtree(spec.run_dir, ignore_errors=True)
+
+    def unmount(self, target: Path) -> None:
+        name = daemon_name(target)
+        if self.is_mounted(target):
+            if self.is_broken(target):
+                self.detach(target)
+            else:
+                self._flush(target)
+                try:
+                    fusefd.unmount(target)
+                except OSError as exc:
+                    if self.is_mounted(target):
+                        raise CsiError(Code.INTERNAL, f"cannot unmount {target}: {exc.strerror or exc}") from None
+        # Its mount gone, the daemon exits by itself; stop() makes sure, and cleans up.
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while self.launcher.is_running(name) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self.launcher.stop(name, self.stop_timeout_s)
+        shutil.rmtree(self.run_root / name, ignore_errors=True)
+
+    def _flush(self, target: Path) -> None:
+        """Everything written through ``target`` is in the object store, or ``CsiError`` (and no unmount)."""
+        argv = [*self.command, "flush", str(target), "--timeout", f"{self.unmount_timeout_s:g}"]
+        result = self._run(argv, dict(self.environ), self.unmount_timeout_s + 10, f"flushing {target}")
+        if result.returncode != 0:
+            raise CsiError(Code.INTERNAL, f"not unmounting {target}: written data is not in the object store yet "
+                                          f"({last_line(result.stderr)}); retry later")
+
+    def detach(self, target: Path) -> None:
+        """Lazily detach a dead mount (nothing is left to flush)."""
+        try:
+            fusefd.unmount(target, lazy=True)
+        except OSError as exc:
+            if self.is_mounted(target):
+                raise CsiError(Code.INTERNAL, f"cannot detach broken mount {target}: {exc.strerror or exc}") from None
+        log.warning("detached the broken mount at %s (its daemon was gone)", target)
+
+
+def _chown_tree(directory: Path, uid: int, gid: int | None) -> None:
+    """Give ``directory`` (and, the first time, everything in it) to ``uid``/``gid``."""
+    group = -1 if gid is None else gid
+    st = os.stat(directory)
+    if st.st_uid == uid and (gid is None or st.st_gid == gid):
+        return
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            os.chown(os.path.join(root, name), uid, group, follow_symlinks=False)
+    os.chown(directory, uid, group)

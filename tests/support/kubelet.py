@@ -1,0 +1,224 @@
+"""A kubelet stand-in: runs the pods bound to one node in the API double as local processes.
+
+It polls the API double (``tests/support/kubeapi.py``) for pods whose ``spec.nodeName`` is its node
+and, for each new one, does what a kubelet and a container runtime would do with a mount pod:
+
+- refuses what a mount pod must never ask for: a privileged container, privilege escalation, a
+  hostPath mounted at another path than its own (the node plugin relies on same-path mounts), or a
+  literal ``value`` for a variable that looks like a credential;
+- resolves ``env[].valueFrom.secretKeyRef`` from the Secrets in the API (waiting, as a kubelet does,
+  while the Secret is missing);
+- runs the container's command as a process group of its own (``cachefs`` is this interpreter's
+  ``-m cachefs``), under ``setpriv`` with an empty capability bounding set and ``no_new_privs``, as
+  ``runAsUser``/``runAsGroup``: the daemon gets no more privilege than the pod spec grants;
+- reports ``status.phase`` Running, then Succeeded or Failed with the container's exit code and a
+  ``terminated`` state when the process ends;
+- kills the process group (SIGTERM, then SIGKILL after the grace period) when the pod is deleted.
+
+``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod. An image
+named ``unpullable/...`` is never pulled: the container waits in ``ErrImagePull``, as it would.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+POLL_S = 0.1
+SECRETISH = ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY")
+KILL_WAIT_S = 10.0
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Container:
+    name: str
+    uid: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    grace_s: float
+    env: dict[str, str] = field(repr=False)
+    reported: bool = False
+    deleted: bool = False
+
+
+class Kubelet:
+    def __init__(self, core: Any, node: str, namespace: str, workdir: Path, base_env: dict[str, str]) -> None:
+        self.core = core
+        self.node = node
+        self.namespace = namespace
+        self.workdir = workdir
+        self.base_env = base_env
+        self.containers: dict[str, Container] = {}  # by pod uid
+        self.refused: dict[str, str] = {}  # pod name -> why
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"kubelet-{node}", daemon=True)
+        self.setpriv = shutil.which("setpriv")
+
+    # -- life ---------------------------------------------------------------------------------------
+    def start(self) -> Kubelet:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            containers = list(self.containers.values())
+        for container in containers:
+            self._terminate(container, grace_s=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as exc:  # the API double is going away; keep trying until stopped
+                print(f"kubelet stand-in: {exc!r}", file=sys.stderr)
+            self._stop.wait(POLL_S)
+
+    # -- test helpers -------------------------------------------------------------------------------
+    def running(self, pod: str) -> Container | None:
+        with self._lock:
+            for container in self.containers.values():
+                if container.name == pod and container.proc.poll() is None:
+                    return container
+        return None
+
+    def kill(self, pod: str, sig: int = signal.SIGKILL) -> int:
+        """The container of ``pod`` dies: ``sig`` to its whole process group; returns the pid."""
+        container = self.running(pod)
+        assert container is not None, f"no running container for pod {pod}"
+        os.killpg(container.proc.pid, sig)
+        return container.proc.pid
+
+    # -- one round ----------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        pods = [p for p in self.core.list_namespaced_pod(self.namespace).items if p.spec.node_name == self.node]
+        present = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None}
+        for uid, pod in present.items():
+            with self._lock:
+                known = uid in self.containers
+            if not known and pod.metadata.name not in self.refused and not (pod.status and pod.status.phase in (
+                    "Succeeded", "Failed")):
+                self._start(pod)
+        with self._lock:
+            containers = list(self.containers.values())
+        for container in containers:
+            if container.uid not in present and not container.deleted:
+                container.deleted = True
+                threading.Thread(target=self._terminate, args=(container,), daemon=True).start()
+            elif container.proc.poll() is not None and not container.reported and not container.deleted:
+                self._report_exit(container)
+
+    def _refuse(self, pod: Any, why: str) -> None:
+        self.refused[pod.metadata.name] = why
+        self._patch_status(pod.metadata.name, {"phase": "Failed", "reason": "Refused", "message": why})
+
+    def _start(self, pod: Any) -> None:
+        spec = pod.spec
+        (container,) = spec.containers
+        if container.image.startswith("unpullable/"):
+            self.refused[pod.metadata.name] = "ErrImagePull"
+            self._patch_status(pod.metadata.name, {"phase": "Pending", "containerStatuses": [{
+                "name": container.name, "image": container.image, "imageID": "", "ready": False, "restartCount": 0,
+                "state": {"waiting": {"reason": "ErrImagePull", "message": f"pull access denied for {container.image}"}},
+            }]})
+            return None
+        security = container.security_context
+        if security is None or security.privileged is not False or security.allow_privilege_escalation is not False:
+            return self._refuse(pod, "a mount pod must be unprivileged, without privilege escalation")
+        host = {v.name: v.host_path.path for v in spec.volumes or [] if v.host_path is not None}
+        scratch = {v.name for v in spec.volumes or [] if v.empty_dir is not None}  # the process uses the real one
+        for mount in container.volume_mounts or []:
+            if mount.name not in scratch and host.get(mount.name) != mount.mount_path:
+                return self._refuse(pod, f"volume {mount.name} is not a hostPath mounted at its own path")
+        env: dict[str, str] = {}
+        for var in container.env or []:
+            if var.value is not None:
+                if any(word in var.name.upper() for word in SECRETISH):
+                    return self._refuse(pod, f"variable {var.name} is a literal value in the pod spec")
+                env[var.name] = var.value
+                continue
+            ref = var.value_from.secret_key_ref
+            try:
+                secret = self.core.read_namespaced_secret(ref.name, self.namespace)
+            except Exception:
+                return None  # CreateContainerConfigError: try again next round
+            env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
+        command = list(container.command)
+        if command[0] == "cachefs":
+            command[:1] = [sys.executable, "-m", "cachefs"]
+        security_pod = spec.security_context
+        user = security_pod.run_as_user if security_pod is not None else None
+        group = security_pod.run_as_group if security_pod is not None else None
+        if self.setpriv is not None:
+            wrap = [self.setpriv, "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs"]
+            if user not in (None, 0):
+                wrap += [f"--reuid={user}", f"--regid={group if group is not None else user}", "--clear-groups"]
+            command = wrap + command
+        log_path = self.workdir / f"{pod.metadata.name}-{pod.metadata.uid[:8]}.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
+                                    env={**self.base_env, **env}, start_new_session=True)
+        with self._lock:
+            self.containers[pod.metadata.uid] = Container(pod.metadata.name, pod.metadata.uid, proc, log_path,
+                                                          float(spec.termination_grace_period_seconds or 30), env)
+        self._patch_status(pod.metadata.name, {
+            "phase": "Running", "hostIP": "127.0.0.1", "startTime": _now(),
+            "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "local",
+                                   "ready": True, "restartCount": 0, "started": True,
+                                   "state": {"running": {"startedAt": _now()}}}],
+        })
+
+    def _report_exit(self, container: Container) -> None:
+        code = container.proc.returncode
+        exit_code = 128 - code if code < 0 else code  # killed by a signal: 128 + its number
+        container.reported = True
+        self._patch_status(container.name, {
+            "phase": "Succeeded" if exit_code == 0 else "Failed",
+            "containerStatuses": [{"name": "cachefs", "image": "local", "imageID": "local", "ready": False,
+                                   "restartCount": 0, "started": False,
+                                   "state": {"terminated": {"exitCode": exit_code,
+                                                            "reason": "Completed" if exit_code == 0 else "Error",
+                                                            "finishedAt": _now()}}}],
+        })
+
+    def _terminate(self, container: Container, grace_s: float | None = None) -> None:
+        if container.proc.poll() is not None:
+            return
+        try:
+            os.killpg(container.proc.pid, signal.SIGTERM)
+            container.proc.wait(timeout=grace_s if grace_s is not None else container.grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(container.proc.pid, signal.SIGKILL)
+            container.proc.wait(timeout=KILL_WAIT_S)
+        except ProcessLookupError:
+            pass
+
+    def _patch_status(self, name: str, status: dict[str, Any]) -> None:
+        try:
+            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
+                                                  _content_type="application/merge-patch+json")
+        except Exception:
+            pass  # the pod was deleted meanwhile
+
+    def wait_gone(self, pod: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.running(pod) is not None:
+            assert time.monotonic() < deadline, f"the container of {pod} is still running"
+            time.sleep(POLL_S)
