@@ -20,6 +20,12 @@ draws a progress bar (bytes, files, fetch rate, ETA) on stderr, otherwise it pri
 line at the end. Ctrl-C, SIGTERM and SIGHUP cancel the job in the daemon before exiting; a CLI
 killed outright stops polling, and the daemon cancels the job when its lease runs out.
 
+``--json-progress`` prints the job document as one compact JSON line at most every
+``PROGRESS_LINE_INTERVAL_S`` while the job runs, and the final document as the last line: a log that
+a follower reads without a terminal (the Dataset operator reads a warm-up Job's pod log this way,
+``csi_driver.operator``). Each line is a whole document, so the last complete line of a log is the
+latest state.
+
 ``--tier cluster`` warms the shared cluster tier instead of the disk tier (and ``--check --tier
 cluster`` reports its coverage); the mount needs ``--cluster-cache``.
 
@@ -57,6 +63,9 @@ JOB_LEASE_S = 30.0
 # Resolving paths, snapshots and evictions list the store first: a tree of 100,000 directories is
 # minutes of LISTs on a slow store. Requests that answer only after listing get this long.
 LISTING_TIMEOUT_S = 600.0
+# ``--json-progress``: a line every 5 s keeps a day-long warm-up's log under 20,000 lines (a few MiB)
+# while a follower that reads it every 10-30 s always finds a fresh one.
+PROGRESS_LINE_INTERVAL_S = 5.0
 # Starting a job with a large manifest ships every entry in one request body.
 START_TIMEOUT_S = 60.0
 # Files listed per category (failed, changed, not cached) on stderr; the rest are counted.
@@ -124,6 +133,9 @@ def register(sub: Any) -> None:
     p.add_argument("--stream", default=DEFAULT_ORDER_STREAM, metavar="NAME",
                    help=f"the name of the announced order (with --order; default {DEFAULT_ORDER_STREAM!r})")
     p.add_argument("--json", action="store_true", help="print the final job document as JSON")
+    p.add_argument("--json-progress", action="store_true",
+                   help=f"print the job document as one JSON line every {PROGRESS_LINE_INTERVAL_S:g} s while it runs "
+                        "and the final one last (for log followers)")
     p.set_defaults(handler=cmd_prefetch)
     _intermixed(p)
 
@@ -271,14 +283,16 @@ def cmd_order(args: argparse.Namespace) -> int:
 def cmd_prefetch(args: argparse.Namespace, environ: dict[str, str]) -> int:
     if args.order is not None:
         return cmd_order(args)
+    if args.json and args.json_progress:
+        raise UsageError("--json and --json-progress do not go together: --json-progress prints the final document too")
     mountpoint, socket = _mountpoint(args)
     body = prefetch_body(args, mountpoint, os.getcwd())
-    tty = sys.stderr.isatty() and not args.json
+    tty = sys.stderr.isatty() and not args.json and not args.json_progress
     with _interrupts_as_keyboard_interrupt():
         doc = _request(socket, "/prefetch", method="POST", body=body, timeout_s=START_TIMEOUT_S)
         job_id = doc["id"]
         try:
-            doc = _follow(socket, job_id, tty, doc)
+            doc = _follow(socket, job_id, tty, doc, lines=args.json_progress)
         except KeyboardInterrupt:
             try:
                 doc = _request(socket, f"/prefetch/{job_id}", method="DELETE")
@@ -286,16 +300,30 @@ def cmd_prefetch(args: argparse.Namespace, environ: dict[str, str]) -> int:
                 pass  # the daemon is gone: there is no job left to cancel
             if args.json:
                 _print_json(doc)
+            elif args.json_progress:
+                _print_line(doc)
             _err(f"prefetch cancelled: {format_size(doc.get('bytes_done', 0))} of "
                  f"{format_size(doc.get('bytes_total', 0))} cached; run it again to resume")
             return EXIT_INTERRUPTED
-    return report(doc, as_json=args.json)
+    if args.json_progress:
+        _print_line(doc)
+    return report(doc, as_json=args.json, quiet=args.json_progress)
 
 
-def _follow(socket: str, job_id: str, tty: bool, doc: dict[str, Any]) -> dict[str, Any]:
-    """Poll the job until it ends, drawing a progress bar on a terminal."""
+def _print_line(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc, sort_keys=True, separators=(",", ":")), flush=True)
+
+
+def _follow(socket: str, job_id: str, tty: bool, doc: dict[str, Any], *, lines: bool = False,
+            clock: Any = time.monotonic) -> dict[str, Any]:
+    """Poll the job until it ends, drawing a progress bar on a terminal, or (``lines``) printing a
+    JSON line every ``PROGRESS_LINE_INTERVAL_S`` (the final one is the caller's)."""
     if not tty:
+        printed = None
         while doc["state"] in ("resolving", "running"):
+            if lines and (printed is None or clock() - printed >= PROGRESS_LINE_INTERVAL_S):
+                _print_line(doc)
+                printed = clock()
             time.sleep(POLL_INTERVAL_S)
             doc = _request(socket, f"/prefetch/{job_id}")
         return doc
@@ -353,8 +381,9 @@ def _listed(label: str, lines: list[str], total: int) -> None:
         _err(f"{label}: ... and {total - min(len(lines), MAX_LISTED_LINES)} more")
 
 
-def report(doc: dict[str, Any], *, as_json: bool = False) -> int:
-    """Print the outcome of a finished job; returns the exit status."""
+def report(doc: dict[str, Any], *, as_json: bool = False, quiet: bool = False) -> int:
+    """Print the outcome of a finished job; returns the exit status. ``quiet``: no summary line on
+    stdout (``--json-progress`` printed the document; stderr still lists failures)."""
     state = doc["state"]
     if as_json:
         _print_json(doc)
@@ -377,7 +406,7 @@ def report(doc: dict[str, Any], *, as_json: bool = False) -> int:
                    f"{format_size(doc['bytes_skipped'])} already cached, in {doc['elapsed_s']:.1f} s"
                    + (f" ({format_size(int(rate))}/s)" if rate > 0 else "")
                    + (", pinned" if doc["pin"] else ""))
-    if not as_json:
+    if not as_json and not quiet:
         print(f"cachefs: {summary}")
     _listed("failed", [f"{f['path']}: {f['error']}" for f in doc["failures"]], doc["failures_count"])
     changed = [

@@ -12,6 +12,8 @@ behaviours of a real API server that the node plugin relies on:
 - the garbage collector's part: deleting an object deletes the objects whose ``ownerReferences``
   name its uid (a mount pod's Secret goes with the pod).
 
+``OperatorApiServer`` (at the end) adds what kopf relies on, for the Dataset operator's tests.
+
 Everything else (admission, RBAC, field validation) is not emulated: the manifests are validated
 separately (tests/csi/test_manifests.py), and tests assert on the objects as stored.
 """
@@ -28,6 +30,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
+import jsonpatch
 import kmock
 from kmock._internal import enums, parsing, rendering
 
@@ -182,3 +186,84 @@ class ApiDouble:
         configuration = client.Configuration()
         config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=configuration)
         return client.CoreV1Api(client.ApiClient(configuration))
+
+
+# ------------------------------------------------------------------------------ the Dataset operator
+# What kopf (cachefs-operator, tests/csi/test_operator.py) finds by discovery: it scans the API groups
+# and waits until namespaces and CRDs are listed before it watches anything.
+OPERATOR_RESOURCES: dict[str, dict[str, Any]] = {
+    "cachefs.io/v1alpha1/datasets": dict(kind="Dataset", namespaced=True, subresources={"status"}),
+    "v1/pods": dict(kind="Pod", namespaced=True, subresources={"log", "status"}),
+    "v1/persistentvolumes": dict(kind="PersistentVolume", namespaced=False),
+    "v1/persistentvolumeclaims": dict(kind="PersistentVolumeClaim", namespaced=True),
+    "v1/nodes": dict(kind="Node", namespaced=False),
+    "v1/events": dict(kind="Event", namespaced=True),
+    "v1/namespaces": dict(kind="Namespace", namespaced=False),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(kind="CustomResourceDefinition", namespaced=False),
+    "batch/v1/jobs": dict(kind="Job", namespaced=True, subresources={"status"}),
+}
+OPERATOR_VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+class OperatorApiServer(ClusterEmulator):
+    """``ClusterEmulator`` plus what kopf relies on, served on the test's own loop:
+
+    - a ``resourceVersion`` on every write, JSON patches included (kopf adds its finalizer with a JSON
+      patch that first tests the version), and 422 when such a test fails (a real server's answer;
+      kopf retries a 5xx with the same patch, and takes 422 as "re-read the object");
+    - ``metadata.generation``, moved by a change of ``spec``; ``generateName``;
+    - a watch from a list's ``resourceVersion`` sends only what changed after it (kmock replays
+      every object to a new watch; kopf would act on the stale copies);
+    - pod logs: ``logs[POD]`` is what ``GET .../pods/POD/log`` answers (``tailLines`` honoured).
+    """
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.logs: dict[str, str] = {}
+        for key, info in OPERATOR_RESOURCES.items():
+            self.resources[key] = kmock.ResourceInfo(verbs=OPERATOR_VERBS, **info)
+        self[kmock.resource("v1/pods"), kmock.subresource("log")] << self._serve_log
+
+    def _serve_log(self, request: rendering.Request) -> bytes:
+        lines = self.logs.get(request.name or "", "").splitlines(keepends=True)
+        tail = request.params.get("tailLines", "")
+        return "".join(lines[-int(tail):] if tail.isdigit() and int(tail) > 0 else lines).encode()
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        if request.resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:5]}"
+            meta.setdefault("generation", 1)
+        elif request.resource is not None and request.action == enums.action.UPDATE and request.name is not None:
+            key = (request.resource, request.namespace, request.name)
+            generation = self.objects[key].get("metadata", {}).get("generation", 1) if key in self.objects else 1
+            if isinstance(request.data, dict):  # a merge patch: ClusterEmulator sets its resourceVersion
+                if "spec" in request.data and request.subresource is None:
+                    request.data.setdefault("metadata", {})["generation"] = generation + 1
+            elif isinstance(request.data, list):  # a JSON patch
+                if any(str(op.get("path", "")).startswith("/spec") for op in request.data):
+                    request.data.append({"op": "add", "path": "/metadata/generation", "value": generation + 1})
+                request.data.append({"op": "add", "path": "/metadata/resourceVersion",
+                                     "value": str(next(self._versions))})
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        answer = await super()._serve_list(request)
+        answer["metadata"]["resourceVersion"] = str(next(self._versions))  # newer than anything listed
+        return answer
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        since = request.params.get("resourceVersion", "")
+        async for event in super()._serve_watch(request):
+            if since.isdigit() and isinstance(event, dict):
+                version = str(event.get("object", {}).get("metadata", {}).get("resourceVersion", ""))
+                if version.isdigit() and int(version) <= int(since):
+                    continue
+            yield event
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        if isinstance(exc, jsonpatch.JsonPatchException):
+            exc = kmock.KubernetesError(status=422, reason="Invalid", message=f"the patch does not apply: {exc}",
+                                        details={})
+        return await super()._render_error(exc)

@@ -143,3 +143,28 @@ def test_report_exit_codes_and_lines(capsys: pytest.CaptureFixture[str]) -> None
     assert out == "cachefs: 50.0% cached: 5 B of 10 B, 1 of 2 files complete\n"
     assert err == "cachefs: not cached: b\n"
     assert report(doc(state="failed", error="disk tier is down", ok=False)) == 1
+
+
+def test_json_progress_prints_one_document_per_interval_then_the_caller_prints_the_last(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    states = iter([doc(state="running", bytes_done=i) for i in range(1, 6)] + [doc()])
+    monkeypatch.setattr(cli_prefetch, "_request", lambda socket, route: next(states))
+    monkeypatch.setattr(cli_prefetch.time, "sleep", lambda s: None)
+    ticks = iter([0.0, 1.0, 2.0, 6.0, 7.0, 12.0, 13.0, 14.0])  # virtual clock: a line at 0, 6 and 12
+    final = cli_prefetch._follow("sock", "j1", False, doc(state="resolving", bytes_done=0), lines=True,
+                                 clock=lambda: next(ticks))
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["state"] for line in lines] == ["resolving", "running", "running"]
+    assert final["state"] == "done"
+
+
+def test_json_and_json_progress_together_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["prefetch", str(tmp_path), "--json", "--json-progress"]) == 2
+    assert "--json and --json-progress do not go together" in capsys.readouterr().err
+
+
+def test_json_progress_report_prints_no_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert report(doc(), quiet=True) == 0
+    assert capsys.readouterr().out == ""

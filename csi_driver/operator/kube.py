@@ -1,0 +1,203 @@
+"""The kubernetes client where kopf leaves off: create, list by label, delete, read a pod's log.
+
+kopf watches Datasets and pods, patches them and posts events; creating PersistentVolumes, claims and
+Jobs, listing them and reading logs goes through the official client here. Its calls block, so the
+handlers that use this are plain (sync) functions, which kopf runs in its thread pool, off the loop.
+
+Every call has a timeout (``REQUEST_TIMEOUT_S``). Creating an object that exists is not an error
+(handlers are re-run after an operator restart); deleting one that is gone is not either. Lists ask
+the API server to filter by label and check the labels again here: a list is never trusted to hold
+only what was asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+# A request to the API server that takes longer than this is stuck; the handler fails and kopf
+# retries it later (the default of the client is to wait forever).
+REQUEST_TIMEOUT_S = 30
+# Lines of a warm-up pod's log read on each follow tick: the last JSON line is the latest state, and
+# a few more cover lines printed to stdout after it (none today).
+LOG_TAIL_LINES = 20
+HTTP_NOT_FOUND, HTTP_CONFLICT = 404, 409
+# The label the Job controller puts on the pods of a Job (Kubernetes 1.27 and later).
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+
+
+class KubeError(Exception):
+    """An API call failed; one line with the object and the API server's reason."""
+
+
+def _fail(what: str, exc: ApiException) -> KubeError:
+    return KubeError(f"{what}: HTTP {exc.status} {exc.reason}")
+
+
+def selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def _matches(obj: Any, labels: Mapping[str, str]) -> bool:
+    have = (obj.get("metadata", {}) if isinstance(obj, dict) else {}).get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items())
+
+
+class Kube:
+    """The calls the operator makes, on one ``ApiClient``; objects in and out as plain dicts."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.batch = client.BatchV1Api(api)
+
+    def _dict(self, obj: Any) -> dict[str, Any]:
+        return obj if isinstance(obj, dict) else self.api.sanitize_for_serialization(obj)
+
+    # ------------------------------------------------------------------------------------ create
+    def ensure(self, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Create ``body`` (a PV, PVC or Job) unless it exists: ``(the object, created)``."""
+        kind, name = body["kind"], body["metadata"]["name"]
+        namespace = body["metadata"].get("namespace")
+        create, read = {
+            "PersistentVolume": (lambda: self.core.create_persistent_volume(body, _request_timeout=REQUEST_TIMEOUT_S),
+                                 lambda: self.core.read_persistent_volume(name, _request_timeout=REQUEST_TIMEOUT_S)),
+            "PersistentVolumeClaim": (
+                lambda: self.core.create_namespaced_persistent_volume_claim(namespace, body,
+                                                                            _request_timeout=REQUEST_TIMEOUT_S),
+                lambda: self.core.read_namespaced_persistent_volume_claim(name, namespace,
+                                                                          _request_timeout=REQUEST_TIMEOUT_S)),
+            "Job": (lambda: self.batch.create_namespaced_job(namespace, body, _request_timeout=REQUEST_TIMEOUT_S),
+                    lambda: self.batch.read_namespaced_job(name, namespace, _request_timeout=REQUEST_TIMEOUT_S)),
+        }[kind]
+        try:
+            return self._dict(create()), True
+        except ApiException as exc:
+            if exc.status != HTTP_CONFLICT:
+                raise _fail(f"cannot create {kind} {name}", exc) from None
+        try:
+            return self._dict(read()), False
+        except ApiException as exc:
+            raise _fail(f"cannot read {kind} {name}", exc) from None
+
+    # -------------------------------------------------------------------------------------- read
+    def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._dict(self.batch.read_namespaced_job(name, namespace, _request_timeout=REQUEST_TIMEOUT_S))
+        except ApiException as exc:
+            if exc.status == HTTP_NOT_FOUND:
+                return None
+            raise _fail(f"cannot read Job {namespace}/{name}", exc) from None
+
+    def list_jobs(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        try:
+            found = self.batch.list_namespaced_job(namespace, label_selector=selector(labels),
+                                                   _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            raise _fail(f"cannot list Jobs in {namespace}", exc) from None
+        return [j for j in (self._dict(item) for item in found.items) if _matches(j, labels)]
+
+    def list_pvs(self, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        try:
+            found = self.core.list_persistent_volume(label_selector=selector(labels), _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            raise _fail("cannot list PersistentVolumes", exc) from None
+        return [p for p in (self._dict(item) for item in found.items) if _matches(p, labels)]
+
+    def list_pvcs(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        try:
+            found = self.core.list_namespaced_persistent_volume_claim(namespace, label_selector=selector(labels),
+                                                                      _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            raise _fail(f"cannot list PersistentVolumeClaims in {namespace}", exc) from None
+        return [c for c in (self._dict(item) for item in found.items) if _matches(c, labels)]
+
+    def list_nodes(self, labels: Mapping[str, str]) -> list[str]:
+        try:
+            found = self.core.list_node(label_selector=selector(labels), _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            raise _fail("cannot list nodes", exc) from None
+        return sorted(n["metadata"]["name"] for n in (self._dict(item) for item in found.items) if _matches(n, labels))
+
+    def job_pod_log(self, namespace: str, job: str) -> str | None:
+        """The tail of the log of the newest pod of ``job`` (None: no pod, or no log yet)."""
+        wanted = {JOB_NAME_LABEL: job}
+        try:
+            found = self.core.list_namespaced_pod(namespace, label_selector=selector(wanted),
+                                                  _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            raise _fail(f"cannot list the pods of Job {namespace}/{job}", exc) from None
+        pods = [p for p in (self._dict(item) for item in found.items) if _matches(p, wanted)]
+        if not pods:
+            return None
+        newest = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
+        try:
+            # Raw bytes: with its default decoding the client turns a log of JSON lines into a Python
+            # repr (kubernetes-client/python#1090), which no JSON parser reads back.
+            response = self.core.read_namespaced_pod_log(newest["metadata"]["name"], namespace, container="prefetch",
+                                                         tail_lines=LOG_TAIL_LINES, _preload_content=False,
+                                                         _request_timeout=REQUEST_TIMEOUT_S)
+            return bytes(response.data).decode("utf-8", errors="replace")
+        except ApiException as exc:
+            if exc.status in (HTTP_NOT_FOUND, 400):  # gone, or not started yet (400: "waiting to start")
+                return None
+            raise _fail(f"cannot read the log of pod {namespace}/{newest['metadata']['name']}", exc) from None
+
+    # ------------------------------------------------------------------------------------ delete
+    def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
+        """Delete one object the operator made; gone already is fine. Jobs take their pods along."""
+        calls = {
+            "PersistentVolume": lambda: self.core.delete_persistent_volume(name, _request_timeout=REQUEST_TIMEOUT_S),
+            "PersistentVolumeClaim": lambda: self.core.delete_namespaced_persistent_volume_claim(
+                name, namespace, _request_timeout=REQUEST_TIMEOUT_S),
+            "Job": lambda: self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
+                                                            _request_timeout=REQUEST_TIMEOUT_S),
+        }
+        try:
+            calls[kind]()
+        except ApiException as exc:
+            if exc.status != HTTP_NOT_FOUND:
+                raise _fail(f"cannot delete {kind} {name}", exc) from None
+
+    # ------------------------------------------------------------------------------------ pods
+    def remove_gate(self, namespace: str, name: str, gates: list[dict[str, Any]], gate: str) -> None:
+        """Drop ``gate`` from a pod's schedulingGates: a JSON patch that first tests the list is still
+        ``gates``, so a concurrent change of the gates fails the patch instead of being overwritten."""
+        rest = [g for g in gates if g.get("name") != gate]
+        patch: list[dict[str, Any]] = [{"op": "test", "path": "/spec/schedulingGates", "value": gates}]
+        patch.append({"op": "replace", "path": "/spec/schedulingGates", "value": rest} if rest
+                     else {"op": "remove", "path": "/spec/schedulingGates"})
+        try:
+            self.core.patch_namespaced_pod(name, namespace, patch, _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status != HTTP_NOT_FOUND:
+                raise _fail(f"cannot release pod {namespace}/{name}", exc) from None
+
+    def pod_event(self, pod: Mapping[str, Any], *, reason: str, message: str, warning: bool, now: str) -> None:
+        """An Event on a pod (what ``kubectl describe pod`` shows); failures are the caller's to log."""
+        meta = pod["metadata"]
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name'][:200]}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": meta["namespace"],
+                               "uid": meta.get("uid", "")},
+            "reason": reason, "message": message[:1024], "type": "Warning" if warning else "Normal",
+            "source": {"component": "cachefs-operator"}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT_S)
+        except ApiException as exc:
+            raise _fail(f"cannot post an event on pod {meta['namespace']}/{meta['name']}", exc) from None
+
+    def container_image(self, namespace: str, pod: str, container: str) -> str | None:
+        """The image of ``container`` in a pod (the operator's own, for its warm-up Jobs); None if absent."""
+        try:
+            body = self._dict(self.core.read_namespaced_pod(pod, namespace, _request_timeout=REQUEST_TIMEOUT_S))
+        except ApiException as exc:
+            raise _fail(f"cannot read pod {namespace}/{pod}", exc) from None
+        for spec in (body.get("spec") or {}).get("containers") or []:
+            if spec.get("name") == container and spec.get("image"):
+                return str(spec["image"])
+        return None

@@ -1,0 +1,98 @@
+"""``cachefs-operator``: run the Dataset operator (in a cluster: deploy/components/datasets).
+
+The warm-up Jobs run ``--image``; without it, the image of this pod's ``operator`` container (the
+pod named by ``$POD_NAME`` in ``$POD_NAMESPACE``, from the downward API), so an overlay that renames
+the image renames the Jobs' too; outside a pod, ``DEFAULT_IMAGE``.
+
+The kubernetes client is configured from the pod's service account (in a cluster) or from
+``$KUBECONFIG``/``~/.kube/config`` (outside one); kopf logs in through the same client
+(``kopf.login_via_client``), so both talk to the same API server as the same identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, Mapping, Sequence
+
+import kopf
+from kubernetes import client, config
+
+from csi_driver.operator.handlers import (DEFAULT_IMAGE, FOLLOW_INTERVAL_S, GATE_INTERVAL_S, OperatorSettings,
+                                          OperatorState, build_registry)
+from csi_driver.operator.kube import Kube, KubeError
+
+OWN_CONTAINER = "operator"  # the container of deploy/components/datasets/deployment.yaml
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"invalid interval {text!r}: expected seconds from 1 to 3600")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cachefs-operator", description="run the cachefs Dataset operator")
+    p.add_argument("--image", default=None,
+                   help=f"image of the warm-up Jobs (default: this pod's own image, else {DEFAULT_IMAGE})")
+    p.add_argument("--namespace", action="append", default=[], metavar="NS",
+                   help="watch only this namespace (repeatable; default: the whole cluster)")
+    p.add_argument("--follow-interval", type=_positive, default=FOLLOW_INTERVAL_S, metavar="S",
+                   help=f"seconds between reads of warm-up progress (default {FOLLOW_INTERVAL_S:g})")
+    p.add_argument("--gate-interval", type=_positive, default=GATE_INTERVAL_S, metavar="S",
+                   help=f"seconds between checks of gated pods (default {GATE_INTERVAL_S:g})")
+    p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                   help="kopf's liveness endpoint (default http://0.0.0.0:8080/healthz)")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    return p
+
+
+def _load_config() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as exc:
+            raise SystemExit(f"cachefs-operator: no Kubernetes configuration: {exc}") from None
+    return client.ApiClient()
+
+
+def warm_up_image(kube: Kube, flag: str | None, environ: Mapping[str, str]) -> str:
+    """``--image``, else this pod's own image, else ``DEFAULT_IMAGE``."""
+    if flag:
+        return flag
+    pod, namespace = environ.get("POD_NAME"), environ.get("POD_NAMESPACE")
+    if pod and namespace:
+        try:
+            own = kube.container_image(namespace, pod, OWN_CONTAINER)
+        except KubeError as exc:
+            raise SystemExit(f"cachefs-operator: {exc} (to learn the warm-up image; or pass --image)") from None
+        if own:
+            return own
+    return DEFAULT_IMAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    kube = Kube(_load_config())
+    image = warm_up_image(kube, args.image, os.environ)
+    logging.getLogger("cachefs.operator").info("warm-up Jobs run %s", image)
+    state = OperatorState(kube=kube, settings=OperatorSettings(image=image, follow_interval_s=args.follow_interval,
+                                                               gate_interval_s=args.gate_interval))
+
+    def login(**kwargs: Any) -> Any:
+        return kopf.login_via_client(**kwargs)
+
+    registry = build_registry(state, login=login)
+    kopf.run(registry=registry, clusterwide=not args.namespace, namespaces=args.namespace,
+             liveness_endpoint=args.liveness, standalone=True)
+    return 0
