@@ -134,14 +134,37 @@ def _checked_rows(text: str, number: int, name: str, mtime: float, dirs: dict[st
     return rows
 
 
+def _stat_signature(manifest: Path) -> str:
+    """What identifies the manifest file's current bytes without reading them: device, inode, size,
+    mtime and ctime (the kernel sets ctime at every change of the file, and nothing can set it back)."""
+    try:
+        st = manifest.stat()
+    except FileNotFoundError:
+        raise ManifestError(f"manifest {manifest} does not exist") from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read manifest {manifest}: {exc.strerror or exc}") from None
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
 def open_manifest_index(manifest: Path, cache_dir: Path) -> MetadataIndex:
     """The pinned index of ``manifest`` in ``cache_dir``: reused if this manifest was imported
-    before, else imported now (``ManifestError`` naming the line of the first problem)."""
+    before, else imported now (``ManifestError`` naming the line of the first problem).
+
+    A remount of the very same file (same inode, size, mtime and ctime as when it was imported or
+    last hashed) opens its index at once; any other file is hashed first, and an index of the same
+    bytes is reused."""
+    signature = _stat_signature(manifest)
+    for existing in sorted(cache_dir.glob(f"{MANIFEST_INDEX_PREFIX}*.db")):
+        index = MetadataIndex(existing, max_entries=2**62)
+        if index.meta("manifest_stat") == signature and index.meta("manifest") is not None:
+            return index
+        index.close()
     digest = manifest_digest(manifest)
     target = cache_dir / f"{MANIFEST_INDEX_PREFIX}{digest[:32]}.db"
     if target.exists():
         index = MetadataIndex(target, max_entries=2**62)
         if index.meta("manifest") == digest:
+            index.set_meta("manifest_stat", signature)
             return index
         index.close()
     for old in cache_dir.glob(f"{MANIFEST_INDEX_PREFIX}*"):
@@ -158,7 +181,10 @@ def open_manifest_index(manifest: Path, cache_dir: Path) -> MetadataIndex:
         except DuplicateEntryError as exc:
             raise ManifestError(f"manifest {manifest} line {exc.line}: {exc.name!r} is given twice, or both as a "
                                 f"file and as a directory of other paths") from None
-        # The complete marker: an index whose "manifest" is not this digest is never used.
+        if _stat_signature(manifest) != signature:
+            raise ManifestError(f"manifest {manifest} changed while it was imported: mount again")
+        # The complete marker (set last): an index whose "manifest" is not this digest is never used.
+        index.set_meta("manifest_stat", signature)
         index.set_meta("manifest", digest)
         index.close()
         # The import wrote without syncs: make it durable before it can be found under its name.

@@ -208,3 +208,24 @@ def test_an_index_without_its_complete_marker_is_imported_again(tmp_path: Path, 
     assert [p.name for p in tmp_path.glob("manifest-*.db")] == [built.name]
     assert list(tmp_path.glob("manifest-*.tmp*")) == []
     index.close()
+
+
+def test_a_remount_of_the_same_file_does_not_read_it_again(tmp_path: Path, store: InMemoryObjectStore,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import cachefs.fs.pinned as pinned
+    manifest = write_manifest(tmp_path, store)
+    open_manifest_index(manifest, tmp_path).close()
+    hashed: list[Path] = []
+    real_digest = pinned.manifest_digest
+    monkeypatch.setattr(pinned, "manifest_digest", lambda path: hashed.append(path) or real_digest(path))
+    index = open_manifest_index(manifest, tmp_path)  # same inode, size, mtime, ctime: not hashed
+    assert index.total_entries == 7 and hashed == []
+    index.close()
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(manifest.read_bytes())  # the same bytes in another file: hashed, index reused
+    index = open_manifest_index(copy, tmp_path)
+    assert index.total_entries == 7 and hashed == [copy]
+    index.close()
+    os.utime(manifest, ns=(manifest.stat().st_atime_ns, manifest.stat().st_mtime_ns))  # ctime moves
+    open_manifest_index(manifest, tmp_path).close()
+    assert hashed == [copy, manifest]
