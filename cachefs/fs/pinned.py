@@ -6,10 +6,15 @@ the listing cache serves it as ``pinned``: nothing expires and the store is neve
 keeps the manifest's ETag and size, so every read is a GET with ``If-Match`` on that ETag: an object
 changed in the bucket answers ESTALE (``ObjectChangedError``, logged with its key), never other bytes.
 
-The manifest is read as a stream and loaded in one SQLite transaction into a temporary file that is
-renamed into place when complete (a crash mid-import leaves no index, and the next mount imports
-again). The index is named by the manifest's SHA-256, so remounting the same manifest opens it at
-once; an index of another manifest is deleted first (one per source cache directory).
+The manifest is read as a stream and loaded in one SQLite transaction into a temporary file with no
+journal and no syncs (SQLite's fastest writes), which is fsynced, marked complete (the manifest's
+SHA-256 in its ``meta`` table, written last) and renamed into place: a crash mid-import leaves at
+most a temporary file, deleted by the next mount, which imports again, and an index without the
+marker is never used. The index is named by the manifest's SHA-256, so remounting the same manifest
+reuses it; the very same file (device, inode, size, mtime and ctime unchanged) is not even hashed
+again. An index of another manifest is deleted first (one per source cache directory). Most lines
+take a fast path (the C JSON scanner and a few cheap checks, see ``manifest_rows``): about 7 s per
+million lines on a loaded core here, against 19 s for ``json.loads`` and per-line checks.
 
 Every line must be a JSON object with ``path``, ``etag`` and ``size`` (a plain path line has no
 version to pin), the path a valid mount-relative path; a path given twice, or both as a file and as a
