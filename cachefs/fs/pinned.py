@@ -35,7 +35,6 @@ from typing import Any
 from cachefs.fs.metaindex import BULK_BATCH, DuplicateEntryError, MetadataIndex
 from cachefs.manifest import ManifestError, iter_manifest_lines, parse_line
 from cachefs.names import NAME_MAX, name_problem
-from tiering.protocols import ObjectInfo
 
 MANIFEST_INDEX_PREFIX = "manifest-"
 # Bytes read at a time while hashing a manifest.
@@ -93,7 +92,7 @@ def manifest_rows(manifest: Path, mtime: float, dirs: dict[str, int]) -> Iterato
     for number, text in iter_manifest_lines(name):
         try:
             doc, end = scan(text, 0) if text[:1] == "{" else (None, -1)
-        except (StopIteration, ValueError):
+        except (StopIteration, ValueError, RecursionError):
             doc, end = None, -1
         if end == len(text) and type(doc) is dict:
             path, etag, size = doc.get("path"), doc.get("etag"), doc.get("size")
