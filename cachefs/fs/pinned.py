@@ -65,7 +65,10 @@ def _component_problem(path: str) -> str | None:
     for part in path.split("/"):
         if part in ("", ".", ".."):
             return "has an empty, '.' or '..' component"
-        problem = name_problem(part)
+        try:
+            problem = name_problem(part)
+        except UnicodeEncodeError:  # a lone surrogate other than an escaped byte (\udc80-\udcff)
+            return "has a \\u escape that is no character"
         if problem is not None:
             return f"is not a valid name in the mount ({problem.reason})"
     return None

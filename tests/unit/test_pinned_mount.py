@@ -170,6 +170,7 @@ def test_lines_off_the_fast_path_are_accepted_by_the_full_checks(tmp_path: Path,
     ('{"etag": "e", "path": "", "size": 1}', "path"),
     ('{"etag": "e", "path": "a", "size": 1} {"etag": "e", "path": "b", "size": 1}', "invalid JSON"),
     ('{"etag": "e", "path": "a", "size": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid JSON"),
+    ('{"etag": "e", "path": "a\\ud800", "size": 1}', "no character"),  # a lone surrogate: no UTF-8 name
     ('["etag", "path", "size"]', "needs a JSON line"),  # not starting with "{": a plain path line
     ('{"etag": "e", "path": ["a"], "size": 1}', "non-empty string"),
 ])
