@@ -276,7 +276,14 @@ class MetadataIndex:
                 delta = 1 if current is None else 0
             if delta:
                 self._conn.execute("UPDATE dirs SET count = count + ? WHERE id = ?", (delta, dir_id))
-        self.total_entries += delta
+            total = self.total_entries + delta
+            if delta > 0 and total > self.max_entries:
+                # A grown listing makes room as a stored one does: oldest directories go whole, and
+                # the listing itself if it alone is over the bound.
+                total -= self._evict(total, keep=path)
+                if total > self.max_entries:
+                    total -= self._drop(path)
+        self.total_entries = total
 
     def forget(self, path: str) -> None:
         with self._lock, self._transaction():
