@@ -56,7 +56,7 @@ def parse_line(text: str, number: int, name: str) -> ManifestEntry | None:
     where = f"manifest {name} line {number}"
     try:
         doc = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ManifestError(f"{where}: invalid JSON ({exc.args[0] if exc.args else exc})") from None
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: expected a JSON object with a \"path\"")

@@ -38,7 +38,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tiering.protocols import ObjectInfo
@@ -93,11 +93,15 @@ class MetadataIndex:
     """Listings by directory path on disk (``path`` is a file, or None for a private in-memory index).
 
     Thread-safe (one lock around the connection): the listing cache writes from a worker thread.
-    ``wall`` is the wall clock listings are dated with (a fake one in tests)."""
+    ``wall`` is the wall clock listings are dated with (a fake one in tests). ``bulk`` opens a new
+    file to be filled once and renamed into place by its caller (a manifest import): no journal and
+    no syncs (SQLite's fastest writes; a crash leaves a file the caller never trusts, and a failed
+    transaction is not rolled back: the caller deletes the file)."""
 
     def __init__(self, path: Path | None, *, max_entries: int = DEFAULT_MAX_INDEX_ENTRIES,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, bulk: bool = False) -> None:
         self.path = path
+        self.bulk = bulk
         self.max_entries = max_entries
         self.wall = wall
         self._lock = threading.Lock()
@@ -122,8 +126,12 @@ class MetadataIndex:
     def _connect(self, target: str) -> sqlite3.Connection:
         conn = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
+            if self.bulk:
+                conn.execute("PRAGMA journal_mode=OFF")
+                conn.execute("PRAGMA synchronous=OFF")
+            else:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             conn.execute("PRAGMA mmap_size=0")
             conn.executescript(_SCHEMA)
@@ -268,7 +276,14 @@ class MetadataIndex:
                 delta = 1 if current is None else 0
             if delta:
                 self._conn.execute("UPDATE dirs SET count = count + ? WHERE id = ?", (delta, dir_id))
-        self.total_entries += delta
+            total = self.total_entries + delta
+            if delta > 0 and total > self.max_entries:
+                # A grown listing makes room as a stored one does: oldest directories go whole, and
+                # the listing itself if it alone is over the bound.
+                total -= self._evict(total, keep=path)
+                if total > self.max_entries:
+                    total -= self._drop(path)
+        self.total_entries = total
 
     def forget(self, path: str) -> None:
         with self._lock, self._transaction():
@@ -295,47 +310,40 @@ class MetadataIndex:
             self._conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     # ------------------------------------------------------------------ bulk loading (manifests)
-    def bulk_load(self, rows: Iterator[tuple[str, str, Entry, int]], fetched_at: float) -> None:
-        """Load whole listings from ``(dir, name, entry, line)`` rows, in one transaction (a crash
-        leaves the index as it was). A name given twice in one directory raises
-        ``DuplicateEntryError`` with the line of the second."""
+    def bulk_load(self, batches: Iterable[Sequence[tuple[object, ...]]], dirs: dict[str, int], fetched_at: float) -> None:
+        """Load whole listings into this empty index, in one transaction: ``batches`` of entry rows
+        ``(dir id, name, size, etag, mtime, line)`` (``size`` None for a subdirectory), and the
+        directories ``dirs`` (path -> id), read once ``batches`` is exhausted (their producer fills
+        it as it goes). A name given twice in one directory raises ``DuplicateEntryError`` with the
+        line of the second. On an index opened with ``bulk=True`` a failed load leaves a file to
+        delete, not the index as it was."""
         with self._lock, self._transaction():
-            ids: dict[str, int] = {}
-            counts: dict[int, int] = {}
-            batch: list[tuple[object, ...]] = []
-            lines: list[int] = []
-            for path, name, entry, line in rows:
-                dir_id = ids.get(path)
-                if dir_id is None:
-                    self._drop(path)
-                    cur = self._conn.execute("INSERT INTO dirs (path, fetched_at, count) VALUES (?, ?, 0)",
-                                             (path, fetched_at))
-                    assert cur.lastrowid is not None
-                    dir_id = ids[path] = cur.lastrowid
-                counts[dir_id] = counts.get(dir_id, 0) + 1
-                batch.append(_row(dir_id, name, entry, line))
-                lines.append(line)
-                if len(batch) >= BULK_BATCH:
-                    self._insert_unique(batch, lines)
-            self._insert_unique(batch, lines)
-            self._conn.executemany("UPDATE dirs SET count = ? WHERE id = ?", [(c, i) for i, c in counts.items()])
+            if self._conn.execute("SELECT 1 FROM dirs LIMIT 1").fetchone() is not None:
+                raise ValueError("bulk_load needs an empty index")
+            for batch in batches:
+                self._insert_unique(batch)
+            self._conn.executemany("INSERT INTO dirs (id, path, fetched_at, count) VALUES (?, ?, ?, 0)",
+                                   ((i, path, fetched_at) for path, i in dirs.items()))
+            self._conn.execute("UPDATE dirs SET count = (SELECT count(*) FROM entries WHERE entries.dir = dirs.id)")
             self.total_entries = int(self._conn.execute("SELECT coalesce(sum(count), 0) FROM dirs").fetchone()[0])
 
-    def _insert_unique(self, batch: list[tuple[object, ...]], lines: list[int]) -> None:
-        self._conn.execute("SAVEPOINT batch")
+    def _insert_unique(self, batch: Sequence[tuple[object, ...]]) -> None:
         try:
             self._conn.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", batch)
-            self._conn.execute("RELEASE batch")
         except sqlite3.IntegrityError:
-            self._conn.execute("ROLLBACK TO batch")
-            self._conn.execute("RELEASE batch")
-            for row, line in zip(batch, lines):
-                try:
-                    self._conn.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", row)
-                except sqlite3.IntegrityError:
+            # The rows before the refused one are in (no savepoint to undo them: a bulk index has no
+            # journal), so the first duplicate of the batch is the first row whose (dir, name) is
+            # stored from another line, or came earlier in this batch.
+            seen: set[tuple[object, object]] = set()
+            for row in batch:
+                key = (row[0], row[1])
+                stored = self._conn.execute("SELECT line FROM entries WHERE dir = ? AND name = ?", key).fetchone()
+                if key in seen or (stored is not None and stored[0] != row[5]):
+                    line = row[5]
+                    assert isinstance(line, int)
                     raise DuplicateEntryError(line, str(row[1])) from None
-        batch.clear()
-        lines.clear()
+                seen.add(key)
+            raise
 
     def file_line(self, path: str) -> int | None:
         """The manifest line of the file entry ``path``, if it is a file entry with a line."""

@@ -110,6 +110,15 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.patch(path, name, info, marker)
         if path in self.model:
             _patch_entries(self.model[path][1], name, info, marker)
+            # A listing that grew past the capacity makes room as a store does (oldest first), and
+            # is dropped itself if it alone is over it.
+            total = sum(len(e) for _, e in self.model.values())
+            for victim, _ in sorted(((p, t) for p, (t, _) in self.model.items() if p != path), key=lambda pt: pt[1]):
+                if total <= CAPACITY:
+                    break
+                total -= len(self.model.pop(victim)[1])
+            if total > CAPACITY:
+                del self.model[path]
 
     @rule(path=st.sampled_from(DIRS))
     def forget(self, path: str) -> None:
