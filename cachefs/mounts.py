@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FSTYPE = "fuse.cachefs"
@@ -49,6 +49,9 @@ class MountEntry:
     mountpoint: str
     fstype: str
     source: str
+    # major:minor of the mounted filesystem: a bind mount shows the same device as its source, so two
+    # entries with one device are one FUSE connection, served by one daemon.
+    device: str = field(default="", compare=False)
 
 
 def _unescape(field: str) -> str:
@@ -73,7 +76,7 @@ def mount_entries(mountinfo: Path = MOUNTINFO) -> list[MountEntry]:
         fields, tail = left.split(), right.split()
         if len(fields) < 5 or len(tail) < 2:
             continue
-        entries.append(MountEntry(_unescape(fields[4]), tail[0], _unescape(tail[1])))
+        entries.append(MountEntry(_unescape(fields[4]), tail[0], _unescape(tail[1]), fields[2]))
     return entries
 
 
@@ -85,6 +88,14 @@ def find_mount(path: Path, mountinfo: Path = MOUNTINFO) -> MountEntry | None:
         if entry.mountpoint == target:
             found = entry
     return found
+
+
+def other_views(entry: MountEntry, mountinfo: Path = MOUNTINFO) -> list[str]:
+    """Other mountpoints of the same mounted filesystem (bind mounts of it, or the mount a bind shows)."""
+    if not entry.device:
+        return []
+    return [e.mountpoint for e in mount_entries(mountinfo)
+            if e.device == entry.device and e.fstype == entry.fstype and e.mountpoint != entry.mountpoint]
 
 
 def is_cachefs_mount(path: Path) -> bool:

@@ -507,6 +507,10 @@ def cmd_unmount(args: argparse.Namespace) -> int:
                 return 0
         print(f"cachefs: error: cannot unmount {path}: {detail}", file=sys.stderr)
         return 1
+    still_served = mounts.other_views(entry)
+    if still_served:  # a bind of a staged mount (CSI), or the mount under binds: the daemon serves on
+        print(f"cachefs: unmounted {path}; its daemon goes on serving {', '.join(still_served)}", file=sys.stderr)
+        return 0
     if pid is not None and not _wait_exit(pid, args.timeout):
         print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {args.timeout:g} s",
               file=sys.stderr)
@@ -545,7 +549,18 @@ def _wait_exit(pid: int, timeout: float) -> bool:
             return True
         except PermissionError:
             pass
+        if _is_zombie(pid):  # exited, not yet reaped by its parent (the CSI plugin that started it)
+            return True
         time.sleep(0.05)
     return False
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name in parentheses, which may itself hold spaces or ')'.
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "Z"
 
 

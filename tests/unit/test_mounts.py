@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from cachefs.mounts import FSTYPE, MountEntry, check_mountpoint, find_mount, mount_entries
+from cachefs.mounts import FSTYPE, MountEntry, check_mountpoint, find_mount, mount_entries, other_views
 
 MOUNTINFO = r"""22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
 36 22 0:32 / /proc rw,nosuid,nodev,noexec,relatime shared:5 - proc proc rw
 80 22 0:45 / /mnt/my\040data rw,nosuid,nodev,relatime shared:40 - fuse.cachefs s3://bucket/prefix rw,user_id=0,group_id=0
 81 22 0:46 / /mnt/plain rw,relatime - fuse.sshfs user@host:/srv rw
 82 81 0:47 / /mnt/plain rw,relatime master:3 - fuse.cachefs s3://other rw
+85 22 0:45 / /pods/a/vol rw,nosuid,nodev,relatime shared:41 - fuse.cachefs s3://bucket/prefix rw,user_id=0,group_id=0
 83 22 0:48 / /mnt/tab\011and\134slash rw - tmpfs tmp\040fs rw
 this line is garbage
 84 22 0:49 / /incomplete rw -
@@ -35,6 +36,7 @@ def test_mount_entries_parses_and_unescapes(mountinfo: Path) -> None:
         MountEntry("/mnt/my data", FSTYPE, "s3://bucket/prefix"),
         MountEntry("/mnt/plain", "fuse.sshfs", "user@host:/srv"),
         MountEntry("/mnt/plain", FSTYPE, "s3://other"),
+        MountEntry("/pods/a/vol", FSTYPE, "s3://bucket/prefix"),
         MountEntry("/mnt/tab\tand\\slash", "tmpfs", "tmp fs"),
     ]
 
@@ -46,6 +48,16 @@ def test_find_mount_matches_the_exact_path(mountinfo: Path) -> None:
     assert find_mount(Path("/mnt/my"), mountinfo) is None
     assert find_mount(Path("/mnt/my data/"), mountinfo) is not None  # normalised
     assert find_mount(Path("/mnt/other/../my data"), mountinfo) is not None
+
+
+def test_other_views_are_the_binds_of_the_same_connection(mountinfo: Path) -> None:
+    staged = find_mount(Path("/mnt/my data"), mountinfo)
+    bind = find_mount(Path("/pods/a/vol"), mountinfo)
+    assert staged is not None and bind is not None and staged.device == bind.device == "0:45"
+    assert other_views(staged, mountinfo) == ["/pods/a/vol"]
+    assert other_views(bind, mountinfo) == ["/mnt/my data"]
+    alone = find_mount(Path("/mnt/plain"), mountinfo)
+    assert alone is not None and other_views(alone, mountinfo) == []
 
 
 def test_find_mount_returns_the_top_of_a_stack(mountinfo: Path) -> None:
