@@ -136,6 +136,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
     lock = None
     cluster = None
     index = None
+    pinned = False
+    served_to_the_end = False
     try:
         cluster = await open_cluster_tier(settings, environ)
         try:
@@ -231,15 +233,21 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                     loop.call_soon(lambda: loop.run_in_executor(None, tune_fuse_connection, settings.mountpoint))
                 try:
                     await session.serve(FUSE_MAX_TASKS)
+                    served_to_the_end = True
                 finally:
                     session.close()
                     log.info("unmounted %s", settings.mountpoint)
             finally:
+                stopped_cleanly = True
                 for feature in reversed(started):
                     try:
                         await feature.stop()
                     except Exception:  # noqa: BLE001 - one feature must not keep others from stopping
+                        stopped_cleanly = False
                         log.exception("stopping %s failed", type(feature).__name__)
+            if (stopped_cleanly and served_to_the_end and index is not None and not pinned
+                    and (fs.writeback is None or not fs.writeback.has_pending())):
+                metadata.mark_clean_exit(index)
         finally:
             await control.stop()
             await cache.close()

@@ -49,13 +49,40 @@ async def fetch_manifest(store: ObjectStore, key: str, target: Path) -> Path:
     return target
 
 
+# Meta key of a normal mount's index: "1" when the daemon that last used it stopped cleanly with no
+# write-back change left to upload. Set to "0" while a daemon runs.
+CLEAN_EXIT_KEY = "clean_exit"
+
+
+def _trust_only_a_clean_exit(index: MetadataIndex) -> None:
+    """Drop the stored listings unless the last daemon stopped cleanly with nothing left to upload.
+
+    A daemon killed (kill -9, OOM, a node crash) may have uploaded changes whose patch never reached
+    the index, and the next daemon uploads what the dead one left staged before the filesystem (and
+    so the index's patching) is up: listings stored before either would hide objects the bucket
+    holds until --dir-ttl ran out. After a clean stop the index matches every upload it knew of.
+    """
+    if index.meta(CLEAN_EXIT_KEY) != "1" and index.directories():
+        log.info("metadata index: the last daemon did not stop cleanly or left uploads pending; its %d stored "
+                 "listings are listed again", index.directories())
+        index.forget_under("")
+    index.set_meta(CLEAN_EXIT_KEY, "0")
+
+
+def mark_clean_exit(index: MetadataIndex) -> None:
+    """Record that this daemon stopped cleanly with nothing left to upload (see ``open_index``)."""
+    index.set_meta(CLEAN_EXIT_KEY, "1")
+
+
 async def open_index(settings: MountSettings, store: ObjectStore, cache_dir: Path) -> tuple[MetadataIndex, bool]:
     """The mount's index and whether it is pinned to a manifest. SetupError for a bad manifest."""
     manifest = settings.manifest
     if settings.manifest_key is not None:
         manifest = await fetch_manifest(store, settings.manifest_key, cache_dir / FETCHED_MANIFEST)
     if manifest is None:
-        return await asyncio.to_thread(MetadataIndex, cache_dir / INDEX_FILENAME), False
+        index = await asyncio.to_thread(MetadataIndex, cache_dir / INDEX_FILENAME)
+        await asyncio.to_thread(_trust_only_a_clean_exit, index)
+        return index, False
     try:
         index = await asyncio.to_thread(open_manifest_index, manifest, cache_dir)
     except ManifestError as exc:

@@ -175,3 +175,27 @@ async def test_a_failing_index_is_a_miss(tmp_path: Path, store: InMemoryObjectSt
     fs = make_fs(store, FakeClock(), index)
     assert set(await listdir(fs, 1)) == {"a.txt", "b"}
     assert fs.stats.index_errors >= 1
+
+
+async def test_listings_outlive_only_a_clean_stop_with_nothing_left_to_upload(tmp_path: Path) -> None:
+    """A daemon killed mid-write-back leaves listings that may miss what it (or the next daemon,
+    replaying its journal before the filesystem is up) uploaded: the next mount lists again."""
+    from cachefs.daemon.metadata import _trust_only_a_clean_exit, mark_clean_exit
+
+    path = tmp_path / INDEX_FILENAME
+    index = MetadataIndex(path)
+    _trust_only_a_clean_exit(index)  # a first mount: nothing stored, nothing to drop
+    index.store("d", [("a", info("d/a"))])
+    mark_clean_exit(index)  # unmounted cleanly
+    index.close()
+
+    index = MetadataIndex(path)
+    _trust_only_a_clean_exit(index)
+    assert index.load("d") is not None  # trusted after a clean stop
+    index.store("d", [("a", info("d/a")), ("b", info("d/b"))])
+    index.close()  # ... and this daemon is killed: no clean mark
+
+    index = MetadataIndex(path)
+    _trust_only_a_clean_exit(index)
+    assert index.load("d") is None and index.total_entries == 0
+    index.close()
