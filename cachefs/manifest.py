@@ -84,19 +84,23 @@ GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def iter_manifest_lines(path: str) -> Iterator[tuple[int, str]]:
-    """The lines of a manifest file, numbered from 1, read as a stream (a 10 M-line manifest is
-    never held whole): plain, or gzip-compressed (stdlib). zstd is refused with one line naming the
-    fix (no zstd library is a dependency). ``ManifestError`` for what cannot be read."""
+def open_manifest(path: str | Path) -> IO[bytes]:
+    """The manifest file opened for reading bytes; ``ManifestError`` naming the problem if it cannot be."""
     try:
-        raw: IO[bytes] = open(path, "rb")
+        return open(path, "rb")
     except FileNotFoundError:
         raise ManifestError(f"manifest {path} does not exist") from None
     except IsADirectoryError:
         raise ManifestError(f"manifest {path} is a directory") from None
     except OSError as exc:
         raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
-    with raw:
+
+
+def iter_manifest_lines(path: str) -> Iterator[tuple[int, str]]:
+    """The lines of a manifest file, numbered from 1, read as a stream (a 10 M-line manifest is
+    never held whole): plain, or gzip-compressed (stdlib). zstd is refused with one line naming the
+    fix (no zstd library is a dependency). ``ManifestError`` for what cannot be read."""
+    with open_manifest(path) as raw:
         magic = raw.read(4)
         raw.seek(0)
         if magic.startswith(ZSTD_MAGIC):
@@ -118,14 +122,11 @@ def read_manifest(path: str) -> list[ManifestEntry]:
     """Read and parse a manifest file (``-`` for standard input)."""
     if path == "-":
         return parse_manifest(sys.stdin, "<stdin>")
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ManifestError(f"manifest {path} does not exist") from None
-    except IsADirectoryError:
-        raise ManifestError(f"manifest {path} is a directory") from None
-    except OSError as exc:
-        raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
+    with open_manifest(path) as raw:
+        try:
+            data = raw.read()
+        except OSError as exc:
+            raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs.fs.metaindex import BULK_BATCH, DuplicateEntryError, MetadataIndex
-from cachefs.manifest import ManifestError, iter_manifest_lines, parse_line
+from cachefs.manifest import ManifestError, iter_manifest_lines, open_manifest, parse_line
 from cachefs.names import NAME_MAX, name_problem
 
 MANIFEST_INDEX_PREFIX = "manifest-"
@@ -46,16 +46,12 @@ _SCANNER: Callable[[str, int], tuple[Any, int]] = getattr(json.JSONDecoder(), "s
 def manifest_digest(path: Path) -> str:
     """SHA-256 of the manifest file's bytes (compressed or not), hex."""
     digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as handle:
+    with open_manifest(path) as handle:
+        try:
             while chunk := handle.read(_HASH_CHUNK):
                 digest.update(chunk)
-    except FileNotFoundError:
-        raise ManifestError(f"manifest {path} does not exist") from None
-    except IsADirectoryError:
-        raise ManifestError(f"manifest {path} is a directory") from None
-    except OSError as exc:
-        raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
     return digest.hexdigest()
 
 
