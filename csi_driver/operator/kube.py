@@ -12,7 +12,7 @@ only what was asked for.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -91,45 +91,31 @@ class Kube:
                 return None
             raise _fail(f"cannot read Job {namespace}/{name}", exc) from None
 
-    def list_jobs(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    def _listed(self, what: str, call: Callable[..., Any], labels: Mapping[str, str], *args: Any) -> list[dict[str, Any]]:
+        """The objects ``call(*args)`` lists with ``labels``: filtered by the API server, checked again here."""
         try:
-            found = self.batch.list_namespaced_job(namespace, label_selector=selector(labels),
-                                                   _request_timeout=REQUEST_TIMEOUT_S)
+            found = call(*args, label_selector=selector(labels), _request_timeout=REQUEST_TIMEOUT_S)
         except ApiException as exc:
-            raise _fail(f"cannot list Jobs in {namespace}", exc) from None
-        return [j for j in (self._dict(item) for item in found.items) if _matches(j, labels)]
+            raise _fail(f"cannot list {what}", exc) from None
+        return [o for o in (self._dict(item) for item in found.items) if _matches(o, labels)]
+
+    def list_jobs(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        return self._listed(f"Jobs in {namespace}", self.batch.list_namespaced_job, labels, namespace)
 
     def list_pvs(self, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        try:
-            found = self.core.list_persistent_volume(label_selector=selector(labels), _request_timeout=REQUEST_TIMEOUT_S)
-        except ApiException as exc:
-            raise _fail("cannot list PersistentVolumes", exc) from None
-        return [p for p in (self._dict(item) for item in found.items) if _matches(p, labels)]
+        return self._listed("PersistentVolumes", self.core.list_persistent_volume, labels)
 
     def list_pvcs(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        try:
-            found = self.core.list_namespaced_persistent_volume_claim(namespace, label_selector=selector(labels),
-                                                                      _request_timeout=REQUEST_TIMEOUT_S)
-        except ApiException as exc:
-            raise _fail(f"cannot list PersistentVolumeClaims in {namespace}", exc) from None
-        return [c for c in (self._dict(item) for item in found.items) if _matches(c, labels)]
+        return self._listed(f"PersistentVolumeClaims in {namespace}",
+                            self.core.list_namespaced_persistent_volume_claim, labels, namespace)
 
     def list_nodes(self, labels: Mapping[str, str]) -> list[str]:
-        try:
-            found = self.core.list_node(label_selector=selector(labels), _request_timeout=REQUEST_TIMEOUT_S)
-        except ApiException as exc:
-            raise _fail("cannot list nodes", exc) from None
-        return sorted(n["metadata"]["name"] for n in (self._dict(item) for item in found.items) if _matches(n, labels))
+        return sorted(n["metadata"]["name"] for n in self._listed("nodes", self.core.list_node, labels))
 
     def job_pod_log(self, namespace: str, job: str) -> str | None:
         """The tail of the log of the newest pod of ``job`` (None: no pod, or no log yet)."""
-        wanted = {JOB_NAME_LABEL: job}
-        try:
-            found = self.core.list_namespaced_pod(namespace, label_selector=selector(wanted),
-                                                  _request_timeout=REQUEST_TIMEOUT_S)
-        except ApiException as exc:
-            raise _fail(f"cannot list the pods of Job {namespace}/{job}", exc) from None
-        pods = [p for p in (self._dict(item) for item in found.items) if _matches(p, wanted)]
+        pods = self._listed(f"the pods of Job {namespace}/{job}", self.core.list_namespaced_pod,
+                            {JOB_NAME_LABEL: job}, namespace)
         if not pods:
             return None
         newest = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
