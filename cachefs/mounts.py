@@ -25,6 +25,16 @@ MOUNTINFO = Path("/proc/self/mountinfo")
 LOCK_FILENAME = "lock"
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after ``pid (comm)`` (state first, the start time at index 19),
+    or None when there is no such process. The daemon of a mount is waited for and recognised by them."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()  # comm may itself hold spaces or ')'
+
+
 def cache_dir_holder(directory: Path) -> str | None:
     """The pid (as written) of the daemon holding ``directory``'s lock, or None when it is free.
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
+from cachefs import mounts
 from csi_driver.attributes import MountPodResources
 from csi_driver.errors import Code, CsiError
 
@@ -111,11 +112,7 @@ class DaemonLauncher(Protocol):
 # ------------------------------------------------------------------------------------------ process
 def _start_time(pid: int) -> str | None:
     """The kernel's start time of ``pid`` (field 22 of /proc/PID/stat), or None if it is gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2:].split()  # after "pid (comm) "
+    fields = mounts.process_stat(pid)
     if not fields or fields[0] in ("Z", "X"):
         return None
     return fields[19] if len(fields) > 19 else None

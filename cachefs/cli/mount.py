@@ -556,11 +556,7 @@ def _wait_exit(pid: int, timeout: float) -> bool:
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    # The state follows the command name in parentheses, which may itself hold spaces or ')'.
-    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "Z"
+    fields = mounts.process_stat(pid)
+    return fields is not None and fields[:1] == ["Z"]
 
 
