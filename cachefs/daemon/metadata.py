@@ -62,9 +62,10 @@ def _trust_only_a_clean_exit(index: MetadataIndex) -> None:
     so the index's patching) is up: listings stored before either would hide objects the bucket
     holds until --dir-ttl ran out. After a clean stop the index matches every upload it knew of.
     """
-    if index.meta(CLEAN_EXIT_KEY) != "1" and index.directories():
+    stored = index.directories()
+    if index.meta(CLEAN_EXIT_KEY) != "1" and stored:
         log.info("metadata index: the last daemon did not stop cleanly or left uploads pending; its %d stored "
-                 "listings are listed again", index.directories())
+                 "listings are listed again", stored)
         index.forget_under("")
     index.set_meta(CLEAN_EXIT_KEY, "0")
 
