@@ -12,7 +12,7 @@ PY     := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 PYTEST_FLAGS ?= -q -p no:cacheprovider -ra --strict-markers -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: all setup demo test pytest lint-imports typecheck bench bench-cluster clean help
+.PHONY: all setup demo test pytest lint-imports typecheck docs bench bench-cluster clean help
 
 all: test
 
@@ -22,6 +22,7 @@ help:
 	@echo "make test          the test suite, the import-layer contracts and the type check"
 	@echo "make lint-imports  the import-layer contracts only"
 	@echo "make typecheck     mypy over the product packages only"
+	@echo "make docs          the documentation site (mkdocs, strict) into site/"
 	@echo "make bench         cachefs vs rclone mount vs s3fs-fuse on a local SeaweedFS (root; ~1 h;"
 	@echo "                   BENCH_ARGS=\"--size 256MiB --files 1000 --runs 1\" for a short one); see docs/benchmarks.md"
 	@echo "make bench-cluster 4 nodes, one dataset, a throttled source and a shared cluster tier (root;"
@@ -38,7 +39,7 @@ demo: setup
 # member of a Protocol, a store or a settings object fails the build.
 TYPED_PACKAGES := tiering cachefs csi_driver
 
-# All three parts always run, so one failure does not hide another; the target fails if any did.
+# All four parts always run, so one failure does not hide another; the target fails if any did.
 test: setup
 	@status=0; \
 	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_ARGS) || status=$$?; \
@@ -46,6 +47,8 @@ test: setup
 	$(VENV)/bin/lint-imports || status=$$?; \
 	echo "mypy:"; \
 	$(PY) -m mypy $(TYPED_PACKAGES) || status=$$?; \
+	echo "docs:"; \
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(DOCS_SITE) || status=$$?; \
 	exit $$status
 
 pytest: setup
@@ -56,6 +59,12 @@ lint-imports: setup
 
 typecheck: setup
 	$(PY) -m mypy $(TYPED_PACKAGES)
+
+# The documentation site (mkdocs.yml): strict, so a broken link or anchor, or a page missing from the
+# navigation, fails the build. `make test` builds it into a scratch directory.
+DOCS_SITE ?= site
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir $(DOCS_SITE)
 
 # The side-by-side benchmark (benchmarks/bench.py): not part of `make test` (its smoke test is).
 # setup.sh --bench also checks that the peers (rclone, s3fs) run; results go to bench-results/.
@@ -78,5 +87,5 @@ clean:
 	  echo "$$left" >&2; \
 	  exit 1; \
 	fi
-	rm -rf $(VENV) build dist .demo bench-results .pytest_cache .hypothesis .mypy_cache *.egg-info
+	rm -rf $(VENV) build dist site .demo bench-results .pytest_cache .hypothesis .mypy_cache *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -320,7 +320,7 @@ def test_usage_error_type_is_shared() -> None:
 
 def test_the_readme_fstab_line_and_systemd_unit_translate() -> None:
     root = Path(__file__).parents[2]
-    readme = root / "README.md"
+    readme = root / "docs" / "configuration.md"
     [line] = [ln for ln in readme.read_text().splitlines() if ln.startswith("s3://") and " cachefs " in ln]
     source, mountpoint, fstype, options, _dump, _pass = line.split()
     assert fstype == "cachefs"
