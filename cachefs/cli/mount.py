@@ -237,11 +237,30 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         raise UsageError("--write-through applies to writable mounts only (drop --read-only or --write-through)")
     if args.connect_timeout <= 0 or args.read_timeout <= 0:
         raise UsageError("timeouts must be positive")
-    endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
+    endpoint = _endpoint_url(args.source, args.endpoint_url, environ)
     try:
         return _mount_settings(args, environ, endpoint, cache, fs, writeback, cluster)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> str | None:
+    """The source's endpoint: ``--endpoint-url``, else ``$AWS_ENDPOINT_URL``, for s3:// sources only.
+
+    ``AWS_ENDPOINT_URL`` is an environment-wide AWS setting (a shell that also talks to a local
+    S3 server has it): it says nothing about an http:// or file:// source, which ignores it. An
+    explicit ``--endpoint-url`` with such a source is a mistake, refused with one line."""
+    from tiering.objectstore import parse_source
+
+    try:
+        scheme = parse_source(source).scheme
+    except ValueError:
+        return given or None  # preflight reports the source in its own words
+    if scheme != "s3":
+        if given:
+            raise UsageError(f"--endpoint-url applies only to s3:// sources, not {scheme}:// (drop it)")
+        return None
+    return given or environ.get("AWS_ENDPOINT_URL") or None
 
 
 def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
