@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from cachefs import package_version
 from cachefs.cli import cluster, mount, prefetch, stats, writeback
-from cachefs.cli.environment import apply_environment, defer_defaults
+from cachefs.cli.environment import apply_environment, defer_defaults, unknown_variables
+from cachefs.cli.parsing import CliParser
 from cachefs.client import UsageError
 
 # Modules that add subcommands, in the order ``cachefs --help`` lists them: each has
@@ -35,15 +36,10 @@ from cachefs.client import UsageError
 COMMANDS = (mount, stats, prefetch, writeback, cluster)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2
-        self.exit(2, f"cachefs: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.")
+    parser = CliParser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.")
     parser.add_argument("--version", action="version", version=f"cachefs {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
     return parser
@@ -70,6 +66,9 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     args = parser.parse_args(argv)
     try:
         if args.command == "mount":
+            if args.ready_fd is None:  # the terminal's process (a spawned daemon re-reads the same environment)
+                for line in unknown_variables(mount_parser, environ):
+                    print(f"cachefs: warning: {line}", file=sys.stderr)
             apply_environment(args, mount_parser, mount_defaults, environ)
             return mount.cmd_mount(args, argv, environ)
         if args.command in ("unmount", "umount"):
