@@ -115,8 +115,17 @@ def is_cachefs_mount(path: Path) -> bool:
 
 def check_mountpoint(path: Path) -> str | None:
     """Why ``path`` cannot be mounted on, or None if it can."""
-    if find_mount(path) is not None:
-        return f"mountpoint {path} is already mounted"
+    entry = find_mount(path)
+    if entry is not None:
+        try:
+            os.statvfs(path)  # always asked of the daemon (a stat may be answered from the kernel's cache)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):  # its daemon died (kill -9, OOM)
+                return (f"mountpoint {path} is a broken {entry.fstype} mount (its daemon is not running): "
+                        f"run 'cachefs unmount {path}' first")
+        if entry.fstype == FSTYPE:
+            return f"mountpoint {path} is already mounted (a live cachefs mount: 'cachefs unmount {path}' first)"
+        return f"mountpoint {path} is already mounted ({entry.fstype})"
     try:
         st = path.stat()
     except FileNotFoundError:
