@@ -17,7 +17,10 @@ has already made: it receives the mounted ``/dev/fuse`` descriptor on the unix s
 privilege. It leaves the unmount to the process that mounted.
 
 ``cachefs unmount`` flushes written data first (through the daemon's control API), then unmounts
-with ``fusermount3`` and waits for the daemon to exit.
+with ``fusermount3`` and waits for the daemon to exit. A busy mount's refusal names the processes
+using it (``cachefs.mounts.mount_users``) and suggests ``--lazy``, which detaches it at once
+(``fusermount3 -u -z``, MNT_DETACH): the daemon serves the processes still using it and exits when
+the last one lets go.
 """
 
 from __future__ import annotations
@@ -193,6 +196,9 @@ def register(sub: Any) -> None:
                         f"(default {DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S:g})")
     u.add_argument("--force", action="store_true",
                    help="unmount without flushing; staged data stays in the cache dir and the next mount uploads it")
+    u.add_argument("--lazy", action="store_true",
+                   help="detach a busy mount now (fusermount3 -u -z): new opens fail at once, processes using it "
+                        "keep their files, and the daemon exits once the last one lets go")
 
 
 
@@ -516,9 +522,13 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if fusermount is None:
         raise UsageError("fusermount3 not found (install the fuse3 package)")
+    if args.lazy:
+        return _detach(fusermount, path, args.timeout)
     result = subprocess.run([fusermount, "-u", str(path)], capture_output=True, text=True, timeout=args.timeout)
     if result.returncode != 0:
         detail = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        if pid is not None and (users := mounts.mount_users(path).describe()):
+            detail += f"; in use by {users}: stop them, or detach it now with 'cachefs unmount --lazy {path}'"
         if pid is None:  # the daemon is gone: detach the dead mount lazily
             lazy = subprocess.run([fusermount, "-u", "-z", str(path)], capture_output=True, text=True, timeout=args.timeout)
             if lazy.returncode == 0:
@@ -535,6 +545,19 @@ def cmd_unmount(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"cachefs: unmounted {path}", file=sys.stderr)
+    return 0
+
+
+def _detach(fusermount: str, path: Path, timeout_s: float) -> int:
+    """``--lazy``: take the mount out of the namespace now; its users keep it until they let go."""
+    users = mounts.mount_users(path).describe()
+    result = subprocess.run([fusermount, "-u", "-z", str(path)], capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        detail = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        print(f"cachefs: error: cannot detach {path}: {detail}", file=sys.stderr)
+        return 1
+    after = f"; its daemon exits once {users} let go" if users else ""
+    print(f"cachefs: detached {path}{after}", file=sys.stderr)
     return 0
 
 
