@@ -36,8 +36,24 @@ from cachefs.client import UsageError
 COMMANDS = (mount, stats, prefetch, writeback, cluster)
 
 
+EPILOG = """\
+examples:
+  cachefs mount s3://my-bucket/train /mnt/train --read-only     # a bucket prefix as a directory
+  cachefs mount s3://data /mnt/data --endpoint-url http://127.0.0.1:8333   # an S3-compatible server
+  cachefs prefetch /mnt/train --recursive                       # warm the disk cache ahead of a job
+  cachefs stats /mnt/train --watch 2                            # hit ratio and traffic every 2 s
+  cachefs unmount /mnt/train                                    # flush written data, then unmount
+
+Every 'cachefs mount' option may also be set by a CACHEFS_* environment variable (--ram-cache is
+CACHEFS_RAM_CACHE, --read-only is CACHEFS_READ_ONLY=1); a flag on the command line wins. Credentials
+come from the standard AWS chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...), never from options.
+'cachefs COMMAND --help' describes each command.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = CliParser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.")
+    parser = CliParser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cachefs {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

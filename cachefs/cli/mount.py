@@ -92,6 +92,19 @@ LOG_BACKUPS = 3
 NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp.access")
 
 
+MOUNT_EPILOG = """\
+examples:
+  cachefs mount s3://my-bucket/train /mnt/train --read-only --disk-cache 200GiB
+  cachefs mount s3://my-bucket/out /mnt/out --cache-dir /nvme/cachefs          # writable, write-back
+  cachefs mount http://files.example.com/ds/ /mnt/ds --read-only              # a server sending ETags
+  CACHEFS_RAM_CACHE=8GiB cachefs mount s3://my-bucket /mnt/b --read-only
+
+Each option above may come from its CACHEFS_* variable (--disk-cache is CACHEFS_DISK_CACHE); a flag
+wins. Credentials: the AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance
+roles); AWS_ENDPOINT_URL applies to s3:// sources. The daemon's log is daemon.log in the cache dir.
+"""
+
+
 def default_cache_dir(environ: dict[str, str]) -> Path:
     if os.geteuid() == 0:
         return Path("/var/cache/cachefs")
@@ -100,7 +113,8 @@ def default_cache_dir(environ: dict[str, str]) -> Path:
 
 
 def register(sub: Any) -> None:
-    m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory")
+    m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory", epilog=MOUNT_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     m.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)")

@@ -97,3 +97,25 @@ def test_a_misspelt_variable_is_named_in_a_warning(tmp_path: Path, capsys: pytes
     code, err = run(["mount", "s3://bucket-b/p", str(tmp_path)], capsys, {"CACHEFS_XYZZY_PLUGH": "1",
                                                                           "CACHEFS_LOG_LEVEL": "loud"})
     assert "CACHEFS_XYZZY_PLUGH is not a cachefs variable" in err and "cachefs mount --help" in err, err
+
+
+def test_help_has_examples_that_parse_and_names_the_variables() -> None:
+    """Issue 24 (item 10): the help shows examples, each of which the parser accepts, and says
+    that CACHEFS_* variables set the mount options."""
+    import shlex
+
+    from cachefs.cli.main import EPILOG
+    from cachefs.cli.mount import MOUNT_EPILOG
+    from cachefs.cli.main import subcommand_parser
+
+    parser = build_parser()
+    assert "CACHEFS_" in parser.format_help() and "examples:" in parser.format_help()
+    mount_help = subcommand_parser(parser, "mount").format_help()
+    assert "CACHEFS_" in mount_help and "examples:" in mount_help
+    examples = [line.split("#")[0].strip() for text in (EPILOG, MOUNT_EPILOG)
+                for line in text.splitlines() if "cachefs " in line and line.startswith("  ")]
+    assert len(examples) >= 8
+    for example in examples:
+        words = [w for w in shlex.split(example) if not w.startswith("CACHEFS_")]
+        assert words[0] == "cachefs"
+        parser.parse_args(words[1:])  # exits 2 on an example that does not parse
