@@ -140,7 +140,7 @@ def iter_manifest_lines(path: str) -> Iterator[tuple[int, str]]:
         if magic.startswith(ZSTD_MAGIC):
             raise ManifestError(f"manifest {path} is zstd-compressed: decompress it (zstd -d) or compress it "
                                 f"with gzip; zstd is not supported")
-        stream: IO[bytes] = gzip.GzipFile(fileobj=raw) if magic.startswith(GZIP_MAGIC) else raw
+        stream: gzip.GzipFile | IO[bytes] = gzip.GzipFile(fileobj=raw) if magic.startswith(GZIP_MAGIC) else raw
         number = blank = 0
         try:
             while line := stream.readline(MAX_LINE_BYTES + 1):
