@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 
 from tests.fuse.conftest import Mount, Mounter, run_cli
-from tests.fuse.writeback_support import bounded, s3env
+from tests.fuse.writeback_support import LoopbackProxy, bounded, s3env
 from tests.support.s3servers import SeaweedS3, free_ports
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -255,6 +255,23 @@ def test_a_cluster_store_down_at_mount_is_a_miss_and_is_used_again_once_it_answe
     finally:  # the other tests read and warm exactly FILES
         for m in range(n + 1):
             client.delete_object(Bucket=SOURCE_BUCKET, Key=f"later/{m}.bin")
+
+
+def test_a_frozen_cluster_store_at_mount_is_taken_as_down_within_the_check_bound(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    """Issue 24, item 1: a cluster store that accepts connections and never answers (a silent
+    partition) does not stop the mount either; the start-up check gives up after its bound."""
+    source, cluster = servers
+    with LoopbackProxy(int(cluster.endpoint_url.rsplit(":", 1)[1])) as proxy:
+        proxy.freeze()
+        args = cluster_args(cluster)
+        args[args.index(cluster.endpoint_url)] = proxy.endpoint_url
+        mount = mounter.mount(f"s3://{SOURCE_BUCKET}", *args, env=cluster_env)
+        assert "cachefs: warning: cluster cache" in mount.stderr and "unreachable" in mount.stderr, mount.stderr
+        assert read_all(mount) == FILES
+        section = mount.stats()["cluster"]
+        assert section["state"] == "down" and section["hits"] == 0, section
+        assert mount.unmount().returncode == 0
 
 
 def test_prefetch_tier_cluster_warms_the_cluster_once_for_every_node(
