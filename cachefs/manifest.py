@@ -28,12 +28,13 @@ checked in, diffed and hashed.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import Iterable, Iterator
 
 
 # The tiers a prefetch may warm (``cachefs prefetch --tier``): this node's disk tier, or the shared
@@ -118,7 +119,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def open_manifest(path: str | Path) -> IO[bytes]:
+def open_manifest(path: str | Path) -> io.BufferedReader:
     """The manifest file opened for reading bytes; ``ManifestError`` naming the problem if it cannot be."""
     try:
         return open(path, "rb")
@@ -135,43 +136,53 @@ def iter_manifest_lines(path: str) -> Iterator[tuple[int, str]]:
     never held whole): plain, or gzip-compressed (stdlib). zstd is refused with one line naming the
     fix (no zstd library is a dependency). ``ManifestError`` for what cannot be read."""
     with open_manifest(path) as raw:
-        magic = raw.read(4)
-        raw.seek(0)
-        if magic.startswith(ZSTD_MAGIC):
-            raise ManifestError(f"manifest {path} is zstd-compressed: decompress it (zstd -d) or compress it "
-                                f"with gzip; zstd is not supported")
-        stream: gzip.GzipFile | IO[bytes] = gzip.GzipFile(fileobj=raw) if magic.startswith(GZIP_MAGIC) else raw
-        number = blank = 0
-        try:
-            while line := stream.readline(MAX_LINE_BYTES + 1):
-                number += 1
-                if len(line) > MAX_LINE_BYTES:
-                    raise ManifestError(f"manifest {path} line {number}: longer than {MAX_LINE_BYTES} bytes: "
-                                        f"not a manifest")
-                try:
-                    text = line.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError:
-                    raise ManifestError(f"manifest {path} line {number}: not valid UTF-8") from None
-                if not text.strip():
-                    blank += 1
-                    if blank > MAX_BLANK_LINES:
-                        raise ManifestError(f"manifest {path}: more than {MAX_BLANK_LINES} blank lines "
-                                            f"(by line {number}): not a manifest")
-                yield number, text
-        except (OSError, EOFError, zlib.error) as exc:
-            raise ManifestError(f"manifest {path} line {number + 1}: cannot decompress ({exc})") from None
+        yield from iter_manifest_stream(raw, path)
+
+
+def iter_manifest_stream(raw: io.BufferedReader, name: str) -> Iterator[tuple[int, str]]:
+    """``iter_manifest_lines`` over an open binary stream (a file, or standard input: the format is
+    told by peeking at its first bytes, so a pipe works too)."""
+    try:
+        magic = raw.peek(4)[:4]
+    except OSError as exc:
+        raise ManifestError(f"cannot read manifest {name}: {exc.strerror or exc}") from None
+    if magic.startswith(ZSTD_MAGIC):
+        raise ManifestError(f"manifest {name} is zstd-compressed: decompress it (zstd -d) or compress it "
+                            f"with gzip; zstd is not supported")
+    stream: gzip.GzipFile | io.BufferedReader = gzip.GzipFile(fileobj=raw) if magic.startswith(GZIP_MAGIC) else raw
+    number = blank = 0
+    try:
+        while line := stream.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise ManifestError(f"manifest {name} line {number}: longer than {MAX_LINE_BYTES} bytes: "
+                                    f"not a manifest")
+            try:
+                text = line.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                raise ManifestError(f"manifest {name} line {number}: not valid UTF-8") from None
+            if not text.strip():
+                blank += 1
+                if blank > MAX_BLANK_LINES:
+                    raise ManifestError(f"manifest {name}: more than {MAX_BLANK_LINES} blank lines "
+                                        f"(by line {number}): not a manifest")
+            yield number, text
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ManifestError(f"manifest {name} line {number + 1}: cannot decompress ({exc})") from None
 
 
 def read_manifest(path: str) -> list[ManifestEntry]:
     """Read and parse a manifest file (``-`` for standard input), plain or gzip, by the same reader
     as ``mount --manifest`` (``iter_manifest_lines``); ``ManifestError`` if it lists no file."""
-    if path == "-":
-        entries = parse_manifest(sys.stdin, "<stdin>")
+    name = "<stdin>" if path == "-" else path
+    stdin = getattr(sys.stdin, "buffer", None) if path == "-" else None
+    if path == "-" and not isinstance(stdin, io.BufferedReader):  # a text stream put in its place
+        entries = parse_manifest(sys.stdin, name)
     else:
-        entries = [entry for number, text in iter_manifest_lines(path)
-                   if (entry := parse_line(text, number, path)) is not None]
+        lines = iter_manifest_stream(stdin, name) if isinstance(stdin, io.BufferedReader) else iter_manifest_lines(path)
+        entries = [entry for number, text in lines if (entry := parse_line(text, number, name)) is not None]
     if not entries:
-        raise no_files_error("<stdin>" if path == "-" else path)
+        raise no_files_error(name)
     return entries
 
 

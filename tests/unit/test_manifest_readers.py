@@ -63,3 +63,17 @@ def test_an_empty_manifest_is_refused_by_both_readers(tmp_path: Path, text: str)
     for read in (lambda: read_manifest(str(empty)), lambda: open_manifest_index(empty, tmp_path)):
         with pytest.raises(ManifestError, match="lists no files"):
             read()
+
+
+def test_prefetch_reads_a_gzipped_manifest_from_a_pipe(tmp_path: Path) -> None:
+    """``cachefs snapshot MNT | gzip | cachefs prefetch MNT --manifest -``: standard input is told
+    apart by its first bytes too (a pipe cannot be rewound)."""
+    import subprocess
+    import sys
+
+    packed = gzip.compress(format_manifest(FILES).encode())
+    code = ("from cachefs.manifest import read_manifest; "
+            "print([(e.path, e.etag, e.size) for e in read_manifest('-')])")
+    result = subprocess.run([sys.executable, "-c", code], input=packed, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode().strip() == repr(FILES)
