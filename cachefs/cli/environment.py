@@ -121,6 +121,7 @@ def unknown_variables(parser: argparse.ArgumentParser, environ: Mapping[str, str
         # Compared without the shared prefix, which would make every name look close to every other.
         close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX),
                                           sorted(k.removeprefix(ENV_PREFIX) for k in known), n=1)
-        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else " (the mount options' variables: cachefs mount --help)"
+        hint = (f"; did you mean {ENV_PREFIX}{close[0]}?" if close
+                else " (the mount options' variables: cachefs mount --help)")
         lines.append(f"{name} is not a cachefs variable and is ignored{hint}")
     return lines
