@@ -10,7 +10,13 @@ mixed:
   ``snapshot`` writes; with an ETag, prefetch verifies the file still has that version and reports it
   as changed otherwise. Other keys are ignored, so later versions may add fields.
 
-Blank lines are skipped. A line that starts with ``{`` is JSON; anything wrong with one (invalid
+Blank lines are skipped, up to ``MAX_BLANK_LINES``; a line is at most ``MAX_LINE_BYTES``. Both are
+bounds against a file that is no manifest, a gzip "bomb" above all (100 KB of gzip that decompress
+to 100 MiB of blank lines held a mount for 70 s and then mounted nothing): past either, the
+manifest is refused with one line. A manifest that lists no file at all is refused by both readers
+(``no_files_error``): ``mount --manifest`` would show an empty tree and ``prefetch`` would warm
+nothing, and in both cases the likely cause is the wrong file or a snapshot of the wrong prefix,
+which an empty success would hide. A line that starts with ``{`` is JSON; anything wrong with one (invalid
 JSON, not an object, a missing or mistyped field) is a ``ManifestError`` naming the file and line
 number, and nothing is prefetched: a half-read manifest would be a silent partial dataset.
 
@@ -22,12 +28,13 @@ checked in, diffed and hashed.
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import Iterable, Iterator
 
 
 # The tiers a prefetch may warm (``cachefs prefetch --tier``): this node's disk tier, or the shared
@@ -79,12 +86,40 @@ def parse_manifest(lines: Iterable[str], name: str) -> list[ManifestEntry]:
     return entries
 
 
+# A snapshot writes no blank line and a hand-written list has a few; 100,000 are read in well under
+# a second, so a real manifest never meets the bound and a bomb of blank lines stops at once.
+MAX_BLANK_LINES = 100_000
+# A manifest line is one path (S3 keys are at most 1,024 bytes; JSON \u escapes make that at most
+# 6 KiB), an ETag and a size: 64 KiB is far above any real line, and bounds what one line can hold
+# in memory when a file without newlines is read.
+MAX_LINE_BYTES = 64 * 1024
+
+
+def no_files_error(name: str) -> ManifestError:
+    """The refusal of a manifest that lists no file, the same for ``mount`` and ``prefetch``."""
+    return ManifestError(f"manifest {name} lists no files (the wrong file, or a snapshot of an empty prefix?)")
+
+
+def bare_etag(etag: str) -> str:
+    """An ETag without its quotes or weak prefix: ``"abc"``, ``abc`` and ``W/"abc"`` are one version.
+
+    S3 and HTTP give ETags quoted, while a hand-written manifest or another tool may not; every
+    comparison of a manifest's ETag with the store's goes through here (the S3 store compares
+    what it gets back from a ranged GET the same way)."""
+    text = etag.strip()
+    return text.removeprefix("W/").strip('"')
+
+
+def same_etag(expected: str, current: str) -> bool:
+    return bare_etag(expected) == bare_etag(current)
+
+
 # Magic numbers of the compressed forms a manifest may take (``cachefs mount --manifest``).
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def open_manifest(path: str | Path) -> IO[bytes]:
+def open_manifest(path: str | Path) -> io.BufferedReader:
     """The manifest file opened for reading bytes; ``ManifestError`` naming the problem if it cannot be."""
     try:
         return open(path, "rb")
@@ -101,42 +136,54 @@ def iter_manifest_lines(path: str) -> Iterator[tuple[int, str]]:
     never held whole): plain, or gzip-compressed (stdlib). zstd is refused with one line naming the
     fix (no zstd library is a dependency). ``ManifestError`` for what cannot be read."""
     with open_manifest(path) as raw:
-        magic = raw.read(4)
-        raw.seek(0)
-        if magic.startswith(ZSTD_MAGIC):
-            raise ManifestError(f"manifest {path} is zstd-compressed: decompress it (zstd -d) or compress it "
-                                f"with gzip; zstd is not supported")
-        stream: Iterable[bytes] = gzip.GzipFile(fileobj=raw) if magic.startswith(GZIP_MAGIC) else raw
-        number = 0
-        try:
-            for number, line in enumerate(stream, start=1):
-                try:
-                    yield number, line.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError:
-                    raise ManifestError(f"manifest {path} line {number}: not valid UTF-8") from None
-        except (OSError, EOFError, zlib.error) as exc:
-            raise ManifestError(f"manifest {path} line {number + 1}: cannot decompress ({exc})") from None
+        yield from iter_manifest_stream(raw, path)
+
+
+def iter_manifest_stream(raw: io.BufferedReader, name: str) -> Iterator[tuple[int, str]]:
+    """``iter_manifest_lines`` over an open binary stream (a file, or standard input: the format is
+    told by peeking at its first bytes, so a pipe works too)."""
+    try:
+        magic = raw.peek(4)[:4]
+    except OSError as exc:
+        raise ManifestError(f"cannot read manifest {name}: {exc.strerror or exc}") from None
+    if magic.startswith(ZSTD_MAGIC):
+        raise ManifestError(f"manifest {name} is zstd-compressed: decompress it (zstd -d) or compress it "
+                            f"with gzip; zstd is not supported")
+    stream: gzip.GzipFile | io.BufferedReader = gzip.GzipFile(fileobj=raw) if magic.startswith(GZIP_MAGIC) else raw
+    number = blank = 0
+    try:
+        while line := stream.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > MAX_LINE_BYTES:
+                raise ManifestError(f"manifest {name} line {number}: longer than {MAX_LINE_BYTES} bytes: "
+                                    f"not a manifest")
+            try:
+                text = line.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                raise ManifestError(f"manifest {name} line {number}: not valid UTF-8") from None
+            if not text.strip():
+                blank += 1
+                if blank > MAX_BLANK_LINES:
+                    raise ManifestError(f"manifest {name}: more than {MAX_BLANK_LINES} blank lines "
+                                        f"(by line {number}): not a manifest")
+            yield number, text
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ManifestError(f"manifest {name} line {number + 1}: cannot decompress ({exc})") from None
 
 
 def read_manifest(path: str) -> list[ManifestEntry]:
-    """Read and parse a manifest file (``-`` for standard input)."""
-    if path == "-":
-        return parse_manifest(sys.stdin, "<stdin>")
-    with open_manifest(path) as raw:
-        try:
-            data = raw.read()
-        except OSError as exc:
-            raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    decoded: list[str] = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            decoded.append(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ManifestError(f"manifest {path} line {number}: not valid UTF-8") from None
-    return parse_manifest(decoded, path)
+    """Read and parse a manifest file (``-`` for standard input), plain or gzip, by the same reader
+    as ``mount --manifest`` (``iter_manifest_lines``); ``ManifestError`` if it lists no file."""
+    name = "<stdin>" if path == "-" else path
+    stdin = getattr(sys.stdin, "buffer", None) if path == "-" else None
+    if path == "-" and not isinstance(stdin, io.BufferedReader):  # a text stream put in its place
+        entries = parse_manifest(sys.stdin, name)
+    else:
+        lines = iter_manifest_stream(stdin, name) if isinstance(stdin, io.BufferedReader) else iter_manifest_lines(path)
+        entries = [entry for number, text in lines if (entry := parse_line(text, number, name)) is not None]
+    if not entries:
+        raise no_files_error(name)
+    return entries
 
 
 def manifest_line(path: str, etag: str, size: int) -> str:

@@ -23,6 +23,12 @@ FSTYPE = "fuse.cachefs"
 CONTROL_XATTR = "user.cachefs.control"
 MOUNTINFO = Path("/proc/self/mountinfo")
 LOCK_FILENAME = "lock"
+# Naming the processes that hold a busy mount reads /proc/PID/{cwd,root,exe,fd/*}: bounded so a host
+# with a huge process table or a process with a million descriptors cannot hold `cachefs unmount`.
+# The names are a hint for the user; a scan cut short says so ("and maybe others").
+HOLDERS_MAX_PROCESSES = 100_000
+HOLDERS_MAX_FDS_PER_PROCESS = 10_000
+HOLDERS_MAX_NAMED = 10
 
 
 def process_stat(pid: int) -> list[str] | None:
@@ -115,8 +121,17 @@ def is_cachefs_mount(path: Path) -> bool:
 
 def check_mountpoint(path: Path) -> str | None:
     """Why ``path`` cannot be mounted on, or None if it can."""
-    if find_mount(path) is not None:
-        return f"mountpoint {path} is already mounted"
+    entry = find_mount(path)
+    if entry is not None:
+        try:
+            os.statvfs(path)  # always asked of the daemon (a stat may be answered from the kernel's cache)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):  # its daemon died (kill -9, OOM)
+                return (f"mountpoint {path} is a broken {entry.fstype} mount (its daemon is not running): "
+                        f"run 'cachefs unmount {path}' first")
+        if entry.fstype == FSTYPE:
+            return f"mountpoint {path} is already mounted (a live cachefs mount: 'cachefs unmount {path}' first)"
+        return f"mountpoint {path} is already mounted ({entry.fstype})"
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -135,3 +150,66 @@ def check_mountpoint(path: Path) -> str | None:
     except OSError as exc:
         return f"mountpoint {path} is not readable: {exc.strerror}"
     return None
+
+
+@dataclass(frozen=True)
+class MountUsers:
+    """Processes found using a mount (``pid``, ``comm``), and whether the scan was cut short."""
+
+    processes: tuple[tuple[int, str], ...]
+    incomplete: bool
+
+    def describe(self) -> str:
+        """``pid 12 (bash), pid 40 (python3)`` (at most ``HOLDERS_MAX_NAMED``), or ""."""
+        named = ", ".join(f"pid {pid} ({comm})" for pid, comm in self.processes[:HOLDERS_MAX_NAMED])
+        more = len(self.processes) > HOLDERS_MAX_NAMED or self.incomplete
+        return f"{named} and maybe others" if named and more else named
+
+
+def mount_users(path: Path, proc: Path = Path("/proc")) -> MountUsers:
+    """Processes whose working directory, root, executable or an open file lies under the mount at
+    ``path`` (what makes ``umount`` answer EBUSY), as far as this user may see them in /proc."""
+    target = os.path.abspath(path)
+    inside = target.rstrip("/") + "/"
+
+    def under(link: Path) -> bool:
+        try:
+            where = os.readlink(link)
+        except OSError:
+            return False
+        return where == target or where.startswith(inside)
+
+    found: list[tuple[int, str]] = []
+    incomplete = False
+    me = os.getpid()
+    try:
+        entries = [e for e in os.scandir(proc) if e.name.isdigit()]
+    except OSError:
+        return MountUsers((), True)
+    if len(entries) > HOLDERS_MAX_PROCESSES:
+        entries, incomplete = entries[:HOLDERS_MAX_PROCESSES], True
+    for entry in entries:
+        pid = int(entry.name)
+        if pid == me:
+            continue
+        base = proc / entry.name
+        holds = any(under(base / name) for name in ("cwd", "root", "exe"))
+        if not holds:
+            try:
+                with os.scandir(base / "fd") as fds:
+                    for n, fd in enumerate(fds):
+                        if n >= HOLDERS_MAX_FDS_PER_PROCESS:
+                            incomplete = True
+                            break
+                        if under(Path(fd.path)):
+                            holds = True
+                            break
+            except OSError:
+                pass  # gone, or another user's: not ours to see
+        if holds:
+            try:
+                comm = (base / "comm").read_text().strip()
+            except OSError:
+                comm = "?"
+            found.append((pid, comm))
+    return MountUsers(tuple(found), incomplete)

@@ -33,8 +33,9 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from cachefs.cli.parsing import CliParser
 from csi_driver import DRIVER_NAME
 from csi_driver.errors import CsiError
 from csi_driver.redact import RedactingFormatter
@@ -68,13 +69,8 @@ STOP_GRACE_S = 10.0
 NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "grpc")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"cachefs-csi: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="cachefs-csi", description=f"CSI driver {DRIVER_NAME} for cachefs mounts.")
+    p = CliParser(prog="cachefs-csi", description=f"CSI driver {DRIVER_NAME} for cachefs mounts.")
     p.add_argument("--endpoint", required=True, help="gRPC endpoint, unix:///path/to/csi.sock")
     p.add_argument("--node-id", default="", help="this node's name (required in node and all modes)")
     p.add_argument("--mode", choices=MODES, default="all", help="which CSI services to serve (default all)")

@@ -30,6 +30,9 @@ it is open every lookup is a miss without a request (counted in ``stats.skipped`
 is dropped, until a probe finds the store again. A failing cluster store therefore costs one
 timeout, then reads go straight to the source at source speed. Nothing here ever raises to a
 caller: every failure is a miss or a write not made, counted in ``stats.errors``.
+A store that cannot be reached when the mount starts does not stop the mount either: the daemon
+opens the tier with its circuit open (``cachefs.daemon.main.open_cluster_tier``), and the first
+probe that finds the store brings it into use.
 
 Write-behind. ``WriteBehind`` queues blocks fetched from the source for upload to this tier. The
 reader never waits for it: ``offer`` appends or refuses at once. The queue is bounded in blocks and

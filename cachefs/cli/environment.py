@@ -11,13 +11,17 @@ and checked against its ``choices``), or puts the original default back. A bad v
 ``UsageError`` naming the variable. Flags (``store_true``) take ``1/true/yes/on`` or
 ``0/false/no/off``; an empty variable counts as unset (systemd's ``Environment=X=`` clears one).
 
-Variables that name no option (``CACHEFS_REQUIRE_FUSE`` of the tests, say) are left alone. There are
-no credential options, so credentials never travel this way: they keep the AWS chain.
+Variables that name no option are not used by ``cachefs mount``; those that cachefs knows for other
+purposes (``OTHER_VARIABLES``: the FlexVolume shim's, the test suite's) are left alone, and any other
+``CACHEFS_*`` name is a misspelling: ``unknown_variables`` names it in a warning, with the nearest
+known name (``CACHEFS_RAM_CACH``: did you mean ``CACHEFS_RAM_CACHE``?), rather than ignoring it in
+silence. There are no credential options, so credentials never travel this way: they keep the AWS chain.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 from typing import Mapping
 
 from cachefs.client import UsageError
@@ -26,6 +30,13 @@ ENV_PREFIX = "CACHEFS_"
 # Options that are plumbing between two cachefs processes, not settings: the pipe a spawned daemon
 # reports on is never taken from the environment (a stray variable would point it at a random fd).
 INTERNAL_DESTS = frozenset({"ready_fd"})
+# CACHEFS_* variables that are not mount options but are read elsewhere, so never "unknown".
+OTHER_VARIABLES = frozenset({
+    "CACHEFS_FLEX_LOG", "CACHEFS_FLEX_CACHE_ROOT",  # the FlexVolume shim (csi_driver.flex)
+    # the test suite (tests/): skip-or-fail switches and the replay seeds of the randomised tests
+    "CACHEFS_REQUIRE_FUSE", "CACHEFS_REQUIRE_KUBECTL", "CACHEFS_WB_STEPS", "CACHEFS_WB_EAGER_STEPS",
+    "CACHEFS_WB_SEED", "CACHEFS_WB_CRASH_TRIALS", "CACHEFS_WB_CRASH_SEED",
+})
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
@@ -98,3 +109,19 @@ def apply_environment(args: argparse.Namespace, parser: argparse.ArgumentParser,
         text = environ.get(name, "")
         value = _convert(name, action, text) if text != "" else originals.get(action.dest)
         setattr(args, action.dest, value)
+
+
+def unknown_variables(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:
+    """One warning line for each ``CACHEFS_*`` variable in ``environ`` that cachefs does not know."""
+    known = {name for name, _action in options_with_env(parser)} | OTHER_VARIABLES
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        # Compared without the shared prefix, which would make every name look close to every other.
+        close = difflib.get_close_matches(name.removeprefix(ENV_PREFIX),
+                                          sorted(k.removeprefix(ENV_PREFIX) for k in known), n=1)
+        hint = (f"; did you mean {ENV_PREFIX}{close[0]}?" if close
+                else " (the mount options' variables: cachefs mount --help)")
+        lines.append(f"{name} is not a cachefs variable and is ignored{hint}")
+    return lines

@@ -21,6 +21,7 @@ import sys
 from typing import Sequence
 
 from cachefs.cli.environment import long_option
+from cachefs.cli.parsing import CliParser
 from cachefs.client import UsageError
 
 PROG = "mount.cachefs"
@@ -66,7 +67,7 @@ def translate(source: str, mountpoint: str, options: Sequence[str]) -> list[str]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="mount(8) helper for cachefs (fstab type cachefs)")
+    p = CliParser(prog=PROG, description="mount(8) helper for cachefs (fstab type cachefs)")
     p.add_argument("source")
     p.add_argument("mountpoint")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTIONS")

@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from cachefs import package_version
 from cachefs.cli import cluster, mount, prefetch, stats, writeback
-from cachefs.cli.environment import apply_environment, defer_defaults
+from cachefs.cli.environment import apply_environment, defer_defaults, unknown_variables
+from cachefs.cli.parsing import CliParser
 from cachefs.client import UsageError
 
 # Modules that add subcommands, in the order ``cachefs --help`` lists them: each has
@@ -35,15 +36,26 @@ from cachefs.client import UsageError
 COMMANDS = (mount, stats, prefetch, writeback, cluster)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2
-        self.exit(2, f"cachefs: error: {message}\n")
+EPILOG = """\
+examples:
+  cachefs mount s3://my-bucket/train /mnt/train --read-only     # a bucket prefix as a directory
+  cachefs mount s3://data /mnt/data --endpoint-url http://127.0.0.1:8333   # an S3-compatible server
+  cachefs prefetch /mnt/train --recursive                       # warm the disk cache ahead of a job
+  cachefs stats /mnt/train --watch 2                            # hit ratio and traffic every 2 s
+  cachefs unmount /mnt/train                                    # flush written data, then unmount
+
+Every 'cachefs mount' option may also be set by a CACHEFS_* environment variable (--ram-cache is
+CACHEFS_RAM_CACHE, --read-only is CACHEFS_READ_ONLY=1); a flag on the command line wins. Credentials
+come from the standard AWS chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...), never from options.
+'cachefs COMMAND --help' describes each command.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.")
+    parser = CliParser(prog="cachefs", description="A tiered RAM -> disk -> object store cache, mounted with FUSE.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cachefs {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
     return parser
@@ -70,6 +82,9 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     args = parser.parse_args(argv)
     try:
         if args.command == "mount":
+            if args.ready_fd is None:  # the terminal's process (a spawned daemon re-reads the same environment)
+                for line in unknown_variables(mount_parser, environ):
+                    print(f"cachefs: warning: {line}", file=sys.stderr)
             apply_environment(args, mount_parser, mount_defaults, environ)
             return mount.cmd_mount(args, argv, environ)
         if args.command in ("unmount", "umount"):

@@ -17,7 +17,10 @@ has already made: it receives the mounted ``/dev/fuse`` descriptor on the unix s
 privilege. It leaves the unmount to the process that mounted.
 
 ``cachefs unmount`` flushes written data first (through the daemon's control API), then unmounts
-with ``fusermount3`` and waits for the daemon to exit.
+with ``fusermount3`` and waits for the daemon to exit. A busy mount's refusal names the processes
+using it (``cachefs.mounts.mount_users``) and suggests ``--lazy``, which detaches it at once
+(``fusermount3 -u -z``, MNT_DETACH): the daemon serves the processes still using it and exits when
+the last one lets go.
 """
 
 from __future__ import annotations
@@ -89,6 +92,19 @@ LOG_BACKUPS = 3
 NOISY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "aiohttp.access")
 
 
+MOUNT_EPILOG = """\
+examples:
+  cachefs mount s3://my-bucket/train /mnt/train --read-only --disk-cache 200GiB
+  cachefs mount s3://my-bucket/out /mnt/out --cache-dir /nvme/cachefs          # writable, write-back
+  cachefs mount http://files.example.com/ds/ /mnt/ds --read-only              # a server sending ETags
+  CACHEFS_RAM_CACHE=8GiB cachefs mount s3://my-bucket /mnt/b --read-only
+
+Each option above may come from its CACHEFS_* variable (--disk-cache is CACHEFS_DISK_CACHE); a flag
+wins. Credentials: the AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance
+roles); AWS_ENDPOINT_URL applies to s3:// sources. The daemon's log is daemon.log in the cache dir.
+"""
+
+
 def default_cache_dir(environ: dict[str, str]) -> Path:
     if os.geteuid() == 0:
         return Path("/var/cache/cachefs")
@@ -97,10 +113,11 @@ def default_cache_dir(environ: dict[str, str]) -> Path:
 
 
 def register(sub: Any) -> None:
-    m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory")
+    m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory", epilog=MOUNT_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
-    m.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $AWS_ENDPOINT_URL, else AWS)")
+    m.add_argument("--endpoint-url", help="S3-compatible endpoint of an s3:// source (default: $AWS_ENDPOINT_URL, else AWS)")
     m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: /var/cache/cachefs as root, else ~/.cache/cachefs)")
     m.add_argument("--ram-cache", type=size, default=DEFAULT_RAM_BYTES, metavar="SIZE",
                    help=f"RAM tier capacity, e.g. 2GiB (default {format_size(DEFAULT_RAM_BYTES)}; 0 disables)")
@@ -193,6 +210,9 @@ def register(sub: Any) -> None:
                         f"(default {DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S:g})")
     u.add_argument("--force", action="store_true",
                    help="unmount without flushing; staged data stays in the cache dir and the next mount uploads it")
+    u.add_argument("--lazy", action="store_true",
+                   help="detach a busy mount now (fusermount3 -u -z): new opens fail at once, processes using it "
+                        "keep their files, and the daemon exits once the last one lets go")
 
 
 
@@ -237,11 +257,30 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         raise UsageError("--write-through applies to writable mounts only (drop --read-only or --write-through)")
     if args.connect_timeout <= 0 or args.read_timeout <= 0:
         raise UsageError("timeouts must be positive")
-    endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
+    endpoint = _endpoint_url(args.source, args.endpoint_url, environ)
     try:
         return _mount_settings(args, environ, endpoint, cache, fs, writeback, cluster)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> str | None:
+    """The source's endpoint: ``--endpoint-url``, else ``$AWS_ENDPOINT_URL``, for s3:// sources only.
+
+    ``AWS_ENDPOINT_URL`` is an environment-wide AWS setting (a shell that also talks to a local
+    S3 server has it): it says nothing about an http:// or file:// source, which ignores it. An
+    explicit ``--endpoint-url`` with such a source is a mistake, refused with one line."""
+    from tiering.objectstore import parse_source
+
+    try:
+        scheme = parse_source(source).scheme
+    except ValueError:
+        return given or None  # preflight reports the source in its own words
+    if scheme != "s3":
+        if given:
+            raise UsageError(f"--endpoint-url applies only to s3:// sources, not {scheme}:// (drop it)")
+        return None
+    return given or environ.get("AWS_ENDPOINT_URL") or None
 
 
 def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
@@ -497,9 +536,13 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if fusermount is None:
         raise UsageError("fusermount3 not found (install the fuse3 package)")
+    if args.lazy:
+        return _detach(fusermount, path, args.timeout)
     result = subprocess.run([fusermount, "-u", str(path)], capture_output=True, text=True, timeout=args.timeout)
     if result.returncode != 0:
         detail = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        if pid is not None and (users := mounts.mount_users(path).describe()):
+            detail += f"; in use by {users}: stop them, or detach it now with 'cachefs unmount --lazy {path}'"
         if pid is None:  # the daemon is gone: detach the dead mount lazily
             lazy = subprocess.run([fusermount, "-u", "-z", str(path)], capture_output=True, text=True, timeout=args.timeout)
             if lazy.returncode == 0:
@@ -516,6 +559,19 @@ def cmd_unmount(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"cachefs: unmounted {path}", file=sys.stderr)
+    return 0
+
+
+def _detach(fusermount: str, path: Path, timeout_s: float) -> int:
+    """``--lazy``: take the mount out of the namespace now; its users keep it until they let go."""
+    users = mounts.mount_users(path).describe()
+    result = subprocess.run([fusermount, "-u", "-z", str(path)], capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        detail = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
+        print(f"cachefs: error: cannot detach {path}: {detail}", file=sys.stderr)
+        return 1
+    after = f"; its daemon exits once {users} let go" if users else ""
+    print(f"cachefs: detached {path}{after}", file=sys.stderr)
     return 0
 
 

@@ -238,8 +238,6 @@ def prefetch_body(args: argparse.Namespace, mountpoint: str, cwd: str) -> dict[s
             if entry.size is not None:
                 item["size"] = entry.size
             manifest.append(item)
-        if not manifest:
-            raise UsageError(f"manifest {name} lists no files")
     elif not paths:
         paths, recursive = [""], True  # the whole mount, as --help says
     return {"paths": paths, "manifest": manifest, "manifest_name": name, "recursive": recursive,

@@ -45,7 +45,7 @@ from tiering.clock import SystemClock
 from tiering.cluster import ClusterTier, WriteBehind
 from tiering.disk import DiskTier, filesystem_free_bytes
 from tiering.blockcache import BlockCache
-from tiering.errors import CacheError
+from tiering.errors import CacheError, ObjectStoreUnavailableError
 from tiering.objectstore import CHECK_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, open_object_store
 from tiering.protocols import ObjectStore
 from tiering.pins import PIN_FILENAME, pinned_block_keys
@@ -58,6 +58,11 @@ log = logging.getLogger(__name__)
 # FUSE worker tasks: each in-flight kernel request occupies one; reads block on fetches, so allow
 # enough for the kernel's max_background (12 by default) plus metadata requests.
 FUSE_MAX_TASKS = 64
+# The start-up check of a --cluster-cache store (one LIST of at most one key): a live in-cluster store
+# answers in milliseconds; one that has not answered within this (or the cluster timeout, if longer)
+# is taken as down, and the mount goes on without it rather than waiting for it. 5 s covers a first
+# connection to a loaded store without holding a pod's start long for a tier that is only a cache.
+CLUSTER_CHECK_TIMEOUT_S = 5.0
 
 ReadyCallback = Callable[[str | None], None]
 # Things the user should see at mount but that do not stop it (an empty prefix): one line each.
@@ -91,9 +96,17 @@ def _store_name(settings: MountSettings) -> str:
     return "the default AWS S3 endpoint" if settings.source.startswith("s3://") else settings.source
 
 
-async def open_cluster_tier(settings: MountSettings, environ: dict[str, str]) -> ClusterTier | None:
-    """The shared cluster tier of ``--cluster-cache``, its store checked like the source's: an
-    unreachable endpoint, a missing bucket or refused credentials stop the mount with one line."""
+async def open_cluster_tier(settings: MountSettings, environ: dict[str, str],
+                            warn: WarnCallback | None = None) -> ClusterTier | None:
+    """The shared cluster tier of ``--cluster-cache``, its store checked at start-up.
+
+    A store that answers with an error (a missing bucket, refused credentials) is a misconfiguration
+    and stops the mount with one line. A store that cannot be reached (connection refused, no answer
+    within ``CLUSTER_CHECK_TIMEOUT_S``) does not: the tier is only a cache, and a cluster store
+    restarting must not stop every pod scheduled meanwhile. The tier starts with its circuit open
+    (``/stats`` ``cluster.state`` is ``down``, ``cachefs_tier_state{tier="cluster"}``), every block
+    comes from the source, and the circuit's probe (``tiering.storehealth``) brings the tier back
+    once the store answers, with no restart; the user gets one warning line at mount."""
     cluster = settings.cluster
     if cluster is None:
         return None
@@ -107,15 +120,23 @@ async def open_cluster_tier(settings: MountSettings, environ: dict[str, str]) ->
         )
     except ValueError as exc:
         raise SetupError(f"cluster cache {cluster.url}: {exc}") from exc
-    try:
-        await asyncio.wait_for(store.check(), CHECK_TIMEOUT_S)
-    except (CacheError, TimeoutError) as exc:
-        await store.close()
-        reason = str(exc) if isinstance(exc, CacheError) else f"did not answer within {CHECK_TIMEOUT_S:g} s"
-        where = cluster.endpoint_url or "the default AWS S3 endpoint"
-        raise SetupError(f"cluster cache {cluster.url} at {where} is not usable: {reason}") from exc
-    return ClusterTier(store, source_id=settings.source_identity(), block_size=settings.cache.block_size,
+    tier = ClusterTier(store, source_id=settings.source_identity(), block_size=settings.cache.block_size,
                        timeout_s=cluster.timeout_s, clock=SystemClock(), where=cluster.url)
+    where = cluster.endpoint_url or "the default AWS S3 endpoint"
+    try:
+        await asyncio.wait_for(store.check(), max(cluster.timeout_s, CLUSTER_CHECK_TIMEOUT_S))
+    except (ObjectStoreUnavailableError, TimeoutError) as exc:
+        reason = str(exc) if isinstance(exc, CacheError) else "it did not answer in time"
+        message = (f"cluster cache {cluster.url} at {where} is unreachable ({reason}); mounting without it: "
+                   f"blocks come from the source until it answers, then the tier is used again")
+        log.warning("%s", message)
+        if warn is not None:
+            warn(message)
+        tier.health.record_failure(exc)  # the circuit starts open; its probe closes it
+    except CacheError as exc:
+        await tier.close()
+        raise SetupError(f"cluster cache {cluster.url} at {where} is not usable: {exc}") from exc
+    return tier
 
 
 async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],
@@ -139,7 +160,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
     pinned = False
     served_to_the_end = False
     try:
-        cluster = await open_cluster_tier(settings, environ)
+        cluster = await open_cluster_tier(settings, environ, warn)
         try:
             has_objects = await asyncio.wait_for(store.check(), CHECK_TIMEOUT_S)
         except CacheError as exc:

@@ -76,7 +76,7 @@ from aiohttp import web
 from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.control import ControlRequestError, ControlServer
 from cachefs.daemon.resolver import Resolver
-from cachefs.manifest import PREFETCH_TIERS, ManifestEntry
+from cachefs.manifest import PREFETCH_TIERS, ManifestEntry, same_etag
 from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
 from tiering.clock import Clock, SystemClock
@@ -419,7 +419,7 @@ class PrefetchManager:
                         found.setdefault(info.key, info)
             else:
                 assert isinstance(current, ObjectInfo)
-                if entry.etag is not None and entry.etag != current.etag:
+                if entry.etag is not None and not same_etag(entry.etag, current.etag):
                     self._changed(job, entry, current, "ETag differs")
                 elif entry.size is not None and entry.size != current.size:
                     self._changed(job, entry, current, "size differs")

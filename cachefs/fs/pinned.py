@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs.fs.metaindex import BULK_BATCH, DuplicateEntryError, MetadataIndex
-from cachefs.manifest import ManifestError, iter_manifest_lines, open_manifest, parse_line
+from cachefs.manifest import ManifestError, iter_manifest_lines, no_files_error, open_manifest, parse_line
 from cachefs.names import NAME_MAX, name_problem
 
 MANIFEST_INDEX_PREFIX = "manifest-"
@@ -88,6 +88,7 @@ def manifest_rows(manifest: Path, mtime: float, dirs: dict[str, int]) -> Iterato
     dirs[""] = 1
     scan = _SCANNER
     batch: list[Row] = []
+    files = False  # whether any line named a file (an empty manifest is refused: no_files_error)
     for number, text in iter_manifest_lines(name):
         try:
             doc, end = scan(text, 0) if text[:1] == "{" else (None, -1)
@@ -102,11 +103,16 @@ def manifest_rows(manifest: Path, mtime: float, dirs: dict[str, int]) -> Iterato
                 if (dir_id is not None and base.isascii() and 0 < len(base) <= NAME_MAX
                         and base not in (".", "..") and "\x00" not in base):
                     batch.append((dir_id, base, size, etag, mtime, number))
+                    files = True
                     if len(batch) >= BULK_BATCH:
                         yield batch
                         batch = []
                     continue
-        batch.extend(_checked_rows(text, number, name, mtime, dirs))
+        rows = _checked_rows(text, number, name, mtime, dirs)
+        files = files or bool(rows)  # a line's rows end with its file's
+        batch.extend(rows)
+    if not files:
+        raise no_files_error(name)
     yield batch
 
 

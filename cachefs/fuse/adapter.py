@@ -9,10 +9,15 @@ traceback and answered with EIO. Nothing escapes.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import functools
 import logging
-from collections.abc import Callable, Coroutine
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -221,6 +226,53 @@ class FuseOperations(pyfuse3.Operations):
         self.fs.unsupported("removexattr")
 
 
+# What a user can do about the failures libfuse and fusermount3 report, by words of their message
+# (theirs are fixed strings of those two programs: there is no code to match).
+FUSE_FAILURE_HINTS = (
+    ("/dev/fuse: Permission denied", "the mounting user needs read and write access to /dev/fuse "
+                                     "(through a group that owns it), or mount as root"),
+    ("user_allow_other", "drop --allow-other, or have root add user_allow_other to /etc/fuse.conf"),
+    ("device not found", "load the fuse kernel module (modprobe fuse), or give the container /dev/fuse"),
+)
+# The captured text is the programs' own lines; more than this is noise for one line on a terminal.
+MAX_REASON_CHARS = 300
+
+
+@dataclasses.dataclass
+class CapturedText:
+    text: str = ""
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[CapturedText]:
+    """Send file descriptor 2 (this process's and its children's, fusermount3's) to a temporary
+    file for the duration of the block; ``.text`` holds what was written. A file, not a pipe: a
+    writer can never block on it."""
+    captured = CapturedText()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.text = sink.read().decode(errors="replace")
+
+
+def fuse_failure_reason(text: str) -> str | None:
+    """The last line libfuse or fusermount3 wrote, with what to do about it; None if they wrote none."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return None
+    reason = lines[-1].removeprefix("fuse: ")[:MAX_REASON_CHARS]
+    hint = next((hint for words, hint in FUSE_FAILURE_HINTS if words in reason), None)
+    return f"{reason}; {hint}" if hint else reason
+
+
 class FuseSession:
     """The FUSE session of one mount: the only place that calls pyfuse3's module-level functions."""
 
@@ -241,11 +293,24 @@ class FuseSession:
         pyfuse3.asyncio.enable()
 
     def mount(self) -> None:
-        """Mount; ``OSError`` with a one-line reason if the kernel refuses."""
-        try:
-            pyfuse3.init(FuseOperations(self.fs), self.mountpoint, self.options)
-        except RuntimeError as exc:
-            raise OSError(errno.EIO, f"cannot mount on {self.mountpoint}: {exc}") from exc
+        """Mount; ``OSError`` with a one-line reason if the kernel refuses.
+
+        libfuse and fusermount3 say why a mount failed only on file descriptor 2 (``failed to open
+        /dev/fuse: Permission denied``), while pyfuse3 raises a bare ``fuse_session_mount failed``.
+        Their words are captured around the call (``captured_stderr``), written back to stderr (the
+        daemon's log keeps them) and put in the one-line reason the user sees."""
+        failure: RuntimeError | None = None
+        with captured_stderr() as captured:
+            try:
+                pyfuse3.init(FuseOperations(self.fs), self.mountpoint, self.options)
+            except RuntimeError as exc:
+                failure = exc
+        if captured.text:
+            sys.stderr.write(captured.text)
+            sys.stderr.flush()
+        if failure is not None:
+            reason = fuse_failure_reason(captured.text) or str(failure)
+            raise OSError(errno.EIO, f"cannot mount on {self.mountpoint}: {reason}") from failure
 
     async def serve(self, max_tasks: int) -> None:
         """Serve requests until the filesystem is unmounted or ``terminate`` is called."""

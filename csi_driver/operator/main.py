@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import kopf
 from kubernetes import client, config
 
+from cachefs.cli.parsing import CliParser
 from csi_driver.operator.handlers import (DEFAULT_IMAGE, FOLLOW_INTERVAL_S, GATE_INTERVAL_S, OperatorSettings,
                                           OperatorState, build_registry)
 from csi_driver.operator.kube import Kube, KubeError
@@ -38,7 +39,7 @@ def _positive(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cachefs-operator", description="run the cachefs Dataset operator")
+    p = CliParser(prog="cachefs-operator", description="run the cachefs Dataset operator")
     p.add_argument("--image", default=None,
                    help=f"image of the warm-up Jobs (default: this pod's own image, else {DEFAULT_IMAGE})")
     p.add_argument("--namespace", action="append", default=[], metavar="NS",

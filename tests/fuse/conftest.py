@@ -65,6 +65,7 @@ class Mount:
     env: dict[str, str]
     pid: int | None = None
     args: list[str] = field(default_factory=list)
+    stderr: str = ""  # what `cachefs mount` said (its warnings, the mounted line)
 
     def stats(self) -> dict:
         result = run_cli("stats", str(self.path), "--json", env=self.env)
@@ -107,6 +108,7 @@ class Mounter:
             assert result.returncode == 0, f"mount failed: {result.stderr}"
         if result.returncode != 0:
             raise MountFailed(result)
+        mount.stderr = result.stderr
         self.mounts.append(mount)
         info = self._info(mount)
         mount.pid = info.get("pid")

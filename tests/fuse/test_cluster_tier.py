@@ -8,6 +8,7 @@ queue's drain is polled through ``/stats``); no duration is asserted.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Iterator
 import pytest
 
 from tests.fuse.conftest import Mount, Mounter, run_cli
-from tests.fuse.writeback_support import bounded, s3env
+from tests.fuse.writeback_support import LoopbackProxy, bounded, s3env
 from tests.support.s3servers import SeaweedS3, free_ports
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -184,23 +185,93 @@ def test_bad_cluster_urls_are_refused_with_one_line(
     assert result.stderr.count("\n") == 1 and needle in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("problem", ["unreachable endpoint", "missing bucket"])
-def test_an_unusable_cluster_store_is_refused_at_mount_with_one_line(
-        problem: str, tmp_path: Path, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+def test_a_missing_cluster_bucket_is_refused_at_mount_with_one_line(
+        tmp_path: Path, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    """The store answers, with an error: a misconfiguration, refused (issue 24, item 1)."""
     source, cluster = servers
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if problem == "unreachable endpoint":
-        endpoint, bucket = f"http://127.0.0.1:{free_ports(1)[0]}", CLUSTER_BUCKET
-    else:
-        endpoint, bucket = cluster.endpoint_url, "no-such-bucket"
     result = run_cli("mount", f"s3://{SOURCE_BUCKET}", str(mnt), "--cache-dir", str(tmp_path / "c"),
-                     "--cluster-cache", f"s3://{bucket}/x", "--cluster-endpoint-url", endpoint,
+                     "--cluster-cache", "s3://no-such-bucket/x", "--cluster-endpoint-url", cluster.endpoint_url,
                      "--cluster-profile", "cluster", env=cluster_env)
     assert result.returncode != 0
     assert result.stderr.count("\n") == 1, result.stderr
     assert "cluster cache" in result.stderr and "Traceback" not in result.stderr
     assert cluster.secret_key not in result.stderr
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_a_cluster_store_down_at_mount_is_a_miss_and_is_used_again_once_it_answers(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    """Issue 24, item 1: the cluster store stopped before the mount never stops it; reads come from
+    the source, the tier's circuit shows in /stats and /metrics, and the tier is written again once
+    the store is back, with no restart."""
+    import urllib.request
+
+    source, cluster = servers
+    clear_cluster(cluster)
+    port = free_ports(1)[0]
+    keys = sorted(FILES)
+    cluster.stop_keep_data()
+    try:
+        mount = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), "--stats-addr", f"127.0.0.1:{port}",
+                              "--dir-ttl", "0",
+                              env=cluster_env)
+        assert "cachefs: warning: cluster cache" in mount.stderr and "unreachable" in mount.stderr, mount.stderr
+        assert read_all(mount) == FILES
+        stats = mount.stats()
+        assert stats["cluster"]["state"] == "down" and stats["cluster"]["health"]["outages"] >= 1
+        assert stats["blocks"]["fetched"] > 0 and stats["cluster"]["hits"] == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        assert _metric(text, "cachefs_tier_state", tier="cluster", state="down") == 1.0
+    finally:
+        cluster.start()
+    # The circuit's probe runs when a read finds it open (one per probe interval). Reads of objects
+    # new to the mount reach the daemon (the kernel's page cache holds the others): read new ones
+    # until the probe has found the store, then one more, which is written to the tier again.
+    deadline = time.monotonic() + READ_BOUND_S
+    healthy = False
+    client = source.client()
+    try:
+        for n in itertools.count():
+            data = random.Random(100 + n).randbytes(BLOCK + n)
+            client.put_object(Bucket=SOURCE_BUCKET, Key=f"later/{n}.bin", Body=data)
+            assert (mount.path / "later" / f"{n}.bin").read_bytes() == data
+            if healthy:
+                break
+            healthy = mount.stats()["cluster"]["state"] == "healthy"
+            assert time.monotonic() < deadline, f"the cluster tier did not come back: {mount.stats()['cluster']}"
+            if not healthy:
+                time.sleep(0.5)
+        section = wait_drained(mount)
+        assert section["write_behind"]["written"] > 0 and cluster_keys(cluster)
+    finally:  # the other tests read and warm exactly FILES
+        for m in range(n + 1):
+            client.delete_object(Bucket=SOURCE_BUCKET, Key=f"later/{m}.bin")
+
+
+def test_a_frozen_cluster_store_at_mount_is_taken_as_down_within_the_check_bound(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    """Issue 24, item 1: a cluster store that accepts connections and never answers (a silent
+    partition) does not stop the mount either; the start-up check gives up after its bound."""
+    source, cluster = servers
+    with LoopbackProxy(int(cluster.endpoint_url.rsplit(":", 1)[1])) as proxy:
+        proxy.freeze()
+        args = cluster_args(cluster)
+        args[args.index(cluster.endpoint_url)] = proxy.endpoint_url
+        mount = mounter.mount(f"s3://{SOURCE_BUCKET}", *args, env=cluster_env)
+        assert "cachefs: warning: cluster cache" in mount.stderr and "unreachable" in mount.stderr, mount.stderr
+        assert read_all(mount) == FILES
+        section = mount.stats()["cluster"]
+        assert section["state"] == "down" and section["hits"] == 0, section
+        assert mount.unmount().returncode == 0
 
 
 def test_prefetch_tier_cluster_warms_the_cluster_once_for_every_node(

@@ -124,3 +124,16 @@ def test_refusals_are_one_line(server: StaticHttpServer, mounter) -> None:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode != 0 and len(lines) == 1, result.stderr
         assert needle in lines[0], lines[0]
+
+
+def test_a_server_without_etags_is_refused_at_mount_with_one_line(www: Path, server: StaticHttpServer,
+                                                                  mounter) -> None:
+    """Issue 24, item 3: ``python -m http.server`` sends no ETag; the mount says so on the terminal
+    (one line, what to do) instead of mounting an empty tree with the reason only in its log."""
+    files = fill(www)
+    server.no_etag.update(f"/ds/{key}" for key in files)
+    with pytest.raises(MountFailed) as info:
+        mounter.mount(server.url + "ds/", "--read-only", check=False)
+    err = info.value.result.stderr
+    assert info.value.result.returncode != 0 and err.count("\n") == 1, err
+    assert "sends no ETag" in err and "nginx" in err and "Traceback" not in err, err

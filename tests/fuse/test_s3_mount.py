@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fuse.conftest import MountFailed, run_cli
+from tests.fuse.writeback_support import kill9
 
 MiB = 1024 * 1024
 
@@ -132,6 +133,13 @@ def test_already_mounted_is_refused(seaweed, bucket: str, mounter) -> None:
     assert result.returncode != 0
     assert "already mounted" in result.stderr
     assert (m.path / "k").read_bytes() == b"v"
+    # Issue 24 (item 10): after a kill -9 of the daemon the mount is broken, and the refusal says so
+    # and what to do, as `cachefs stats` does.
+    kill9(m)
+    result = run_cli("mount", f"s3://{bucket}", str(m.path), "--cache-dir", str(m.cache_dir), env=s3env(seaweed))
+    assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
+    assert "broken" in result.stderr and f"cachefs unmount {m.path}" in result.stderr, result.stderr
+    assert run_cli("unmount", str(m.path)).returncode == 0
 
 
 def test_secrets_never_in_logs_or_command_lines(seaweed, bucket: str, mounter) -> None:

@@ -77,6 +77,23 @@ async def test_a_file_without_an_etag_is_not_served(www: Path, server: StaticHtt
     assert len(warnings) == 1
 
 
+async def test_a_server_that_sends_no_etag_is_refused_by_the_check(www: Path, server: StaticHttpServer,
+                                                                   store: FsspecObjectStore) -> None:
+    """Issue 24, item 3: every file below the root (here one directory down) comes without an ETag,
+    as from ``python -m http.server``: the mount-time check says so in one line, instead of an
+    empty mount."""
+    for key in ("train/a.bin", "train/b.bin", "val/c.bin"):
+        write_file(www / "ds" / key, b"x")
+        server.no_etag.add(f"/ds/{key}")
+    with pytest.raises(UnversionedObjectError) as info:
+        await store.check()
+    message = str(info.value)
+    assert "\n" not in message and "sends no ETag" in message and "train/a.bin" in message, message
+    # One dynamic page among tagged files is no reason to refuse: it is left out of listings.
+    write_file(www / "ds" / "train" / "0.bin", b"tagged")
+    assert await store.check() is True
+
+
 async def test_html_index_listing(www: Path, store: FsspecObjectStore) -> None:
     write_file(www / "ds" / "a b+c%d.txt", b"odd")
     write_file(www / "ds" / "sub" / "x", b"x")

@@ -226,6 +226,22 @@ def test_mount_settings_from_arguments(mnt: Path, cache_dir: Path) -> None:
     assert mount_settings(args, {"AWS_ENDPOINT_URL": "http://other"}).endpoint_url == "https://s3.example"
 
 
+@pytest.mark.parametrize("source", ["http://127.0.0.1:9/ds/", "file:///srv/data"])
+def test_aws_endpoint_url_in_the_environment_leaves_non_s3_sources_alone(source: str, mnt: Path,
+                                                                          cache_dir: Path) -> None:
+    """Issue 24, item 4: AWS_ENDPOINT_URL is for S3 clients; an http:// or file:// source ignores it."""
+    args = build_parser().parse_args(mount_args(source, mnt, cache_dir, "--read-only"))
+    settings = mount_settings(args, {"AWS_ENDPOINT_URL": "http://127.0.0.1:8333"})
+    assert settings.endpoint_url is None
+    preflight(settings)
+
+
+def test_an_explicit_endpoint_url_with_a_non_s3_source_is_one_line(mnt: Path, cache_dir: Path, capsys) -> None:
+    code, err = run(mount_args("file:///srv/data", mnt, cache_dir, "--read-only", "--endpoint-url",
+                               "http://127.0.0.1:8333"), capsys)
+    assert_one_line_error(code, err, "--endpoint-url", "s3://", "file://")
+
+
 def test_preflight_accepts_good_settings_without_contacting_anything(mnt: Path, cache_dir: Path) -> None:
     args = build_parser().parse_args(mount_args("s3://my-bucket/prefix", mnt, cache_dir))
     preflight(mount_settings(args, {}))

@@ -293,3 +293,35 @@ async def test_unsupported_operations_through_the_adapter(writable) -> None:
         with pytest.raises(pyfuse3.FUSEError) as info:
             await call
         assert info.value.errno == code
+
+
+# ------------------------------------------------------------------ mount failures (issue 24, item 2)
+def test_fusermount_words_become_the_one_line_reason() -> None:
+    from cachefs.fuse.adapter import fuse_failure_reason
+
+    allow_other = ("fusermount3: option allow_other only allowed if 'user_allow_other' is set in "
+                   "/etc/fuse.conf\n")
+    reason = fuse_failure_reason(allow_other)
+    assert reason is not None and reason.startswith("fusermount3: option allow_other only allowed")
+    assert "drop --allow-other" in reason and "\n" not in reason
+    reason = fuse_failure_reason("fuse: failed to open /dev/fuse: Permission denied\n")
+    assert reason is not None and reason.startswith("failed to open /dev/fuse: Permission denied; ")
+    assert fuse_failure_reason("fuse: unknown option 'x'\n") == "unknown option 'x'"
+    assert fuse_failure_reason("\n  \n") is None
+    assert len(fuse_failure_reason("x" * 10_000) or "") <= 300
+
+
+def test_captured_stderr_takes_what_a_child_process_writes_and_restores_fd_2() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from cachefs.fuse.adapter import captured_stderr
+
+    before = os.fstat(2)
+    with captured_stderr() as captured:
+        subprocess.run([sys.executable, "-c", "import sys; sys.stderr.write('fusermount3: nope\\n')"], check=True)
+        os.write(2, b"libfuse: too\n")
+    assert captured.text == "fusermount3: nope\nlibfuse: too\n"
+    after = os.fstat(2)
+    assert (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino)

@@ -114,3 +114,36 @@ def test_check_mountpoint_unreadable(tmp_path: Path) -> None:
 def test_check_mountpoint_of_a_mounted_path() -> None:
     problem = check_mountpoint(Path("/proc"))
     assert problem is not None and "already mounted" in problem
+
+
+def test_mount_users_finds_a_process_by_its_working_directory_or_open_file(tmp_path) -> None:
+    """Issue 24, item 6: the processes named when an unmount is refused as busy."""
+    import subprocess
+    import sys
+    import time
+
+    from cachefs.mounts import mount_users
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_text("x")
+    by_cwd = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], cwd=tmp_path / "d",
+                              stdin=subprocess.PIPE)
+    by_fd = subprocess.Popen([sys.executable, "-c", f"f = open({str(tmp_path / 'f')!r}); import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the second child opens its file after it starts
+            users = mount_users(tmp_path)
+            pids = {pid for pid, _ in users.processes}
+            if {by_cwd.pid, by_fd.pid} <= pids or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert {by_cwd.pid, by_fd.pid} <= pids
+        assert f"pid {by_cwd.pid} (python" in users.describe()
+        in_d = {pid for pid, _ in mount_users(tmp_path / "d").processes}
+        assert by_cwd.pid in in_d and by_fd.pid not in in_d
+        assert not mount_users(tmp_path / "nothing-here").processes
+    finally:
+        for child in (by_cwd, by_fd):
+            child.stdin.close()
+            child.wait(timeout=30)

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -153,3 +155,71 @@ def test_the_matcher_follows_dockers_rules() -> None:
     assert not sent_to_docker("docs")
     assert not sent_to_docker("docs/benchmarks.md")
     assert sent_to_docker("cachefs/fs.py") and sent_to_docker("pyproject.toml")
+
+
+# ------------------------------------------------------------------------------------ extras (issue 24, item 8)
+KUBERNETES_STACK = {"kubernetes": "kubernetes", "kopf": "kopf", "grpcio": "grpc", "protobuf": "google.protobuf"}
+# Run in a child interpreter: every module of the Kubernetes stack refuses to import, as on a host
+# where only `pip install .` ran.
+BLOCKER = """
+import importlib.abc, sys
+BLOCKED = {blocked!r}
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
+
+
+def test_the_tool_installs_without_the_kubernetes_stack_and_extras_add_it() -> None:
+    project = pyproject()["project"]
+    base = {_requirement_name(r) for r in project["dependencies"]}
+    assert not base & set(KUBERNETES_STACK), base & set(KUBERNETES_STACK)
+    extras = project["optional-dependencies"]
+    csi = {_requirement_name(r) for r in extras["csi"]}
+    operator = {_requirement_name(r) for r in extras["operator"]}
+    assert {"grpcio", "protobuf", "kubernetes"} <= csi and {"kopf", "kubernetes"} <= operator
+    assert f"{project['name']}[csi,operator]" in extras["test"]  # the tests cover every part
+    assert project["scripts"]["cachefs-csi"] == "csi_driver.entry:csi"
+    assert project["scripts"]["cachefs-operator"] == "csi_driver.entry:operator"
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir '.[csi,operator]'" in dockerfile  # the image has every part
+
+
+def _without_kubernetes(code: str) -> subprocess.CompletedProcess[str]:
+    import sys
+
+    script = BLOCKER.format(blocked=tuple(KUBERNETES_STACK.values())) + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_the_tool_runs_without_the_kubernetes_stack() -> None:
+    result = _without_kubernetes("""
+        import contextlib, io, sys
+        import cachefs.daemon.main, cachefs.cli.fstab, csi_driver.flex  # the daemon, mount(8) and FlexVolume
+        from cachefs.cli.main import main
+        for argv in (["--help"], ["mount", "--help"], ["prefetch", "--help"], ["stats", "--help"]):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+                main(argv)
+            assert "usage: cachefs" in out.getvalue(), argv
+        assert not [m for m in sys.modules if m.split(".")[0] in ("kubernetes", "kopf", "grpc")]
+        print("fine")
+    """)
+    assert result.returncode == 0 and result.stdout.strip() == "fine", result.stderr
+
+
+@pytest.mark.parametrize(("entry", "extra"), [("csi", "csi"), ("operator", "operator")])
+def test_a_kubernetes_entry_point_without_its_extra_names_it_in_one_line(entry: str, extra: str) -> None:
+    result = _without_kubernetes(f"""
+        from csi_driver.entry import {entry}
+        {entry}(["--help"])
+    """)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"pip install 'cachefs-fuse[{extra}]'" in result.stderr and f"[{extra}] extra" in result.stderr

@@ -169,7 +169,9 @@ def test_lines_off_the_fast_path_are_accepted_by_the_full_checks(tmp_path: Path,
     ('{"etag": "e", "path": "a", "size": 1.0}', "size"),
     ('{"etag": "e", "path": "", "size": 1}', "path"),
     ('{"etag": "e", "path": "a", "size": 1} {"etag": "e", "path": "b", "size": 1}', "invalid JSON"),
-    ('{"etag": "e", "path": "a", "size": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid JSON"),
+    ('{"etag": "e", "path": "a", "size": 1, "x": ' + "[" * 10_000 + "]" * 10_000 + "}", "invalid JSON"),
+    # Nested past the line bound (issue 24, item 9): refused before any parsing.
+    ('{"etag": "e", "path": "a", "size": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "longer than 65536 bytes"),
     ('{"etag": "e", "path": "a\\ud800", "size": 1}', "no character"),  # a lone surrogate: no UTF-8 name
     ('["etag", "path", "size"]', "needs a JSON line"),  # not starting with "{": a plain path line
     ('{"etag": "e", "path": ["a"], "size": 1}', "non-empty string"),

@@ -96,6 +96,11 @@ DEFAULT_MAX_CONCURRENCY = 32
 # An http(s) listing HEADs every file it finds (an index page gives no ETags); at most this many
 # of them at once, leaving the other slots to reads.
 LISTING_HEADS_IN_FLIGHT = 16
+# At mount, an http(s) source is checked for ETags on at most this many files, found in at most
+# this many directory listings (breadth first): enough to tell a server that sends none from a
+# dynamic page among static files, in a handful of requests whatever the size of the tree.
+VERSION_PROBE_FILES = 3
+VERSION_PROBE_LISTINGS = 8
 # Keys remembered so that a file without a version identity is warned about once, not per listing.
 MAX_WARNED_KEYS = 10_000
 
@@ -300,7 +305,51 @@ class FsspecObjectStore:
                 if self.protocol in ("gs", "az") and not await self._call("exists", self.source.bucket):
                     raise ObjectNotFoundError(f"{self.protocol}:// bucket {self.source.bucket!r} not found") from None
         dirs, files = self._split(self._root, entries)
+        if self._http:
+            await self._check_versioned(dirs, files)
         return bool(dirs or files)
+
+    async def _check_versioned(self, dirs: set[str], files: dict[str, dict[str, Any]]) -> None:
+        """Refuse, at mount, a server that sends no strong ETag (``python -m http.server``, say).
+
+        Without one, every file would be left out of the listings and the mount would show an empty
+        tree, with the reason only in the daemon's log. The first few files found (breadth first,
+        at most ``VERSION_PROBE_LISTINGS`` directory listings) are HEADed; if none of them has an
+        ETag, ``UnversionedObjectError`` names the server and what to do. One file without a tag
+        among tagged ones (a dynamic page) is no reason to refuse: it is left out, as in a listing."""
+        pending = [(self._root, "", dirs, files)]
+        probed = untagged = listings = 0
+        example = ""
+        while pending and probed < VERSION_PROBE_FILES:
+            base, prefix, sub_dirs, sub_files = pending.pop(0)
+            for name in sorted(sub_files)[: VERSION_PROBE_FILES - probed]:
+                probed += 1
+                try:
+                    await self.head(prefix + name)
+                except UnversionedObjectError:
+                    untagged += 1
+                    example = example or prefix + name
+                except ObjectNotFoundError:
+                    pass  # gone since the listing: says nothing about the server
+            for name in sorted(sub_dirs):
+                if listings >= VERSION_PROBE_LISTINGS:
+                    break
+                listings += 1
+                path = base + (quote(name, safe="/") + "/")
+                self.stats.requests += 1
+                self.stats.list_requests += 1
+                try:
+                    async with self._guard(f"listing {path}"):
+                        entries = await self._ls(path)
+                except ObjectNotFoundError:
+                    continue  # a directory without an index page: nothing to probe there
+                more_dirs, more_files = self._split(path, entries)
+                pending.append((path, f"{prefix}{name}/", more_dirs, more_files))
+        if probed and untagged == probed:
+            raise UnversionedObjectError(
+                f"{self.source.url}: the server sends no ETag (e.g. for {example!r}), so cachefs cannot tell "
+                f"a changed file from an unchanged one and would serve none of them; serve the files with a "
+                f"server that sends strong ETags (nginx, Apache, Caddy) or copy them to a bucket")
 
     async def _ls(self, path: str) -> list[dict[str, Any]]:
         if self._http:
