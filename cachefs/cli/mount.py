@@ -51,6 +51,7 @@ from cachefs.settings import (
     MountSettings,
 )
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, read_only_source_problem
+from tiering.private import PRIVATE_UMASK
 from tiering.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CLUSTER_TIMEOUT_S,
@@ -280,6 +281,7 @@ def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None
     ``check_mountpoint=False`` for a handed-over mount: its mountpoint is already mounted (and
     answers nothing until this daemon serves it), or not even visible to the daemon."""
     from tiering.disk import check_cache_dir
+    from tiering.private import check_cache_dirs
     from tiering.objectstore import parse_source
 
     try:
@@ -292,6 +294,7 @@ def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None
     if problem:
         raise UsageError(problem)
     try:
+        check_cache_dirs(settings.cache_dir, settings.source_cache_dir())
         check_cache_dir(settings.cache_dir)
     except OSError as exc:
         raise UsageError(exc.strerror or f"cache dir {settings.cache_dir} is not usable") from None
@@ -466,6 +469,9 @@ def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 
 def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, str]) -> int:
+    # Before anything is created: the cache and runtime directories, the log and every file of the
+    # daemon (a child inherits it) are the mounting user's alone (tiering.private).
+    os.umask(PRIVATE_UMASK)
     if args.fuse_fd_socket is not None:
         return run_handed_over(args, environ)
     settings = mount_settings(args, environ)
