@@ -25,10 +25,12 @@ through it. The checks run on the directory itself, not on every ancestor: the a
 user's cache directory are the user's (or root's) to guard.
 
 Why no key authenticating block headers: with the directory owned by the euid and 0700, only that
-user and root can write a block, and both could read a key kept beside the blocks as well. Keyed
-BLAKE2 over the data would cost ~1.0 s of CPU per GiB read from the disk tier against ~0.06 s for the
-CRC-32 (measured, ``benchmarks/block_mac.py``) on the busiest path, for no protection the ownership
-check does not already give. The cluster tier (a store other nodes write) is a different trust
+user and root can write a block, and both could read a key kept beside the blocks as well. A MAC
+would have to cover the data (the header's data checksum is a CRC, which chosen data can match), and
+keyed BLAKE2b over the data costs 0.81 CPU-seconds per GiB read from the disk tier against 0.018 for
+the CRC-32 (HMAC-SHA256: 0.63; ``benchmarks/block_mac.py``, 4 MiB blocks, one thread of this 2-core
+machine): forty times the checking cost on the busiest path, for no protection the ownership check
+does not already give. The cluster tier (a store other nodes write) is a different trust
 domain: its blocks are as trusted as the credentials that may write that bucket.
 """
 

@@ -175,3 +175,21 @@ def test_a_runtime_dir_another_user_made_world_writable_is_refused(base: Path, t
     assert len(message.splitlines()) == 1, message
     assert f"runtime directory {xdg / 'cachefs'} is owned by uid {NOBODY}" in message
     assert not any((xdg / "cachefs").iterdir())  # no socket was made there
+
+
+@pytest.mark.parametrize("how", ["--manifest", "--manifest-key"])
+def test_a_manifest_size_beyond_64_bits_refuses_the_mount_naming_the_line(base: Path, trust_mounter: Mounter,
+                                                                         how: str) -> None:
+    """a115150 ended the mount with ``OverflowError: Python int too large to convert to SQLite INTEGER``."""
+    source, root = bucket(base)
+    etag = stat_etag(os.stat(root / "hello.txt"))
+    lines = [json.dumps({"path": "hello.txt", "etag": etag, "size": 11}),
+             json.dumps({"path": "huge.bin", "etag": etag, "size": 99999999999999999999999})]
+    manifest = (root if how == "--manifest-key" else base) / "m.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    with pytest.raises(MountFailed) as refused:
+        trust_mounter.mount(source, how, "m.jsonl" if how == "--manifest-key" else str(manifest),
+                            cache_dir=base / "cache", mountpoint=base / "mnt", check=False)
+    message = refused.value.result.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    assert "line 2" in message and f'"size" must be an integer from 0 to {2**63 - 1}' in message
