@@ -106,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     pods.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""), metavar="PATH",
                       help="reach the API server with this kubeconfig (default: the pod's in-cluster service account)")
     pods.add_argument("--mount-pod-watch-seconds", type=int, default=0, help=argparse.SUPPRESS)  # tests only
+    trust = p.add_argument_group("what volumes may ask (csi_driver.trust; the defaults are the safe ones)")
+    trust.add_argument("--allow-node-identity", action="store_true",
+                       help="let volumes without a Secret use this plugin's cloud identity (IRSA, Pod Identity, "
+                            "instance profile); inline ephemeral volumes always need a Secret")
+    trust.add_argument("--allowed-endpoints", default="", metavar="ORIGINS",
+                       help="comma-separated http(s)://host[:port] a volume's endpointUrl may name, 'aws' for "
+                            "the default AWS endpoint (default: any)")
+    trust.add_argument("--allowed-buckets", default="", metavar="BUCKETS",
+                       help="comma-separated buckets a volume may mount (default: any)")
     p.add_argument("--max-volumes", type=int, default=0, metavar="N",
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
@@ -195,8 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from csi_driver.controller import CachefsBucketAdmin, ControllerOps
     from csi_driver.node import NodeOps, NodeSettings
     from csi_driver.server import DriverInfo, build_server, package_version
+    from csi_driver.trust import VolumeTrust
 
     environ = dict(os.environ)
+    try:
+        trust = VolumeTrust.from_flags(args.allow_node_identity, args.allowed_endpoints, args.allowed_buckets)
+    except ValueError as exc:
+        print(f"cachefs-csi: error: {exc}", file=sys.stderr)
+        return 2
     node = None
     if serve_node:
         cache_root = Path(os.path.abspath(args.cache_root))
@@ -212,14 +227,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
             if args.mount_mode == "pod":
                 pod_launcher = build_pod_launcher(args)
-            mounter = build_mounter(args.mount_mode, run_root, environ, args.log_level, pod_launcher)
+            # Daemons inherit the plugin's identity only where the admin allows it (csi_driver.trust).
+            mounter = build_mounter(args.mount_mode, run_root, trust.daemon_environ(environ), args.log_level,
+                                    pod_launcher)
         except OSError as exc:
             print(f"cachefs-csi: error: run root {run_root}: {exc.strerror}", file=sys.stderr)
             return 2
         except ValueError as exc:
             print(f"cachefs-csi: error: {exc}", file=sys.stderr)
             return 2
-        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir), mounter)
+        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir, trust), mounter)
         node.adopt()
         if pod_launcher is not None:
             from csi_driver.mountpods import take_over
