@@ -31,13 +31,14 @@ from tests.csi.conftest import (
     Driver,
     daemon_pid,
     driver_environ,
+    driver_run_root,
     expect_rpc_error,
     secrets_of,
     start_driver,
     stop_driver,
 )
 from tests.csi.test_node_service import context_for
-from csi_driver.mountpods import USER_AGENT
+from csi_driver.mountpods import USER_AGENT, pod_name
 from tests.support.kubeapi import ApiDouble
 from tests.support.kubelet import Kubelet
 
@@ -95,9 +96,13 @@ def dataset(seaweed) -> tuple[str, dict[str, bytes]]:
 
 def start_pod_driver(workdir: Path, api: ApiDouble,
                      image: tuple[str, ...] = ("--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test")) -> Driver:
+    # --daemon-uid 0: the kubelet stand-in runs a mount pod as a host process, and uid 65534 (the
+    # driver's default in pod mode) can run neither this interpreter (under /root) nor reach the 0700
+    # temp directories a real pod sees as its own hostPath mounts. tests/csi/test_handover.py runs the
+    # daemon as 65534; test_the_mount_pod_runs_as_nobody_by_default checks the spec.
     return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE, *image,
                         "--mount-pod-priority-class", "system-node-critical", "--kubeconfig", str(api.kubeconfig),
-                        "--mount-pod-watch-seconds", "1")
+                        "--mount-pod-watch-seconds", "1", "--daemon-uid", "0")
 
 
 def node_rbac() -> dict[str, set[tuple[str, str]]]:
@@ -321,7 +326,7 @@ def test_mount_pod_shared_survives_plugin_death_and_recovers(cluster, seaweed, d
         driver.unstage("vol-pods", staging)
         assert mounts.find_mount(staging) is None
         assert mount_pods(core) == []
-        assert core.list_namespaced_secret(NAMESPACE).items == []
+        assert [s.metadata.name for s in core.list_namespaced_secret(NAMESPACE).items] == ["someone-elses"]
         kubelet.wait_gone(new.metadata.name)
 
         # Every call the plugin made is allowed by its RBAC in deploy/base/node-rbac.yaml, and the
@@ -355,7 +360,11 @@ def test_start_up_deletes_stray_mount_pods_and_orphan_secrets(cluster, workdir) 
              "spec": {"nodeName": "other-node", "containers": [{"name": "cachefs", "image": "x"}]}}
     core.create_namespaced_pod(NAMESPACE, stray)
     core.create_namespaced_pod(NAMESPACE, other)
-    core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": "cachefs-mount-orphan", "labels": labels}})
+    # Orphan Secrets: the stray pod's, and one of a daemon this node has a run directory for but no pod
+    # (found by name: the plugin may not list Secrets). A Secret the plugin knows nothing of stays.
+    (driver_run_root(tmp_path) / "daemon-gone").mkdir(parents=True, exist_ok=True)
+    for name in ("cachefs-mount-stray", pod_name(NODE, "daemon-gone"), "someone-elses"):
+        core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": name, "labels": labels}})
     plugin = {"metadata": {"name": "cachefs-csi-node-x1"}, "spec": {"nodeName": "not-this-kubelet", "containers": [
         {"name": "registrar", "image": "registrar:1"}, {"name": "cachefs-csi", "image": "site/cachefs-csi:9"}]}}
     core.create_namespaced_pod(NAMESPACE, plugin)
@@ -364,7 +373,7 @@ def test_start_up_deletes_stray_mount_pods_and_orphan_secrets(cluster, workdir) 
         assert "1 deleted" in driver.log_text()
         assert sorted(p.metadata.name for p in core.list_namespaced_pod(NAMESPACE).items) == [
             "cachefs-csi-node-x1", "cachefs-mount-other-node"]
-        assert core.list_namespaced_secret(NAMESPACE).items == []
+        assert [s.metadata.name for s in core.list_namespaced_secret(NAMESPACE).items] == ["someone-elses"]
         # The mount pods' image is the plugin's own (as an overlay's `images:` renamed it).
         assert "image site/cachefs-csi:9" in driver.log_text()
     finally:
@@ -445,7 +454,7 @@ def test_a_mount_pod_deleted_by_hand_is_reported_and_recovered(cluster, seaweed,
         kubelet.wait_gone(pod.metadata.name)
         (event,) = wait_for("the Event on the workload pod", lambda: events(core, "ml", "CachefsMountBroken"))
         assert event.involved_object.name == "notebook-0" and "was deleted" in event.message
-        assert core.list_namespaced_secret(NAMESPACE).items == []  # garbage-collected with its owner
+        assert [s.metadata.name for s in core.list_namespaced_secret(NAMESPACE).items] == ["someone-elses"]  # garbage-collected with its owner
         driver.publish_staged("vol-del", staging, target, context, secrets=secrets_of(seaweed))
         assert (target / "part-0.bin").read_bytes() == files["part-0.bin"]
         driver.unpublish("vol-del", target)

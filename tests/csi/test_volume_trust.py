@@ -101,6 +101,22 @@ def test_daemons_inherit_no_node_identity_unless_it_is_allowed() -> None:
     assert VolumeTrust(allow_node_identity=True).daemon_environ(plugin) == plugin
 
 
-def test_the_deployed_node_plugin_keeps_the_safe_defaults() -> None:
-    daemonset = (Path(__file__).parents[2] / "deploy" / "base" / "node-daemonset.yaml").read_text()
-    assert "--allow-node-identity" not in daemonset.replace("# - --allow-node-identity", "")
+def test_the_mount_pod_runs_as_nobody_by_default(tmp_path: Path) -> None:
+    """a115150 built the HandoverMounter without a daemon uid: mount pods ran as root (runAsUser 0)."""
+    from csi_driver.launchers import ProcessLauncher
+    from csi_driver.main import DEFAULT_MOUNT_POD_UID, build_mounter, build_parser, daemon_user
+    from csi_driver.mounter import MountRequest
+    from csi_driver.mountpods import MountPodSettings, build_pod
+
+    base = ["--endpoint", "unix:///csi/csi.sock", "--node-id", "n1"]
+    assert daemon_user(build_parser().parse_args([*base, "--mount-mode", "pod"])) == DEFAULT_MOUNT_POD_UID == 65534
+    assert daemon_user(build_parser().parse_args([*base, "--mount-mode", "pod", "--daemon-uid", "0"])) is None
+    assert daemon_user(build_parser().parse_args(base)) is None  # process mode: the plugin's children
+    # What the plugin then asks of the API: a pod running as that uid (the launcher is not called).
+    run_root = Path("/run/cachefs")  # only named in the spec: nothing is created
+    mounter = build_mounter("pod", run_root, {}, "INFO", ProcessLauncher(tmp_path), DEFAULT_MOUNT_POD_UID)
+    request = MountRequest(source="s3://bucket/p", target=tmp_path / "t", cache_dir=tmp_path / "c")
+    spec = mounter.spec_for(request)  # type: ignore[attr-defined]
+    pod = build_pod(MountPodSettings(namespace="ns", node_name="n1", image="img:1"), spec)
+    assert pod["spec"]["securityContext"]["runAsUser"] == 65534
+    assert pod["spec"]["securityContext"]["runAsGroup"] == 65534
