@@ -153,3 +153,28 @@ def test_the_matcher_follows_dockers_rules() -> None:
     assert not sent_to_docker("docs")
     assert not sent_to_docker("docs/benchmarks.md")
     assert sent_to_docker("cachefs/fs.py") and sent_to_docker("pyproject.toml")
+
+
+# ------------------------------------------------------------------------------------ constraints
+def test_constraints_pin_every_dependency_inside_pyproject_ranges_and_setup_and_the_image_use_them() -> None:
+    """constraints.txt (issue 28): what CI tested, used by `make setup` and the image. Each pin must
+    satisfy the range pyproject.toml declares, or a fresh install would fail to resolve."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pins = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt: {line!r} is not NAME==VERSION"
+            pins[canonicalize_name(name)] = version
+    project = pyproject()["project"]
+    assert canonicalize_name(project["name"]) not in pins  # the project itself is never pinned
+    for spec in [*project["dependencies"], *project["optional-dependencies"]["test"]]:
+        requirement = Requirement(spec)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{requirement.name} is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
+    assert "pip install -q -c constraints.txt -e '.[test]'" in (ROOT / "scripts" / "setup.sh").read_text()
+    assert "pip install --no-cache-dir -c constraints.txt ." in (ROOT / "deploy" / "Dockerfile").read_text()
