@@ -38,7 +38,7 @@ class _NoRedirects:
         return self._session.request(method, url, **kwargs)
 
 
-class NoRedirectHTTPSession(AIOHTTPSession):  # type: ignore[misc]  # aiobotocore is untyped here
+class NoRedirectHTTPSession(AIOHTTPSession):
     """aiobotocore's aiohttp session, with every request sent ``allow_redirects=False``."""
 
     async def _get_session(self, proxy_url: Any) -> Any:
