@@ -193,3 +193,20 @@ def test_a_manifest_size_beyond_64_bits_refuses_the_mount_naming_the_line(base: 
     message = refused.value.result.stderr.strip()
     assert len(message.splitlines()) == 1, message
     assert "line 2" in message and f'"size" must be an integer from 0 to {2**63 - 1}' in message
+
+
+def test_a_log_file_symlink_in_the_cache_is_never_written_through(base: Path, trust_mounter: Mounter) -> None:
+    """Even in a directory of the user's own (planted there by root, or before a chown): the daemon's
+    own files are opened without following symlinks. a115150 appended its log to the link's target."""
+    source, _root = bucket(base)
+    victim = base / "root-owned.conf"
+    victim.write_text("original\n")
+    cache = base / "cache"
+    per_source = cache / per_source_name(source)
+    per_source.mkdir(parents=True, mode=0o700)
+    (per_source / "daemon.log").symlink_to(victim)
+    with pytest.raises(MountFailed) as failed:
+        trust_mounter.mount(source, "--read-only", cache_dir=cache, mountpoint=base / "mnt", check=False)
+    message = failed.value.result.stderr.strip()
+    assert message == f"cachefs: error: {per_source / 'daemon.log'} is a symlink; cachefs writes only its own files there: remove it"
+    assert victim.read_text() == "original\n"
