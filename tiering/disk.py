@@ -7,10 +7,10 @@ of the key token). 256 prefix directories keep every directory small enough for 
 with millions of blocks; they are created on first use.
 
 File format: ``tiering.blockformat`` (a header with the block's identity and checksums, then the
-data), shared with the cluster tier. Block files are 0600 in 0700 directories and are opened without
-following symlinks; the daemon refuses a cache directory another user owns or may write
-(``tiering.private``), which is what keeps blocks from being planted. A block failing any check is deleted, counted in
-``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it.
+data), shared with the cluster tier. A block failing any check is deleted, counted in
+``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it. Block files are 0600 in
+0700 directories and are opened without following symlinks; the daemon refuses a cache directory
+another user owns or may write (``tiering.private``), which is what keeps blocks from being planted.
 
 Writes
 ------
