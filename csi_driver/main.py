@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-volumes", type=int, default=0, metavar="N",
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus /metrics (the driver's and every mount's) here, e.g. 127.0.0.1:9810 (the DaemonSet: the pod's own address)")
+                   help="serve Prometheus /metrics (the driver's and every mount's) here, e.g. 127.0.0.1:9810 "
+                        "(the DaemonSet: the pod's own address)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--driver-name", default=DRIVER_NAME, help=argparse.SUPPRESS)  # tests only
     return p
