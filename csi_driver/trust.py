@@ -10,8 +10,9 @@ using the node plugin as a confused deputy:
   container credentials of EKS Pod Identity, or the instance profile. Any pod author could then
   mount any bucket that identity reads. A mount without a Secret is refused (PERMISSION_DENIED)
   unless the admin passed ``--allow-node-identity``; without it the node plugin also strips those
-  variables from every daemon's environment and turns off the instance metadata lookup, so a
-  volume with a Secret can never fall back to them either (``daemon_environ``).
+  variables from every daemon's environment, points the AWS config and credentials files at
+  /dev/null and turns off the instance metadata lookup, so a volume with a Secret can never fall
+  back to them either (``daemon_environ``).
 - **An inline ephemeral volume always needs a Secret**, flag or not: it names its bucket and
   endpoint in the pod spec itself, with no PersistentVolume an admin had to create.
 - **Endpoints (and optionally buckets) come from an allow-list** (``--allowed-endpoints``,
@@ -29,6 +30,7 @@ first publish mounts) and a direct publish are checked the same way. Separate fr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Mapping
 from urllib.parse import urlsplit
@@ -92,6 +94,8 @@ class VolumeTrust:
             return dict(environ)
         env = {key: value for key, value in environ.items() if key not in NODE_IDENTITY_VARIABLES}
         env["AWS_EC2_METADATA_DISABLED"] = "true"  # the instance profile
+        # Not the default ~/.aws files either (profiles, credential_process, source_profile).
+        env["AWS_CONFIG_FILE"] = env["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
         return env
 
     def check(self, volume_id: str, volume: VolumeSettings, credentials: Credentials | None) -> None:

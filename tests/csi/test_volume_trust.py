@@ -97,7 +97,8 @@ def test_daemons_inherit_no_node_identity_unless_it_is_allowed() -> None:
               "AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1/credentials",
               "AWS_REGION": "eu-west-1", "PATH": "/usr/bin"}
     env = VolumeTrust().daemon_environ(plugin)
-    assert env == {"AWS_REGION": "eu-west-1", "PATH": "/usr/bin", "AWS_EC2_METADATA_DISABLED": "true"}
+    assert env == {"AWS_REGION": "eu-west-1", "PATH": "/usr/bin", "AWS_EC2_METADATA_DISABLED": "true",
+                   "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
     assert VolumeTrust(allow_node_identity=True).daemon_environ(plugin) == plugin
 
 
