@@ -46,6 +46,19 @@ class ManifestError(ValueError):
     """A manifest that cannot be used; one line naming the file and, where it applies, the line."""
 
 
+# The largest size a manifest may give: what a signed 64-bit integer holds (SQLite's INTEGER, where a
+# pinned mount keeps its namespace, and off_t). Any larger number is a typo or a hostile file, refused
+# with the line, not an OverflowError that ends the mount.
+MAX_SIZE = 2**63 - 1
+
+
+def size_problem(size: object) -> str | None:
+    """Why ``size`` is not a file size (an integer in 0..MAX_SIZE), or None when it is."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_SIZE:
+        return f"\"size\" must be an integer from 0 to {MAX_SIZE}"
+    return None
+
+
 @dataclass(frozen=True)
 class ManifestEntry:
     path: str
@@ -72,8 +85,8 @@ def parse_line(text: str, number: int, name: str) -> ManifestEntry | None:
         raise ManifestError(f"{where}: \"path\" must be a non-empty string")
     if etag is not None and (not isinstance(etag, str) or not etag):
         raise ManifestError(f"{where}: \"etag\" must be a non-empty string")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-        raise ManifestError(f"{where}: \"size\" must be a non-negative integer")
+    if size is not None and (problem := size_problem(size)) is not None:
+        raise ManifestError(f"{where}: {problem}")
     return ManifestEntry(path, number, etag, size)
 
 

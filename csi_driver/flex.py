@@ -22,7 +22,10 @@ The kubelet reads stdout and stderr together, so this program writes nothing but
 either; its log goes to ``$CACHEFS_FLEX_LOG`` (default ``/var/log/cachefs-flex.log``), through the
 redacting formatter. The cache root is ``$CACHEFS_FLEX_CACHE_ROOT`` (default
 ``/var/cache/cachefs-flex``); neither can be set from a volume's options, which any pod author
-writes.
+writes. Nor can what a volume may ask of the node (``csi_driver.trust``): the kubelet's environment
+for this program sets it, ``CACHEFS_FLEX_ALLOW_NODE_IDENTITY=true`` (off by default),
+``CACHEFS_FLEX_ALLOWED_ENDPOINTS`` and ``CACHEFS_FLEX_ALLOWED_BUCKETS`` (comma-separated), as the
+node plugin's flags of the same names do.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from csi_driver.attributes import (
 from csi_driver.errors import CsiError, invalid
 from csi_driver.mounter import CachefsMounter, Mounter
 from csi_driver.node import NodeOps, NodeSettings, PublishRequest, check_target_path
+from csi_driver.trust import VolumeTrust
 from csi_driver.redact import REGISTRY, RedactingFormatter
 
 log = logging.getLogger("csi_driver.flex")
@@ -188,9 +192,16 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     env = dict(os.environ if environ is None else environ)
     configure_logging(env.get("CACHEFS_FLEX_LOG", DEFAULT_LOG))
     cache_root = Path(env.get("CACHEFS_FLEX_CACHE_ROOT", DEFAULT_CACHE_ROOT))
-    ops = NodeOps(NodeSettings(node_id=os.uname().nodename, cache_root=cache_root),
-                  mounter or CachefsMounter(environ=env))
-    result = FlexDriver(ops).run(argv)
+    try:
+        trust = VolumeTrust.from_flags(env.get("CACHEFS_FLEX_ALLOW_NODE_IDENTITY", "").lower() == "true",
+                                       env.get("CACHEFS_FLEX_ALLOWED_ENDPOINTS", ""),
+                                       env.get("CACHEFS_FLEX_ALLOWED_BUCKETS", ""))
+    except ValueError as exc:
+        result = {"status": FAILURE, "message": str(exc)}
+    else:
+        ops = NodeOps(NodeSettings(node_id=os.uname().nodename, cache_root=cache_root, trust=trust),
+                      mounter or CachefsMounter(environ=trust.daemon_environ(env)))
+        result = FlexDriver(ops).run(argv)
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0 if result["status"] == SUCCESS else 1

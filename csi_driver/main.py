@@ -61,6 +61,10 @@ PLUGIN_CONTAINER = "cachefs-csi"
 # reboot like the mounts. /run/cachefs is where a root `cachefs mount` puts its control socket, and
 # the host path the DaemonSet and deploy/examples/training-job-prefetch.yaml already share.
 DEFAULT_RUN_ROOT = Path("/run/cachefs")
+# The uid mount pods run their daemons as unless --daemon-uid says otherwise: nobody. A daemon needs
+# no privilege (the plugin mounts and hands it the FUSE fd), and as root a compromised daemon would
+# own every file the hostPaths it sees reach; the image runs as any uid (deploy/Dockerfile).
+DEFAULT_MOUNT_POD_UID = 65534
 # gRPC worker threads. Each publish blocks a thread for the whole mount (up to ~2 minutes on a
 # slow store); the kubelet runs a handful of volume operations at once, the provisioner a few more.
 GRPC_WORKERS = 16
@@ -99,13 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
     pods.add_argument("--mount-pod-service-account", default="", metavar="NAME",
                       help="serviceAccountName of the mount pods, for a volume without a Secret that uses the "
                            "pod's own cloud identity (default: none, no token)")
+    pods.add_argument("--daemon-uid", type=int, default=None, metavar="UID",
+                      help=f"uid (and gid) the daemons run as: their cache slots and run directories are "
+                           f"chowned to it (default in pod mode: {DEFAULT_MOUNT_POD_UID}; 0: root)")
     pods.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""), metavar="PATH",
                       help="reach the API server with this kubeconfig (default: the pod's in-cluster service account)")
     pods.add_argument("--mount-pod-watch-seconds", type=int, default=0, help=argparse.SUPPRESS)  # tests only
+    trust = p.add_argument_group("what volumes may ask (csi_driver.trust; the defaults are the safe ones)")
+    trust.add_argument("--allow-node-identity", action="store_true",
+                       help="let volumes without a Secret use this plugin's cloud identity (IRSA, Pod Identity, "
+                            "instance profile); inline ephemeral volumes always need a Secret")
+    trust.add_argument("--allowed-endpoints", default="", metavar="ORIGINS",
+                       help="comma-separated http(s)://host[:port] a volume's endpointUrl may name, 'aws' for "
+                            "the default AWS endpoint (default: any)")
+    trust.add_argument("--allowed-buckets", default="", metavar="BUCKETS",
+                       help="comma-separated buckets a volume may mount (default: any)")
     p.add_argument("--max-volumes", type=int, default=0, metavar="N",
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus /metrics (the driver's and every mount's) here, e.g. 0.0.0.0:9810")
+                   help="serve Prometheus /metrics (the driver's and every mount's) here, e.g. 127.0.0.1:9810 "
+                        "(the DaemonSet: the pod's own address)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--driver-name", default=DRIVER_NAME, help=argparse.SUPPRESS)  # tests only
     return p
@@ -133,8 +150,19 @@ def configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def daemon_user(args: argparse.Namespace) -> int | None:
+    """The uid daemons run as: ``--daemon-uid``, else ``DEFAULT_MOUNT_POD_UID`` for mount pods and the
+    plugin's own (root) for daemons it runs as its children. None: root, nothing to chown."""
+    uid = args.daemon_uid
+    if uid is None:
+        uid = DEFAULT_MOUNT_POD_UID if args.mount_mode == "pod" else 0
+    if uid < 0:
+        raise ValueError(f"--daemon-uid must not be negative, got {uid}")
+    return uid or None
+
+
 def build_mounter(mount_mode: str, run_root: Path, environ: dict[str, str], log_level: str,
-                  pod_launcher: DaemonLauncher | None = None) -> Mounter:
+                  pod_launcher: DaemonLauncher | None = None, daemon_uid: int | None = None) -> Mounter:
     """The node plugin's ``Mounter``: it mounts each volume itself and hands the FUSE fd to a daemon
     that the mode's launcher runs (``csi_driver.handover``). The daemons' run directories (handover
     and control sockets, pid records) live under ``run_root``, on the host."""
@@ -148,7 +176,8 @@ def build_mounter(mount_mode: str, run_root: Path, environ: dict[str, str], log_
         launcher = pod_launcher
     else:
         raise ValueError(f"mount mode {mount_mode!r} needs its launcher")
-    return HandoverMounter(launcher, run_root, environ=environ, log_level=log_level)
+    return HandoverMounter(launcher, run_root, environ=environ, log_level=log_level, daemon_uid=daemon_uid,
+                           daemon_gid=daemon_uid)
 
 
 def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
@@ -191,8 +220,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from csi_driver.controller import CachefsBucketAdmin, ControllerOps
     from csi_driver.node import NodeOps, NodeSettings
     from csi_driver.server import DriverInfo, build_server, package_version
+    from csi_driver.trust import VolumeTrust
 
     environ = dict(os.environ)
+    try:
+        trust = VolumeTrust.from_flags(args.allow_node_identity, args.allowed_endpoints, args.allowed_buckets)
+    except ValueError as exc:
+        print(f"cachefs-csi: error: {exc}", file=sys.stderr)
+        return 2
     node = None
     if serve_node:
         cache_root = Path(os.path.abspath(args.cache_root))
@@ -208,19 +243,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
             if args.mount_mode == "pod":
                 pod_launcher = build_pod_launcher(args)
-            mounter = build_mounter(args.mount_mode, run_root, environ, args.log_level, pod_launcher)
+            # Daemons inherit the plugin's identity only where the admin allows it (csi_driver.trust).
+            mounter = build_mounter(args.mount_mode, run_root, trust.daemon_environ(environ), args.log_level,
+                                    pod_launcher, daemon_user(args))
         except OSError as exc:
             print(f"cachefs-csi: error: run root {run_root}: {exc.strerror}", file=sys.stderr)
             return 2
         except ValueError as exc:
             print(f"cachefs-csi: error: {exc}", file=sys.stderr)
             return 2
-        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir), mounter)
+        node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir, trust), mounter)
         node.adopt()
         if pod_launcher is not None:
             from csi_driver.mountpods import take_over
 
-            take_over(pod_launcher, node)  # adopt, delete strays, watch (retried while the API is away)
+            take_over(pod_launcher, node, run_root)  # adopt, delete strays, watch (retried while the API is away)
     controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
     info = DriverInfo(name=args.driver_name, version=package_version(),
                       serves_controller=serve_controller, serves_node=serve_node)

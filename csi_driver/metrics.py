@@ -194,7 +194,12 @@ def serve(address: str, targets: Callable[[], dict[str, str]]) -> http.server.Th
         def log_message(self, *args: object) -> None:  # scrapes every 15 s are not news
             pass
 
-    server = http.server.ThreadingHTTPServer((host or "0.0.0.0", int(port)), Handler)
+    host = host.strip("[]")  # [fd00::1]:9810 as well as fd00::1:9810 (a pod's IPv6 address)
+
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = Server((host or "0.0.0.0", int(port)), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

@@ -58,7 +58,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import urllib3
 from kubernetes import client as k8s
@@ -445,10 +445,15 @@ class PodLauncher:
                           label_selector=self.settings.node_selector())
         return [PodState.of(p) for p in pods.items if self._mine(p)]
 
-    def cleanup(self, keep: Callable[[PodState], bool]) -> tuple[list[PodState], list[PodState]]:
-        """Adopt this node's mount pods ``keep`` accepts; delete the others, and Secrets without a pod.
+    def cleanup(self, keep: Callable[[PodState], bool],
+                known: Iterable[str] = ()) -> tuple[list[PodState], list[PodState]]:
+        """Adopt this node's mount pods ``keep`` accepts; delete the others with their Secrets, and the
+        Secret of every ``known`` daemon (one this node has a run directory for) that has no pod.
 
-        Returns (adopted, deleted). Deletion does not wait: nothing will need those names soon."""
+        Secrets are deleted by name, never listed: a list of Secrets returns their data, and the
+        plugin's Role grants no read of any Secret (deploy/base/node-rbac.yaml). A Secret whose pod
+        was deleted by someone else goes with it (its owner reference). Returns (adopted, deleted).
+        Deletion does not wait: nothing will need those names soon."""
         adopted, deleted = [], []
         pods = self.pods()
         for pod in pods:
@@ -461,12 +466,10 @@ class PodLauncher:
                        self.settings.namespace, missing_ok=True)
             deleted.append(pod)
         live = {p.name for p in adopted}
-        secrets = self._call("listing mount pod Secrets", self.core.list_namespaced_secret, self.settings.namespace,
-                             label_selector=self.settings.node_selector())
-        for secret in secrets.items:
-            if self._mine(secret) and secret.metadata.name not in live:
-                self._call(f"deleting the Secret {secret.metadata.name}", self.core.delete_namespaced_secret,
-                           secret.metadata.name, self.settings.namespace, missing_ok=True)
+        orphans = {p.name for p in deleted} | {self.pod_name(daemon) for daemon in known}
+        for name in sorted(orphans - live):
+            self._call(f"deleting the Secret {name}", self.core.delete_namespaced_secret, name,
+                       self.settings.namespace, missing_ok=True)
         return adopted, deleted
 
     # -- Events -------------------------------------------------------------------------------------
@@ -624,9 +627,9 @@ class BrokenMountReporter:
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsMountBroken", message)
 
 
-def take_over(launcher: PodLauncher, node: NodeOps) -> threading.Event:
+def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None) -> threading.Event:
     """At plugin start-up: adopt this node's mount pods that serve a staged volume (a stage record)
-    or a cachefs mount still in the mount table, delete the others and Secrets without a pod, then
+    or a cachefs mount still in the mount table, delete the others and (by name) Secrets without a pod, then
     watch. Returns the watcher's stop event. An API server that cannot be reached does not stop the
     plugin (unpublish and unstage of mounted volumes need no API): the take-over is retried by the
     watcher thread until it succeeds."""
@@ -638,7 +641,10 @@ def take_over(launcher: PodLauncher, node: NodeOps) -> threading.Event:
         def keep(pod: PodState) -> bool:
             return pod.target in staged or (bool(pod.target) and mounter.is_mounted(Path(pod.target)))
 
-        adopted, deleted = launcher.cleanup(keep)
+        known: list[str] = []
+        if run_root is not None and run_root.is_dir():  # one run directory per daemon ever started here
+            known = sorted(entry.name for entry in run_root.iterdir() if entry.is_dir())
+        adopted, deleted = launcher.cleanup(keep, known)
         log.info("mount pods on node %s (image %s): %d adopted (%s), %d deleted", launcher.settings.node_name,
                  launcher.settings.image, len(adopted), ", ".join(p.name for p in adopted) or "-", len(deleted))
 

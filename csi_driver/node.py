@@ -10,7 +10,9 @@ here. **Direct publish** steps:
    as it was made read-only or not as this call asks (else ALREADY_EXISTS).
 2. A broken mount at the target (its daemon died: every access fails with ENOTCONN, "Transport
    endpoint is not connected") is detached lazily and mounted again.
-3. Otherwise the target directory is created if missing, must be an empty directory, and is mounted.
+3. Otherwise the volume is checked against the driver's trust rules (``csi_driver.trust``: whose
+   identity, which endpoints; checked wherever a daemon is started), the target directory is
+   created if missing, must be an empty directory, and is mounted.
 
 **Cache directories.** Each volume gets its own directory under the node cache root, named from its
 volume id (sanitised, plus a hash so two ids never collide): volumes never share or see each other's
@@ -50,6 +52,7 @@ from csi_driver.attributes import K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, 
 from csi_driver.errors import Code, CsiError, invalid
 from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
 from csi_driver.staging import StageRecord, StageRecords
+from csi_driver.trust import VolumeTrust
 from csi_driver.volume_id import MAX_VOLUME_ID_BYTES
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class NodeSettings:
     cache_root: Path
     max_volumes_per_node: int = 0  # 0: no limit reported to the CO
     state_dir: Path | None = None  # the stage records; None: <cache_root>/staged
+    trust: VolumeTrust = field(default_factory=VolumeTrust)  # whose identity, which endpoints (csi_driver.trust)
 
     @property
     def stage_dir(self) -> Path:
@@ -228,6 +232,7 @@ class NodeOps:
             self.mounter.unmount(staging)  # a broken mount is detached lazily
         elif _path_state(staging) == "broken":
             raise CsiError(Code.FAILED_PRECONDITION, f"{staging} is a dead mount of another filesystem")
+        self.settings.trust.check(record.volume_id, request.volume, request.credentials)
         self._prepare_target(staging)
         staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials,
                                 request.context)
@@ -316,6 +321,7 @@ class NodeOps:
             elif _path_state(target) == "broken":
                 # A FUSE mount the mount table no longer lists as cachefs (or another driver's).
                 raise CsiError(Code.FAILED_PRECONDITION, f"{target} is a dead mount of another filesystem")
+            self.settings.trust.check(request.volume_id, request.volume, request.credentials)
             self._prepare_target(target)
             cache_dir = self._claim_slot(request)
             self.mounter.mount(MountRequest(

@@ -8,7 +8,9 @@ with millions of blocks; they are created on first use.
 
 File format: ``tiering.blockformat`` (a header with the block's identity and checksums, then the
 data), shared with the cluster tier. A block failing any check is deleted, counted in
-``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it.
+``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it. Block files are 0600 in
+0700 directories and are opened without following symlinks; the daemon refuses a cache directory
+another user owns or may write (``tiering.private``), which is what keeps blocks from being planted.
 
 Writes
 ------
@@ -134,6 +136,7 @@ from tiering.blockformat import (
 from tiering.blocks import BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
+from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
 from tiering.protocols import TierStats, VictimOrder
 from tiering.victims import rank_victims
 from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
@@ -150,6 +153,9 @@ TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
 _DIGEST_LEN = 64  # hex SHA-256
 _HEX = frozenset("0123456789abcdef")
+# A block file: created, never reused (O_EXCL also refuses a symlink at the temp name), 0600 and
+# opened without following symlinks (tiering.private).
+_BLOCK_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
 
 def check_cache_dir(path: Path) -> None:
@@ -159,7 +165,7 @@ def check_cache_dir(path: Path) -> None:
     """
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     except FileExistsError as exc:
         raise NotADirectoryError(errno.ENOTDIR, f"cache directory {path} exists and is not a directory") from exc
     except OSError as exc:
@@ -244,7 +250,7 @@ class DiskTier:
 
         check_cache_dir(self.directory)
         try:
-            self._blocks_dir.mkdir(exist_ok=True)
+            self._blocks_dir.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
         except OSError as exc:
             raise OSError(exc.errno, f"cache directory {self._blocks_dir} cannot be created: {exc.strerror}") from exc
         self._load()
@@ -627,12 +633,12 @@ class DiskTier:
     @staticmethod
     def _write_file(tmp: Path, final: Path, header: bytes, data: bytes) -> None:
         try:
-            f = open(tmp, "xb")
+            fd = open_private(tmp, _BLOCK_WRITE_FLAGS)
         except FileNotFoundError:
             # Prefix directories are made on first use (and again if someone removed them).
-            os.makedirs(tmp.parent, exist_ok=True)
-            f = open(tmp, "xb")
-        with f:
+            os.makedirs(tmp.parent, mode=PRIVATE_DIR_MODE, exist_ok=True)
+            fd = open_private(tmp, _BLOCK_WRITE_FLAGS)
+        with os.fdopen(fd, "wb") as f:
             f.write(header)
             f.write(data)
         os.replace(tmp, final)
@@ -640,7 +646,11 @@ class DiskTier:
     @staticmethod
     def _read_block(path: Path, token: bytes, indexed_size: int) -> bytes:
         """Read and verify one block file; raise ``CorruptBlockError`` or ``OSError``."""
-        with open(path, "rb") as f:
+        try:
+            fd = open_private(path, os.O_RDONLY)
+        except UnsafePathError as exc:  # a symlink where a block file should be: not ours
+            raise CorruptBlockError(str(exc)) from exc
+        with os.fdopen(fd, "rb") as f:
             fixed = f.read(FIXED_HEADER_SIZE)
             data_len, data_crc = check_fixed_header(fixed, token)
             check_header_token(fixed, f.read(len(token) + HEADER_CRC_SIZE), token)

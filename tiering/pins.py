@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Iterator
 
 from tiering.blocks import BlockKey, ObjectRef, block_count
 from tiering.errors import CacheError
+from tiering.private import open_private
 
 PIN_FILE_VERSION = 1
 # The pin file's name in a source's cache directory (next to blocks/, see cachefs.daemon.main).
@@ -134,7 +135,7 @@ def save_pin_file(path: Path, refs: Iterable[ObjectRef]) -> None:
     }
     data = json.dumps(doc, indent=1, sort_keys=True).encode("utf-8", "surrogateescape") + b"\n"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # never through a symlink (tiering.private)
     try:
         os.write(fd, data)
         os.fsync(fd)

@@ -54,6 +54,7 @@ from cachefs.settings import (
     MountSettings,
 )
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, read_only_source_problem
+from tiering.private import PRIVATE_UMASK, UnsafePathError, open_private
 from tiering.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CLUSTER_TIMEOUT_S,
@@ -319,6 +320,7 @@ def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None
     ``check_mountpoint=False`` for a handed-over mount: its mountpoint is already mounted (and
     answers nothing until this daemon serves it), or not even visible to the daemon."""
     from tiering.disk import check_cache_dir
+    from tiering.private import check_cache_dirs
     from tiering.objectstore import parse_source
 
     try:
@@ -331,6 +333,7 @@ def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None
     if problem:
         raise UsageError(problem)
     try:
+        check_cache_dirs(settings.cache_dir, settings.source_cache_dir())
         check_cache_dir(settings.cache_dir)
     except OSError as exc:
         raise UsageError(exc.strerror or f"cache dir {settings.cache_dir} is not usable") from None
@@ -350,11 +353,23 @@ def refuse_if_in_use(settings: MountSettings) -> None:
                          f"cachefs mount (pid {holder})")
 
 
+def _open_log(path: str, flags: int) -> int:
+    """``open``'s opener for the daemon's log: 0600, never through a symlink (tiering.private)."""
+    return open_private(Path(path), flags)
+
+
+class PrivateLogHandler(logging.handlers.RotatingFileHandler):
+    """The rotating log file, opened (and reopened after each rotation) by ``_open_log``."""
+
+    def _open(self) -> Any:
+        return open(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors, opener=_open_log)
+
+
 def configure_logging(level: str, log_file: Path | None) -> None:
     handler: logging.Handler
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.handlers.RotatingFileHandler(log_file, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
+        handler = PrivateLogHandler(log_file, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -411,11 +426,16 @@ def run_foreground(settings: MountSettings, ready_fd: int | None, log_file: Path
 
 
 def spawn_daemon(argv: Sequence[str], settings: MountSettings, log_file: Path) -> int:
-    read_fd, write_fd = os.pipe()
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out = open(log_file, "ab", opener=_open_log)
+    except OSError as exc:
+        raise UsageError(exc.strerror if isinstance(exc, UnsafePathError) else
+                         f"cannot open the log file {log_file}: {exc.strerror or exc}") from None
+    read_fd, write_fd = os.pipe()
     child_argv = [sys.executable, "-m", "cachefs", *argv, "--foreground", "--ready-fd", str(write_fd),
                   "--log-file", str(log_file)]
-    with open(log_file, "ab") as out:
+    with out:
         proc = subprocess.Popen(
             child_argv,
             stdin=subprocess.DEVNULL,
@@ -505,6 +525,9 @@ def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 
 def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, str]) -> int:
+    # Before anything is created: the cache and runtime directories, the log and every file of the
+    # daemon (a child inherits it) are the mounting user's alone (tiering.private).
+    os.umask(PRIVATE_UMASK)
     if args.fuse_fd_socket is not None:
         return run_handed_over(args, environ)
     settings = mount_settings(args, environ)

@@ -22,14 +22,19 @@ from typing import Any
 
 from aiohttp import web
 
+from tiering.private import check_private_dir
+
 def runtime_dir() -> Path:
-    """Where control sockets live: $XDG_RUNTIME_DIR/cachefs, /run/cachefs as root, else /tmp."""
+    """Where control sockets live: $XDG_RUNTIME_DIR/cachefs, /run/cachefs as root, else /tmp.
+
+    ``/tmp/cachefs-<uid>`` is a name any user can create first: a directory another user owns or may
+    write is refused (``UnsafePathError``, one line), since its owner could replace the socket and
+    answer in the daemon's place (``tiering.private``)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     if not base:
         base = "/run" if os.geteuid() == 0 and os.access("/run", os.W_OK) else tempfile.gettempdir()
     path = Path(base) / ("cachefs" if base != tempfile.gettempdir() else f"cachefs-{os.geteuid()}")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    return check_private_dir(path, "runtime directory")
 
 
 def socket_path_for(mountpoint: Path, *, resolve: bool = True) -> Path:

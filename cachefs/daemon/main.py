@@ -6,7 +6,9 @@ mounting (or, with ``settings.fuse_fd``, before serving the mount a privileged p
 over: ``cachefs.handover``; then it neither mounts nor unmounts), reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
 waits on that), then serves FUSE until unmounted or signalled (SIGTERM/SIGINT unmount cleanly).
 
-Cache directory layout, per source (so several mounts may share one ``--cache-dir`` safely)::
+Cache directory layout, per source (so several mounts may share one ``--cache-dir`` safely); the
+daemon runs with umask 077, refuses a cache root or per-source directory another user owns or may
+write, and opens its own files there without following symlinks (``tiering.private``)::
 
     CACHE_DIR/<sha256(source, endpoint)[:16]>/
         source.json   what this directory caches (for humans and tools)
@@ -49,6 +51,7 @@ from tiering.errors import CacheError, ObjectStoreUnavailableError
 from tiering.objectstore import CHECK_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, open_object_store
 from tiering.protocols import ObjectStore
 from tiering.pins import PIN_FILENAME, pinned_block_keys
+from tiering.private import PRIVATE_DIR_MODE, check_cache_dirs, open_private, write_private_file
 from tiering.ram import RamTier
 from tiering.readorder import ReadOrder
 from tiering.storehealth import StoreHealth
@@ -71,10 +74,25 @@ WarnCallback = Callable[[str], None]
 # The features wired into every mount, in start order; they stop in reverse (see cachefs.daemon.context).
 FEATURES = (writeback.install, prefetch.install, announce.install, metrics.install)
 
+def private_cache_dir(settings: MountSettings) -> Path:
+    """Refuse a cache root or per-source directory another user owns or may write (``tiering.private``:
+    whoever can plant files there could have blocks served or files of ours overwritten); create them
+    0700. Returns the per-source directory."""
+    cache_dir = settings.source_cache_dir()
+    try:
+        check_cache_dirs(settings.cache_dir, cache_dir)
+    except OSError as exc:
+        raise SetupError(exc.strerror or str(exc)) from exc
+    return cache_dir
+
+
 def lock_cache_dir(directory: Path) -> IO[str]:
     """Take the per-source lock; refuse if another daemon holds it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / LOCK_FILENAME, "a+")
+    directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    try:
+        handle = os.fdopen(open_private(directory / LOCK_FILENAME, os.O_RDWR | os.O_CREAT), "r+")
+    except OSError as exc:
+        raise SetupError(exc.strerror or str(exc)) from exc
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -174,11 +192,11 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             if warn is not None:
                 warn(message)
 
-        cache_dir = settings.source_cache_dir()
+        cache_dir = private_cache_dir(settings)
         lock = lock_cache_dir(cache_dir)
-        (cache_dir / "source.json").write_text(
+        write_private_file(cache_dir / "source.json", (
             json.dumps({"source": settings.source, "endpoint_url": settings.endpoint_url}, indent=2) + "\n"
-        )
+        ).encode())
         index, pinned = await metadata.open_index(settings, store, cache_dir)
         cs = settings.cache
         # Announced read orders rank both tiers' eviction victims (tiering.readorder, cachefs.daemon.announce).
@@ -206,7 +224,10 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         cache = BlockCache(cs, store, ram, disk, health=health, cluster=cluster, write_behind=write_behind)
         # A handed-over mount is already in the mount table, and waits for this very daemon.
         handed_over = settings.fuse_fd is not None
-        socket_path = socket_path_for(settings.mountpoint, resolve=not handed_over)
+        try:
+            socket_path = socket_path_for(settings.mountpoint, resolve=not handed_over)
+        except OSError as exc:  # a runtime directory another user owns or may write (tiering.private)
+            raise SetupError(exc.strerror or str(exc)) from exc
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order,
                      index=index, pinned=pinned)
         control = ControlServer(

@@ -76,7 +76,7 @@ from aiohttp import web
 from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.control import ControlRequestError, ControlServer
 from cachefs.daemon.resolver import Resolver
-from cachefs.manifest import PREFETCH_TIERS, ManifestEntry, same_etag
+from cachefs.manifest import MAX_SIZE, PREFETCH_TIERS, ManifestEntry, same_etag, size_problem
 from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
 from tiering.clock import Clock, SystemClock
@@ -175,12 +175,13 @@ class PrefetchRequest:
             line = item.get("line", number)
             where = f"manifest {name} line {line}"
             path, etag, size = item.get("path"), item.get("etag"), item.get("size")
-            if not isinstance(line, int) or not isinstance(path, str):
-                raise _bad(f"{where}: needs a string 'path' and an integer 'line'")
-            if (etag is not None and not isinstance(etag, str)) or (
-                size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0)
-            ):
-                raise _bad(f"{where}: 'etag' must be a string and 'size' a non-negative integer")
+            if size_problem(line) is not None or not isinstance(path, str):
+                raise _bad(f"manifest {name} entry {number}: needs a string 'path' and an integer 'line' "
+                           f"from 0 to {MAX_SIZE}")
+            if etag is not None and not isinstance(etag, str):
+                raise _bad(f"{where}: 'etag' must be a string")
+            if size is not None and (problem := size_problem(size)) is not None:
+                raise _bad(f"{where}: {problem}")
             try:
                 path = check_path(path)
             except PathError as exc:

@@ -110,6 +110,13 @@ class MetadataIndex:
 
     def _open(self) -> sqlite3.Connection:
         target = ":memory:" if self.path is None else str(self.path)
+        if self.path is not None:
+            # SQLite follows symlinks and Python cannot ask it not to: a link where the index or its
+            # journal should be is not the daemon's (tiering.private), so it goes, its target untouched.
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.islink(f"{self.path}{suffix}"):
+                    log.warning("metadata index %s%s is a symlink: removing it", self.path, suffix)
+                    os.unlink(f"{self.path}{suffix}")
         try:
             return self._connect(target)
         except sqlite3.DatabaseError as exc:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs.fs.metaindex import BULK_BATCH, DuplicateEntryError, MetadataIndex
-from cachefs.manifest import ManifestError, iter_manifest_lines, no_files_error, open_manifest, parse_line
+from cachefs.manifest import MAX_SIZE, ManifestError, iter_manifest_lines, no_files_error, open_manifest, parse_line
 from cachefs.names import NAME_MAX, name_problem
 
 MANIFEST_INDEX_PREFIX = "manifest-"
@@ -80,7 +80,7 @@ def manifest_rows(manifest: Path, mtime: float, dirs: dict[str, int]) -> Iterato
     root is 1). ``ManifestError`` on the first bad line.
 
     The common line (``{...}`` exactly, ``path`` a string, ``etag`` a non-empty string, ``size`` an
-    int >= 0, the file name short and ASCII, its directory already seen) takes a fast path: the C
+    int in 0..MAX_SIZE, the file name short and ASCII, its directory already seen) takes a fast path: the C
     JSON scanner ``json.loads`` uses, called without its wrappers, and a few cheap checks. Any other
     line goes through ``parse_line`` and the full name checks, which accept it or refuse it."""
     name = str(manifest)
@@ -96,7 +96,7 @@ def manifest_rows(manifest: Path, mtime: float, dirs: dict[str, int]) -> Iterato
             doc, end = None, -1
         if end == len(text) and type(doc) is dict:
             path, etag, size = doc.get("path"), doc.get("etag"), doc.get("size")
-            if (type(path) is str and type(etag) is str and etag and type(size) is int and size >= 0
+            if (type(path) is str and type(etag) is str and etag and type(size) is int and 0 <= size <= MAX_SIZE
                     and path[:1] not in ("/", "")):
                 parent, _, base = path.rpartition("/")
                 dir_id = dirs.get(parent)

@@ -20,6 +20,7 @@ from csi_driver.flex import FlexDriver
 from csi_driver.mounter import CachefsMounter, FakeMounter, MountRequest
 from csi_driver.node import NodeOps, NodeSettings, PublishRequest, cache_dir_name, check_target_path
 from csi_driver.redact import MASK, RedactingFormatter, SecretRegistry, sanitize
+from csi_driver.trust import VolumeTrust
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
 KEY_ID = "AKIAIOSFODNN7EXAMPLE"
@@ -168,7 +169,9 @@ def test_redacting_formatter_masks_registered_values_anywhere() -> None:
 @pytest.fixture
 def node(tmp_path: Path) -> tuple[NodeOps, FakeMounter]:
     fake = FakeMounter()
-    return NodeOps(NodeSettings("n1", tmp_path / "cache"), fake), fake
+    # These tests are about mount semantics, most without a Secret: the node's identity is allowed
+    # here; tests/csi/test_volume_trust.py checks the default (refused).
+    return NodeOps(NodeSettings("n1", tmp_path / "cache", trust=VolumeTrust(allow_node_identity=True)), fake), fake
 
 
 def publish_request(tmp_path: Path, volume: str = "vol-1", target: str = "pod1/mount", read_only: bool = False,

@@ -149,6 +149,9 @@ def test_node_plugin_is_set_up_for_fuse(base_objects) -> None:
     assert str(args.cache_root) == mounts["cache-root"]["mountPath"]
     ports = {p["name"]: p["containerPort"] for p in plugin["ports"]}
     assert args.metrics_addr.endswith(f":{ports['metrics']}")
+    # Metrics on the pod's own address, like the liveness port, never on every address of the node.
+    assert args.metrics_addr == f"$(POD_IP):{ports['metrics']}"
+    assert not daemonset["spec"]["template"]["spec"].get("hostNetwork")
     probe = next(c for c in containers(daemonset) if c["name"] == "liveness-probe")
     assert f"--health-port={ports['healthz']}" in probe["args"]
     assert plugin["livenessProbe"]["httpGet"]["port"] == "healthz"
@@ -165,7 +168,10 @@ def test_node_plugin_runs_mount_pods_with_least_privilege(base_objects) -> None:
     pod_spec = daemonset["spec"]["template"]["spec"]
     plugin = next(c for c in containers(daemonset) if c["name"] == "cachefs-csi")
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in plugin["env"] if "valueFrom" in e}
-    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name",
+                   "POD_IP": "status.podIP"}
+    # Mount pods run as the driver's default non-root uid; no volume borrows the plugin's identity.
+    assert "--daemon-uid" not in " ".join(plugin["args"]) and "--allow-node-identity" not in plugin["args"]
     args = build_parser().parse_args([a.replace("$(NODE_NAME)", "node-1") for a in plugin["args"]])
     assert args.mount_mode == "pod" and not args.mount_pod_image  # the plugin's own image, read through POD_NAME
     from csi_driver.main import PLUGIN_CONTAINER
@@ -186,7 +192,8 @@ def test_node_plugin_runs_mount_pods_with_least_privilege(base_objects) -> None:
             rules[role["kind"]] = role["rules"]
     assert rules["Role"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["list", "create", "patch", "delete"]},
+        # No list (nor get, nor watch): a list of Secrets returns their data (issue 28).
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "patch", "delete"]},
     ]
     assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
 

@@ -31,13 +31,14 @@ from tests.csi.conftest import (
     Driver,
     daemon_pid,
     driver_environ,
+    driver_run_root,
     expect_rpc_error,
     secrets_of,
     start_driver,
     stop_driver,
 )
 from tests.csi.test_node_service import context_for
-from csi_driver.mountpods import USER_AGENT
+from csi_driver.mountpods import USER_AGENT, pod_name
 from tests.support.kubeapi import ApiDouble
 from tests.support.kubelet import Kubelet
 
@@ -95,9 +96,13 @@ def dataset(seaweed) -> tuple[str, dict[str, bytes]]:
 
 def start_pod_driver(workdir: Path, api: ApiDouble,
                      image: tuple[str, ...] = ("--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test")) -> Driver:
+    # --daemon-uid 0: the kubelet stand-in runs a mount pod as a host process, and uid 65534 (the
+    # driver's default in pod mode) can run neither this interpreter (under /root) nor reach the 0700
+    # temp directories a real pod sees as its own hostPath mounts. tests/csi/test_handover.py runs the
+    # daemon as 65534; test_the_mount_pod_runs_as_nobody_by_default checks the spec.
     return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE, *image,
                         "--mount-pod-priority-class", "system-node-critical", "--kubeconfig", str(api.kubeconfig),
-                        "--mount-pod-watch-seconds", "1")
+                        "--mount-pod-watch-seconds", "1", "--daemon-uid", "0")
 
 
 def node_rbac() -> dict[str, set[tuple[str, str]]]:
@@ -355,7 +360,11 @@ def test_start_up_deletes_stray_mount_pods_and_orphan_secrets(cluster, workdir) 
              "spec": {"nodeName": "other-node", "containers": [{"name": "cachefs", "image": "x"}]}}
     core.create_namespaced_pod(NAMESPACE, stray)
     core.create_namespaced_pod(NAMESPACE, other)
-    core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": "cachefs-mount-orphan", "labels": labels}})
+    # Orphan Secrets: the stray pod's, and one of a daemon this node has a run directory for but no pod
+    # (found by name: the plugin may not list Secrets). A Secret the plugin knows nothing of stays.
+    (driver_run_root(tmp_path) / "daemon-gone").mkdir(parents=True, exist_ok=True)
+    for name in ("cachefs-mount-stray", pod_name(NODE, "daemon-gone"), "someone-elses"):
+        core.create_namespaced_secret(NAMESPACE, {"metadata": {"name": name, "labels": labels}})
     plugin = {"metadata": {"name": "cachefs-csi-node-x1"}, "spec": {"nodeName": "not-this-kubelet", "containers": [
         {"name": "registrar", "image": "registrar:1"}, {"name": "cachefs-csi", "image": "site/cachefs-csi:9"}]}}
     core.create_namespaced_pod(NAMESPACE, plugin)
@@ -364,7 +373,7 @@ def test_start_up_deletes_stray_mount_pods_and_orphan_secrets(cluster, workdir) 
         assert "1 deleted" in driver.log_text()
         assert sorted(p.metadata.name for p in core.list_namespaced_pod(NAMESPACE).items) == [
             "cachefs-csi-node-x1", "cachefs-mount-other-node"]
-        assert core.list_namespaced_secret(NAMESPACE).items == []
+        assert [s.metadata.name for s in core.list_namespaced_secret(NAMESPACE).items] == ["someone-elses"]
         # The mount pods' image is the plugin's own (as an overlay's `images:` renamed it).
         assert "image site/cachefs-csi:9" in driver.log_text()
     finally:

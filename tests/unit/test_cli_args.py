@@ -246,7 +246,9 @@ def test_preflight_accepts_good_settings_without_contacting_anything(mnt: Path, 
     args = build_parser().parse_args(mount_args("s3://my-bucket/prefix", mnt, cache_dir))
     preflight(mount_settings(args, {}))
     assert cache_dir.is_dir()  # created and probed
-    assert list(cache_dir.iterdir()) == []  # the probe file is gone
+    # The probe file is gone; the source's own directory is made private (0700) before any log is opened.
+    (source_dir,) = cache_dir.iterdir()
+    assert source_dir.is_dir() and list(source_dir.iterdir()) == [] and source_dir.stat().st_mode & 0o777 == 0o700
     assert list(mnt.iterdir()) == []
 
 

@@ -199,3 +199,14 @@ async def test_listings_outlive_only_a_clean_stop_with_nothing_left_to_upload(tm
     _trust_only_a_clean_exit(index)
     assert index.load("d") is None and index.total_entries == 0
     index.close()
+
+
+def test_a_symlink_where_the_index_should_be_is_removed_never_followed(tmp_path: Path) -> None:
+    """Issue 28: the daemon's own files are never opened through a symlink; SQLite would follow one."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"")  # SQLite takes an empty file for a new database and writes into it
+    (tmp_path / INDEX_FILENAME).symlink_to(victim)
+    index = MetadataIndex(tmp_path / INDEX_FILENAME)
+    index.close()
+    assert victim.read_bytes() == b"" and not (tmp_path / "victim-wal").exists()
+    assert not (tmp_path / INDEX_FILENAME).is_symlink() and (tmp_path / INDEX_FILENAME).is_file()

@@ -57,11 +57,11 @@ def test_no_doc_tells_a_reader_to_pip_install_the_other_project() -> None:
 
 
 def test_readme_says_how_to_install_the_tool_only() -> None:
-    text = section(README.read_text(), "Install the tool only")
+    text = section(README.read_text(), "Install")
     (block,) = shell_blocks(text)
     commands = [line.split("#")[0].strip() for line in block.splitlines()]
     assert any(c.startswith("apt-get install") and " fuse3 " in f"{c} " for c in commands), commands
-    assert any(re.search(r"pip install \.$", c) for c in commands), commands
+    assert any(re.search(r"pip install (-c constraints.txt )?\.$", c) for c in commands), commands
     assert "cachefs --help" in commands
     # The name is explained where it is chosen.
     assert f"`{pyproject()['project']['name']}`" in text and "unrelated project" in text
@@ -188,7 +188,7 @@ def test_the_tool_installs_without_the_kubernetes_stack_and_extras_add_it() -> N
     assert project["scripts"]["cachefs-csi"] == "csi_driver.entry:csi"
     assert project["scripts"]["cachefs-operator"] == "csi_driver.entry:operator"
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    assert "pip install --no-cache-dir '.[csi,operator]'" in dockerfile  # the image has every part
+    assert "pip install --no-cache-dir -c constraints.txt '.[csi,operator]'" in dockerfile  # the image has every part
 
 
 def _without_kubernetes(code: str) -> subprocess.CompletedProcess[str]:
@@ -223,3 +223,31 @@ def test_a_kubernetes_entry_point_without_its_extra_names_it_in_one_line(entry: 
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"pip install 'cachefs-fuse[{extra}]'" in result.stderr and f"[{extra}] extra" in result.stderr
+
+
+# ------------------------------------------------------------------------------------ constraints
+def test_constraints_pin_every_dependency_inside_pyproject_ranges_and_setup_and_the_image_use_them() -> None:
+    """constraints.txt (issue 28): what CI tested, used by `make setup` and the image. Each pin must
+    satisfy the range pyproject.toml declares, or a fresh install would fail to resolve."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pins = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt: {line!r} is not NAME==VERSION"
+            pins[canonicalize_name(name)] = version
+    project = pyproject()["project"]
+    assert canonicalize_name(project["name"]) not in pins  # the project itself is never pinned
+    extras = project["optional-dependencies"]
+    for spec in [*project["dependencies"], *extras["test"], *extras["csi"], *extras["operator"]]:
+        requirement = Requirement(spec)
+        name = canonicalize_name(requirement.name)
+        if name == canonicalize_name(project["name"]):
+            continue  # [test] names the project's own extras
+        assert name in pins, f"{requirement.name} is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (spec, pins[name])
+    assert "pip install -q -c constraints.txt -e '.[test]'" in (ROOT / "scripts" / "setup.sh").read_text()
+    assert "pip install --no-cache-dir -c constraints.txt '.[csi,operator]'" in (ROOT / "deploy" / "Dockerfile").read_text()

@@ -89,6 +89,7 @@ from tiering.objectstore.keys import (
     key_room,
     split_listing_key,
 )
+from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
 from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
 from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
@@ -377,6 +378,7 @@ class S3ObjectStore:
                     # Requests are signed with SigV4 anyway; presigned URLs would default to the
                     # deprecated SigV2 query signature, which new AWS regions refuse.
                     "signature_version": "s3v4",
+                    **NO_REDIRECT_CONFIG,  # credentials never follow a redirect (tiering.objectstore.redirects)
                 },
             )
             fs.retries = S3FS_PASSES
