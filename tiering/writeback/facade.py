@@ -176,7 +176,7 @@ class WriteBack:
         staged_bytes = 0
         for record in scan.records:
             entry = Entry(record.key, record.op, seq=record.seq, since=record.since or self.wall(),
-                          may_exist=record.may_exist, ready_at=now)
+                          may_exist=record.may_exist, ready_at=now, acked_at=now)
             if record.op == PUT and not record.is_marker:
                 assert record.data is not None
                 df = await self.datafiles.adopt(record.data, record.size)
@@ -448,7 +448,7 @@ class WriteBack:
                 if src_may:
                     src_seq = self.records.next_seq()
                     await self.records.write(Record(src, DELETE, src_seq, since=since))
-                    self._put_entry(Entry(src, DELETE, seq=src_seq, since=since, ready_at=self.uploader.ready_at()))
+                    self._put_entry(self._acknowledged(Entry(src, DELETE, seq=src_seq, since=since)))
                 else:
                     await self.records.remove(src, durable=True)
                     self._drop_entry(src)
@@ -461,7 +461,8 @@ class WriteBack:
                     self.files.detach(dst_sf)
                 self.files.rename(sf, src, dst)
                 sf.may_exist = dst_may
-                entry = Entry(dst, PUT, sf=sf, seq=seq, since=since, may_exist=dst_may, ready_at=self.uploader.ready_at())
+                entry = self._acknowledged(Entry(dst, PUT, sf=sf, seq=seq, since=since, may_exist=dst_may,
+                                                 acked_at=src_entry.acked_at if src_entry is not None else None))
                 self._put_entry(entry)
                 self.uploader.barriers.renamed(src, dst, seq)
                 self.uploader.barriers.changed(src)
@@ -531,6 +532,17 @@ class WriteBack:
         self.index.drop(key)
         self.uploader.barriers.changed(key)
 
+    def _acknowledged(self, entry: Entry) -> Entry:
+        """``entry`` was just acknowledged (journaled): when its upload is due. The coalescing delay
+        counts from now, but never past the max delay after the oldest acknowledged version not yet
+        in the store (``acked_at``), so a file that keeps changing is still uploaded. While an upload
+        of the key runs, it carries the older versions: the new one counts from now."""
+        now = self.clock.monotonic()
+        if entry.acked_at is None:
+            entry.acked_at = now
+        entry.ready_at = self.uploader.ready_at(now if entry.in_flight else entry.acked_at)
+        return entry
+
     def _modified(self, sf: StagedFile) -> None:
         sf.unacked = True
         sf.clean_ref = None
@@ -555,7 +567,8 @@ class WriteBack:
         seq = self.records.next_seq()
         since = since if since is not None else (old.since if old is not None else self.wall())
         await self.records.write(Record(key, op, seq, since=since))
-        entry = Entry(key, op, seq=seq, since=since, ready_at=self.uploader.ready_at())
+        entry = Entry(key, op, seq=seq, since=since, acked_at=old.acked_at if old is not None else None)
+        self._acknowledged(entry)
         self._put_entry(entry)
         self.uploader.push(entry)
 
@@ -643,7 +656,7 @@ class WriteBack:
                 entry = Entry(key, PUT, sf=sf, since=since, may_exist=sf.may_exist)
                 self._put_entry(entry)
             entry.seq = seq
-            entry.ready_at = self.uploader.ready_at()
+            self._acknowledged(entry)
             entry.retry_at = 0.0
             entry.attempts = 0
             self.uploader.barriers.changed(key)
