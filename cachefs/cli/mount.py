@@ -17,7 +17,8 @@ has already made: it receives the mounted ``/dev/fuse`` descriptor on the unix s
 privilege. It leaves the unmount to the process that mounted.
 
 ``cachefs unmount`` flushes written data first (through the daemon's control API), then unmounts
-with ``fusermount3`` and waits for the daemon to exit.
+with ``fusermount3`` and waits for the daemon to exit (which uploads what was written meanwhile, within
+its ``--stop-timeout``: ``cachefs.daemon.stopping``). ``--force`` skips both.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ from tiering.units import format_size
 from tiering.writeback.settings import (
     DEFAULT_MAX_UPLOADS,
     DEFAULT_SPACE_WAIT_S,
+    DEFAULT_STOP_TIMEOUT_S,
     DEFAULT_UPLOAD_DELAY_S,
+    DEFAULT_UPLOAD_MAX_DELAY_S,
+    STOP_MARGIN_S,
     WriteBackSettings,
 )
 
@@ -150,6 +154,13 @@ def register(sub: Any) -> None:
     m.add_argument("--upload-delay", type=seconds, default=DEFAULT_UPLOAD_DELAY_S, metavar="S",
                    help=f"wait this long after a file is closed before uploading it, so quick rewrites and "
                         f"renames are uploaded once (default {DEFAULT_UPLOAD_DELAY_S:g})")
+    m.add_argument("--upload-max-delay", type=seconds, default=None, metavar="S",
+                   help=f"upload an acknowledged version at most this long after it was closed, even while the "
+                        f"file keeps changing (default: the larger of {DEFAULT_UPLOAD_MAX_DELAY_S:g} and --upload-delay)")
+    m.add_argument("--stop-timeout", type=seconds, default=DEFAULT_STOP_TIMEOUT_S, metavar="S",
+                   help=f"when stopped (SIGTERM, SIGINT, any unmount), go on uploading what is pending for up to "
+                        f"this long before exiting; the rest stays journaled for the next mount "
+                        f"(default {DEFAULT_STOP_TIMEOUT_S:g}: a pod's 30 s grace period less a margin)")
     m.add_argument("--max-uploads", type=int, default=DEFAULT_MAX_UPLOADS, metavar="N",
                    help=f"objects uploaded at once (default {DEFAULT_MAX_UPLOADS})")
     m.add_argument("--dirty-wait", type=seconds, default=DEFAULT_SPACE_WAIT_S, metavar="S",
@@ -192,7 +203,8 @@ def register(sub: Any) -> None:
                    help=f"how long to wait for written data to reach the object store before refusing "
                         f"(default {DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S:g})")
     u.add_argument("--force", action="store_true",
-                   help="unmount without flushing; staged data stays in the cache dir and the next mount uploads it")
+                   help="unmount without flushing (the daemon uploads nothing more either); staged data stays in "
+                        "the cache dir and the next mount uploads it")
 
 
 
@@ -222,7 +234,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
                         rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
-                                      space_wait_s=args.dirty_wait, write_through=args.write_through)
+                                      space_wait_s=args.dirty_wait, write_through=args.write_through,
+                                      upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout)
         cluster = _cluster_settings(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -497,7 +510,11 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     fusermount = shutil.which("fusermount3") or shutil.which("fusermount")
     if fusermount is None:
         raise UsageError("fusermount3 not found (install the fuse3 package)")
+    if pid is not None and args.force:
+        _ask_daemon_to_drain(path, False)  # an unmount drains (cachefs.daemon.stopping): --force does not
     result = subprocess.run([fusermount, "-u", str(path)], capture_output=True, text=True, timeout=args.timeout)
+    if result.returncode != 0 and pid is not None and args.force:
+        _ask_daemon_to_drain(path, True)
     if result.returncode != 0:
         detail = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
         if pid is None:  # the daemon is gone: detach the dead mount lazily
@@ -511,12 +528,30 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     if still_served:  # a bind of a staged mount (CSI), or the mount under binds: the daemon serves on
         print(f"cachefs: unmounted {path}; its daemon goes on serving {', '.join(still_served)}", file=sys.stderr)
         return 0
-    if pid is not None and not _wait_exit(pid, args.timeout):
-        print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {args.timeout:g} s",
+    # The daemon uploads what was written since the flush before it exits, for up to its --stop-timeout.
+    wait_s = args.timeout if args.force else max(args.timeout, _stop_timeout(info) + STOP_MARGIN_S)
+    if pid is not None and not _wait_exit(pid, wait_s):
+        print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {wait_s:g} s",
               file=sys.stderr)
         return 1
     print(f"cachefs: unmounted {path}", file=sys.stderr)
     return 0
+
+
+def _stop_timeout(info: dict[str, Any]) -> float:
+    try:
+        return float(info.get("stop_timeout_s", 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _ask_daemon_to_drain(path: Path, drain: bool) -> None:
+    """Whether the daemon uploads what is pending when its session ends (a daemon that cannot be asked
+    is stopping or gone: nothing to change)."""
+    try:
+        call(path, "/stop", method="POST", body={"drain": drain})
+    except UsageError:
+        pass
 
 
 def _flushed_for_unmount(path: Path, timeout_s: float, info: dict[str, Any]) -> bool:

@@ -204,22 +204,27 @@ class WriteBack:
                      files, staged_bytes, deletes, markers, len(scan.quarantined), scan.removed_orphans)
         self.uploader.start()
 
-    async def stop(self) -> None:
-        """Acknowledge what open files still hold, stop uploading; everything pending stays journaled."""
+    async def acknowledge_open(self) -> None:
+        """Acknowledge what open files still hold (the session is gone: no writer can close them now)."""
         for sf in list(self.files):
             if sf.unacked:
                 try:
                     await self._commit_only(sf)
                 except Exception as exc:  # noqa: BLE001 - keep stopping; the data of this file is lost
                     log.error("write-back: could not save %r at shutdown: %s", sf.key, describe(exc))
+
+    async def stop(self) -> None:
+        """Acknowledge what open files still hold, stop uploading; everything pending stays journaled
+        (the daemon first uploads what it can within its stop deadline: ``cachefs.daemon.stopping``)."""
+        await self.acknowledge_open()
         await self.uploader.stop()
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         self.datafiles.close_all()
         pending = self.index.journaled()
         if pending:
-            log.warning("write-back: %d operations not yet in the store stay journaled in %s; the next mount "
-                        "uploads them", pending, self.staging.root)
+            log.info("write-back: %d operations not yet in the store stay journaled in %s; the next mount "
+                     "uploads them", pending, self.staging.root)
 
     # ================================================================== namespace view
     def file(self, key: str) -> StagedFile | None:
@@ -508,7 +513,8 @@ class WriteBack:
 
     def stats_snapshot(self) -> dict[str, Any]:
         return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader,
-                              wall_now=self.wall(), write_through=self.settings.write_through)
+                              wall_now=self.wall(), now=self.clock.monotonic(),
+                              write_through=self.settings.write_through)
 
     def _backlog(self) -> str:
         """For the ENOSPC message: what is waiting for the store."""
