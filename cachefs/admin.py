@@ -31,6 +31,7 @@ from tiering.objectstore import (
 )
 from tiering.settings import CacheSettings
 from tiering.units import parse_size as _parse_size
+from tiering.writeback.settings import WriteBackSettings
 
 __all__ = [
     "AdminAccessDenied",
@@ -39,6 +40,7 @@ __all__ = [
     "AdminUnavailable",
     "SourceInfo",
     "check_cache_options",
+    "check_writeback_options",
     "check_source_access",
     "delete_prefix",
     "delete_small_object",
@@ -109,6 +111,12 @@ def check_cache_options(
         "max_concurrent_fetches": max_fetches,
     }
     CacheSettings(**{name: value for name, value in given.items() if value is not None})
+
+
+def check_writeback_options(*, upload_max_delay_s: float | None = None, stop_timeout_s: float | None = None) -> None:
+    """Raise ValueError if ``cachefs mount`` would refuse these write-back timings (None: its default)."""
+    given: dict[str, Any] = {"upload_max_delay_s": upload_max_delay_s, "stop_timeout_s": stop_timeout_s}
+    WriteBackSettings(**{name: value for name, value in given.items() if value is not None})
 
 
 def _translate(exc: BaseException) -> AdminError:

@@ -52,6 +52,7 @@ import base64
 import datetime
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
@@ -66,6 +67,7 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 
+from cachefs.settings import DEFAULT_STOP_TIMEOUT_S, STOP_MARGIN_S
 from csi_driver.attributes import MountPodResources
 from csi_driver.errors import Code, CsiError
 from csi_driver.launchers import DaemonSpec
@@ -121,10 +123,19 @@ STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName
 # How long a dead or deleted pod's mount may go on answering before it is taken as served by a new
 # pod: the old process's grace period (SIGTERM to SIGKILL) and a little more.
 SETTLE_POLL_S = 0.5
-# The daemon gets this long after SIGTERM to flush (unstage has flushed already; this covers a
-# pod deleted by hand, which breaks its mount anyway).
-TERMINATION_GRACE_S = 30
+# The daemon gets this long after SIGTERM to upload what is pending (unstage has flushed already; this
+# covers a pod deleted or evicted by someone else, e.g. kubectl drain): its --stop-timeout (the volume's
+# stopTimeout, 25 s by default) plus STOP_MARGIN_S for acknowledging open files and exiting, so the
+# default is Kubernetes' own 30 s (docs/stopping.md).
+TERMINATION_GRACE_S = math.ceil(DEFAULT_STOP_TIMEOUT_S + STOP_MARGIN_S)
 SETTLE_S = TERMINATION_GRACE_S + 5.0
+
+
+def termination_grace_s(spec: DaemonSpec) -> int:
+    """The mount pod's terminationGracePeriodSeconds: its daemon's stop timeout plus the margin."""
+    if spec.stop_timeout_s is None:
+        return TERMINATION_GRACE_S
+    return math.ceil(spec.stop_timeout_s + STOP_MARGIN_S)
 
 
 def label_value(text: str) -> str:
@@ -218,7 +229,7 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "terminationGracePeriodSeconds": termination_grace_s(spec),
         "tolerations": [{"operator": "Exists"}],
         "securityContext": pod_security,
         "containers": [{
