@@ -116,6 +116,8 @@ def test_the_grace_period_covers_the_volumes_stop_timeout() -> None:
     assert build_pod(SETTINGS, spec())["spec"]["terminationGracePeriodSeconds"] == 30
     volume = parse_volume_attributes({"source": "s3://bucket/p", "stopTimeout": "90", "uploadMaxDelay": "10"})
     assert volume.cache.cli_args() == ["--upload-max-delay", "10", "--stop-timeout", "90"]
+    assert parse_volume_attributes({"source": "s3://bucket/p", "uploadDelay": "600"}).cache.cli_args() == [
+        "--upload-delay", "600"]
     pod = build_pod(SETTINGS, spec(stop_timeout_s=volume.cache.stop_timeout_s))
     assert pod["spec"]["terminationGracePeriodSeconds"] == 95
     assert parse_provision_parameters({"bucket": "bucket", "stopTimeout": "60"}).cache_attributes == {

@@ -453,3 +453,56 @@ def test_a_mount_pod_deleted_by_hand_is_reported_and_recovered(cluster, seaweed,
         assert mount_pods(core) == []
     finally:
         stop_driver(driver)
+
+
+def test_a_deleted_mount_pod_uploads_first_and_reports_what_it_could_not(cluster, seaweed, workdir) -> None:
+    """``kubectl delete pod`` / a drain's eviction of a mount pod: the kubelet sends SIGTERM and waits
+    the grace period (stopTimeout + 5 s here). The daemon uploads what is pending before it exits; with
+    the store frozen past stopTimeout, it exits leaving the change journaled, and the plugin says so
+    (an Event on the workload pod and a counter); the next mount of the volume uploads it."""
+    from tests.fuse.writeback_support import LoopbackProxy
+
+    api, kubelet = cluster
+    core = api.client()
+    bucket = f"podstop-{uuid.uuid4().hex[:10]}"
+    seaweed.make_bucket(bucket)
+    client = seaweed.client()
+    proxy = LoopbackProxy(seaweed.s3_port)
+    # uploadDelay 600: nothing is uploaded by itself, only by the stop (or the replay of a new mount).
+    context = {**context_for(seaweed, bucket), "endpointUrl": proxy.endpoint_url, "uploadDelay": "600",
+               "stopTimeout": "3", **pod_info("writer-0")}
+    driver = start_pod_driver(workdir, api)
+    try:
+        staging, target = driver.target("globalmount"), driver.target()
+        driver.stage("vol-stop", staging, context, secrets=secrets_of(seaweed))
+        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        (target / "out.txt").write_bytes(b"written just before the pod was deleted")
+        (pod,) = mount_pods(core)
+        assert pod.spec.termination_grace_period_seconds == 8  # stopTimeout 3 + the 5 s margin
+        core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)
+        kubelet.wait_gone(pod.metadata.name)
+        assert client.get_object(Bucket=bucket, Key="train/out.txt")["Body"].read() == (
+            b"written just before the pod was deleted")
+
+        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        (target / "late.txt").write_bytes(b"written while the store is frozen")
+        (pod,) = [p for p in mount_pods(core) if p.metadata.deletion_timestamp is None]
+        proxy.freeze()
+        core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)
+        kubelet.wait_gone(pod.metadata.name)
+        (event,) = wait_for("the staged-writes Event on the workload pod",
+                            lambda: events(core, "ml", "CachefsWritesStaged"))
+        assert event.involved_object.name == "writer-0" and "1 written changes not in the bucket" in event.message
+        assert "cachefs_csi_mount_pods_ended_with_staged_writes_total 1" in driver.metrics()
+        assert events(core, "ml", "CachefsWritesStaged") == [event], "the first pod (all uploaded) was reported"
+
+        proxy.thaw()
+        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        wait_for("the next mount to upload the journaled change",
+                 lambda: "train/late.txt" in {o["Key"] for o in client.list_objects_v2(
+                     Bucket=bucket, Prefix="train/").get("Contents", [])})
+        driver.unpublish("vol-stop", target)
+        driver.unstage("vol-stop", staging)
+    finally:
+        stop_driver(driver)
+        proxy.close()
