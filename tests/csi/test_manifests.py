@@ -188,7 +188,8 @@ def test_node_plugin_runs_mount_pods_with_least_privilege(base_objects) -> None:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["list", "create", "patch", "delete"]},
     ]
-    assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+                                    {"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["list"]}]
 
 
 def test_storage_class_parameters_parse(base_objects) -> None:

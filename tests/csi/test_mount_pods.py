@@ -94,10 +94,11 @@ def dataset(seaweed) -> tuple[str, dict[str, bytes]]:
 
 
 def start_pod_driver(workdir: Path, api: ApiDouble,
-                     image: tuple[str, ...] = ("--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test")) -> Driver:
+                     image: tuple[str, ...] = ("--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test"),
+                     extra: tuple[str, ...] = ()) -> Driver:
     return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE, *image,
                         "--mount-pod-priority-class", "system-node-critical", "--kubeconfig", str(api.kubeconfig),
-                        "--mount-pod-watch-seconds", "1")
+                        "--mount-pod-watch-seconds", "1", *extra)
 
 
 def node_rbac() -> dict[str, set[tuple[str, str]]]:
@@ -108,8 +109,8 @@ def node_rbac() -> dict[str, set[tuple[str, str]]]:
     rules: dict[str, set[tuple[str, str]]] = {}
     for doc in yaml.safe_load_all(path.read_text()):
         if doc["kind"] in ("Role", "ClusterRole"):
-            rules[doc["kind"]] = {(verb, resource) for rule in doc["rules"] for resource in rule["resources"]
-                                  for verb in rule["verbs"]}
+            rules.setdefault(doc["kind"], set()).update(
+                (verb, resource) for rule in doc["rules"] for resource in rule["resources"] for verb in rule["verbs"])
     return rules
 
 
@@ -506,3 +507,38 @@ def test_a_deleted_mount_pod_uploads_first_and_reports_what_it_could_not(cluster
     finally:
         stop_driver(driver)
         proxy.close()
+
+
+def test_the_cache_of_a_deleted_volume_is_removed_from_the_node(cluster, seaweed, dataset, workdir) -> None:
+    """A persistent volume's cache stays on the node after unstage (the next pod starts warm) while its
+    PersistentVolume exists; once the PV is deleted, the plugin's sweep removes it and says why."""
+    from csi_driver.main import DRIVER_NAME
+    from csi_driver.node import cache_dir_name
+
+    api, kubelet = cluster
+    core = api.client()
+    bucket, files = dataset
+    context = {**context_for(seaweed, bucket), **pod_info("reader-0")}
+    core.create_persistent_volume({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-gc"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                 "csi": {"driver": DRIVER_NAME, "volumeHandle": "vol-gc"}}})
+    driver = start_pod_driver(workdir, api, extra=("--cache-sweep-seconds", "1"))
+    try:
+        staging, target = driver.target("globalmount"), driver.target()
+        driver.stage("vol-gc", staging, context, secrets=secrets_of(seaweed))
+        driver.publish_staged("vol-gc", staging, target, context, secrets=secrets_of(seaweed))
+        assert (target / "part-1.bin").read_bytes() == files["part-1.bin"]
+        driver.unpublish("vol-gc", target)
+        driver.unstage("vol-gc", staging)
+        cache = driver.cache_root / "volumes" / cache_dir_name("vol-gc")
+        assert cache.is_dir()
+        wait_for("a sweep with the PersistentVolume present",
+                 lambda: ("list", "persistentvolumes", None) in api.calls(USER_AGENT))
+        time.sleep(1.5)  # one more round (every second here) with the PV present
+        assert cache.is_dir(), "the cache of a volume that still exists was removed"
+        core.delete_persistent_volume("pv-gc")
+        wait_for("the deleted volume's cache to go", lambda: not cache.exists(), 30)
+        assert "removed the cache of volume vol-gc" in driver.log_text()
+    finally:
+        stop_driver(driver)

@@ -36,7 +36,7 @@ import kmock
 from kmock._internal import enums, parsing, rendering
 
 START_TIMEOUT_S = 10.0
-RESOURCES = ("v1/pods", "v1/secrets", "v1/events", "v1/namespaces")
+RESOURCES = ("v1/pods", "v1/secrets", "v1/events", "v1/namespaces", "v1/persistentvolumes")
 
 
 _guess_k8s = parsing.guess_k8s
