@@ -241,7 +241,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                     await session.serve(FUSE_MAX_TASKS)
                     served_to_the_end = True
                 finally:
-                    stopping.begin()  # an unmount (umount, fusermount3 -u) starts the deadline here
+                    stopping.session_ended()  # an unmount (umount, fusermount3 -u) starts the deadline here
                     await stopping.close()
                     session.close()
                     log.info("unmounted %s", settings.mountpoint)

@@ -52,11 +52,17 @@ class Stopping:
         self.signals = 0
         self._drains: list[Drain] = []
         self._task: asyncio.Task[None] | None = None
+        self._session_ended = False
 
     # -- what features use --------------------------------------------------------------------------
     def on_drain(self, drain: Drain) -> None:
         """``drain()`` runs at the first signal while the mount still serves (write-back's flush)."""
         self._drains.append(drain)
+
+    def session_ended(self) -> None:
+        """The FUSE session is over (an unmount, or the drain's end): the deadline runs from now at the latest."""
+        self._session_ended = True
+        self.begin()
 
     def begin(self) -> None:
         """Start the deadline (once: the first signal or the end of the session, whichever is first)."""
@@ -101,9 +107,16 @@ class Stopping:
             log.warning("%s again: stopping now; what is not in the object store stays journaled for the next "
                         "mount", name)
             self.abandoned.set()
-            end_session()
+            if not self._session_ended:
+                end_session()
             return
         self.begin()
+        if self._session_ended:
+            # Unmounted already (systemd stopping a mount unit signals what is left of it): the upload
+            # goes on within the same deadline; a second signal still stops it.
+            log.info("%s: still uploading what is pending (at most %.0f s more; send it again to stop now)",
+                     name, self.remaining())
+            return
         if not self._drains or self.skip_drain:
             end_session()
             return

@@ -77,3 +77,19 @@ async def test_unmount_force_skips_the_drain() -> None:
     await asyncio.sleep(0.01)
     assert ends == ["end"] and drained == []
     assert stopping.remaining() == 0
+
+
+async def test_a_signal_after_an_unmount_lets_the_upload_go_on_and_a_second_stops_it() -> None:
+    stopping = Stopping(30)
+
+    async def drain() -> None:
+        raise AssertionError("the session is gone: nothing to drain while serving")
+
+    stopping.on_drain(drain)
+    stopping.session_ended()  # umount, fusermount3 -u: systemd then signals what is left of the unit
+    ends: list[str] = []
+    stopping.signalled("SIGTERM", lambda: ends.append("end"))
+    await asyncio.sleep(0.01)
+    assert stopping.remaining() > 0 and not stopping.abandoned.is_set()
+    stopping.signalled("SIGTERM", lambda: ends.append("end"))
+    assert stopping.abandoned.is_set() and stopping.remaining() == 0
