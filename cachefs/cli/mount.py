@@ -198,7 +198,8 @@ def register(sub: Any) -> None:
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
     u.add_argument("mountpoint", type=Path)
     u.add_argument("--timeout", type=seconds, default=DEFAULT_UNMOUNT_TIMEOUT_S, metavar="S",
-                   help="how long to wait for the daemon to exit")
+                   help="how long to wait for the daemon to exit (without --force: at least its --stop-timeout "
+                        "plus 5 s, as it uploads what was written since the flush)")
     u.add_argument("--flush-timeout", type=seconds, default=DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S, metavar="S",
                    help=f"how long to wait for written data to reach the object store before refusing "
                         f"(default {DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S:g})")
