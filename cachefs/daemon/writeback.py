@@ -101,7 +101,9 @@ class WriteBackFeature:
         stopping = self.ctx.stopping
         started = time.monotonic()
         await wb.acknowledge_open()
-        report = await self._upload_pending()
+        # Only a mount that served drains: one that failed to mount reports that at once (what the
+        # journal replayed stays journaled, as before).
+        report = await self._upload_pending() if stopping.begun else None
         await wb.stop()
         if not wb.has_pending():
             if report is not None and report.elapsed_s > 0:
