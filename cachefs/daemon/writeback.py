@@ -113,7 +113,9 @@ class WriteBackFeature:
         pending = wb.pending()
         names = ", ".join(_describe(entry)["path"] or "/" for entry in pending[:MAX_NAMED_AT_STOP])
         more = f" and {len(pending) - MAX_NAMED_AT_STOP} more" if len(pending) > MAX_NAMED_AT_STOP else ""
-        if stopping.abandoned.is_set():
+        if not stopping.begun:
+            why = "the mount did not start"
+        elif stopping.abandoned.is_set():
             why = "the stop was forced (a second signal, or cachefs unmount --force)"
         elif wb.uploader.store_failures:
             why = f"the object store is unreachable ({wb.uploader.store_error})"
