@@ -227,6 +227,32 @@ async def test_a_file_that_keeps_changing_is_uploaded_within_the_max_delay(tmp_p
         await r.wb.stop()
 
 
+async def test_a_file_saved_by_rename_every_second_is_uploaded_within_the_max_delay(tmp_path: Path) -> None:
+    """Save-by-rename (write a temporary file, rename it over the target) every second: each rename is a
+    new acknowledgement of the target, but its wait counts from the oldest one not yet uploaded."""
+    clock = FakeClock()
+    r = Rig(tmp_path, settings=WriteBackSettings(upload_delay_s=2, upload_max_delay_s=5, space_wait_s=0.2),
+            clock=clock)
+    await r.wb.start()
+    try:
+        for second in range(5):
+            sf = await write_file(r.wb, "ckpt.tmp", f"step {second}".encode())
+            await r.wb.move("ckpt.tmp", "ckpt", dst_may_exist=second > 0)
+            r.wb.unhold(sf)
+            r.wb.poke()
+            await asyncio.sleep(0.02)
+            assert "ckpt" not in r.keys()
+            clock.advance(1)
+        r.wb.poke()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "ckpt" in r.keys():
+                break
+        assert r.data("ckpt") == b"step 4", "the target of repeated renames was not uploaded at the max delay"
+    finally:
+        await r.wb.stop()
+
+
 def test_max_delay_defaults_and_refusals() -> None:
     assert WriteBackSettings().max_delay_s == 30
     assert WriteBackSettings(upload_delay_s=600).max_delay_s == 600  # a longer coalescing delay is kept

@@ -78,7 +78,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Iterator
+from typing import Any, Callable, Coroutine
 
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
@@ -214,8 +214,7 @@ class WriteBack:
                     log.error("write-back: could not save %r at shutdown: %s", sf.key, describe(exc))
 
     async def stop(self) -> None:
-        """Acknowledge what open files still hold, stop uploading; everything pending stays journaled
-        (the daemon first uploads what it can within its stop deadline: ``cachefs.daemon.stopping``)."""
+        """Acknowledge what open files hold, stop uploading; what is pending stays journaled."""
         await self.acknowledge_open()
         await self.uploader.stop()
         if self._background:
@@ -453,7 +452,7 @@ class WriteBack:
                 if src_may:
                     src_seq = self.records.next_seq()
                     await self.records.write(Record(src, DELETE, src_seq, since=since))
-                    self._put_entry(self._acknowledged(Entry(src, DELETE, seq=src_seq, since=since)))
+                    self._put_entry(self.uploader.acknowledged(Entry(src, DELETE, seq=src_seq, since=since), src_entry))
                 else:
                     await self.records.remove(src, durable=True)
                     self._drop_entry(src)
@@ -466,8 +465,8 @@ class WriteBack:
                     self.files.detach(dst_sf)
                 self.files.rename(sf, src, dst)
                 sf.may_exist = dst_may
-                entry = self._acknowledged(Entry(dst, PUT, sf=sf, seq=seq, since=since, may_exist=dst_may,
-                                                 acked_at=src_entry.acked_at if src_entry is not None else None))
+                entry = self.uploader.acknowledged(Entry(dst, PUT, sf=sf, seq=seq, since=since, may_exist=dst_may),
+                                                   src_entry, dst_entry)
                 self._put_entry(entry)
                 self.uploader.barriers.renamed(src, dst, seq)
                 self.uploader.barriers.changed(src)
@@ -512,9 +511,8 @@ class WriteBack:
         return [s for k in sorted(self.index.keys()) if k.startswith(prefix) and (s := self.status(k)) is not None]
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader,
-                              wall_now=self.wall(), now=self.clock.monotonic(),
-                              write_through=self.settings.write_through)
+        return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader, wall_now=self.wall(),
+                              now=self.clock.monotonic(), write_through=self.settings.write_through)
 
     def _backlog(self) -> str:
         """For the ENOSPC message: what is waiting for the store."""
@@ -525,10 +523,6 @@ class WriteBack:
         """Re-evaluate what is due now (after a clock jump in tests, or a store known to be back)."""
         self.uploader.wake()
 
-    def entries(self) -> Iterator[Entry]:
-        """The pending operations (introspection for tests)."""
-        return iter(self.index)
-
     # ================================================================== entries of staged files
     def _put_entry(self, entry: Entry) -> None:
         self.index.put(entry)
@@ -537,17 +531,6 @@ class WriteBack:
     def _drop_entry(self, key: str) -> None:
         self.index.drop(key)
         self.uploader.barriers.changed(key)
-
-    def _acknowledged(self, entry: Entry) -> Entry:
-        """``entry`` was just acknowledged (journaled): when its upload is due. The coalescing delay
-        counts from now, but never past the max delay after the oldest acknowledged version not yet
-        in the store (``acked_at``), so a file that keeps changing is still uploaded. While an upload
-        of the key runs, it carries the older versions: the new one counts from now."""
-        now = self.clock.monotonic()
-        if entry.acked_at is None:
-            entry.acked_at = now
-        entry.ready_at = self.uploader.ready_at(now if entry.in_flight else entry.acked_at)
-        return entry
 
     def _modified(self, sf: StagedFile) -> None:
         sf.unacked = True
@@ -573,8 +556,7 @@ class WriteBack:
         seq = self.records.next_seq()
         since = since if since is not None else (old.since if old is not None else self.wall())
         await self.records.write(Record(key, op, seq, since=since))
-        entry = Entry(key, op, seq=seq, since=since, acked_at=old.acked_at if old is not None else None)
-        self._acknowledged(entry)
+        entry = self.uploader.acknowledged(Entry(key, op, seq=seq, since=since), old)
         self._put_entry(entry)
         self.uploader.push(entry)
 
@@ -662,7 +644,7 @@ class WriteBack:
                 entry = Entry(key, PUT, sf=sf, since=since, may_exist=sf.may_exist)
                 self._put_entry(entry)
             entry.seq = seq
-            self._acknowledged(entry)
+            self.uploader.acknowledged(entry)
             entry.retry_at = 0.0
             entry.attempts = 0
             self.uploader.barriers.changed(key)

@@ -197,6 +197,19 @@ class Uploader:
             due = min(due, acked_at + settings.max_delay_s)
         return due
 
+    def acknowledged(self, entry: Entry, *superseded: Entry | None) -> Entry:
+        """``entry`` was just acknowledged (journaled): when its upload is due. The coalescing delay
+        counts from now, but never past the max delay after the oldest acknowledged version not yet
+        in the store (``acked_at``, the oldest of ``entry``'s and of the pending operations it
+        supersedes: a rename's source, a save-by-rename's old destination), so a file that keeps
+        changing is still uploaded. While an upload of the key runs, it carries the older versions:
+        the new one counts from now."""
+        now = self.clock.monotonic()
+        earlier = [e.acked_at for e in (entry, *superseded) if e is not None and e.acked_at is not None]
+        entry.acked_at = min(earlier, default=now)
+        entry.ready_at = self.ready_at(now if entry.in_flight else entry.acked_at)
+        return entry
+
     def push(self, entry: Entry | None) -> None:
         """Queue ``entry`` for its store operation (if it is journaled and not already running)."""
         if entry is None or entry.seq is None or entry.in_flight:
