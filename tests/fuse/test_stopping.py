@@ -5,7 +5,7 @@ On a real mount over SeaweedFS, with ``--upload-delay 600`` so that nothing is u
 - SIGTERM: the daemon keeps serving while it uploads, then unmounts and exits; every file written
   before is in the bucket once the process is gone. With the store frozen past ``--stop-timeout``,
   the daemon still serves during the drain, exits at the deadline, names what stays journaled in its
-  log (its stderr), and the next mount uploads it.
+  log (its stderr), and leaves it journaled for the next mount.
 - ``fusermount3 -u`` and ``umount``: the kernel ends the session first; the files are in the bucket
   once the daemon has exited.
 - A file appended every half second (``--upload-delay 2 --upload-max-delay 3``) has, while the
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.fuse.conftest import Mount, run_cli
-from tests.fuse.writeback_support import LoopbackProxy, bounded, flush_ok, pid_alive, read_bucket, s3env
+from tests.fuse.writeback_support import LoopbackProxy, bounded, pid_alive, read_bucket, s3env
 
 # Upper bound for a daemon to upload a few small files and exit on a loaded 2-core runner.
 EXIT_WAIT_S = 60.0
@@ -100,13 +100,11 @@ def test_sigterm_with_the_store_frozen_serves_during_the_drain_then_says_what_st
         log = _daemon_log(m)
         assert "exiting with 1 changes not in the object store" in log and "kept.bin" in log, log[-2000:]
         assert "stay journaled" in log
+        # Journaled for the next mount (its replay is tested in test_writeback.py and test_writeback_crash.py).
+        assert len(list(cache.glob("*/staging/records/*.rec"))) == 1
+        assert read_bucket(seaweed.client(), bucket, "")[0] == {}
     finally:
         proxy.thaw()
-    try:
-        m2 = mounter.mount(f"s3://{bucket}", env=env, cache_dir=cache, mountpoint=m.path)
-        flush_ok(m2)
-        assert read_bucket(seaweed.client(), bucket, "")[0] == {"kept.bin": b"kept while the store is frozen"}
-    finally:
         proxy.close()
 
 
@@ -133,7 +131,7 @@ def test_a_file_that_keeps_changing_reaches_the_bucket_within_the_max_delay(seaw
     checked = 0
     line = 0
     status_text = ""
-    while time.monotonic() - started < 10:
+    while time.monotonic() - started < max_delay + STALENESS_MARGIN_S + 2:
         line += 1
         with open(m.path / "app.log", "ab") as fh:
             fh.write(f"line {line}\n".encode())
