@@ -39,7 +39,10 @@ is still in the mount table and answers ENOTCONN is a broken
 mount: a log line, a Kubernetes Event on the mount pod and on every workload pod bound to the
 volume on this node (``podInfoOnMount`` names them), and ``cachefs_csi_mounts{state="broken"}``
 (which counts dead mounts from the mount table). The next publish of the volume mounts it again
-with a new pod, as in process mode.
+with a new pod, as in process mode. A pod that ended (deleted, evicted, died) is also checked for
+writes its daemon left journaled: SIGTERM makes it upload first, within the volume's stopTimeout,
+which its ``terminationGracePeriodSeconds`` covers; what stays is reported by ``StagedWritesReporter``
+(an Event on the workload pods, ``cachefs_csi_mount_pods_ended_with_staged_writes_total``).
 
 **API calls** are bounded (``API_TIMEOUT_S`` each) and their failures become one-line ``CsiError``s:
 a server that cannot be reached, 429 and 5xx are UNAVAILABLE (the kubelet retries), 401/403
