@@ -17,9 +17,12 @@ endpoint, never credentials.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
+from cachefs.mounts import cache_dir_holder
 from cachefs.settings import parse_id, parse_mode
 from tiering.errors import AccessDeniedError, CacheError, ObjectNotFoundError, ObjectStoreUnavailableError
 from tiering.objectstore import (
@@ -31,6 +34,8 @@ from tiering.objectstore import (
 )
 from tiering.settings import CacheSettings
 from tiering.units import parse_size as _parse_size
+from tiering.writeback.journal import RECORD_SUFFIX, RECORDS_DIR
+from tiering.writeback.settings import WriteBackSettings
 
 __all__ = [
     "AdminAccessDenied",
@@ -39,6 +44,8 @@ __all__ = [
     "AdminUnavailable",
     "SourceInfo",
     "check_cache_options",
+    "check_writeback_options",
+    "staged_changes",
     "check_source_access",
     "delete_prefix",
     "delete_small_object",
@@ -109,6 +116,36 @@ def check_cache_options(
         "max_concurrent_fetches": max_fetches,
     }
     CacheSettings(**{name: value for name, value in given.items() if value is not None})
+
+
+def check_writeback_options(*, upload_delay_s: float | None = None, upload_max_delay_s: float | None = None,
+                            stop_timeout_s: float | None = None) -> None:
+    """Raise ValueError if ``cachefs mount`` would refuse these write-back timings (None: its default)."""
+    given: dict[str, Any] = {"upload_delay_s": upload_delay_s, "upload_max_delay_s": upload_max_delay_s,
+                             "stop_timeout_s": stop_timeout_s}
+    WriteBackSettings(**{name: value for name, value in given.items() if value is not None})
+
+
+def staged_changes(cache_dir: Path) -> int | None:
+    """Changes a stopped daemon left journaled, not yet uploaded, under ``cache_dir`` (every source
+    directory in it); None while a daemon still holds one of them (it may still upload: not final).
+    The next writable mount of the source uploads them (``cachefs.daemon.stopping``)."""
+    from cachefs.daemon.writeback import STAGING_DIRNAME  # the daemon's layout; it imports the filesystem
+
+    total = 0
+    try:
+        sources = [d for d in cache_dir.iterdir() if d.is_dir()]
+    except OSError:
+        return 0
+    for source in sources:
+        if cache_dir_holder(source) is not None:
+            return None
+        records = source / STAGING_DIRNAME / RECORDS_DIR
+        try:
+            total += sum(1 for entry in os.scandir(records) if entry.name.endswith(RECORD_SUFFIX))
+        except OSError:
+            continue
+    return total
 
 
 def _translate(exc: BaseException) -> AdminError:

@@ -17,6 +17,9 @@ from tiering.settings import (
     CacheSettings,
 )
 from tiering.writeback.settings import WriteBackSettings
+# Re-exported for the CSI driver's mount pods (their grace period), which may not import tiering.
+from tiering.writeback.settings import DEFAULT_STOP_TIMEOUT_S as DEFAULT_STOP_TIMEOUT_S
+from tiering.writeback.settings import STOP_MARGIN_S as STOP_MARGIN_S
 
 # Metadata TTLs. Training datasets are written once and read for many epochs, so a minute of
 # staleness costs nothing and saves a LIST per directory per minute; users who need fresher views

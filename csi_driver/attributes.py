@@ -62,6 +62,12 @@ ATTR_DIR_MODE = "dirMode"  # --dir-mode, octal
 ATTR_CLUSTER_CACHE = "clusterCache"  # --cluster-cache s3://BUCKET[/PREFIX]
 ATTR_CLUSTER_ENDPOINT_URL = "clusterEndpointUrl"  # --cluster-endpoint-url
 ATTR_CLUSTER_TIMEOUT = "clusterTimeout"  # --cluster-timeout (seconds)
+# Write-back timing (docs/stopping.md): the longest an acknowledged version waits for its upload while
+# the file keeps changing, and how long a stopping daemon goes on uploading (a mount pod's
+# terminationGracePeriodSeconds is this plus a margin).
+ATTR_UPLOAD_DELAY = "uploadDelay"  # --upload-delay (seconds): the coalescing delay after a close
+ATTR_UPLOAD_MAX_DELAY = "uploadMaxDelay"  # --upload-max-delay (seconds)
+ATTR_STOP_TIMEOUT = "stopTimeout"  # --stop-timeout (seconds)
 # The mount pod's resources (``--mount-mode pod``): Kubernetes quantities, e.g. "500m", "2Gi".
 ATTR_MOUNT_POD_CPU_REQUEST = "mountPodCPURequest"
 ATTR_MOUNT_POD_CPU_LIMIT = "mountPodCPULimit"
@@ -110,7 +116,8 @@ OWNER_FLAGS = (FLAG_UID, FLAG_GID, FLAG_FILE_MODE, FLAG_DIR_MODE)
 MOUNT_GROUP_FILE_MODE, MOUNT_GROUP_DIR_MODE = 0o664, 0o775
 
 CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
-              ATTR_ATTR_TTL, ATTR_DIR_TTL, ATTR_CLUSTER_CACHE, ATTR_CLUSTER_ENDPOINT_URL, ATTR_CLUSTER_TIMEOUT)
+              ATTR_ATTR_TTL, ATTR_DIR_TTL, ATTR_CLUSTER_CACHE, ATTR_CLUSTER_ENDPOINT_URL, ATTR_CLUSTER_TIMEOUT,
+              ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT)
 OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
 MOUNT_POD_KEYS = (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT, ATTR_MOUNT_POD_MEMORY_REQUEST,
                   ATTR_MOUNT_POD_MEMORY_LIMIT)
@@ -163,6 +170,9 @@ class CacheOptions:
     cluster_endpoint_url: str | None = None
     cluster_timeout_s: float | None = None
     manifest_key: str | None = None
+    upload_delay_s: float | None = None
+    upload_max_delay_s: float | None = None
+    stop_timeout_s: float | None = None
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
@@ -172,7 +182,8 @@ class CacheOptions:
                             ("--max-fetches", self.max_fetches), ("--attr-ttl", self.attr_ttl_s),
                             ("--dir-ttl", self.dir_ttl_s), ("--cluster-cache", self.cluster_cache),
                             ("--cluster-endpoint-url", self.cluster_endpoint_url),
-                            ("--cluster-timeout", self.cluster_timeout_s), ("--manifest-key", self.manifest_key)):
+                            ("--cluster-timeout", self.cluster_timeout_s), ("--manifest-key", self.manifest_key),
+                            ("--upload-delay", self.upload_delay_s), ("--upload-max-delay", self.upload_max_delay_s), ("--stop-timeout", self.stop_timeout_s)):
             if value is not None:
                 out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return out
@@ -370,6 +381,10 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
                               if (v := get(ATTR_CLUSTER_ENDPOINT_URL)) else None),
         cluster_timeout_s=_parse_seconds(ATTR_CLUSTER_TIMEOUT, v) if (v := get(ATTR_CLUSTER_TIMEOUT)) else None,
         manifest_key=_parse_manifest_key(v) if (v := get(ATTR_MANIFEST)) is not None else None,
+        upload_delay_s=_parse_seconds(ATTR_UPLOAD_DELAY, v) if (v := get(ATTR_UPLOAD_DELAY)) is not None else None,
+        upload_max_delay_s=(_parse_seconds(ATTR_UPLOAD_MAX_DELAY, v)
+                            if (v := get(ATTR_UPLOAD_MAX_DELAY)) is not None else None),
+        stop_timeout_s=_parse_seconds(ATTR_STOP_TIMEOUT, v) if (v := get(ATTR_STOP_TIMEOUT)) is not None else None,
     )
     if options.cluster_cache is None and (options.cluster_endpoint_url or options.cluster_timeout_s is not None):
         raise invalid(f"volume attributes {ATTR_CLUSTER_ENDPOINT_URL!r} and {ATTR_CLUSTER_TIMEOUT!r} need "
@@ -383,6 +398,13 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
                                 timeout_s=options.cluster_timeout_s)
         except ValueError as exc:
             raise invalid(f"volume attribute {ATTR_CLUSTER_CACHE!r}: {exc}") from None
+    try:
+        admin.check_writeback_options(upload_delay_s=options.upload_delay_s,
+                                      upload_max_delay_s=options.upload_max_delay_s,
+                                      stop_timeout_s=options.stop_timeout_s)
+    except ValueError as exc:
+        timing = "/".join(repr(k) for k in (ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT) if k in values)
+        raise invalid(f"volume attributes {timing}: {exc}") from None
     try:
         admin.check_cache_options(ram_bytes=options.ram_bytes, disk_bytes=options.disk_bytes,
                                   block_size=options.block_size, readahead_bytes=options.readahead_bytes,

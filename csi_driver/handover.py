@@ -129,7 +129,7 @@ class HandoverMounter(CachefsMounter):
             cache_dir=request.cache_dir, run_dir=run_dir, read_only=request.read_only,
             uid=self.daemon_uid, gid=self.daemon_gid, ram_cache_bytes=request.cache.ram_bytes,
             disk_cache_bytes=request.cache.disk_bytes, context=dict(request.context),
-            pod_resources=request.pod_resources,
+            pod_resources=request.pod_resources, stop_timeout_s=request.cache.stop_timeout_s,
             log_file=request.cache_dir / "daemon.log",
         )
 

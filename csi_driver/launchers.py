@@ -83,6 +83,9 @@ class DaemonSpec:
     log_file: Path | None = None  # a host process's log (ProcessLauncher); a pod logs to stderr
     # The volume's mountPod* attributes: the mount pod's requests and limits (PodLauncher only).
     pod_resources: MountPodResources = field(default_factory=MountPodResources)
+    # The volume's stopTimeout (None: cachefs's default): how long the daemon uploads after SIGTERM,
+    # which a mount pod's grace period must cover (PodLauncher).
+    stop_timeout_s: float | None = None
 
     @property
     def handover_socket(self) -> Path:

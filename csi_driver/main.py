@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "the default AWS endpoint (default: any)")
     trust.add_argument("--allowed-buckets", default="", metavar="BUCKETS",
                        help="comma-separated buckets a volume may mount (default: any)")
+    pods.add_argument("--cache-sweep-seconds", type=_sweep_seconds, default=None, metavar="S",
+                      help="remove the node caches of volumes no PersistentVolume names any more, every S seconds "
+                           "(default 600; 0 disables; needs the API, as mount pods do: csi_driver.janitor)")
     p.add_argument("--max-volumes", type=int, default=0, metavar="N",
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
@@ -178,6 +181,16 @@ def build_mounter(mount_mode: str, run_root: Path, environ: dict[str, str], log_
         raise ValueError(f"mount mode {mount_mode!r} needs its launcher")
     return HandoverMounter(launcher, run_root, environ=environ, log_level=log_level, daemon_uid=daemon_uid,
                            daemon_gid=daemon_uid)
+
+
+def _sweep_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 86400, got {text!r}")
+    return value
 
 
 def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
@@ -258,6 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from csi_driver.mountpods import take_over
 
             take_over(pod_launcher, node, run_root)  # adopt, delete strays, watch (retried while the API is away)
+            from csi_driver.janitor import CACHE_SWEEP_INTERVAL_S, CacheJanitor, persistent_volume_handles
+
+            sweep_s = CACHE_SWEEP_INTERVAL_S if args.cache_sweep_seconds is None else args.cache_sweep_seconds
+            if sweep_s > 0:
+                core, driver_name = pod_launcher.core, args.driver_name
+                CacheJanitor(node, lambda: persistent_volume_handles(core, driver_name), driver_name).start(sweep_s)
     controller = ControllerOps(CachefsBucketAdmin(), environ) if serve_controller else None
     info = DriverInfo(name=args.driver_name, version=package_version(),
                       serves_controller=serve_controller, serves_node=serve_node)

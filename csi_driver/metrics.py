@@ -9,6 +9,9 @@ nodes. The driver's own series:
 - ``cachefs_csi_mounts{state}``: cachefs mounts on the node, ``healthy`` or ``broken`` (a daemon
   gone: the mount answers "Transport endpoint is not connected" until republished; or a daemon
   that did not answer the scrape in time).
+- ``cachefs_csi_mount_pods_ended_with_staged_writes_total``: mount pods that ended (deleted, evicted,
+  died) leaving acknowledged writes journaled on this node, not in the bucket
+  (``mountpods.StagedWritesReporter``); the next mount of the volume on this node uploads them.
 
 Mounts are found in the mount table (fstype ``fuse.cachefs``) and counted when this plugin's cache
 root holds their publish record, so other cachefs mounts on the host are left out; a broken one is counted, never
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 
 OPERATIONS_TOTAL = "cachefs_csi_operations_total"
 MOUNTS = "cachefs_csi_mounts"
+ENDED_WITH_STAGED_WRITES_TOTAL = "cachefs_csi_mount_pods_ended_with_staged_writes_total"
 # A daemon answers /metrics from memory in milliseconds; a wedged one must not stall the scrape.
 MOUNT_SCRAPE_TIMEOUT_S = 2.0
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,9 +55,19 @@ _lock = threading.Lock()
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
+_ended_with_staged_writes = 0
+
+
 def record(method: str, code: str) -> None:
     with _lock:
         _operations[(method, code)] += 1
+
+
+def record_staged_writes_left() -> None:
+    """A mount pod ended with writes still journaled on this node."""
+    global _ended_with_staged_writes
+    with _lock:
+        _ended_with_staged_writes += 1
 
 
 def _escape(value: str) -> str:
@@ -139,6 +153,11 @@ def render(targets: Callable[[], dict[str, str]]) -> str:
     with _lock:
         counts = sorted(_operations.items())
     lines += [f'{OPERATIONS_TOTAL}{{method="{m}",code="{c}"}} {n}' for (m, c), n in counts]
+    with _lock:
+        left = _ended_with_staged_writes
+    lines += [f"# HELP {ENDED_WITH_STAGED_WRITES_TOTAL} Mount pods that ended leaving writes journaled on this node, "
+              "not in the bucket.", f"# TYPE {ENDED_WITH_STAGED_WRITES_TOTAL} counter",
+              f"{ENDED_WITH_STAGED_WRITES_TOTAL} {left}"]
     documents, states = [], Counter({"healthy": 0, "broken": 0})
     found = sorted(targets().items())
     # In parallel, on a bounded pool, with one deadline: a wedged daemon (its getxattr never

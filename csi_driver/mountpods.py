@@ -39,7 +39,10 @@ is still in the mount table and answers ENOTCONN is a broken
 mount: a log line, a Kubernetes Event on the mount pod and on every workload pod bound to the
 volume on this node (``podInfoOnMount`` names them), and ``cachefs_csi_mounts{state="broken"}``
 (which counts dead mounts from the mount table). The next publish of the volume mounts it again
-with a new pod, as in process mode.
+with a new pod, as in process mode. A pod that ended (deleted, evicted, died) is also checked for
+writes its daemon left journaled: SIGTERM makes it upload first, within the volume's stopTimeout,
+which its ``terminationGracePeriodSeconds`` covers; what stays is reported by ``StagedWritesReporter``
+(an Event on the workload pods, ``cachefs_csi_mount_pods_ended_with_staged_writes_total``).
 
 **API calls** are bounded (``API_TIMEOUT_S`` each) and their failures become one-line ``CsiError``s:
 a server that cannot be reached, 429 and 5xx are UNAVAILABLE (the kubelet retries), 401/403
@@ -52,6 +55,7 @@ import base64
 import datetime
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
@@ -66,6 +70,8 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 
+from cachefs.settings import DEFAULT_STOP_TIMEOUT_S, STOP_MARGIN_S
+from csi_driver import metrics
 from csi_driver.attributes import MountPodResources
 from csi_driver.errors import Code, CsiError
 from csi_driver.launchers import DaemonSpec
@@ -85,6 +91,7 @@ ANNOTATION_DAEMON = "cachefs.io/daemon"  # launchers.daemon_name of the mount it
 ANNOTATION_VOLUME_ID = "cachefs.io/volume-id"
 ANNOTATION_TARGET = "cachefs.io/target"  # the host mountpoint it serves (the staging path)
 CONTAINER = "cachefs"
+CACHE_DIR_VOLUME = "cache-dir"  # the pod's hostPath volume of the volume's cache slot
 USER_AGENT = "cachefs-csi-node"
 POD_NAME_PREFIX = "cachefs-mount-"
 # Pod names are DNS subdomains, but a pod's hostname is its name cut at 63: keep them that short.
@@ -121,10 +128,24 @@ STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName
 # How long a dead or deleted pod's mount may go on answering before it is taken as served by a new
 # pod: the old process's grace period (SIGTERM to SIGKILL) and a little more.
 SETTLE_POLL_S = 0.5
-# The daemon gets this long after SIGTERM to flush (unstage has flushed already; this covers a
-# pod deleted by hand, which breaks its mount anyway).
-TERMINATION_GRACE_S = 30
+# The daemon gets this long after SIGTERM to upload what is pending (unstage has flushed already; this
+# covers a pod deleted or evicted by someone else, e.g. kubectl drain): its --stop-timeout (the volume's
+# stopTimeout, 25 s by default) plus STOP_MARGIN_S for acknowledging open files and exiting, so the
+# default is Kubernetes' own 30 s (docs/stopping.md).
+TERMINATION_GRACE_S = math.ceil(DEFAULT_STOP_TIMEOUT_S + STOP_MARGIN_S)
 SETTLE_S = TERMINATION_GRACE_S + 5.0
+# How long after a mount pod ended or was deleted its daemon may still hold its cache directory
+# (uploading within its stop timeout) before the staged-writes check gives up; a volume's own
+# stopTimeout longer than the default is waited for too (``StagedWritesReporter``).
+STAGED_CHECK_SLACK_S = 15.0
+STAGED_POLL_S = 0.5
+
+
+def termination_grace_s(spec: DaemonSpec) -> int:
+    """The mount pod's terminationGracePeriodSeconds: its daemon's stop timeout plus the margin."""
+    if spec.stop_timeout_s is None:
+        return TERMINATION_GRACE_S
+    return math.ceil(spec.stop_timeout_s + STOP_MARGIN_S)
 
 
 def label_value(text: str) -> str:
@@ -195,7 +216,7 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
     name = pod_name(settings.node_name, spec.name)
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    for volume, path in (("cache-dir", spec.cache_dir), ("run-dir", spec.run_dir)):
+    for volume, path in ((CACHE_DIR_VOLUME, spec.cache_dir), ("run-dir", spec.run_dir)):
         volumes.append({"name": volume, "hostPath": {"path": str(path), "type": "Directory"}})
         mounts.append({"name": volume, "mountPath": str(path)})
     # The root filesystem is read-only; a library's temporary file goes to a small tmpfs.
@@ -218,7 +239,7 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "terminationGracePeriodSeconds": termination_grace_s(spec),
         "tolerations": [{"operator": "Exists"}],
         "securityContext": pod_security,
         "containers": [{
@@ -316,6 +337,7 @@ class PodState:
     terminated: str | None  # why the container ended ("Error, exit code 137"), or None while it runs
     deleting: bool
     waiting: str | None = None  # why the container has not started ("ErrImagePull: ..."), if it says
+    cache_dir: str = ""  # the host directory of its "cache-dir" volume (staged writes live there)
 
     @property
     def dead(self) -> bool:
@@ -350,9 +372,12 @@ class PodState:
         phase = (status.phase if status is not None else None) or "Pending"
         if terminated is None and phase in ("Failed", "Succeeded"):
             terminated = phase + (f": {status.message}" if status.message else "")
+        spec = getattr(pod, "spec", None)
+        cache_dir = next((v.host_path.path for v in (getattr(spec, "volumes", None) or [])
+                          if v.name == CACHE_DIR_VOLUME and v.host_path is not None), "")
         return cls(meta.name, meta.uid or "", annotations.get(ANNOTATION_DAEMON, ""),
                    annotations.get(ANNOTATION_VOLUME_ID, ""), annotations.get(ANNOTATION_TARGET, ""), phase,
-                   terminated, meta.deletion_timestamp is not None, waiting)
+                   terminated, meta.deletion_timestamp is not None, waiting, cache_dir)
 
 
 class PodLauncher:
@@ -627,6 +652,70 @@ class BrokenMountReporter:
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsMountBroken", message)
 
 
+class StagedWritesReporter:
+    """Says when a mount pod ended leaving writes on this node: an Event on every workload pod bound to
+    the volume here (and on the mount pod while it exists), a log line, and the counter of
+    ``csi_driver.metrics``.
+
+    A stopping daemon uploads what is pending first, within its stop timeout (``cachefs.daemon.stopping``);
+    what it could not upload stays journaled in the volume's cache directory until the next mount of the
+    volume on this node. The check waits until no daemon holds that directory (its lock), bounded by
+    ``wait_s`` (the grace period and a margin), then counts the journal records (``cachefs.admin.staged_changes``).
+    Once per pod (by uid), in a thread of its own."""
+
+    def __init__(self, launcher: PodLauncher, workloads_of: Callable[[str], Sequence[WorkloadPod]],
+                 on_left: Callable[[str, int], None] = lambda volume_id, count: None,
+                 wait_s: float = SETTLE_S + STAGED_CHECK_SLACK_S) -> None:
+        self.launcher = launcher
+        self.workloads_of = workloads_of
+        self.on_left = on_left
+        self.wait_s = wait_s
+        self._seen: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def observe(self, event_type: str, state: PodState) -> None:
+        if not (event_type == "DELETED" or state.dead or state.deleting) or not state.cache_dir:
+            return
+        with self._lock:
+            if state.uid in self._seen:
+                return
+            self._seen.add(state.uid)
+            thread = threading.Thread(target=self._check, args=(event_type, state), daemon=True,
+                                      name=f"staged {state.name}")
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _check(self, event_type: str, state: PodState) -> None:
+        from cachefs.admin import staged_changes
+
+        deadline = time.monotonic() + self.wait_s
+        while (count := staged_changes(Path(state.cache_dir))) is None:
+            if time.monotonic() >= deadline:
+                log.warning("mount pod %s ended, but a daemon still holds %s after %g s; not checking it for "
+                            "staged writes", state.name, state.cache_dir, self.wait_s)
+                return
+            time.sleep(STAGED_POLL_S)
+        if count == 0:
+            return
+        message = (f"cachefs mount pod {state.name} of volume {state.volume_id} ended with {count} written changes "
+                   f"not in the bucket: they stay journaled in {state.cache_dir} on node "
+                   f"{self.launcher.settings.node_name} and are uploaded by the next mount of the volume on this "
+                   "node (see the mount pod's log for which files)")
+        log.error("%s", message)
+        self.on_left(state.volume_id, count)
+        if event_type != "DELETED" and not state.deleting:
+            self.launcher.event(self.launcher.settings.namespace, state.name, state.uid, "WritesStaged", message)
+        for workload in self.workloads_of(state.volume_id):
+            self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsWritesStaged", message)
+
+
 def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None) -> threading.Event:
     """At plugin start-up: adopt this node's mount pods that serve a staged volume (a stage record)
     or a cachefs mount still in the mount table, delete the others and (by name) Secrets without a pod, then
@@ -659,4 +748,10 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
         log.warning("cannot take over this node's mount pods yet (%s); retrying every %g s", exc, WATCH_RETRY_S)
         prepare = cleanup
     reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads)
-    return launcher.start_watching(reporter.observe, prepare)
+    staged = StagedWritesReporter(launcher, workloads, on_left=lambda volume_id, count: metrics.record_staged_writes_left())
+
+    def observe(event_type: str, state: PodState) -> None:
+        reporter.observe(event_type, state)
+        staged.observe(event_type, state)
+
+    return launcher.start_watching(observe, prepare)

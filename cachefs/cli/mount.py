@@ -17,10 +17,11 @@ has already made: it receives the mounted ``/dev/fuse`` descriptor on the unix s
 privilege. It leaves the unmount to the process that mounted.
 
 ``cachefs unmount`` flushes written data first (through the daemon's control API), then unmounts
-with ``fusermount3`` and waits for the daemon to exit. A busy mount's refusal names the processes
-using it (``cachefs.mounts.mount_users``) and suggests ``--lazy``, which detaches it at once
-(``fusermount3 -u -z``, MNT_DETACH): the daemon serves the processes still using it and exits when
-the last one lets go.
+with ``fusermount3`` and waits for the daemon to exit (which uploads what was written meanwhile, within
+its ``--stop-timeout``: ``cachefs.daemon.stopping``); ``--force`` skips both. A busy mount's refusal
+names the processes using it (``cachefs.mounts.mount_users``) and suggests ``--lazy``, which detaches
+it at once (``fusermount3 -u -z``, MNT_DETACH): the daemon serves the processes still using it and
+exits when the last one lets go.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ from tiering.units import format_size
 from tiering.writeback.settings import (
     DEFAULT_MAX_UPLOADS,
     DEFAULT_SPACE_WAIT_S,
+    DEFAULT_STOP_TIMEOUT_S,
     DEFAULT_UPLOAD_DELAY_S,
+    DEFAULT_UPLOAD_MAX_DELAY_S,
+    STOP_MARGIN_S,
     WriteBackSettings,
 )
 
@@ -168,6 +172,13 @@ def register(sub: Any) -> None:
     m.add_argument("--upload-delay", type=seconds, default=DEFAULT_UPLOAD_DELAY_S, metavar="S",
                    help=f"wait this long after a file is closed before uploading it, so quick rewrites and "
                         f"renames are uploaded once (default {DEFAULT_UPLOAD_DELAY_S:g})")
+    m.add_argument("--upload-max-delay", type=seconds, default=None, metavar="S",
+                   help=f"upload an acknowledged version at most this long after it was closed, even while the "
+                        f"file keeps changing (default: the larger of {DEFAULT_UPLOAD_MAX_DELAY_S:g} and --upload-delay)")
+    m.add_argument("--stop-timeout", type=seconds, default=DEFAULT_STOP_TIMEOUT_S, metavar="S",
+                   help=f"when stopped (SIGTERM, SIGINT, any unmount), go on uploading what is pending for up to "
+                        f"this long before exiting; the rest stays journaled for the next mount "
+                        f"(default {DEFAULT_STOP_TIMEOUT_S:g}: a pod's 30 s grace period less a margin)")
     m.add_argument("--max-uploads", type=int, default=DEFAULT_MAX_UPLOADS, metavar="N",
                    help=f"objects uploaded at once (default {DEFAULT_MAX_UPLOADS})")
     m.add_argument("--dirty-wait", type=seconds, default=DEFAULT_SPACE_WAIT_S, metavar="S",
@@ -205,12 +216,14 @@ def register(sub: Any) -> None:
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
     u.add_argument("mountpoint", type=Path)
     u.add_argument("--timeout", type=seconds, default=DEFAULT_UNMOUNT_TIMEOUT_S, metavar="S",
-                   help="how long to wait for the daemon to exit")
+                   help="how long to wait for the daemon to exit (without --force: at least its --stop-timeout "
+                        "plus 5 s, as it uploads what was written since the flush)")
     u.add_argument("--flush-timeout", type=seconds, default=DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S, metavar="S",
                    help=f"how long to wait for written data to reach the object store before refusing "
                         f"(default {DEFAULT_UNMOUNT_FLUSH_TIMEOUT_S:g})")
     u.add_argument("--force", action="store_true",
-                   help="unmount without flushing; staged data stays in the cache dir and the next mount uploads it")
+                   help="unmount without flushing (the daemon uploads nothing more either); staged data stays in "
+                        "the cache dir and the next mount uploads it")
     u.add_argument("--lazy", action="store_true",
                    help="detach a busy mount now (fusermount3 -u -z): new opens fail at once, processes using it "
                         "keep their files, and the daemon exits once the last one lets go")
@@ -243,7 +256,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
                         rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
-                                      space_wait_s=args.dirty_wait, write_through=args.write_through)
+                                      space_wait_s=args.dirty_wait, write_through=args.write_through,
+                                      upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout)
         cluster = _cluster_settings(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -561,7 +575,11 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         raise UsageError("fusermount3 not found (install the fuse3 package)")
     if args.lazy:
         return _detach(fusermount, path, args.timeout)
+    if pid is not None and args.force:
+        _ask_daemon_to_drain(path, False)  # an unmount drains (cachefs.daemon.stopping): --force does not
     result = subprocess.run([fusermount, "-u", str(path)], capture_output=True, text=True, timeout=args.timeout)
+    if result.returncode != 0 and pid is not None and args.force:
+        _ask_daemon_to_drain(path, True)
     if result.returncode != 0:
         detail = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
         if pid is not None and (users := mounts.mount_users(path).describe()):
@@ -577,8 +595,10 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     if still_served:  # a bind of a staged mount (CSI), or the mount under binds: the daemon serves on
         print(f"cachefs: unmounted {path}; its daemon goes on serving {', '.join(still_served)}", file=sys.stderr)
         return 0
-    if pid is not None and not _wait_exit(pid, args.timeout):
-        print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {args.timeout:g} s",
+    # The daemon uploads what was written since the flush before it exits, for up to its --stop-timeout.
+    wait_s = args.timeout if args.force else max(args.timeout, _stop_timeout(info) + STOP_MARGIN_S)
+    if pid is not None and not _wait_exit(pid, wait_s):
+        print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {wait_s:g} s",
               file=sys.stderr)
         return 1
     print(f"cachefs: unmounted {path}", file=sys.stderr)
@@ -596,6 +616,22 @@ def _detach(fusermount: str, path: Path, timeout_s: float) -> int:
     after = f"; its daemon exits once {users} let go" if users else ""
     print(f"cachefs: detached {path}{after}", file=sys.stderr)
     return 0
+
+
+def _stop_timeout(info: dict[str, Any]) -> float:
+    try:
+        return float(info.get("stop_timeout_s", 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _ask_daemon_to_drain(path: Path, drain: bool) -> None:
+    """Whether the daemon uploads what is pending when its session ends (a daemon that cannot be asked
+    is stopping or gone: nothing to change)."""
+    try:
+        call(path, "/stop", method="POST", body={"drain": drain})
+    except UsageError:
+        pass
 
 
 def _flushed_for_unmount(path: Path, timeout_s: float, info: dict[str, Any]) -> bool:

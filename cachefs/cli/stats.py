@@ -99,6 +99,8 @@ def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> An
         table.caption += (f"\nwrite-back: {wb['dirty_files']} dirty files ({format_size(wb['dirty_bytes'])}), "
                           f"{wb['uploads_in_flight']} uploading, {format_size(wb['bytes_uploaded'])} uploaded, "
                           f"{wb['failed_attempts']} failed attempts, store {wb['store_state']}")
+        if wb.get("oldest_unuploaded_age_s"):
+            table.caption += f", oldest version not in the store {wb['oldest_unuploaded_age_s']:.0f} s old"
     if cluster is not None:
         wb = cluster.get("write_behind", {})
         table.caption += (f"\ncluster tier {cluster.get('url', '')}: {cluster['corrupt_blocks']} corrupt blocks, "

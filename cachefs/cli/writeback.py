@@ -80,6 +80,8 @@ def pending_line(entry: dict[str, Any]) -> str:
     details = []
     if entry.get("stage") == "uploading":
         details.append("dirty on local disk, upload in progress")
+    if isinstance(entry.get("unuploaded_for_s"), (int, float)):
+        details.append(f"oldest version not in the object store: {entry['unuploaded_for_s']:.0f} s old")
     if entry.get("unsynced"):
         details.append("more changes not yet closed or fsync'd")
     if entry.get("attempts"):

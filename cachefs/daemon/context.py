@@ -9,11 +9,12 @@ name in its source, so readers and the import contracts see every one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from cachefs.daemon.control import ControlServer
+from cachefs.daemon.stopping import Stopping
 from cachefs.fs.filesystem import CacheFS
 from cachefs.settings import MountSettings
 from tiering.blockcache import BlockCache
@@ -30,6 +31,8 @@ class DaemonContext:
     fs: CacheFS
     control: ControlServer
     cache_dir: Path
+    # The daemon's stop: its deadline, and what to drain while still serving (cachefs.daemon.stopping).
+    stopping: Stopping = field(default_factory=lambda: Stopping(0.0))
 
 
 class Feature(Protocol):

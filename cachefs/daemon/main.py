@@ -4,7 +4,9 @@
 checked with the store at hand (the bucket exists, credentials work, the endpoint answers) before
 mounting (or, with ``settings.fuse_fd``, before serving the mount a privileged process made and handed
 over: ``cachefs.handover``; then it neither mounts nor unmounts), reports success or a one-line failure through ``ready`` (the background ``cachefs mount``
-waits on that), then serves FUSE until unmounted or signalled (SIGTERM/SIGINT unmount cleanly).
+waits on that), then serves FUSE until unmounted or signalled. Every way of stopping (SIGTERM/SIGINT, an unmount by any
+route) uploads what is pending first, within ``--stop-timeout``, and says what stays journaled
+(``cachefs.daemon.stopping``); a second signal stops at once.
 
 Cache directory layout, per source (so several mounts may share one ``--cache-dir`` safely); the
 daemon runs with umask 077, refuses a cache root or per-source directory another user owns or may
@@ -38,6 +40,7 @@ from cachefs.daemon.context import DaemonContext, Feature
 from cachefs.daemon.control import ControlServer, socket_path_for
 from cachefs.daemon.errors import SetupError
 from cachefs.daemon.stats import stats_document
+from cachefs.daemon.stopping import Stopping
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseSession
 from cachefs.tuning import tune_fuse_connection
@@ -239,9 +242,12 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 "mountpoint": str(settings.mountpoint),
                 "cache_dir": str(cache_dir),
                 "started_at": time.time(),
+                "stop_timeout_s": settings.writeback.stop_timeout_s,
             },
         )
-        ctx = DaemonContext(settings, store, cache, fs, control, cache_dir)
+        stopping = Stopping(settings.writeback.stop_timeout_s)
+        stopping.add_routes(control)
+        ctx = DaemonContext(settings, store, cache, fs, control, cache_dir, stopping)
         features: list[Feature] = [install(ctx) for install in FEATURES]
         host, port = _split_addr(settings.stats_addr)
         try:
@@ -264,7 +270,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                     raise SetupError(exc.strerror or str(exc)) from exc
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.add_signal_handler(sig, session.terminate)
+                    loop.add_signal_handler(sig, stopping.signalled, sig.name, session.terminate)
                 log.info("%s %s on %s", "serving the handed-over mount of" if handed_over else "mounted",
                          settings.source, settings.mountpoint)
                 ready(None)
@@ -277,6 +283,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                     await session.serve(FUSE_MAX_TASKS)
                     served_to_the_end = True
                 finally:
+                    stopping.session_ended()  # an unmount (umount, fusermount3 -u) starts the deadline here
+                    await stopping.close()
                     session.close()
                     log.info("unmounted %s", settings.mountpoint)
             finally:

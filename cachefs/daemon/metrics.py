@@ -117,6 +117,8 @@ UPLOADS_TOTAL = "cachefs_uploads_total"
 UPLOADED_BYTES_TOTAL = "cachefs_uploaded_bytes_total"
 UPLOAD_FAILURES_TOTAL = "cachefs_upload_failures_total"  # failed attempts (each retried)
 OLDEST_DIRTY_AGE_SECONDS = "cachefs_oldest_dirty_age_seconds"
+# The oldest acknowledged version not yet uploaded: bounded by --upload-max-delay while the store answers.
+OLDEST_UNUPLOADED_AGE_SECONDS = "cachefs_oldest_unuploaded_age_seconds"
 WRITEBACK_STORE_STATE = "cachefs_writeback_store_state"  # label state; 1 for the current state
 WRITEBACK_STORE_STATES = STORE_STATES
 STAGING_USED_BYTES = "cachefs_staging_used_bytes"
@@ -336,6 +338,8 @@ class CacheFSCollector(Collector):
              "Changes not yet in the object store: uploads, deletes and directory markers."),
             (UPLOADS_IN_FLIGHT, "uploads_in_flight", "Uploads (and deletes) running now."),
             (OLDEST_DIRTY_AGE_SECONDS, "oldest_dirty_age_s", "Age of the oldest change not yet in the object store."),
+            (OLDEST_UNUPLOADED_AGE_SECONDS, "oldest_unuploaded_age_s",
+             "Age of the oldest acknowledged (closed or fsync'd) version not yet in the object store."),
             (STAGING_USED_BYTES, "staged_bytes", "Disk space held by staged (dirty) data."),
             (STAGING_LIMIT_BYTES, "staging_limit_bytes",
              "Disk space staged data may use (the disk cache's capacity, shared with clean blocks)."),

@@ -4,8 +4,12 @@
 ``tiering.writeback.WriteBack`` engine over ``<per-source cache dir>/staging`` with the disk tier
 as its space budget (staged bytes and cached blocks share ``--disk-cache``), and attaches it to the
 filesystem. ``start()`` replays the journal before the kernel mount, so what an earlier mount left
-(after a crash or ``unmount --force``) is visible and queued before the first request; ``stop()``
-runs after the unmount and leaves whatever is not yet in the store journaled for the next mount.
+(after a crash or ``unmount --force``) is visible and queued before the first request. Stopping
+drains (``cachefs.daemon.stopping``): at a SIGTERM the mount keeps serving while everything pending
+is flushed (``_drain_while_serving``); ``stop()`` runs after the session ended (that drain, or an
+unmount by any route), acknowledges what open files held, flushes again within what is left of the
+stop deadline, and leaves whatever is still not in the store journaled for the next mount, saying
+which changes on stderr (the log).
 
 Control routes (unix socket only: they act on the mount):
 
@@ -24,6 +28,7 @@ permission); it is reported in the log and waits for the next writable mount.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from cachefs.daemon.control import ControlRequestError
@@ -33,7 +38,7 @@ from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import CacheFS
 from tiering.errors import CacheError
 from tiering.protocols import ObjectInfo
-from tiering.writeback import MISSING, WriteBack
+from tiering.writeback import MISSING, FlushReport, WriteBack
 from tiering.writeback.journal import RECORD_SUFFIX, RECORDS_DIR, StagingFormatError
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,8 @@ STAGING_DIRNAME = "staging"
 MAX_FLUSH_TIMEOUT_S = 24 * 3600.0
 # Paths per status request.
 MAX_STATUS_PATHS = 10_000
+# Paths named in the line a stopping daemon leaves when changes stay journaled (the rest are counted).
+MAX_NAMED_AT_STOP = 10
 
 
 def install(ctx: DaemonContext) -> "WriteBackFeature":
@@ -78,6 +85,7 @@ class WriteBackFeature:
     async def start(self) -> None:
         if self.writeback is not None:
             await self.writeback.start()
+            self.ctx.stopping.on_drain(self._drain_while_serving)
             return
         records = self.staging_dir / RECORDS_DIR
         if records.is_dir():
@@ -87,8 +95,56 @@ class WriteBackFeature:
                             "mount does not upload them (mount writable to do so)", left, self.staging_dir)
 
     async def stop(self) -> None:
-        if self.writeback is not None:
-            await self.writeback.stop()
+        wb = self.writeback
+        if wb is None:
+            return
+        stopping = self.ctx.stopping
+        started = time.monotonic()
+        await wb.acknowledge_open()
+        # Only a mount that served drains: one that failed to mount reports that at once (what the
+        # journal replayed stays journaled, as before).
+        report = await self._upload_pending() if stopping.begun else None
+        await wb.stop()
+        if not wb.has_pending():
+            if report is not None and report.elapsed_s > 0:
+                log.info("write-back: everything acknowledged reached the object store before exiting (%.1f s)",
+                         time.monotonic() - started)
+            return
+        pending = wb.pending()
+        names = ", ".join(_describe(entry)["path"] or "/" for entry in pending[:MAX_NAMED_AT_STOP])
+        more = f" and {len(pending) - MAX_NAMED_AT_STOP} more" if len(pending) > MAX_NAMED_AT_STOP else ""
+        if not stopping.begun:
+            why = "the mount did not start"
+        elif stopping.abandoned.is_set():
+            why = "the stop was forced (a second signal, or cachefs unmount --force)"
+        elif wb.uploader.store_failures:
+            why = f"the object store is unreachable ({wb.uploader.store_error})"
+        else:
+            why = f"--stop-timeout ({stopping.timeout_s:g} s) passed"
+        log.warning("write-back: exiting with %d changes not in the object store (%s): %s%s; they stay journaled "
+                    "in %s and the next mount of %s uploads them", len(pending), why, names, more, self.staging_dir,
+                    self.ctx.settings.source)
+
+    async def _drain_while_serving(self) -> None:
+        """At the first SIGTERM/SIGINT: upload what is pending while the mount still answers."""
+        report = await self._upload_pending()
+        if report is not None and report.ok:
+            log.info("write-back: everything acknowledged is in the object store (%.1f s); unmounting",
+                     report.elapsed_s)
+
+    async def _upload_pending(self) -> FlushReport | None:
+        """Flush within what is left of the stop deadline; None if it ran out or the stop was forced."""
+        wb = self.writeback
+        assert wb is not None
+        if not wb.has_pending():
+            return FlushReport(ok=True, pending=[], elapsed_s=0.0)
+        stopping = self.ctx.stopping
+        remaining = stopping.remaining()
+        if remaining <= 0:
+            return None
+        log.info("write-back: uploading %d pending changes before exiting (at most %.0f s)",
+                 wb.index.journaled(), remaining)
+        return await stopping.bounded(wb.flush(remaining))
 
     # -- routes ------------------------------------------------------------------------------------
 

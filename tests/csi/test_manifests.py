@@ -195,7 +195,8 @@ def test_node_plugin_runs_mount_pods_with_least_privilege(base_objects) -> None:
         # No list (nor get, nor watch): a list of Secrets returns their data (issue 28).
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "patch", "delete"]},
     ]
-    assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
+    assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+                                    {"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["list"]}]
 
 
 def test_storage_class_parameters_parse(base_objects) -> None:

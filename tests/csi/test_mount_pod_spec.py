@@ -110,6 +110,26 @@ def test_resources_from_attributes_and_defaults() -> None:
         "mountPodMemoryLimit": "8Gi"}
 
 
+def test_the_grace_period_covers_the_volumes_stop_timeout() -> None:
+    """A deleted or evicted mount pod gets SIGTERM, uploads for --stop-timeout, then exits: the grace
+    period before SIGKILL is that plus a margin (Kubernetes' own 30 s by default)."""
+    assert build_pod(SETTINGS, spec())["spec"]["terminationGracePeriodSeconds"] == 30
+    volume = parse_volume_attributes({"source": "s3://bucket/p", "stopTimeout": "90", "uploadMaxDelay": "10"})
+    assert volume.cache.cli_args() == ["--upload-max-delay", "10", "--stop-timeout", "90"]
+    assert parse_volume_attributes({"source": "s3://bucket/p", "uploadDelay": "600"}).cache.cli_args() == [
+        "--upload-delay", "600"]
+    pod = build_pod(SETTINGS, spec(stop_timeout_s=volume.cache.stop_timeout_s))
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 95
+    assert parse_provision_parameters({"bucket": "bucket", "stopTimeout": "60"}).cache_attributes == {
+        "stopTimeout": "60"}
+    with pytest.raises(CsiError) as info:
+        parse_volume_attributes({"source": "s3://bucket/p", "uploadMaxDelay": "1"})  # below the 2 s upload delay
+    assert info.value.code is Code.INVALID_ARGUMENT and "'uploadMaxDelay'" in info.value.message
+    with pytest.raises(CsiError) as info:
+        parse_volume_attributes({"source": "s3://bucket/p", "stopTimeout": "soon"})
+    assert "'stopTimeout' must be a number of seconds" in info.value.message
+
+
 @pytest.mark.parametrize("attrs, fragment", [
     ({"mountPodCPURequest": "lots"}, "'mountPodCPURequest' must be a CPU quantity"),
     ({"mountPodCPURequest": "0"}, "more than 0"),

@@ -95,14 +95,15 @@ def dataset(seaweed) -> tuple[str, dict[str, bytes]]:
 
 
 def start_pod_driver(workdir: Path, api: ApiDouble,
-                     image: tuple[str, ...] = ("--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test")) -> Driver:
+                     image: tuple[str, ...] = ("--mount-pod-image", "ghcr.io/cachefs/cachefs-csi:test"),
+                     extra: tuple[str, ...] = ()) -> Driver:
     # --daemon-uid 0: the kubelet stand-in runs a mount pod as a host process, and uid 65534 (the
     # driver's default in pod mode) can run neither this interpreter (under /root) nor reach the 0700
     # temp directories a real pod sees as its own hostPath mounts. tests/csi/test_handover.py runs the
     # daemon as 65534; test_the_mount_pod_runs_as_nobody_by_default checks the spec.
     return start_driver(workdir, "--mount-mode", "pod", "--namespace", NAMESPACE, "--node-name", NODE, *image,
                         "--mount-pod-priority-class", "system-node-critical", "--kubeconfig", str(api.kubeconfig),
-                        "--mount-pod-watch-seconds", "1", "--daemon-uid", "0")
+                        "--mount-pod-watch-seconds", "1", "--daemon-uid", "0", *extra)
 
 
 def node_rbac() -> dict[str, set[tuple[str, str]]]:
@@ -113,8 +114,8 @@ def node_rbac() -> dict[str, set[tuple[str, str]]]:
     rules: dict[str, set[tuple[str, str]]] = {}
     for doc in yaml.safe_load_all(path.read_text()):
         if doc["kind"] in ("Role", "ClusterRole"):
-            rules[doc["kind"]] = {(verb, resource) for rule in doc["rules"] for resource in rule["resources"]
-                                  for verb in rule["verbs"]}
+            rules.setdefault(doc["kind"], set()).update(
+                (verb, resource) for rule in doc["rules"] for resource in rule["resources"] for verb in rule["verbs"])
     return rules
 
 
@@ -460,5 +461,93 @@ def test_a_mount_pod_deleted_by_hand_is_reported_and_recovered(cluster, seaweed,
         driver.unpublish("vol-del", target)
         driver.unstage("vol-del", staging)
         assert mount_pods(core) == []
+    finally:
+        stop_driver(driver)
+
+
+def test_a_deleted_mount_pod_uploads_first_and_reports_what_it_could_not(cluster, seaweed, workdir) -> None:
+    """``kubectl delete pod`` / a drain's eviction of a mount pod: the kubelet sends SIGTERM and waits
+    the grace period (stopTimeout + 5 s here). The daemon uploads what is pending before it exits; with
+    the store frozen past stopTimeout, it exits leaving the change journaled, and the plugin says so
+    (an Event on the workload pod and a counter); the next mount of the volume uploads it."""
+    from tests.fuse.writeback_support import LoopbackProxy
+
+    api, kubelet = cluster
+    core = api.client()
+    bucket = f"podstop-{uuid.uuid4().hex[:10]}"
+    seaweed.make_bucket(bucket)
+    client = seaweed.client()
+    proxy = LoopbackProxy(seaweed.s3_port)
+    # uploadDelay 600: nothing is uploaded by itself, only by the stop (or the replay of a new mount).
+    context = {**context_for(seaweed, bucket), "endpointUrl": proxy.endpoint_url, "uploadDelay": "600",
+               "stopTimeout": "3", **pod_info("writer-0")}
+    driver = start_pod_driver(workdir, api)
+    try:
+        staging, target = driver.target("globalmount"), driver.target()
+        driver.stage("vol-stop", staging, context, secrets=secrets_of(seaweed))
+        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        (target / "out.txt").write_bytes(b"written just before the pod was deleted")
+        (pod,) = mount_pods(core)
+        assert pod.spec.termination_grace_period_seconds == 8  # stopTimeout 3 + the 5 s margin
+        core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)
+        kubelet.wait_gone(pod.metadata.name)
+        assert client.get_object(Bucket=bucket, Key="train/out.txt")["Body"].read() == (
+            b"written just before the pod was deleted")
+
+        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        (target / "late.txt").write_bytes(b"written while the store is frozen")
+        (pod,) = [p for p in mount_pods(core) if p.metadata.deletion_timestamp is None]
+        proxy.freeze()
+        core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)
+        kubelet.wait_gone(pod.metadata.name)
+        (event,) = wait_for("the staged-writes Event on the workload pod",
+                            lambda: events(core, "ml", "CachefsWritesStaged"))
+        assert event.involved_object.name == "writer-0" and "1 written changes not in the bucket" in event.message
+        assert "cachefs_csi_mount_pods_ended_with_staged_writes_total 1" in driver.metrics()
+        assert events(core, "ml", "CachefsWritesStaged") == [event], "the first pod (all uploaded) was reported"
+
+        proxy.thaw()
+        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        wait_for("the next mount to upload the journaled change",
+                 lambda: "train/late.txt" in {o["Key"] for o in client.list_objects_v2(
+                     Bucket=bucket, Prefix="train/").get("Contents", [])})
+        driver.unpublish("vol-stop", target)
+        driver.unstage("vol-stop", staging)
+    finally:
+        stop_driver(driver)
+        proxy.close()
+
+
+def test_the_cache_of_a_deleted_volume_is_removed_from_the_node(cluster, seaweed, dataset, workdir) -> None:
+    """A persistent volume's cache stays on the node after unstage (the next pod starts warm) while its
+    PersistentVolume exists; once the PV is deleted, the plugin's sweep removes it and says why."""
+    from csi_driver.main import DRIVER_NAME
+    from csi_driver.node import cache_dir_name
+
+    api, kubelet = cluster
+    core = api.client()
+    bucket, files = dataset
+    context = {**context_for(seaweed, bucket), **pod_info("reader-0")}
+    core.create_persistent_volume({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv-gc"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                 "csi": {"driver": DRIVER_NAME, "volumeHandle": "vol-gc"}}})
+    driver = start_pod_driver(workdir, api, extra=("--cache-sweep-seconds", "1"))
+    try:
+        staging, target = driver.target("globalmount"), driver.target()
+        driver.stage("vol-gc", staging, context, secrets=secrets_of(seaweed))
+        driver.publish_staged("vol-gc", staging, target, context, secrets=secrets_of(seaweed))
+        assert (target / "part-1.bin").read_bytes() == files["part-1.bin"]
+        driver.unpublish("vol-gc", target)
+        driver.unstage("vol-gc", staging)
+        cache = driver.cache_root / "volumes" / cache_dir_name("vol-gc")
+        assert cache.is_dir()
+        wait_for("a sweep with the PersistentVolume present",
+                 lambda: ("list", "persistentvolumes", None) in api.calls(USER_AGENT))
+        time.sleep(1.5)  # one more round (every second here) with the PV present
+        assert cache.is_dir(), "the cache of a volume that still exists was removed"
+        core.delete_persistent_volume("pv-gc")
+        wait_for("the deleted volume's cache to go", lambda: not cache.exists(), 30)
+        assert "removed the cache of volume vol-gc" in driver.log_text()
     finally:
         stop_driver(driver)

@@ -8,7 +8,7 @@ behaviours of a real API server that the node plugin relies on:
 - ``metadata.uid``, ``resourceVersion`` and ``creationTimestamp`` on create (an ownerReference
   needs the owner's uid);
 - ``?watch=True`` as the kubernetes client sends it (kmock expects ``true``);
-- ``labelSelector`` (equality terms, ``k=v,k2=v2``) on list and watch;
+- ``labelSelector`` (equality terms, ``k=v,k2=v2``, and ``k!=v``) on list and watch;
 - the garbage collector's part: deleting an object deletes the objects whose ``ownerReferences``
   name its uid (a mount pod's Secret goes with the pod).
 
@@ -36,7 +36,7 @@ import kmock
 from kmock._internal import enums, parsing, rendering
 
 START_TIMEOUT_S = 10.0
-RESOURCES = ("v1/pods", "v1/secrets", "v1/events", "v1/namespaces")
+RESOURCES = ("v1/pods", "v1/secrets", "v1/events", "v1/namespaces", "v1/persistentvolumes")
 
 
 _guess_k8s = parsing.guess_k8s
@@ -52,18 +52,21 @@ def _guess_k8s_any_bool(k8s: Any, method: Any, query: dict[str, str]) -> Any:
 parsing.guess_k8s = _guess_k8s_any_bool
 
 
-def _selector(text: str | None) -> dict[str, str]:
-    terms: dict[str, str] = {}
+def _selector(text: str | None) -> list[tuple[str, bool, str]]:
+    """``(key, equal, value)`` per term: ``k=v`` and ``k==v`` (equal), ``k!=v`` (not equal: also true
+    for an object without the label, as a real API server answers, e.g. ``kubectl drain --pod-selector``)."""
+    terms: list[tuple[str, bool, str]] = []
     for term in (text or "").split(","):
         if term.strip():
             key, _, value = term.partition("=")
-            terms[key.strip()] = value.lstrip("=").strip()
+            equal = not key.endswith("!")
+            terms.append((key.rstrip("!").strip(), equal, value.lstrip("=").strip()))
     return terms
 
 
-def _matches(obj: dict[str, Any], terms: dict[str, str]) -> bool:
+def _matches(obj: dict[str, Any], terms: list[tuple[str, bool, str]]) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
-    return all(labels.get(k) == v for k, v in terms.items())
+    return all((labels.get(k) == v) == equal for k, equal, v in terms)
 
 
 class ClusterEmulator(kmock.KubernetesEmulator):

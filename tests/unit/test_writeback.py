@@ -188,6 +188,81 @@ async def test_the_coalescing_delay(tmp_path: Path) -> None:
         await r.wb.stop()
 
 
+async def test_a_file_that_keeps_changing_is_uploaded_within_the_max_delay(tmp_path: Path) -> None:
+    """Every close restarts the coalescing delay (2 s here), but not past the max delay (5 s) after the
+    oldest acknowledged version not yet in the store; after that upload, the next version counts anew."""
+    clock = FakeClock()
+    settings = WriteBackSettings(upload_delay_s=2, upload_max_delay_s=5, space_wait_s=0.2)
+    r = Rig(tmp_path, settings=settings, clock=clock)
+    await r.wb.start()
+
+    async def uploaded(expected: bytes) -> bool:
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "log" in r.keys() and r.data("log") == expected:
+                return True
+        return False
+
+    try:
+        sf = await write_file(r.wb, "log", b"0")
+        content = b"0"
+        for second in range(1, 5):  # appended and closed every second: the delay alone never ends
+            clock.advance(1)
+            content += str(second).encode()
+            await r.wb.write(sf, len(content) - 1, content[-1:])
+            await r.wb.commit(sf)
+            r.wb.poke()
+            await asyncio.sleep(0.02)
+            assert r.keys() == [], f"uploaded {second} s after the first close, before the max delay"
+        assert r.wb.status("log")["next_attempt_in_s"] == 1  # 5 s after the first acknowledgement
+        clock.advance(1)
+        r.wb.poke()
+        assert await uploaded(content), "not uploaded at the max delay"
+        # The next version's wait counts from its own acknowledgement, not from the first one.
+        clock.advance(1)
+        await r.wb.write(sf, len(content), b"5")
+        await r.wb.commit(sf)
+        assert r.wb.status("log")["next_attempt_in_s"] == 2
+    finally:
+        await r.wb.stop()
+
+
+async def test_a_file_saved_by_rename_every_second_is_uploaded_within_the_max_delay(tmp_path: Path) -> None:
+    """Save-by-rename (write a temporary file, rename it over the target) every second: each rename is a
+    new acknowledgement of the target, but its wait counts from the oldest one not yet uploaded."""
+    clock = FakeClock()
+    r = Rig(tmp_path, settings=WriteBackSettings(upload_delay_s=2, upload_max_delay_s=5, space_wait_s=0.2),
+            clock=clock)
+    await r.wb.start()
+    try:
+        for second in range(5):
+            sf = await write_file(r.wb, "ckpt.tmp", f"step {second}".encode())
+            await r.wb.move("ckpt.tmp", "ckpt", dst_may_exist=second > 0)
+            r.wb.unhold(sf)
+            r.wb.poke()
+            await asyncio.sleep(0.02)
+            assert "ckpt" not in r.keys()
+            clock.advance(1)
+        r.wb.poke()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "ckpt" in r.keys():
+                break
+        assert r.data("ckpt") == b"step 4", "the target of repeated renames was not uploaded at the max delay"
+    finally:
+        await r.wb.stop()
+
+
+def test_max_delay_defaults_and_refusals() -> None:
+    assert WriteBackSettings().max_delay_s == 30
+    assert WriteBackSettings(upload_delay_s=600).max_delay_s == 600  # a longer coalescing delay is kept
+    assert WriteBackSettings(upload_delay_s=1, upload_max_delay_s=3).max_delay_s == 3
+    with pytest.raises(ValueError, match="must not be shorter than the upload delay"):
+        WriteBackSettings(upload_delay_s=10, upload_max_delay_s=3)
+    with pytest.raises(ValueError, match="stop timeout"):
+        WriteBackSettings(stop_timeout_s=-1)
+
+
 async def test_append_after_commit_does_not_copy_but_a_rewrite_does(rig: Rig) -> None:
     wb = rig.wb
     rig.store.write_delay_s = 0.5  # keep the upload from finishing while we look

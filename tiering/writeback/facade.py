@@ -78,7 +78,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Iterator
+from typing import Any, Callable, Coroutine
 
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
@@ -176,7 +176,7 @@ class WriteBack:
         staged_bytes = 0
         for record in scan.records:
             entry = Entry(record.key, record.op, seq=record.seq, since=record.since or self.wall(),
-                          may_exist=record.may_exist, ready_at=now)
+                          may_exist=record.may_exist, ready_at=now, acked_at=now)
             if record.op == PUT and not record.is_marker:
                 assert record.data is not None
                 df = await self.datafiles.adopt(record.data, record.size)
@@ -204,22 +204,26 @@ class WriteBack:
                      files, staged_bytes, deletes, markers, len(scan.quarantined), scan.removed_orphans)
         self.uploader.start()
 
-    async def stop(self) -> None:
-        """Acknowledge what open files still hold, stop uploading; everything pending stays journaled."""
+    async def acknowledge_open(self) -> None:
+        """Acknowledge what open files still hold (the session is gone: no writer can close them now)."""
         for sf in list(self.files):
             if sf.unacked:
                 try:
                     await self._commit_only(sf)
                 except Exception as exc:  # noqa: BLE001 - keep stopping; the data of this file is lost
                     log.error("write-back: could not save %r at shutdown: %s", sf.key, describe(exc))
+
+    async def stop(self) -> None:
+        """Acknowledge what open files hold, stop uploading; what is pending stays journaled."""
+        await self.acknowledge_open()
         await self.uploader.stop()
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         self.datafiles.close_all()
         pending = self.index.journaled()
         if pending:
-            log.warning("write-back: %d operations not yet in the store stay journaled in %s; the next mount "
-                        "uploads them", pending, self.staging.root)
+            log.info("write-back: %d operations not yet in the store stay journaled in %s; the next mount "
+                     "uploads them", pending, self.staging.root)
 
     # ================================================================== namespace view
     def file(self, key: str) -> StagedFile | None:
@@ -448,7 +452,7 @@ class WriteBack:
                 if src_may:
                     src_seq = self.records.next_seq()
                     await self.records.write(Record(src, DELETE, src_seq, since=since))
-                    self._put_entry(Entry(src, DELETE, seq=src_seq, since=since, ready_at=self.uploader.ready_at()))
+                    self._put_entry(self.uploader.acknowledged(Entry(src, DELETE, seq=src_seq, since=since), src_entry))
                 else:
                     await self.records.remove(src, durable=True)
                     self._drop_entry(src)
@@ -461,7 +465,8 @@ class WriteBack:
                     self.files.detach(dst_sf)
                 self.files.rename(sf, src, dst)
                 sf.may_exist = dst_may
-                entry = Entry(dst, PUT, sf=sf, seq=seq, since=since, may_exist=dst_may, ready_at=self.uploader.ready_at())
+                entry = self.uploader.acknowledged(Entry(dst, PUT, sf=sf, seq=seq, since=since, may_exist=dst_may),
+                                                   src_entry, dst_entry)
                 self._put_entry(entry)
                 self.uploader.barriers.renamed(src, dst, seq)
                 self.uploader.barriers.changed(src)
@@ -506,8 +511,8 @@ class WriteBack:
         return [s for k in sorted(self.index.keys()) if k.startswith(prefix) and (s := self.status(k)) is not None]
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader,
-                              wall_now=self.wall(), write_through=self.settings.write_through)
+        return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader, wall_now=self.wall(),
+                              now=self.clock.monotonic(), write_through=self.settings.write_through)
 
     def _backlog(self) -> str:
         """For the ENOSPC message: what is waiting for the store."""
@@ -517,10 +522,6 @@ class WriteBack:
     def poke(self) -> None:
         """Re-evaluate what is due now (after a clock jump in tests, or a store known to be back)."""
         self.uploader.wake()
-
-    def entries(self) -> Iterator[Entry]:
-        """The pending operations (introspection for tests)."""
-        return iter(self.index)
 
     # ================================================================== entries of staged files
     def _put_entry(self, entry: Entry) -> None:
@@ -555,7 +556,7 @@ class WriteBack:
         seq = self.records.next_seq()
         since = since if since is not None else (old.since if old is not None else self.wall())
         await self.records.write(Record(key, op, seq, since=since))
-        entry = Entry(key, op, seq=seq, since=since, ready_at=self.uploader.ready_at())
+        entry = self.uploader.acknowledged(Entry(key, op, seq=seq, since=since), old)
         self._put_entry(entry)
         self.uploader.push(entry)
 
@@ -643,7 +644,7 @@ class WriteBack:
                 entry = Entry(key, PUT, sf=sf, since=since, may_exist=sf.may_exist)
                 self._put_entry(entry)
             entry.seq = seq
-            entry.ready_at = self.uploader.ready_at()
+            self.uploader.acknowledged(entry)
             entry.retry_at = 0.0
             entry.attempts = 0
             self.uploader.barriers.changed(key)

@@ -41,6 +41,9 @@ class Entry:
     since: float = 0.0  # wall clock: when this key became dirty
     may_exist: bool = True
     ready_at: float = 0.0  # monotonic: the coalescing delay ends
+    # Monotonic: when the oldest acknowledged version not yet in the store was acknowledged (None: no
+    # version acknowledged yet). The coalescing delay never pushes the upload past it plus the max delay.
+    acked_at: float | None = None
     retry_at: float = 0.0  # monotonic: the backoff after a failure ends
     due: float = 0.0  # what it was last queued with
     in_flight: bool = False

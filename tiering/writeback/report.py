@@ -45,14 +45,18 @@ def entry_status(entry: Entry, uploader: Uploader, *, wall_now: float, now: floa
         out["unsynced"] = entry.sf.unacked
     if entry.seq is not None and not entry.in_flight:
         out["next_attempt_in_s"] = round(max(0.0, uploader.due(entry) - now), 3)
+    if entry.seq is not None and entry.acked_at is not None:
+        # How stale the store is for this key: the oldest acknowledged version it does not have yet.
+        out["unuploaded_for_s"] = round(max(0.0, now - entry.acked_at), 3)
     return out
 
 
 def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[StagedFile], space: StagingSpace,
-                   uploader: Uploader, *, wall_now: float, write_through: bool) -> dict[str, Any]:
+                   uploader: Uploader, *, wall_now: float, now: float, write_through: bool) -> dict[str, Any]:
     """The ``writeback`` section of ``/stats``."""
     staged = [e for e in entries if e.op == PUT and e.sf is not None]
     oldest = min((e.since for e in entries), default=None)
+    oldest_acked = min((e.acked_at for e in entries if e.seq is not None and e.acked_at is not None), default=None)
     last_error = next((e.last_error for e in sorted(entries, key=lambda e: -e.attempts) if e.last_error), None)
     return {
         "dirty_bytes": sum(e.sf.size for e in staged if e.sf is not None),
@@ -76,6 +80,8 @@ def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[Stag
         "space_waiters": space.waiters,
         "enospc_errors": s.enospc,
         "oldest_dirty_age_s": round(max(0.0, wall_now - oldest), 3) if oldest is not None else 0.0,
+        # The oldest acknowledged version not yet in the store (bounded by --upload-max-delay while the store answers).
+        "oldest_unuploaded_age_s": round(max(0.0, now - oldest_acked), 3) if oldest_acked is not None else 0.0,
         "store_state": STORE_UNREACHABLE if uploader.store_failures else STORE_OK,
         "store_error": uploader.store_error,
         "last_error": last_error,

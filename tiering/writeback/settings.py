@@ -12,6 +12,20 @@ MiB = 1024 * 1024
 # a checkpoint still reaches the store within seconds. `cachefs flush`, --write-through and a disk
 # tier near its high watermark skip the wait.
 DEFAULT_UPLOAD_DELAY_S = 2.0
+# The longest an acknowledged version waits for its upload when the file keeps changing. The
+# coalescing delay above starts again at every close, so a log appended every second, or a metrics
+# file rewritten more often than the delay, would reach the store only once it stops changing (at
+# unmount); this bounds how stale the store may be. Half a minute keeps the store within a pod's
+# termination grace period of what the pod wrote, while a file rewritten every second is uploaded
+# once per 30 s rather than once per change. Default: the larger of this and --upload-delay (a mount
+# that asks for a longer coalescing delay keeps it).
+DEFAULT_UPLOAD_MAX_DELAY_S = 30.0
+# How long a stopping daemon (SIGTERM, SIGINT, an unmount by any route) goes on uploading what is
+# pending before it exits, leaving the rest journaled for the next mount. Kubernetes gives a pod 30 s
+# between SIGTERM and SIGKILL (terminationGracePeriodSeconds' default), and systemd 90 s; 25 s leaves
+# 5 s of that for acknowledging open files, unmounting and exiting (STOP_MARGIN_S).
+DEFAULT_STOP_TIMEOUT_S = 25.0
+STOP_MARGIN_S = 5.0
 # Objects uploaded (or deleted) at once. Each large upload already sends several parts in parallel
 # (the store bounds those, see tiering.objectstore.s3), so a few files at once keep the link busy
 # while small files are not stuck behind a large one.
@@ -78,6 +92,11 @@ class WriteBackSettings:
     space_wait_s: float = DEFAULT_SPACE_WAIT_S
     # close() and fsync() return only after the upload succeeded, and report its failure.
     write_through: bool = False
+    # The longest an acknowledged version waits for its upload while the file keeps changing (None:
+    # the larger of DEFAULT_UPLOAD_MAX_DELAY_S and upload_delay_s; see ``max_delay_s``).
+    upload_max_delay_s: float | None = None
+    # How long stopping goes on uploading before the daemon exits (see DEFAULT_STOP_TIMEOUT_S).
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.upload_delay_s <= 3600:
@@ -86,3 +105,18 @@ class WriteBackSettings:
             raise ValueError("max uploads must be between 1 and 256")
         if not 0 <= self.space_wait_s <= 3600:
             raise ValueError("dirty-data wait must be between 0 and 3600 seconds")
+        if self.upload_max_delay_s is not None:
+            if not 0 <= self.upload_max_delay_s <= 86400:
+                raise ValueError("upload max delay must be between 0 and 86400 seconds")
+            if self.upload_max_delay_s < self.upload_delay_s:
+                raise ValueError(f"the upload max delay ({self.upload_max_delay_s:g} s) must not be shorter than the "
+                                 f"upload delay ({self.upload_delay_s:g} s)")
+        if not 0 <= self.stop_timeout_s <= 86400:
+            raise ValueError("stop timeout must be between 0 and 86400 seconds")
+
+    @property
+    def max_delay_s(self) -> float:
+        """The longest an acknowledged version waits for its upload, however often the file changes."""
+        if self.upload_max_delay_s is not None:
+            return self.upload_max_delay_s
+        return max(DEFAULT_UPLOAD_MAX_DELAY_S, self.upload_delay_s)

@@ -5,9 +5,11 @@ store operation (it is the only part that knows what a staged file is) and ``app
 info)`` does the bookkeeping after a success. It knows nothing of staged data, only:
 
 - **when**: a heap ordered by due time (the coalescing delay ``upload_delay_s`` after an
-  acknowledgement, or the backoff after a failure; both skipped when ``eager()``: the staging space
-  is past its high watermark or a writer waits for space), oldest sequence first, at most
-  ``max_uploads`` at once;
+  acknowledgement, but never later than ``max_delay_s`` after the oldest acknowledged version not
+  yet in the store, ``Entry.acked_at``, so a file that changes more often than the delay is still
+  uploaded; or the backoff after a failure; both skipped when ``eager()``: the staging space is past
+  its high watermark or a writer waits for space), oldest sequence first, at most ``max_uploads`` at
+  once;
 - **per-key order** (invariant I4): one operation per key in flight; ``frozen``/``quiesce`` hold a
   key's operations off while the engine decides something about it, or the filesystem copies into
   it; ``MarkerOrder`` (``tiering.writeback.markers``) says which operations wait for a directory;
@@ -186,9 +188,27 @@ class Uploader:
             return entry.retry_at
         return max(entry.ready_at, entry.retry_at)
 
-    def ready_at(self) -> float:
-        """When an operation acknowledged now becomes due: after the coalescing delay."""
-        return self.clock.monotonic() + self._settings().upload_delay_s
+    def ready_at(self, acked_at: float | None = None) -> float:
+        """When an operation acknowledged now becomes due: after the coalescing delay, but no later than
+        the max delay after ``acked_at`` (the oldest acknowledged version of the key not yet uploaded)."""
+        settings = self._settings()
+        due = self.clock.monotonic() + settings.upload_delay_s
+        if acked_at is not None:
+            due = min(due, acked_at + settings.max_delay_s)
+        return due
+
+    def acknowledged(self, entry: Entry, *superseded: Entry | None) -> Entry:
+        """``entry`` was just acknowledged (journaled): when its upload is due. The coalescing delay
+        counts from now, but never past the max delay after the oldest acknowledged version not yet
+        in the store (``acked_at``, the oldest of ``entry``'s and of the pending operations it
+        supersedes: a rename's source, a save-by-rename's old destination), so a file that keeps
+        changing is still uploaded. While an upload of the key runs, it carries the older versions:
+        the new one counts from now."""
+        now = self.clock.monotonic()
+        earlier = [e.acked_at for e in (entry, *superseded) if e is not None and e.acked_at is not None]
+        entry.acked_at = min(earlier, default=now)
+        entry.ready_at = self.ready_at(now if entry.in_flight else entry.acked_at)
+        return entry
 
     def push(self, entry: Entry | None) -> None:
         """Queue ``entry`` for its store operation (if it is journaled and not already running)."""
@@ -305,6 +325,7 @@ class Uploader:
         info: ObjectInfo | None = None
         sf = entry.sf
         size = sf.acked.size if sf is not None and sf.acked is not None else 0
+        started = self.clock.monotonic()
         try:
             info = await bounded(self._health, lambda: self._perform(entry), upload_deadline_s(size),
                                  f"{entry.op} {key!r}")
@@ -316,6 +337,10 @@ class Uploader:
         try:
             if error is None:
                 self._store_reachable()
+                if entry.seq != seq:
+                    # Acknowledged again while this upload ran: the version now pending is no older
+                    # than the upload's start, which bounds its wait from there.
+                    entry.acked_at = started
                 await self._applied(entry, seq, info)
                 self.barriers.applied(key, seq)
             else:
