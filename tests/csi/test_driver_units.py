@@ -50,6 +50,21 @@ def test_volume_attributes_parse_into_typed_settings() -> None:
         settings.source = "x"  # frozen
 
 
+def test_every_key_kubernetes_adds_is_accepted_and_a_misspelt_attribute_still_refused() -> None:
+    from tests.support.provisioner import provisioned_attributes, publish_context
+
+    pv = provisioned_attributes({"source": "s3://bucket/pvc-1/", "ramCache": "1GiB"})
+    assert pv[attrs.K8S_PROVISIONER_IDENTITY].endswith("-csi.cachefs.io")
+    for values in (pv, publish_context(pv), publish_context(pv, ephemeral=True),
+                   {**pv, "csi.storage.k8s.io/pvc/name": "c", "kubernetes.io/x": "1", "k8s.io/y": "2",
+                    "node.k8s.io/z": "3", "a.b.kubernetes.io/w": "4"}):
+        assert attrs.parse_volume_attributes(values).cache.ram_bytes == 1 << 30
+    for bad in ("ramcache", "cachefs.io/ramCache", "notkubernetes.io/x", "kubernetes.io.evil.com/x",
+                "xk8s.io/y"):
+        code, message = code_of(attrs.parse_volume_attributes, {**publish_context(pv), bad: "1"})
+        assert code is Code.INVALID_ARGUMENT and repr(bad) in message
+
+
 @pytest.mark.parametrize("values, key", [
     ({}, "'source'"),
     ({"source": "s3://Bad_Bucket/x"}, "'source'"),
