@@ -277,9 +277,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 class ApiDouble:
     """The emulator served on 127.0.0.1 from a thread of its own; ``kubeconfig`` points a client at it."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None,
+                 emulator: type[ClusterEmulator] | None = None) -> None:
         self.workdir = workdir
         self.port = port
+        self._emulator_class = emulator or ClusterEmulator
         self.url = ""
         self.kubeconfig = workdir / "kubeconfig"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -299,10 +301,11 @@ class ApiDouble:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with ClusterEmulator() as emulator, kmock.Server(emulator, port=self.port) as server:
+        async with self._emulator_class() as emulator, kmock.Server(emulator, port=self.port) as server:
             self.emulator = emulator
             for resource in RESOURCES:
-                emulator.resources[resource] = {}
+                if resource not in emulator.resources:  # an OperatorApiServer declares its own
+                    emulator.resources[resource] = {}
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
