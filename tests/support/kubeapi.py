@@ -10,7 +10,9 @@ behaviours of a real API server that the node plugin relies on:
 - ``?watch=True`` as the kubernetes client sends it (kmock expects ``true``);
 - ``labelSelector`` (equality terms, ``k=v,k2=v2``) on list and watch;
 - the garbage collector's part: deleting an object deletes the objects whose ``ownerReferences``
-  name its uid (a mount pod's Secret goes with the pod).
+  name its uid (a mount pod's Secret goes with the pod); the namespace controller's: deleting a
+  Namespace deletes everything in it;
+- ``/api/v1/namespaces[/NAME]`` as Namespace objects (kmock reads a namespace segment there).
 
 ``OperatorApiServer`` (at the end) adds what kopf relies on, for the Dataset operator's tests.
 
@@ -71,6 +73,20 @@ def _guess_k8s_any_bool(k8s: Any, method: Any, query: dict[str, str]) -> Any:
 
 
 parsing.guess_k8s = _guess_k8s_any_bool
+
+_parse_path = parsing.parse_path
+
+
+def _parse_path_with_namespaces(path: str) -> Any:
+    """kmock's parse, with ``/api/v1/namespaces[/NAME]`` as the Namespace objects (kmock reads a
+    namespace segment there and fails on the list)."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        return parsing.ParsedPath("", "v1", "namespaces", None, parts[3] if len(parts) == 4 else None, None)
+    return _parse_path(path)
+
+
+parsing.parse_path = _parse_path_with_namespaces
 
 
 def _selector(text: str | None) -> dict[str, str]:
@@ -244,17 +260,21 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             self._admit(request)
         response = await super()._handle(request)
         if request.resource is not None and request.action == enums.action.DELETE and request.name is not None:
-            await self._collect_garbage()
+            gone = request.name if (request.resource.group, request.resource.plural) == ("", "namespaces") else None
+            await self._collect_garbage(gone)
         return response
 
-    async def _collect_garbage(self) -> None:
+    async def _collect_garbage(self, namespace: str | None = None) -> None:
+        """The garbage collector (owners gone) and, for a deleted ``namespace``, the namespace
+        controller (everything in it goes)."""
         async with self._lock:
             live = {(obj.get("metadata") or {}).get("uid") for obj in self.objects.values() if not obj.deleted}
             for key, obj in list(self.objects.items()):
                 if obj.deleted:
                     continue
                 owners = (obj.get("metadata") or {}).get("ownerReferences") or []
-                if owners and not any(owner.get("uid") in live for owner in owners):
+                if (namespace is not None and key[1] == namespace) or (
+                        owners and not any(owner.get("uid") in live for owner in owners)):
                     raw = obj.raw
                     obj.delete()
                     await self._buses[key[0]].put({"type": "DELETED", "object": raw})

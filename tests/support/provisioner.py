@@ -3,6 +3,9 @@
 The driver's tests must hand NodeStage and NodePublish the volume context a real cluster hands it,
 not the one CreateVolume returned. The rules, as the real components apply them:
 
+- **external-provisioner** calls CreateVolume with the StorageClass's ``parameters`` less its own
+  ``csi.storage.k8s.io/*-secret-name``/``-namespace`` keys, plus, with ``--extra-create-metadata``
+  (deploy/base sets it), ``csi.storage.k8s.io/pvc/name``, ``pvc/namespace`` and ``pv/name``.
 - **external-provisioner** (kubernetes-csi/external-provisioner, v1 to v5, ``controller.go``) copies
   CreateVolume's ``volume_context`` into the new PersistentVolume's ``spec.csi.volumeAttributes``
   and adds ``storage.kubernetes.io/csiProvisionerIdentity`` = ``"<start ms>-<random>-<driver>"``
@@ -13,7 +16,8 @@ not the one CreateVolume returned. The rules, as the real components apply them:
   ``csi.storage.k8s.io/ephemeral`` ("true" for an inline volume, "false" for a PV); an inline volume
   gets its ``volumeAttributes`` from the pod spec (no provisioner key).
 
-``provisioned_attributes`` and ``publish_context`` apply those rules; nothing here is cachefs code.
+``create_parameters``, ``provisioned_attributes`` and ``publish_context`` apply those rules; nothing
+here is cachefs code.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ from csi_driver.attributes import (K8S_EPHEMERAL, K8S_POD_NAME, K8S_POD_NAMESPAC
                                    K8S_PROVISIONER_IDENTITY, K8S_SERVICE_ACCOUNT)
 
 DRIVER_NAME = "csi.cachefs.io"
+
+
+def create_parameters(storage_class_parameters: Mapping[str, str], claim: str, namespace: str,
+                      volume: str) -> dict[str, str]:
+    """The ``parameters`` of external-provisioner's CreateVolume for a claim of that StorageClass."""
+    kept = {k: v for k, v in storage_class_parameters.items()
+            if not (k.startswith("csi.storage.k8s.io/") and ("-secret-name" in k or "-secret-namespace" in k))}
+    return {**kept, "csi.storage.k8s.io/pvc/name": claim, "csi.storage.k8s.io/pvc/namespace": namespace,
+            "csi.storage.k8s.io/pv/name": volume}
 
 
 def provisioner_identity(driver: str = DRIVER_NAME) -> str:
