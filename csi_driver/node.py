@@ -182,7 +182,29 @@ class NodeOps:
                 record.pods = {t: pod for t, pod in record.pods.items() if t in live}
                 self.records.save(cache_dir_name(record.volume_id), record)
             log.info("adopted staged volume %s at %s: %s, %d target(s)", record.volume_id, staging, state, len(live))
+        self._report_reused_caches({cache_dir_name(record.volume_id) for record in found})
         return found
+
+    def _report_reused_caches(self, adopted: set[str]) -> None:
+        """Say so when the cache root holds volumes' disk caches that no live mount of this node uses:
+        an earlier install (an uninstall leaves them on the node) or an earlier run left them, and
+        the next mount of those volumes serves their blocks (deploy/README.md, "Uninstall")."""
+        root = self.settings.cache_root / "volumes"
+        try:
+            entries = sorted(p for p in root.iterdir() if p.is_dir() and p.name not in adopted)
+        except OSError:
+            return
+
+        def in_use(volume_dir: Path) -> bool:
+            targets = [str(data["target"]) for slot in volume_dir.glob("slot-*")
+                       if (data := _read_record(slot)) and data.get("target")]
+            return any(self.mounter.is_mounted(Path(target)) for target in targets)
+
+        left = [p for p in entries if not in_use(p)]
+        if left:
+            log.info("reusing the disk caches of %d volume(s) found under %s from an earlier install or run "
+                     "(their blocks serve the next mounts of those volumes; to start cold, remove %s on the node "
+                     "while no cachefs volume is mounted there)", len(left), root, root)
 
     def workloads(self, volume_id: str) -> list[dict[str, str]]:
         """The pods bound to staged volume ``volume_id`` on this node, as their publishes named them."""

@@ -164,3 +164,24 @@ def test_daemons_outlive_a_killed_plugin_and_a_dead_daemon_is_recovered(seaweed,
             stop_driver(restarted)
     finally:
         stop_driver(driver)
+
+
+def test_a_reinstall_that_reuses_disk_caches_says_so(tmp_path) -> None:
+    """An uninstall leaves the disk caches on the node (deploy/README.md, "Uninstall"): a plugin that
+    finds some from an earlier install says so in its log, naming where they are."""
+    leftover = tmp_path / "node-cache" / "volumes" / "v1-bucket-abc-0123456789ab" / "slot-0"
+    leftover.mkdir(parents=True)
+    (leftover / "block").write_bytes(b"x" * 4096)
+    driver = start_driver(tmp_path)
+    try:
+        log = driver.log_text()
+        assert "reusing the disk caches of 1 volume(s)" in log and str(tmp_path / "node-cache" / "volumes") in log
+    finally:
+        stop_driver(driver)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    driver = start_driver(fresh)
+    try:
+        assert "reusing the disk caches" not in driver.log_text()
+    finally:
+        stop_driver(driver)
