@@ -206,6 +206,10 @@ class NodeOps:
                      "(their blocks serve the next mounts of those volumes; to start cold, remove %s on the node "
                      "while no cachefs volume is mounted there)", len(left), root, root)
 
+    def bound_targets(self) -> dict[str, str]:
+        """Every pod target bound to a staged volume on this node -> the volume id (for the metrics)."""
+        return {target: record.volume_id for record in self.records.all() for target in record.targets}
+
     def workloads(self, volume_id: str) -> list[dict[str, str]]:
         """The pods bound to staged volume ``volume_id`` on this node, as their publishes named them."""
         record = self.records.load(cache_dir_name(volume_id))
@@ -262,6 +266,32 @@ class NodeOps:
         ))
         log.info("mounted volume %s (%s) at staging path %s%s, cache %s", record.volume_id, request.volume.source,
                  staging, " read-only" if record.read_only else "", cache_dir)
+        self._restore_binds(record, skip=request.target_path)
+
+    def _restore_binds(self, record: StageRecord, skip: Path) -> None:
+        """After the staged mount was made again (its daemon, or mount pod, had died): every target of
+        the volume on this node still bound to the dead mount is bound afresh to the new one, so pods
+        already running get their volume back without a restart (they see it where their volume
+        mount propagates from the host: ``mountPropagation: HostToContainer``). A target that cannot
+        be restored stays broken, logged here and counted in ``cachefs_csi_mounts{state="broken"}``
+        until its pod is gone. ``skip``: the target of the publish in progress (it binds its own)."""
+        staging = Path(record.staging_path)
+        for target, read_only in sorted(record.targets.items()):
+            path = Path(target)
+            if path == skip or not self.mounter.is_mounted(path) or not self.mounter.is_broken(path):
+                continue
+            pod = record.pods.get(target, {})
+            who = f"pod {pod.get('namespace')}/{pod.get('name')}" if pod.get("name") else "its pod"
+            try:
+                self.mounter.unbind(path)  # the dead bind, detached lazily
+                self._prepare_target(path)
+                self.mounter.bind(staging, path, read_only)
+            except CsiError as exc:
+                log.error("volume %s: cannot restore the bind at %s (%s) after its daemon was replaced: %s; it stays "
+                          "broken until that pod restarts", record.volume_id, target, who, exc.message)
+                continue
+            log.info("volume %s: restored the bind at %s (%s%s) from the new staged mount", record.volume_id,
+                     target, who, ", read-only" if read_only else "")
 
     def unstage(self, volume_id: str, staging: Path) -> None:
         key = cache_dir_name(volume_id)

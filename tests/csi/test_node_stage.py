@@ -147,15 +147,15 @@ def test_daemons_outlive_a_killed_plugin_and_a_dead_daemon_is_recovered(seaweed,
         restarted = start_driver(tmp_path)  # same cache root and state directory, a new socket
         try:
             assert "adopted staged volume vol-live" in restarted.log_text()
-            assert 'cachefs_csi_mounts{state="healthy"} 1' in restarted.metrics()
+            assert 'cachefs_csi_mounts{state="healthy"} 2' in restarted.metrics()  # staged mount and bind
             # The daemon dies: detected, reported, and recovered by the next publish.
             os.kill(pid, signal.SIGKILL)  # the daemon this test's driver started, by its PID
             wait_broken(pod)
-            assert 'cachefs_csi_mounts{state="broken"} 1' in restarted.metrics()
+            assert 'cachefs_csi_mounts{state="broken"} 2' in restarted.metrics()
             restarted.publish_staged("vol-live", staging, pod, context, secrets=secrets_of(seaweed))
             assert daemon_pid(pod) != pid and read_tree(pod)["after-kill.txt"] == b"still here\n"
             assert "broken" in restarted.log_text()
-            assert 'cachefs_csi_mounts{state="healthy"} 1' in restarted.metrics()
+            assert 'cachefs_csi_mounts{state="healthy"} 2' in restarted.metrics()
             restarted.unpublish("vol-live", pod)
             restarted.unstage("vol-live", staging)
             assert mounts.find_mount(staging) is None and mounts.find_mount(pod) is None
