@@ -26,8 +26,8 @@ from csi_driver.operator import manifests as m
 from csi_driver.operator.handlers import DEFAULT_IMAGE
 from csi_driver.operator.spec import parse_spec
 from tests.csi.kustomize import kustomize_build
-from tests.support.crd_schema import prune
 from tests.csi.test_manifests import CLUSTER_SCOPED, DEPLOY, VERSIONS, by_kind, load_documents, manifest_files
+from tests.support.crd_schema import prune
 
 COMPONENT = DEPLOY / "components" / "datasets"
 OVERLAY = DEPLOY / "overlays" / "with-datasets"

@@ -126,7 +126,7 @@ def _check_metadata(meta: Mapping[str, Any], where: str) -> list[str]:
     if meta.get("type") != "object":
         problems.append(f"{where}.type: Invalid value: {meta.get('type')!r}: must be object")
     for key in meta:
-        if key not in ("type", "properties"):
+        if key not in ("type", "properties", "description"):
             problems.append(f"{where}.{key}: Forbidden: must not be specified at metadata")
     for key, child in (meta.get("properties") or {}).items():
         if key not in _METADATA_FIELDS_ALLOWED:
