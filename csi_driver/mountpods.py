@@ -58,7 +58,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import urllib3
 from kubernetes import client as k8s
@@ -653,4 +653,12 @@ def take_over(launcher: PodLauncher, node: NodeOps) -> threading.Event:
         log.warning("cannot take over this node's mount pods yet (%s); retrying every %g s", exc, WATCH_RETRY_S)
         prepare = cleanup
     reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads)
+
+    def unrestored(volume_id: str, pod: Mapping[str, str], message: str) -> None:
+        # A pod whose bind could not be restored is told again: its earlier Event said "until the
+        # volume is published again", and that has now happened without helping it.
+        launcher.event(pod.get("namespace", ""), pod.get("name", ""), pod.get("uid", ""), "CachefsMountNotRestored",
+                       message)
+
+    node.on_unrestored = unrestored
     return launcher.start_watching(reporter.observe, prepare)

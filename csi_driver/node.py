@@ -44,7 +44,7 @@ import stat as stat_mod
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from csi_driver.attributes import K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, Credentials, VolumeSettings
 from csi_driver.errors import Code, CsiError, invalid
@@ -162,6 +162,10 @@ class NodeOps:
         self.mounter = mounter
         self.locks = VolumeLocks()
         self.records = StageRecords(settings.stage_dir)
+        # Told of each pod target whose bind could not be restored after its volume's daemon was
+        # replaced: (volume id, the pod as its publish named it, the message). Pod mode reports it
+        # as an Event on that pod (mountpods.take_over); the log line is written either way.
+        self.on_unrestored: Callable[[str, Mapping[str, str], str], None] | None = None
 
     # -- start-up -----------------------------------------------------------------------------------
     def adopt(self) -> list[StageRecord]:
@@ -287,8 +291,11 @@ class NodeOps:
                 self._prepare_target(path)
                 self.mounter.bind(staging, path, read_only)
             except CsiError as exc:
-                log.error("volume %s: cannot restore the bind at %s (%s) after its daemon was replaced: %s; it stays "
-                          "broken until that pod restarts", record.volume_id, target, who, exc.message)
+                message = (f"volume {record.volume_id}: cannot restore the bind at {target} ({who}) after its daemon "
+                           f"was replaced: {exc.message}; it stays broken until that pod restarts")
+                log.error("%s", message)
+                if self.on_unrestored is not None and pod:
+                    self.on_unrestored(record.volume_id, pod, message)
                 continue
             log.info("volume %s: restored the bind at %s (%s%s) from the new staged mount", record.volume_id,
                      target, who, ", read-only" if read_only else "")

@@ -557,7 +557,13 @@ def test_a_replaced_daemon_restores_every_pods_bind_or_leaves_it_broken_and_says
     ops, fake = node
     stage = publish_request(tmp_path, target="globalmount")
     ops.stage(stage)
-    pods = [publish_request(tmp_path, target=f"pod{i}/m", read_only=i == 2) for i in (1, 2, 3)]
+    import dataclasses
+
+    pods = [dataclasses.replace(publish_request(tmp_path, target=f"pod{i}/m", read_only=i == 2),
+                                context={attrs.K8S_POD_NAME: f"trainer-{i}", attrs.K8S_POD_NAMESPACE: "ml",
+                                         attrs.K8S_POD_UID: f"uid-{i}"}) for i in (1, 2, 3)]
+    told: list[tuple[str, str, str]] = []
+    ops.on_unrestored = lambda volume, pod, message: told.append((volume, pod["name"], message))
     for pod in pods[:2]:
         ops.publish_staged(pod, stage.target_path)
     fake.break_mount(stage.target_path)  # the daemon (mount pod) dies: every bind answers ENOTCONN
@@ -581,6 +587,7 @@ def test_a_replaced_daemon_restores_every_pods_bind_or_leaves_it_broken_and_says
     assert not fake.is_broken(pods[1].target_path) and not fake.is_broken(pods[2].target_path)
     assert pods[0].target_path not in fake.binds  # its dead bind detached, no new one: it stays failing
     assert any("cannot restore the bind at " + str(pods[0].target_path) in r.message for r in caplog.records)
+    assert [(v, p) for v, p, _ in told] == [("vol-1", "trainer-1")] and "no such device" in told[0][2]
 
 
 def test_the_mounts_metric_counts_every_pods_bind_and_an_unrestored_one_as_broken(tmp_path: Path) -> None:
