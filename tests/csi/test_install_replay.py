@@ -218,3 +218,16 @@ def test_install_add_the_cluster_store_and_datasets_then_uninstall(cluster) -> N
     kubectl.delete(example)
     left = stored(api)
     assert left == {("namespaces", "ml"), ("secrets", "cachefs-s3-credentials")}, left
+
+
+def test_the_readme_uninstall_section_gives_the_order_replayed_here() -> None:
+    """The order above (Datasets, claims, then the driver) is the one deploy/README.md's Uninstall gives,
+    and the section names what stays on the nodes and the command that removes it."""
+    text = (DEPLOY / "README.md").read_text()
+    section = text[text.index("## Uninstall"):]
+    section = section[:section.index("\n## ", 1)]
+    steps = [line for line in section.splitlines() if line[:3] in ("1. ", "2. ", "3. ", "4. ")]
+    assert [s.split("**")[1] for s in steps] == ["Workloads", "Datasets", "Claims of the cachefs classes", "The driver"]
+    assert "kubectl delete datasets --all -A" in section and "kubectl delete -k deploy/overlays/my-site" in section
+    assert "rm -rf /var/cache/cachefs-csi /run/cachefs" in section
+    assert "reusing the disk caches of N volume(s)" in section  # the plugin's log line, as it writes it
