@@ -1,11 +1,13 @@
 """A kubelet stand-in: runs the pods bound to one node in the API double as local processes.
 
 It polls the API double (``tests/support/kubeapi.py``) for pods whose ``spec.nodeName`` is its node
-and, for each new one, does what a kubelet and a container runtime would do with a mount pod:
+and, for each new one, does what a kubelet and a container runtime would do with a mount pod (or
+another single-container pod of cachefs's image, such as the operator's):
 
-- refuses what a mount pod must never ask for: a privileged container, privilege escalation, a
-  hostPath mounted at another path than its own (the node plugin relies on same-path mounts), or a
-  literal ``value`` for a variable that looks like a credential;
+- refuses what such a pod must never ask for: a privileged container (``privileged: true``),
+  privilege escalation (``allowPrivilegeEscalation`` not false), a hostPath mounted at another path
+  than its own (the node plugin relies on same-path mounts), or a literal ``value`` for a variable
+  that looks like a credential;
 - resolves ``env[].valueFrom.secretKeyRef`` from the Secrets in the API (waiting, as a kubelet does,
   while the Secret is missing);
 - resolves ``env[].valueFrom.fieldRef`` for ``metadata.name`` and ``metadata.namespace`` (the
