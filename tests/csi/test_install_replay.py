@@ -35,6 +35,7 @@ from tests.support.kubeapi import ApiDouble
 from tests.support.provisioner import create_parameters, provisioned_attributes
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+SITE_IMAGE, SITE_IMAGE_NEXT = "registry.example.com/cachefs-csi:0.1.0", "registry.example.com/cachefs-csi:0.2.0"
 REQUEST_TIMEOUT_S = 30
 
 
@@ -92,18 +93,26 @@ class Kubectl:
             raise
 
     def apply(self, objects: list[dict[str, Any]]) -> None:
+        """Every object in turn; as kubectl, an object refused does not stop the others, and the
+        command then fails naming every refusal."""
+        refused: list[Refused] = []
         for obj in objects:
             desired = json.loads(json.dumps(obj))
             config = json.dumps(desired, sort_keys=True)
             desired["metadata"].setdefault("annotations", {})[LAST_APPLIED] = config
-            live = self.get(obj)
-            if live is None:
-                self.call("POST", self.path(obj, named=False), desired, "application/json")
-                continue
-            last = json.loads(((live["metadata"].get("annotations") or {}).get(LAST_APPLIED)) or "{}")
-            patch = merge_patch(last, desired)
-            if patch:
-                self.call("PATCH", self.path(obj), patch, "application/merge-patch+json")
+            try:
+                live = self.get(obj)
+                if live is None:
+                    self.call("POST", self.path(obj, named=False), desired, "application/json")
+                    continue
+                last = json.loads(((live["metadata"].get("annotations") or {}).get(LAST_APPLIED)) or "{}")
+                patch = merge_patch(last, desired)
+                if patch:
+                    self.call("PATCH", self.path(obj), patch, "application/merge-patch+json")
+            except Refused as exc:
+                refused.append(exc)
+        if refused:
+            raise Refused(refused[0].status, "; ".join(exc.message for exc in refused))
 
     def delete(self, objects: list[dict[str, Any]]) -> None:
         for obj in reversed(objects):  # kubectl delete -k: NotFound is reported, not fatal
@@ -200,6 +209,19 @@ def test_install_add_the_cluster_store_and_datasets_then_uninstall(cluster) -> N
     clustered = provision(kubectl, clustered_claim)
     options = attributes.parse_volume_attributes(clustered["spec"]["csi"]["volumeAttributes"]).cache
     assert options.cluster_cache == "s3://cachefs-cluster/"
+
+    # Upgrade 1: a new image tag. The bucket Job's pod template names the image, and a Job's template
+    # is immutable: the README has the Job deleted first (creating the bucket again is harmless).
+    upgraded = json.loads(json.dumps(with_store).replace(SITE_IMAGE, SITE_IMAGE_NEXT))
+    with pytest.raises(Refused, match="Job 'cachefs-cluster-store-bucket' is invalid: spec.template"):
+        kubectl.apply(upgraded)
+    (job,) = [o for o in upgraded if o["kind"] == "Job"]
+    kubectl.delete([job])  # `kubectl -n cachefs delete job cachefs-cluster-store-bucket --ignore-not-found`
+    kubectl.apply(upgraded)
+    (daemonset,) = [o for o in upgraded if o["kind"] == "DaemonSet"]
+    live = kubectl.get(daemonset)
+    assert live is not None and SITE_IMAGE_NEXT in json.dumps(live["spec"]["template"])
+    with_store = upgraded
 
     # Datasets: the CRD (structural, or the API server refuses it) and the operator; then a Dataset.
     with_datasets = kustomize_build(DEPLOY / "overlays" / "with-datasets")
