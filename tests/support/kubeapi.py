@@ -23,9 +23,10 @@ once passed the tests and failed on a real cluster):
   the rules); one that is not is refused with 422 ``Invalid``, as ``kubectl apply`` shows it.
 - **Pruning**: a custom resource's fields that its CRD's schema does not declare are dropped on
   create, update, patch and status patch, before the object is stored (``pruned`` records what was
-  dropped, per write, so a test can name the field a writer lost). With a ``status`` subresource, a
-  create or a write of the main resource keeps the stored status, and a ``/status`` write changes
-  nothing but the status.
+  dropped, per write, so a test can name the field a writer lost); with ``?fieldValidation=Strict``
+  (kubectl's default) an undeclared field is refused instead, 400 ``BadRequest`` naming it. With a
+  ``status`` subresource, a create stores no status, a write of the main resource keeps the stored
+  status, and a ``/status`` write changes nothing but the status.
 - **Immutable fields** (``IMMUTABLE``, from each kind's ``Validate*Update`` in Kubernetes 1.28):
   StorageClass ``parameters``, ``provisioner``, ``reclaimPolicy``, ``volumeBindingMode``; a
   PersistentVolume's source (``spec.csi`` with its ``volumeAttributes``, and every other source);
