@@ -149,3 +149,41 @@ def test_the_double_refuses_a_non_structural_crd_and_prunes_by_a_structural_one(
     assert stored["spec"] == {"size": "3"} and stored["status"] == {"phase": "Up", "free": {"k": "v"}}
     assert [entry[2] for entry in double.emulator.pruned if entry[1] == "w"] == [
         ["spec.sise"], ["status.generation"], ["spec.sise"]]
+
+
+@pytest.mark.parametrize("path, obj, mutable, immutable, message", [
+    ("/apis/storage.k8s.io/v1/storageclasses",
+     {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": "sc"},
+      "provisioner": "csi.cachefs.io", "parameters": {"bucket": "a"}, "reclaimPolicy": "Delete"},
+     {"mountOptions": ["ro"]}, {"parameters": {"clusterCache": "s3://c/"}}, "updates to parameters are forbidden"),
+    ("/api/v1/persistentvolumes",
+     {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "pv"},
+      "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+               "csi": {"driver": "csi.cachefs.io", "volumeHandle": "h", "volumeAttributes": {"source": "s3://b/"}}}},
+     {"spec": {"capacity": {"storage": "2Gi"}}}, {"spec": {"csi": {"volumeAttributes": {"ramCache": "1GiB"}}}},
+     "spec.persistentvolumesource is immutable after creation"),
+    ("/apis/storage.k8s.io/v1/csidrivers",
+     {"apiVersion": "storage.k8s.io/v1", "kind": "CSIDriver", "metadata": {"name": "csi.example.com"},
+      "spec": {"attachRequired": False, "podInfoOnMount": True}},
+     {"spec": {"requiresRepublish": True}}, {"spec": {"attachRequired": True}}, "spec.attachRequired"),
+    ("/apis/batch/v1/namespaces/ml/jobs",
+     {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "namespace": "ml"},
+      "spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i:1"}]}}}},
+     {"spec": {"ttlSecondsAfterFinished": 60}},
+     {"spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i:2"}]}}}}, "spec.template"),
+])
+def test_the_double_refuses_changes_to_immutable_fields(double: ApiDouble, path: str, obj: dict[str, Any],
+                                                        mutable: dict[str, Any], immutable: dict[str, Any],
+                                                        message: str) -> None:
+    api = double.client().api_client
+    named = f"{path}/{obj['metadata']['name']}"
+
+    def call(method: str, url: str, body: Any, content_type: str = "application/json") -> None:
+        api.call_api(url, method, body=body, header_params={"Content-Type": content_type}, auth_settings=[],
+                     response_types_map={200: "object", 201: "object"})
+
+    call("POST", path, obj)
+    call("PATCH", named, mutable, "application/merge-patch+json")  # allowed
+    with pytest.raises(client.ApiException) as info:
+        call("PATCH", named, immutable, "application/merge-patch+json")
+    assert info.value.status == 422 and message in info.value.body
