@@ -15,9 +15,14 @@ Three sources of keys:
   ``secretAccessKey``, optional ``sessionToken``. Parsed by ``parse_credentials``.
 
 Parsing is strict: an unknown key (a typo such as ``ramcache``) or a bad value is refused with an
-``INVALID_ARGUMENT`` error naming the key, never ignored or corrected. Keys under
-``csi.storage.k8s.io/`` are Kubernetes' own (pod info, ephemeral flag, provisioner metadata) and are
-skipped. Secret values are never put in a message or a ``repr``.
+``INVALID_ARGUMENT`` error naming the key, never ignored or corrected. Keys whose prefix is one that
+Kubernetes reserves for itself (``kubernetes.io/``, ``k8s.io/`` and every subdomain of them) are
+Kubernetes' own and are skipped: the kubelet adds ``csi.storage.k8s.io/pod.name`` and the rest of the
+pod info (``podInfoOnMount``) and ``csi.storage.k8s.io/ephemeral``; external-provisioner adds
+``storage.kubernetes.io/csiProvisionerIdentity`` to the attributes of every PersistentVolume it
+creates, and those attributes are immutable, so refusing the key would leave every dynamically
+provisioned volume unmountable for good (issue 23). A cachefs attribute never has a prefix, so a
+misspelt one is still refused. Secret values are never put in a message or a ``repr``.
 
 Cache options left out mean "``cachefs mount``'s default": the driver does not repeat those defaults.
 
@@ -90,6 +95,12 @@ SECRET_SESSION_TOKEN = "sessionToken"
 
 # ------------------------------------------------------------------------------ set by Kubernetes
 K8S_KEY_PREFIX = "csi.storage.k8s.io/"
+# The prefixes Kubernetes reserves for its own keys (labels, annotations, CSI attributes alike): a key
+# "DOMAIN/NAME" whose DOMAIN is one of these or a subdomain of one is never ours to refuse.
+K8S_RESERVED_DOMAINS = ("kubernetes.io", "k8s.io")
+# What external-provisioner (v1 to v5) adds to every PersistentVolume it creates from CreateVolume's
+# volume_context: "<start time in ms>-<random>-<driver name>".
+K8S_PROVISIONER_IDENTITY = "storage.kubernetes.io/csiProvisionerIdentity"
 K8S_EPHEMERAL = "csi.storage.k8s.io/ephemeral"  # "true" for inline ephemeral volumes
 K8S_POD_NAME = "csi.storage.k8s.io/pod.name"
 K8S_POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
@@ -505,9 +516,15 @@ def parse_mount_group(value: str, what: str = "volume_capability.mount.volume_mo
         raise invalid(str(exc)) from None
 
 
+def is_kubernetes_key(key: str) -> bool:
+    """True for a key under a prefix Kubernetes reserves (``*.k8s.io/``, ``*.kubernetes.io/``)."""
+    domain, slash, _ = key.partition("/")
+    return bool(slash) and any(domain == d or domain.endswith("." + d) for d in K8S_RESERVED_DOMAINS)
+
+
 def _check_keys(values: Mapping[str, str], allowed: frozenset[str], what: str) -> None:
     for key in sorted(values):
-        if key.startswith(K8S_KEY_PREFIX):
+        if is_kubernetes_key(key):
             continue
         if key not in allowed:
             raise invalid(f"unknown {what} {key!r} (known: {', '.join(sorted(allowed))})")

@@ -300,8 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cachefs-csi: error: --metrics-addr {args.metrics_addr!r}: expected HOST:PORT", file=sys.stderr)
             return 2
         lookup = metrics.volume_lookup(node.settings.cache_root) if node is not None else (lambda target: None)
+        bound_node = node
+
+        def binds() -> dict[str, str]:  # the pods' binds of staged volumes, counted by state
+            return bound_node.bound_targets() if bound_node is not None else {}
+
         try:
-            metrics_server = metrics.serve(args.metrics_addr, lambda: metrics.cachefs_targets(lookup))
+            metrics_server = metrics.serve(args.metrics_addr, lambda: metrics.cachefs_targets(lookup), binds)
         except OSError as exc:
             print(f"cachefs-csi: error: cannot serve metrics on {args.metrics_addr}: {exc.strerror}", file=sys.stderr)
             return 2

@@ -8,7 +8,11 @@ nodes. The driver's own series:
 - ``cachefs_csi_operations_total{method, code}``: CSI calls answered, by gRPC status code.
 - ``cachefs_csi_mounts{state}``: cachefs mounts on the node, ``healthy`` or ``broken`` (a daemon
   gone: the mount answers "Transport endpoint is not connected" until republished; or a daemon
-  that did not answer the scrape in time).
+  that did not answer the scrape in time). Every pod's bind of a staged volume counts too (its
+  health only; its daemon's metrics come once, with the staged mount's): a bind left on a dead
+  mount after the volume was mounted again for another pod is still broken, and says so, as does a
+  pod's target whose bind could not be restored (recorded, but no cachefs mount), until the pod's
+  unpublish.
 - ``cachefs_csi_mount_pods_ended_with_staged_writes_total``: mount pods that ended (deleted, evicted,
   died) leaving acknowledged writes journaled on this node, not in the bucket
   (``mountpods.StagedWritesReporter``); the next mount of the volume on this node uploads them.
@@ -146,8 +150,9 @@ def merge(documents: Iterable[tuple[dict[str, str], str]]) -> list[str]:
     return out
 
 
-def render(targets: Callable[[], dict[str, str]]) -> str:
-    """The whole document: the driver's counters, then every healthy mount's metrics."""
+def render(targets: Callable[[], dict[str, str]], binds: Callable[[], dict[str, str]] = dict) -> str:
+    """The whole document: the driver's counters, then every healthy mount's metrics. ``binds``:
+    the pods' binds of staged volumes (target -> volume id), counted by state, never scraped twice."""
     lines = [f"# HELP {OPERATIONS_TOTAL} CSI calls answered, by method and gRPC status code.",
              f"# TYPE {OPERATIONS_TOTAL} counter"]
     with _lock:
@@ -162,15 +167,17 @@ def render(targets: Callable[[], dict[str, str]]) -> str:
     found = sorted(targets().items())
     # In parallel, on a bounded pool, with one deadline: a wedged daemon (its getxattr never
     # answered) costs one worker and is reported broken, and the scrape still returns in time.
-    futures = [(target, volume_id, _POOL.submit(scrape_mount, target)) for target, volume_id in found]
+    bound = sorted((t, v) for t, v in binds().items() if t not in dict(found))
+    futures = [(target, volume_id, scraped, _POOL.submit(scrape_mount, target))
+               for scraped, pairs in ((True, found), (False, bound)) for target, volume_id in pairs]
     deadline = time.monotonic() + MOUNT_SCRAPE_TIMEOUT_S + 1
-    for target, volume_id, future in futures:
+    for target, volume_id, scraped, future in futures:
         try:
             text = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             text = None
         states["healthy" if text is not None else "broken"] += 1
-        if text is not None:
+        if text is not None and scraped:
             documents.append(({"volume_id": volume_id, "target_path": target}, text))
     lines += [f"# HELP {MOUNTS} cachefs mounts on this node, by state.", f"# TYPE {MOUNTS} gauge"]
     lines += [f'{MOUNTS}{{state="{state}"}} {n}' for state, n in sorted(states.items())]
@@ -194,7 +201,8 @@ def cachefs_targets(volume_of: Callable[[str], str | None]) -> dict[str, str]:
     return found
 
 
-def serve(address: str, targets: Callable[[], dict[str, str]]) -> http.server.ThreadingHTTPServer:
+def serve(address: str, targets: Callable[[], dict[str, str]],
+          binds: Callable[[], dict[str, str]] = dict) -> http.server.ThreadingHTTPServer:
     """Serve ``/metrics`` on ``HOST:PORT`` from a daemon thread; returns the server (``shutdown()``)."""
     host, _, port = address.rpartition(":")
 
@@ -203,7 +211,7 @@ def serve(address: str, targets: Callable[[], dict[str, str]]) -> http.server.Th
             if self.path.split("?")[0] != "/metrics":
                 self.send_error(404)
                 return
-            body = render(targets).encode()
+            body = render(targets, binds).encode()
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE)
             self.send_header("Content-Length", str(len(body)))

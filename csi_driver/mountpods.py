@@ -62,7 +62,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import urllib3
 from kubernetes import client as k8s
@@ -754,4 +754,11 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
         reporter.observe(event_type, state)
         staged.observe(event_type, state)
 
+    def unrestored(volume_id: str, pod: Mapping[str, str], message: str) -> None:
+        # A pod whose bind could not be restored is told again: its earlier Event said "until the
+        # volume is published again", and that has now happened without helping it.
+        launcher.event(pod.get("namespace", ""), pod.get("name", ""), pod.get("uid", ""), "CachefsMountNotRestored",
+                       message)
+
+    node.on_unrestored = unrestored
     return launcher.start_watching(observe, prepare)

@@ -46,7 +46,7 @@ import stat as stat_mod
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from csi_driver.attributes import K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, Credentials, VolumeSettings
 from csi_driver.errors import Code, CsiError, invalid
@@ -166,6 +166,10 @@ class NodeOps:
         self.mounter = mounter
         self.locks = VolumeLocks()
         self.records = StageRecords(settings.stage_dir)
+        # Told of each pod target whose bind could not be restored after its volume's daemon was
+        # replaced: (volume id, the pod as its publish named it, the message). Pod mode reports it
+        # as an Event on that pod (mountpods.take_over); the log line is written either way.
+        self.on_unrestored: Callable[[str, Mapping[str, str], str], None] | None = None
 
     # -- start-up -----------------------------------------------------------------------------------
     def adopt(self) -> list[StageRecord]:
@@ -186,7 +190,33 @@ class NodeOps:
                 record.pods = {t: pod for t, pod in record.pods.items() if t in live}
                 self.records.save(cache_dir_name(record.volume_id), record)
             log.info("adopted staged volume %s at %s: %s, %d target(s)", record.volume_id, staging, state, len(live))
+        self._report_reused_caches({cache_dir_name(record.volume_id) for record in found})
         return found
+
+    def _report_reused_caches(self, adopted: set[str]) -> None:
+        """Say so when the cache root holds volumes' disk caches that no live mount of this node uses:
+        an earlier install (an uninstall leaves them on the node) or an earlier run left them, and
+        the next mount of those volumes serves their blocks (deploy/README.md, "Uninstall")."""
+        root = self.settings.cache_root / "volumes"
+        try:
+            entries = sorted(p for p in root.iterdir() if p.is_dir() and p.name not in adopted)
+        except OSError:
+            return
+
+        def in_use(volume_dir: Path) -> bool:
+            targets = [str(data["target"]) for slot in volume_dir.glob("slot-*")
+                       if (data := _read_record(slot)) and data.get("target")]
+            return any(self.mounter.is_mounted(Path(target)) for target in targets)
+
+        left = [p for p in entries if not in_use(p)]
+        if left:
+            log.info("reusing the disk caches of %d volume(s) found under %s from an earlier install or run "
+                     "(their blocks serve the next mounts of those volumes; to start cold, remove %s on the node "
+                     "while no cachefs volume is mounted there)", len(left), root, root)
+
+    def bound_targets(self) -> dict[str, str]:
+        """Every pod target bound to a staged volume on this node -> the volume id (for the metrics)."""
+        return {target: record.volume_id for record in self.records.all() for target in record.targets}
 
     def workloads(self, volume_id: str) -> list[dict[str, str]]:
         """The pods bound to staged volume ``volume_id`` on this node, as their publishes named them."""
@@ -245,6 +275,35 @@ class NodeOps:
         ))
         log.info("mounted volume %s (%s) at staging path %s%s, cache %s", record.volume_id, request.volume.source,
                  staging, " read-only" if record.read_only else "", cache_dir)
+        self._restore_binds(record, skip=request.target_path)
+
+    def _restore_binds(self, record: StageRecord, skip: Path) -> None:
+        """After the staged mount was made again (its daemon, or mount pod, had died): every target of
+        the volume on this node still bound to the dead mount is bound afresh to the new one, so pods
+        already running get their volume back without a restart (they see it where their volume
+        mount propagates from the host: ``mountPropagation: HostToContainer``). A target that cannot
+        be restored stays broken, logged here and counted in ``cachefs_csi_mounts{state="broken"}``
+        until its pod is gone. ``skip``: the target of the publish in progress (it binds its own)."""
+        staging = Path(record.staging_path)
+        for target, read_only in sorted(record.targets.items()):
+            path = Path(target)
+            if path == skip or not self.mounter.is_mounted(path) or not self.mounter.is_broken(path):
+                continue
+            pod = record.pods.get(target, {})
+            who = f"pod {pod.get('namespace')}/{pod.get('name')}" if pod.get("name") else "its pod"
+            try:
+                self.mounter.unbind(path)  # the dead bind, detached lazily
+                self._prepare_target(path)
+                self.mounter.bind(staging, path, read_only)
+            except CsiError as exc:
+                message = (f"volume {record.volume_id}: cannot restore the bind at {target} ({who}) after its daemon "
+                           f"was replaced: {exc.message}; it stays broken until that pod restarts")
+                log.error("%s", message)
+                if self.on_unrestored is not None and pod:
+                    self.on_unrestored(record.volume_id, pod, message)
+                continue
+            log.info("volume %s: restored the bind at %s (%s%s) from the new staged mount", record.volume_id,
+                     target, who, ", read-only" if read_only else "")
 
     def unstage(self, volume_id: str, staging: Path) -> None:
         key = cache_dir_name(volume_id)

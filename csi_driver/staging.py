@@ -26,9 +26,12 @@ what it was mounted for. Because the daemons run in their own sessions (``cachef
 them) and the records live on the host, a node plugin that is killed and started again finds its
 staged volumes as it left them and carries on: nothing is held in memory between calls.
 
-**A dead daemon.** Its staged mount and every bind of it answer ENOTCONN. The next publish of the
-volume on the node detaches the dead staged mount, mounts it again, and binds the target afresh; the
-node plugin's metrics count it in ``cachefs_csi_mounts{state="broken"}`` until then.
+**A dead daemon.** Its staged mount and every bind of it answer ENOTCONN. The next stage or publish
+of the volume on the node detaches the dead staged mount, mounts it again, binds its own target, and
+then binds afresh every other target of the record still on the dead mount (``NodeOps._restore_binds``:
+running pods read on, where their volume mount propagates from the host). The node plugin's metrics
+count each broken mount and bind in ``cachefs_csi_mounts{state="broken"}`` until then, and a target
+that could not be restored until its pod's unpublish.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ the image renames the Jobs' too; outside a pod, ``DEFAULT_IMAGE``.
 The kubernetes client is configured from the pod's service account (in a cluster) or from
 ``$KUBECONFIG``/``~/.kube/config`` (outside one); kopf logs in through the same client
 (``kopf.login_via_client``), so both talk to the same API server as the same identity.
+
+The image runs as uid 65532, which has no passwd entry, on a read-only root: nothing here may ask
+for a user name or a home directory. kopf names its operator by ``getpass.getuser()`` unless it is
+given an identity (issue 23: ``KeyError: 'getpwuid(): uid not found: 65532'`` in a restart loop), so
+``operator_identity`` gives it one: the pod's name, else the host name and pid.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import kopf
 from kubernetes import client, config
@@ -80,6 +86,11 @@ def warm_up_image(kube: Kube, flag: str | None, environ: Mapping[str, str]) -> s
     return DEFAULT_IMAGE
 
 
+def operator_identity(environ: Mapping[str, str]) -> str:
+    """kopf's id for this operator, without the passwd database: ``$POD_NAME``, else host and pid."""
+    return environ.get("POD_NAME") or f"cachefs-operator@{socket.gethostname()}/{os.getpid()}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -95,5 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     registry = build_registry(state, login=login)
     kopf.run(registry=registry, clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness, standalone=True)
+             liveness_endpoint=args.liveness, standalone=True,
+             identity=cast(Any, operator_identity(os.environ)))  # kopf types it as a NewType of str
     return 0

@@ -48,8 +48,23 @@ def test_overlay_with_the_component_is_valid_kubernetes(rendered, version: str) 
             assert obj["metadata"]["namespace"] == "cachefs", obj["metadata"]["name"]
 
 
+def storage_class(objects: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (obj,) = [o for o in by_kind(objects, "StorageClass") if o["metadata"]["name"] == name]
+    return obj
+
+
+def test_the_component_adds_a_storage_class_and_leaves_cachefs_alone(rendered) -> None:
+    """StorageClass parameters are immutable: the component must not change `cachefs` (issue 23)."""
+    base = storage_class(kustomize_build(DEPLOY / "overlays" / "example"), "cachefs")
+    assert storage_class(rendered, "cachefs") == base
+    clustered = storage_class(rendered, "cachefs-clustered")
+    assert clustered["provisioner"] == base["provisioner"]
+    # the site's bucket and endpoint reach both classes; only the cluster tier differs
+    assert {k: v for k, v in clustered["parameters"].items() if not k.startswith("cluster")} == base["parameters"]
+
+
 def test_storage_class_points_at_the_component_store(rendered) -> None:
-    params = one(rendered, "StorageClass")["parameters"]
+    params = storage_class(rendered, "cachefs-clustered")["parameters"]
     attributes.parse_provision_parameters(params)  # the driver accepts them
     options = attributes.parse_cache_options(params)
     assert options.cluster_cache == "s3://cachefs-cluster/"
@@ -80,7 +95,7 @@ def test_store_listens_where_the_service_sends_and_keeps_its_data(rendered) -> N
 
 def test_bucket_job_and_store_share_the_secret_and_the_bucket(rendered) -> None:
     store, job = one(rendered, "StatefulSet"), one(rendered, "Job")
-    params = one(rendered, "StorageClass")["parameters"]
+    params = storage_class(rendered, "cachefs-clustered")["parameters"]
     (creator,) = job["spec"]["template"]["spec"]["containers"]
     endpoint, bucket = creator["command"][-2:]
     assert f"s3://{bucket}/" == params["clusterCache"]

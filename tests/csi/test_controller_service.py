@@ -11,6 +11,7 @@ import pytest
 
 from csi_driver.proto import csi_pb2
 from tests.csi.conftest import CALL_TIMEOUT_S, AccessMode, expect_rpc_error, mount_capability, secrets_of
+from tests.support.provisioner import provisioned_attributes, publish_context
 
 pytestmark = [pytest.mark.s3]
 
@@ -55,14 +56,20 @@ def test_dynamic_volume_create_publish_write_unpublish_delete(csi, seaweed, buck
         volume_capabilities=[mount_capability(AccessMode.SINGLE_NODE_WRITER)]), timeout=30)
     assert confirmed.HasField("confirmed")
 
-    target = csi.target()
-    csi.publish(volume.volume_id, target, dict(volume.volume_context), secrets=secrets_of(seaweed),
-                readonly=False, capability=mount_capability(AccessMode.SINGLE_NODE_WRITER))
+    # What the kubelet hands the node: the PV's attributes as external-provisioner wrote them (its
+    # csiProvisionerIdentity key included) to NodeStage, plus the pod's info to NodePublish.
+    pv_attributes = provisioned_attributes(volume.volume_context)
+    writer = mount_capability(AccessMode.SINGLE_NODE_WRITER)
+    staging, target = csi.target("globalmount"), csi.target()
+    csi.stage(volume.volume_id, staging, pv_attributes, secrets=secrets_of(seaweed), capability=writer)
+    csi.publish_staged(volume.volume_id, staging, target, publish_context(pv_attributes),
+                       secrets=secrets_of(seaweed), capability=writer)
     assert list(target.iterdir()) == []  # a new volume is empty
     (target / "checkpoints").mkdir()
     (target / "checkpoints" / "epoch-1.pt").write_bytes(b"w" * 100_000)
     (target / "hello.txt").write_text("hello from a pod\n")
-    csi.unpublish(volume.volume_id, target)  # flushes: the objects are in the bucket afterwards
+    csi.unpublish(volume.volume_id, target)
+    csi.unstage(volume.volume_id, staging)  # flushes: the objects are in the bucket afterwards
 
     stored = keys(seaweed, bucket, "scratch/pvc-0001/")
     assert {"scratch/pvc-0001/hello.txt", "scratch/pvc-0001/checkpoints/epoch-1.pt"} <= stored

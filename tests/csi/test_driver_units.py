@@ -51,6 +51,21 @@ def test_volume_attributes_parse_into_typed_settings() -> None:
         settings.source = "x"  # frozen
 
 
+def test_every_key_kubernetes_adds_is_accepted_and_a_misspelt_attribute_still_refused() -> None:
+    from tests.support.provisioner import provisioned_attributes, publish_context
+
+    pv = provisioned_attributes({"source": "s3://bucket/pvc-1/", "ramCache": "1GiB"})
+    assert pv[attrs.K8S_PROVISIONER_IDENTITY].endswith("-csi.cachefs.io")
+    for values in (pv, publish_context(pv), publish_context(pv, ephemeral=True),
+                   {**pv, "csi.storage.k8s.io/pvc/name": "c", "kubernetes.io/x": "1", "k8s.io/y": "2",
+                    "node.k8s.io/z": "3", "a.b.kubernetes.io/w": "4"}):
+        assert attrs.parse_volume_attributes(values).cache.ram_bytes == 1 << 30
+    for bad in ("ramcache", "cachefs.io/ramCache", "notkubernetes.io/x", "kubernetes.io.evil.com/x",
+                "xk8s.io/y"):
+        code, message = code_of(attrs.parse_volume_attributes, {**publish_context(pv), bad: "1"})
+        assert code is Code.INVALID_ARGUMENT and repr(bad) in message
+
+
 @pytest.mark.parametrize("values, key", [
     ({}, "'source'"),
     ({"source": "s3://Bad_Bucket/x"}, "'source'"),
@@ -538,3 +553,51 @@ def test_staged_mount_is_made_by_the_first_publish_without_stage_secrets_and_rec
     assert record.volume_id == "vol-1" and record.targets == {}
     again.unstage("vol-1", stage.target_path)
     assert fake.mounts == {}
+
+
+def test_a_replaced_daemon_restores_every_pods_bind_or_leaves_it_broken_and_says_why(node, tmp_path: Path,
+                                                                                      caplog) -> None:
+    ops, fake = node
+    stage = publish_request(tmp_path, target="globalmount")
+    ops.stage(stage)
+    import dataclasses
+
+    pods = [dataclasses.replace(publish_request(tmp_path, target=f"pod{i}/m", read_only=i == 2),
+                                context={attrs.K8S_POD_NAME: f"trainer-{i}", attrs.K8S_POD_NAMESPACE: "ml",
+                                         attrs.K8S_POD_UID: f"uid-{i}"}) for i in (1, 2, 3)]
+    told: list[tuple[str, str, str]] = []
+    ops.on_unrestored = lambda volume, pod, message: told.append((volume, pod["name"], message))
+    for pod in pods[:2]:
+        ops.publish_staged(pod, stage.target_path)
+    fake.break_mount(stage.target_path)  # the daemon (mount pod) dies: every bind answers ENOTCONN
+    assert all(fake.is_broken(p.target_path) for p in pods[:2])
+    ops.publish_staged(pods[2], stage.target_path)  # a new pod: a new daemon, and the old binds restored
+    assert not any(fake.is_broken(p.target_path) for p in pods)
+    assert fake.binds[pods[1].target_path] == (stage.target_path, True)  # read-only as it was
+    assert set(ops.bound_targets()) == {str(p.target_path) for p in pods}
+
+    fake.break_mount(stage.target_path)
+    real_bind = fake.bind
+
+    def bind_fails_for_pod1(source: Path, target: Path, read_only: bool) -> None:
+        if target == pods[0].target_path:
+            raise CsiError(Code.INTERNAL, f"cannot bind {source} on {target}: no such device")
+        real_bind(source, target, read_only)
+
+    fake.bind = bind_fails_for_pod1  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="csi_driver.node"):
+        ops.stage(stage)  # the kubelet's next NodeStage: mounted again, pod2 and pod3 restored
+    assert not fake.is_broken(pods[1].target_path) and not fake.is_broken(pods[2].target_path)
+    assert pods[0].target_path not in fake.binds  # its dead bind detached, no new one: it stays failing
+    assert any("cannot restore the bind at " + str(pods[0].target_path) in r.message for r in caplog.records)
+    assert [(v, p) for v, p, _ in told] == [("vol-1", "trainer-1")] and "no such device" in told[0][2]
+
+
+def test_the_mounts_metric_counts_every_pods_bind_and_an_unrestored_one_as_broken(tmp_path: Path) -> None:
+    """A target recorded for a pod but no longer a cachefs mount answers no scrape: broken, never healthy."""
+    from csi_driver import metrics
+
+    gone = tmp_path / "pod1" / "m"
+    gone.mkdir(parents=True)
+    text = metrics.render(lambda: {}, lambda: {str(gone): "vol-1"})
+    assert 'cachefs_csi_mounts{state="broken"} 1' in text and 'cachefs_csi_mounts{state="healthy"} 0' in text

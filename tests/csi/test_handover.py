@@ -3,8 +3,9 @@ the fd to an unprivileged daemon; the daemon serves on after the plugin is SIGKI
 death leaves ENOTCONN, which the next publish of the volume recovers; a daemon that cannot start
 leaves neither a mount nor a process behind.
 
-The daemon runs as uid/gid 65534 (nobody) through the system's python3.X of the same version as the
-test's, with the test's packages on PYTHONPATH: the test interpreter itself lives under /root (mode
+The daemon runs as uid/gid 65532, the image's uid, which has no passwd entry (as in the image), with a
+container runtime's environment (no USER/LOGNAME, HOME=/), through the system's python3.X of the same
+version as the test's, with the test's packages on PYTHONPATH: the test interpreter itself lives under /root (mode
 0700), which no other user may execute. Where no such interpreter can import the daemon, it runs as
 root with an empty capability set (``setpriv --bounding-set=-all``) instead. Either way it holds no
 capability: it could not mount, unmount, or write sysfs."""
@@ -41,13 +42,15 @@ from csi_driver.mounter import MountRequest
 from csi_driver.node import NodeOps, NodeSettings, PublishRequest
 from tests.csi.conftest import driver_environ
 from tests.csi.test_node_service import context_for, read_tree
+from tests.support.kubelet import runtime_environ
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
 
 MiB = 1024 * 1024
 WAIT_S = 60.0
 NO_CAPS = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs", "--"]
-NOBODY = 65534
+# The uid the manifests run cachefs as (deploy/): no passwd entry here, as in the image (issue 23).
+DAEMON_UID = 65532
 
 # The "node plugin": stages and publishes one volume through HandoverMounter + ProcessLauncher, says
 # READY, and waits to be killed. Its credentials come through its environment, never its argv.
@@ -95,18 +98,18 @@ def node_dirs() -> Iterator[dict[str, Path]]:
 
 
 def unprivileged_daemon() -> tuple[list[str], int | None, str]:
-    """(command, uid, PYTHONPATH) of a daemon that holds no capability: as nobody where the system
+    """(command, uid, PYTHONPATH) of a daemon that holds no capability: as DAEMON_UID where the system
     interpreter of this Python version can import the daemon, else as root with no capabilities."""
     packages = sysconfig.get_paths()["purelib"]
     pythonpath = f"{os.getcwd()}:{packages}"
     system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
     if system.exists() and shutil.which("setpriv"):
         probe = subprocess.run(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", str(system), "-c",
+            ["setpriv", f"--reuid={DAEMON_UID}", f"--regid={DAEMON_UID}", "--clear-groups", str(system), "-c",
              "import pyfuse3, cachefs.daemon.main"],
             capture_output=True, timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath})
         if probe.returncode == 0:
-            return [str(system), "-m", "cachefs"], NOBODY, pythonpath
+            return [str(system), "-m", "cachefs"], DAEMON_UID, pythonpath
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
     return [*NO_CAPS, sys.executable, "-m", "cachefs"], None, pythonpath
@@ -161,7 +164,7 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
     daemon_command, uid, pythonpath = unprivileged_daemon()
     config = {**{k: str(v) for k, v in node_dirs.items()}, "context": context,
               "daemon_command": daemon_command, "uid": uid}
-    env = {**driver_environ(), "PYTHONPATH": pythonpath, "TEST_KEY": seaweed.access_key,
+    env = {**runtime_environ(driver_environ(), uid or 0), "PYTHONPATH": pythonpath, "TEST_KEY": seaweed.access_key,
            "TEST_SECRET": seaweed.secret_key}
     plugin = subprocess.Popen([sys.executable, "-c", PLUGIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=env, text=True)
@@ -190,7 +193,7 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
         caps = capabilities(daemon)
         assert caps["CapEff"] == 0 and caps["CapPrm"] == 0, caps  # no CAP_SYS_ADMIN, nor any other
         if uid is not None:
-            assert os.stat(f"/proc/{daemon}").st_uid == uid  # runs as nobody
+            assert os.stat(f"/proc/{daemon}").st_uid == uid  # runs as the image's uid
             assert os.stat(run_root / names[0]).st_uid == uid
             # Files keep the plugin's owner, not the daemon's.
             assert (os.stat(pod / "a.bin").st_uid, os.stat(pod / "a.bin").st_gid) == (os.geteuid(), os.getegid())
@@ -239,7 +242,7 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
         wait_broken(staging)
 
         # A restarted plugin: reports the broken volume, and the next publish recovers it.
-        restarted_env = {**driver_environ(), "PYTHONPATH": pythonpath}
+        restarted_env = {**runtime_environ(driver_environ(), uid or 0), "PYTHONPATH": pythonpath}
         launcher = ProcessLauncher(run_root, command=daemon_command, environ=restarted_env)
         ops = NodeOps(NodeSettings("node", node_dirs["cache_root"], 0, node_dirs["state_dir"]),
                       HandoverMounter(launcher, run_root, environ=restarted_env, daemon_uid=uid, daemon_gid=uid))

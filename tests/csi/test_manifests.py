@@ -31,7 +31,7 @@ DEPLOY = ROOT / "deploy"
 BASE = DEPLOY / "base"
 # The newest release the installed kubernetes-validate knows, and the oldest one deploy/README.md
 # promises to support (CSIDriver fsGroupPolicy and inline volumes are GA well before it).
-OLDEST_SUPPORTED = "1.30.0"
+OLDEST_SUPPORTED = "1.28.0"
 VERSIONS = sorted({kubernetes_validate.latest_version(), OLDEST_SUPPORTED})
 # kustomize's own files (a Kustomization, a transformer configuration) are not Kubernetes objects.
 KUSTOMIZE_FILES = {"kustomization.yaml", "kustomizeconfig.yaml"}

@@ -12,6 +12,7 @@ on the workload pods) and recovered by the next publish; start-up deletes strays
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -300,30 +301,42 @@ def test_mount_pod_shared_survives_plugin_death_and_recovers(cluster, seaweed, d
               f"restart too: {readers.reads}; errors: {len(readers.errors)}; cgroup.kill used: {group is not None}")
         assert readers.errors == []
         assert (mount_pods(core)[0]).metadata.uid == pod.metadata.uid
-        assert 'cachefs_csi_mounts{state="healthy"} 1' in driver.metrics()
+        # The staged mount and both pods' binds, each counted.
+        assert 'cachefs_csi_mounts{state="healthy"} 3' in driver.metrics()
 
-        # 3. The mount pod dies: detected, reported, recovered by the next publish.
+        # 3. The mount pod dies: detected and reported (every mount of it counted broken) until a new
+        # mount pod serves the volume: then the plugin restores both running pods' binds, and they
+        # read on (issue 23: they stayed broken for good, and the metric read 0 broken once another
+        # pod had re-staged the volume).
         kubelet.kill(pod.metadata.name)
         wait_for("the Event on the mount pod", lambda: events(core, NAMESPACE, "MountPodDied"))
         workload_events = wait_for("Events on both workload pods",
                                    lambda: len(events(core, "ml", "CachefsMountBroken")) >= 2 and
                                    events(core, "ml", "CachefsMountBroken"))
         assert {e.involved_object.name for e in workload_events} == {"trainer-0", "trainer-1"}
-        assert 'cachefs_csi_mounts{state="broken"} 1' in driver.metrics()
+        assert 'cachefs_csi_mounts{state="broken"} 3' in driver.metrics()
         assert "is broken" in driver.log_text()
         with pytest.raises(OSError):
             (pod1 / "sub" / "b.txt").read_bytes()
         proxy = LoopbackProxy(int(seaweed.endpoint_url.rsplit(":", 1)[1]))
         context = {**context, "endpointUrl": proxy.endpoint_url}
-        driver.publish_staged("vol-pods", staging, pod1, {**context, **pod_info("trainer-0")}, secrets=secrets)
+        pod3 = driver.target()  # a new pod of the volume arrives on the node
+        driver.publish_staged("vol-pods", staging, pod3, {**context, **pod_info("trainer-2")}, secrets=secrets)
         (new,) = mount_pods(core)
         assert new.metadata.uid != pod.metadata.uid
-        assert (pod1 / "sub" / "b.txt").read_bytes() == b"hello\n"
-        assert 'cachefs_csi_mounts{state="healthy"} 1' in driver.metrics()
+        for target in (pod1, pod2, pod3):  # the two running pods' binds restored, byte-exact
+            assert {name: (target / name).read_bytes() for name in files} == files, target
+        with pytest.raises(OSError) as info:
+            (pod2 / "nope.txt").write_bytes(b"x")  # pod2's bind is read-only again
+        assert info.value.errno == errno.EROFS
+        assert "restored the bind at " + str(pod2) in driver.log_text()
+        assert 'cachefs_csi_mounts{state="healthy"} 4' in driver.metrics()
+        assert 'cachefs_csi_mounts{state="broken"} 0' in driver.metrics()
 
         # 4. Unpublish and unstage: the mount pod and its Secret are deleted.
         driver.unpublish("vol-pods", pod1)
         driver.unpublish("vol-pods", pod2)
+        driver.unpublish("vol-pods", pod3)
         driver.unstage("vol-pods", staging)
         assert mounts.find_mount(staging) is None
         assert mount_pods(core) == []

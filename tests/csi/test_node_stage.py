@@ -147,20 +147,41 @@ def test_daemons_outlive_a_killed_plugin_and_a_dead_daemon_is_recovered(seaweed,
         restarted = start_driver(tmp_path)  # same cache root and state directory, a new socket
         try:
             assert "adopted staged volume vol-live" in restarted.log_text()
-            assert 'cachefs_csi_mounts{state="healthy"} 1' in restarted.metrics()
+            assert 'cachefs_csi_mounts{state="healthy"} 2' in restarted.metrics()  # staged mount and bind
             # The daemon dies: detected, reported, and recovered by the next publish.
             os.kill(pid, signal.SIGKILL)  # the daemon this test's driver started, by its PID
             wait_broken(pod)
-            assert 'cachefs_csi_mounts{state="broken"} 1' in restarted.metrics()
+            assert 'cachefs_csi_mounts{state="broken"} 2' in restarted.metrics()
             restarted.publish_staged("vol-live", staging, pod, context, secrets=secrets_of(seaweed))
             assert daemon_pid(pod) != pid and read_tree(pod)["after-kill.txt"] == b"still here\n"
             assert "broken" in restarted.log_text()
-            assert 'cachefs_csi_mounts{state="healthy"} 1' in restarted.metrics()
+            assert 'cachefs_csi_mounts{state="healthy"} 2' in restarted.metrics()
             restarted.unpublish("vol-live", pod)
             restarted.unstage("vol-live", staging)
             assert mounts.find_mount(staging) is None and mounts.find_mount(pod) is None
         finally:
             restarted.targets = driver.targets
             stop_driver(restarted)
+    finally:
+        stop_driver(driver)
+
+
+def test_a_reinstall_that_reuses_disk_caches_says_so(tmp_path) -> None:
+    """An uninstall leaves the disk caches on the node (deploy/README.md, "Uninstall"): a plugin that
+    finds some from an earlier install says so in its log, naming where they are."""
+    leftover = tmp_path / "node-cache" / "volumes" / "v1-bucket-abc-0123456789ab" / "slot-0"
+    leftover.mkdir(parents=True)
+    (leftover / "block").write_bytes(b"x" * 4096)
+    driver = start_driver(tmp_path)
+    try:
+        log = driver.log_text()
+        assert "reusing the disk caches of 1 volume(s)" in log and str(tmp_path / "node-cache" / "volumes") in log
+    finally:
+        stop_driver(driver)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    driver = start_driver(fresh)
+    try:
+        assert "reusing the disk caches" not in driver.log_text()
     finally:
         stop_driver(driver)

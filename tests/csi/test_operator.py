@@ -35,6 +35,7 @@ WAIT_S = 30.0
 FAST = dict(follow_interval_s=0.3, gate_interval_s=0.2)
 STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30
+TEST_AGENT = "cachefs-tests"
 
 
 @pytest.fixture
@@ -49,6 +50,7 @@ class Cluster:
     def __init__(self, api: OperatorApiServer) -> None:
         self.api = api
         self.client = client.ApiClient(client.Configuration(host=str(api.url).rstrip("/")))
+        self.client.user_agent = TEST_AGENT  # the operator's writes are the others
         self.core = client.CoreV1Api(self.client)
         self.batch = client.BatchV1Api(self.client)
         self.custom = client.CustomObjectsApi(self.client)
@@ -153,6 +155,11 @@ async def running_operator(api: OperatorApiServer, **settings: Any) -> AsyncIter
                                              standalone=True, stop_flag=stop))
     try:
         yield state
+        # The double prunes what the CRD does not declare, as the API server does: nothing the
+        # operator writes may be lost that way (a pruned status.warmUp.generation once restarted
+        # every warm-up at every operator restart).
+        lost = [entry for entry in api.pruned if entry[3] != TEST_AGENT]
+        assert not lost, f"the API server would drop fields the operator writes: {lost}"
     finally:
         stop.set()
         try:
@@ -328,7 +335,6 @@ async def test_node_tier_warms_each_matching_node_and_delete_cleans_up(api: Oper
 @pytest.mark.parametrize("spec, message", [
     ({"source": "s3://training/x", "warmUp": {"target": {"tier": "Cluster"}}}, "needs spec.clusterTier"),
     ({"source": "file:///etc", "warmUp": {"target": {"tier": "Node"}}}, "must be an s3:// URL"),
-    ({"source": "s3://training/x", "cache": {"ramcache": "1GiB"}}, "unknown key 'ramcache'"),
     ({"source": "s3://training/x", "warmUp": {"paths": ["../other"], "target": {"tier": "Node"}}},
      "leads outside the dataset"),
     ({"source": "s3://training/x", "warmUp": {"target": {"tier": "Node"},
@@ -434,3 +440,40 @@ async def test_a_claim_of_the_same_name_is_not_taken_over(api: OperatorApiServer
         await eventually(lambda: k.dataset("taken") is None, "the Dataset deleted")
         claim = k.get("v1/persistentvolumeclaims", NS, "taken")
         assert claim is not None and "labels" not in claim["metadata"]  # theirs: left as it was
+
+
+async def test_a_warm_dataset_stays_warm_across_an_operator_restart(api: OperatorApiServer) -> None:
+    """On the pruning double: what the operator stores to remember a finished run survives the API server."""
+    k = Cluster(api)
+    async with running_operator(api):
+        await k.create_dataset("ds", CLUSTER_SPEC)
+        (job,) = await eventually(k.jobs, "run 1")
+        await k.start_pod(job["metadata"]["name"], progress_line("done", 10, 10))
+        await k.end_job(job["metadata"]["name"], ok=True)
+        await eventually(lambda: k.status("ds").get("phase") == "Warm", "Warm")
+    assert k.status("ds")["lastWarmUp"]["generation"] == 1  # stored, not pruned
+    # A new client: kmock leaves the old one's kept-alive connection unanswered once kopf has stopped.
+    k = Cluster(api)
+    async with running_operator(api) as state:
+        await eventually(lambda: ("ml", "ds") in state.datasets, "the restarted operator saw the Dataset")
+        await k.create_gated_pod("late", "ds")
+        await eventually(lambda: k.gates("late") == [], "a pod gated after the restart released: still Warm")
+        await asyncio.sleep(1.0)  # several follow ticks (0.3 s)
+        assert k.status("ds")["phase"] == "Warm"  # not WarmingUp again
+        assert [j["metadata"]["labels"][m.RUN_LABEL] for j in k.jobs()] == ["1"]  # no new run
+
+
+async def test_an_undeclared_field_is_refused_by_kubectl_and_dropped_by_other_writers(api: OperatorApiServer) -> None:
+    """The CRD declares every spec field: kubectl (strict field validation) refuses a misspelt one
+    naming it; a client without it loses the field, as on a real API server."""
+    k = Cluster(api)
+    body = {"apiVersion": "cachefs.io/v1alpha1", "kind": "Dataset", "metadata": {"name": "typo", "namespace": NS},
+            "spec": {"source": "s3://training/x", "cache": {"ramcache": "1GiB"}}}
+    with pytest.raises(client.ApiException) as info:
+        await k.call(k.custom.create_namespaced_custom_object, m.GROUP, m.VERSION, NS, m.PLURAL, body,
+                     field_validation="Strict")
+    assert info.value.status == 400
+    assert 'unknown field "spec.cache.ramcache"' in json.loads(info.value.body)["message"]
+    await k.call(k.custom.create_namespaced_custom_object, m.GROUP, m.VERSION, NS, m.PLURAL, body)
+    assert k.dataset("typo")["spec"]["cache"] == {}
+    assert api.pruned[-1][:3] == ("datasets", "typo", ["spec.cache.ramcache"])

@@ -1,16 +1,30 @@
 """A kubelet stand-in: runs the pods bound to one node in the API double as local processes.
 
 It polls the API double (``tests/support/kubeapi.py``) for pods whose ``spec.nodeName`` is its node
-and, for each new one, does what a kubelet and a container runtime would do with a mount pod:
+and, for each new one, does what a kubelet and a container runtime would do with a mount pod (or
+another single-container pod of cachefs's image, such as the operator's):
 
-- refuses what a mount pod must never ask for: a privileged container, privilege escalation, a
-  hostPath mounted at another path than its own (the node plugin relies on same-path mounts), or a
-  literal ``value`` for a variable that looks like a credential;
+- refuses what such a pod must never ask for: a privileged container (``privileged: true``),
+  privilege escalation (``allowPrivilegeEscalation`` not false), a hostPath mounted at another path
+  than its own (the node plugin relies on same-path mounts), or a literal ``value`` for a variable
+  that looks like a credential;
 - resolves ``env[].valueFrom.secretKeyRef`` from the Secrets in the API (waiting, as a kubelet does,
   while the Secret is missing);
+- resolves ``env[].valueFrom.fieldRef`` for ``metadata.name`` and ``metadata.namespace`` (the
+  downward API);
 - runs the container's command as a process group of its own (``cachefs`` is this interpreter's
-  ``-m cachefs``), under ``setpriv`` with an empty capability bounding set and ``no_new_privs``, as
-  ``runAsUser``/``runAsGroup``: the daemon gets no more privilege than the pod spec grants;
+  ``-m cachefs``; another command that is one of this venv's console scripts runs from it), under
+  ``setpriv`` with an empty capability bounding set and ``no_new_privs``, as the uid and gid a
+  container runtime would: the container's ``runAsUser``/``runAsGroup``, else the pod's, else the
+  image's (``IMAGE_UID``: deploy/Dockerfile sets no ``USER``, so root). The process gets no more
+  privilege than the pod spec grants, and **no passwd entry** where the uid has none (65532, the
+  manifests' uid, has none here as in the image): its environment is a runtime's, with no
+  ``USER``/``LOGNAME`` from the test's and ``HOME`` from the passwd entry, else ``/`` (containerd's
+  rule), so ``getpass.getuser()``/``Path.home()`` fail as they do in the image (issue 23: kopf's
+  peering id crashed that way);
+- with ``readOnlyRootFilesystem: true`` (and root to do it), runs it in a mount namespace of its own
+  with ``/`` read-only and the pod's hostPath and emptyDir volumes bind-mounted writable at their
+  mount paths (``tests/support/container_root.py``);
 - reports ``status.phase`` Running, then Succeeded or Failed with the container's exit code and a
   ``terminated`` state when the process ends;
 - kills the process group (SIGTERM, then SIGKILL after the grace period) when the pod is deleted.
@@ -23,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import json
 import os
 import shutil
 import signal
@@ -37,6 +52,24 @@ from typing import Any
 POLL_S = 0.1
 SECRETISH = ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY")
 KILL_WAIT_S = 10.0
+# deploy/Dockerfile's ENTRYPOINT, less tini (the stand-in reaps its own children).
+IMAGE_ENTRYPOINT = ("cachefs-csi",)
+IMAGE_UID = 0  # deploy/Dockerfile has no USER line: the image runs as root unless the pod says otherwise
+# What getpass.getuser() reads before the passwd database; a container runtime sets none of them.
+LOGIN_VARIABLES = ("USER", "LOGNAME", "LNAME", "USERNAME")
+CONTAINER_ROOT = Path(__file__).with_name("container_root.py")
+
+
+def runtime_environ(base: dict[str, str], uid: int) -> dict[str, str]:
+    """The environment a container runtime gives a process of ``uid``: HOME from passwd, else "/"."""
+    import pwd
+
+    env = {k: v for k, v in base.items() if k not in LOGIN_VARIABLES and k != "HOME"}
+    try:
+        env["HOME"] = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        env["HOME"] = "/"
+    return env
 
 
 def _now() -> str:
@@ -68,6 +101,7 @@ class Kubelet:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kubelet-{node}", daemon=True)
         self.setpriv = shutil.which("setpriv")
+        self.unshare = shutil.which("unshare") if os.geteuid() == 0 else None
 
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> Kubelet:
@@ -140,13 +174,21 @@ class Kubelet:
             }]})
             return None
         security = container.security_context
-        if security is None or security.privileged is not False or security.allow_privilege_escalation is not False:
-            return self._refuse(pod, "a mount pod must be unprivileged, without privilege escalation")
+        if security is None or security.privileged or security.allow_privilege_escalation is not False:
+            return self._refuse(pod, "a pod here must be unprivileged, without privilege escalation")
         host = {v.name: v.host_path.path for v in spec.volumes or [] if v.host_path is not None}
-        scratch = {v.name for v in spec.volumes or [] if v.empty_dir is not None}  # the process uses the real one
+        scratch = {v.name for v in spec.volumes or [] if v.empty_dir is not None}
+        binds: list[tuple[str, str]] = []
         for mount in container.volume_mounts or []:
-            if mount.name not in scratch and host.get(mount.name) != mount.mount_path:
+            if mount.name in scratch:
+                backing = self.workdir / "volumes" / pod.metadata.uid / mount.name
+                backing.mkdir(parents=True, exist_ok=True)
+                backing.chmod(0o777)  # as the kubelet makes an emptyDir: any uid of the pod may write it
+                binds.append((str(backing), mount.mount_path))
+            elif host.get(mount.name) != mount.mount_path:
                 return self._refuse(pod, f"volume {mount.name} is not a hostPath mounted at its own path")
+            else:
+                binds.append((mount.mount_path, mount.mount_path))
         env: dict[str, str] = {}
         for var in container.env or []:
             if var.value is not None:
@@ -154,27 +196,42 @@ class Kubelet:
                     return self._refuse(pod, f"variable {var.name} is a literal value in the pod spec")
                 env[var.name] = var.value
                 continue
+            if var.value_from.field_ref is not None:
+                field_path = var.value_from.field_ref.field_path
+                env[var.name] = {"metadata.name": pod.metadata.name,
+                                 "metadata.namespace": pod.metadata.namespace}[field_path]
+                continue
             ref = var.value_from.secret_key_ref
             try:
                 secret = self.core.read_namespaced_secret(ref.name, self.namespace)
             except Exception:
                 return None  # CreateContainerConfigError: try again next round
             env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
-        command = list(container.command)
+        command = list(container.command or IMAGE_ENTRYPOINT) + list(container.args or [])
+        script = Path(sys.executable).with_name(command[0])
         if command[0] == "cachefs":
             command[:1] = [sys.executable, "-m", "cachefs"]
+        elif "/" not in command[0] and script.is_file():
+            command[:1] = [str(script)]
         security_pod = spec.security_context
-        user = security_pod.run_as_user if security_pod is not None else None
-        group = security_pod.run_as_group if security_pod is not None else None
+        user, group = IMAGE_UID, None
+        for level in (security_pod, security):
+            if level is not None and level.run_as_user is not None:
+                user = level.run_as_user
+            if level is not None and level.run_as_group is not None:
+                group = level.run_as_group
         if self.setpriv is not None:
             wrap = [self.setpriv, "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs"]
-            if user not in (None, 0):
+            if user != 0:
                 wrap += [f"--reuid={user}", f"--regid={group if group is not None else user}", "--clear-groups"]
             command = wrap + command
+        if security.read_only_root_filesystem and self.unshare is not None:
+            command = [self.unshare, "--mount", "--propagation", "slave", "--", sys.executable, str(CONTAINER_ROOT),
+                       json.dumps(binds), "--", *command]
         log_path = self.workdir / f"{pod.metadata.name}-{pod.metadata.uid[:8]}.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd="/",
-                                    env={**self.base_env, **env}, start_new_session=True)
+                                    env={**runtime_environ(self.base_env, user), **env}, start_new_session=True)
         with self._lock:
             self.containers[pod.metadata.uid] = Container(pod.metadata.name, pod.metadata.uid, proc, log_path,
                                                           float(spec.termination_grace_period_seconds or 30), env)

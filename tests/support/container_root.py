@@ -1,0 +1,50 @@
+"""A container's filesystem view for the kubelet stand-in: a read-only root with the pod's volumes on it.
+
+Run by ``tests/support/kubelet.py`` as ``unshare --mount --propagation slave -- python container_root.py
+SPEC -- COMMAND...`` (as root, in a mount namespace of its own), where SPEC is JSON
+``[[source, target], ...]``: each volume's directory on the host and where the container sees it.
+It does what a container runtime does for ``readOnlyRootFilesystem: true``:
+
+- every source is opened first (``O_PATH``), so a volume mounted over an ancestor of another's
+  source (an ``emptyDir`` at ``/tmp`` over a hostPath under ``/tmp``) still finds it;
+- the volumes are bind-mounted, shallowest target first (runc's order), each writable;
+- ``/`` is remounted read-only; then COMMAND is exec'd (``setpriv`` drops uid and capabilities).
+
+``slave`` propagation: mounts made later on the host (a FUSE mount the plugin makes) still appear
+inside, as with ``mountPropagation: HostToContainer``. Nothing here outlives the process: the
+namespace goes with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source: str, target: str, flags: int) -> None:
+    # The syscall, not mount(8): it would resolve /proc/self/fd/N to a path a volume may now cover.
+    if _libc.mount(source.encode(), target.encode(), None, flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def main(argv: list[str]) -> None:
+    spec, separator, *command = argv
+    assert separator == "--" and command, "usage: container_root.py SPEC -- COMMAND..."
+    binds = json.loads(spec)
+    fds = [(os.open(source, os.O_PATH | os.O_DIRECTORY), target) for source, target in binds]
+    for fd, target in sorted(fds, key=lambda pair: pair[1].count("/")):
+        os.makedirs(target, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", target, MS_BIND)
+        os.close(fd)
+    _mount("none", "/", MS_REMOUNT | MS_BIND | MS_RDONLY)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
