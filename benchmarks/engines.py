@@ -295,10 +295,26 @@ def fetch(engine: str, endpoint: str, bucket: str, sizes: Sequence[tuple[str, in
                      len(parts), threads, part_size)
 
 
-def get_object_timed(endpoint: str, bucket: str, key: str, size: int, credentials: Credentials, *,
-                     engine: str = "boto3", threads: int = DEFAULT_THREADS,
-                     part_size: int = DEFAULT_PART_SIZE) -> EngineRun:
-    """One object, ``engine``, in this process: bytes, seconds and CPU seconds in an ``EngineRun``."""
+def object_size(endpoint: str, bucket: str, key: str, credentials: Credentials) -> int:
+    """The size of ``key`` (one HEAD through boto3)."""
+    import boto3
+
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=credentials.access_key,
+        aws_secret_access_key=credentials.secret_key, region_name=credentials.region)
+    try:
+        return int(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    finally:
+        client.close()
+
+
+def get_object_timed(endpoint: str, bucket: str, key: str, credentials: Credentials, threads: int = DEFAULT_THREADS,
+                     part_size: int = DEFAULT_PART_SIZE, *, engine: str = "boto3",
+                     size: int | None = None) -> EngineRun:
+    """One object with ``engine`` in this process: ``.bytes``, ``.seconds``, ``.cpu_s`` (and the rest of
+    an ``EngineRun``). ``size`` saves the HEAD that finds it (the HEAD is not timed)."""
+    if size is None:
+        size = object_size(endpoint, bucket, key, credentials)
     return fetch(engine, endpoint, bucket, [(key, size)], credentials, threads, part_size)
 
 
@@ -358,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                             os.environ.get("AWS_REGION", "us-east-1"))
     except KeyError as exc:
         parser.error(f"{exc.args[0]} is not set")
-    import boto3
-
-    size = boto3.client("s3", endpoint_url=args.endpoint).head_object(Bucket=args.bucket, Key=args.key)["ContentLength"]
+    size = object_size(args.endpoint, args.bucket, args.key, creds)
     for engine in args.engine or ENGINES:
         try:
             run = measure(engine, args.endpoint, args.bucket, [(args.key, size)], creds, args.threads,
