@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench import machine_info  # noqa: E402
+from benchmarks.report import machine_info  # noqa: E402
 from benchmarks import analysis, engines  # noqa: E402
 from benchmarks.common import IO_CHUNK, MiB, drop_page_cache  # noqa: E402
 from benchmarks.peers import (  # noqa: E402

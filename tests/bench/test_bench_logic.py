@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import analysis, bench, engines, procstat
+from benchmarks import analysis, bench, engines, procstat, report
 
 # -- analysis -------------------------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ def test_summary_takes_the_fastest_engine_as_the_limit_and_flags_a_tool_that_bea
         b.add("s3fs", "cold_read", r, s)
     b.rounds = [{"round": 1, "loadavg": [0.2, 0.2, 0.2], "foreign_busy": 0.0, "quiet": True, "warnings": []},
                 {"round": 2, "loadavg": [3.0, 1.0, 0.5], "foreign_busy": 0.3, "quiet": False, "warnings": ["x"]}]
-    result = bench.summarise(b, tools, b.args, "now")  # type: ignore[arg-type]
+    result = report.summarise(b, tools, b.args, "now")  # type: ignore[arg-type]
 
     cold = result["figures"]["cold_read"]
     assert cold["limit_median"] == 900.0 and cold["limit_engine"] == "boto3"  # boto3's median, not its best round
@@ -181,9 +181,9 @@ def test_summary_takes_the_fastest_engine_as_the_limit_and_flags_a_tool_that_bea
                                        "limit": "raw_get"}]
     assert any(w.startswith("LIMIT BEATEN") and "s3fs" in w for w in result["warnings"])
     assert result["quiet"] is False
-    md = bench.markdown(result)
+    md = report.markdown(result)
     assert "LIMIT BEATEN" in md and "the machine was not quiet" in md
-    assert set(result["figures"]) == {f.key for f in bench.FIGURES if not f.full_only}
+    assert set(result["figures"]) == {f.key for f in report.FIGURES if not f.full_only}
     targets = {t["target"]: t for t in result["targets"]}
     assert targets["cold read >= 0.8x the fastest raw GET engine"]["status"] == "MISS"
     assert targets["daemon CPU, cold read <= 1.0 CPU-s/GiB"]["status"] == "MISS"  # 2.0 CPU-s/GiB
@@ -195,7 +195,7 @@ def test_a_limit_within_reach_raises_no_alarm_and_a_quiet_run_no_warning(tmp_pat
     b.engine_runs = {"big": {"obstore": [engine_sample(1, 1000.0, 0.6, 0.1)]}}
     b.add("cachefs", "cold_read", 0, 1020.0, procstat.Span(0.4, 0.1), 1.0)
     b.rounds = [{"round": 1, "loadavg": [0.1, 0.1, 0.1], "foreign_busy": 0.01, "quiet": True, "warnings": []}]
-    result = bench.summarise(b, tools, b.args, "now")  # type: ignore[arg-type]
+    result = report.summarise(b, tools, b.args, "now")  # type: ignore[arg-type]
     assert result["limit_beaten"] == [] and result["warnings"] == [] and result["quiet"] is True
     targets = {t["target"]: t["status"] for t in result["targets"]}
     assert targets["cold read >= 0.8x the fastest raw GET engine"] == "PASS"
