@@ -299,30 +299,35 @@ class Bench:
             self.warn("--drop-caches: not allowed here (root only); cold listings are measured warm")
 
     def measure_engines(self, run: int) -> None:
-        targets: list[tuple[str, engines.Credentials, str, str, list[tuple[str, int]], int]] = [
-            ("big", self.credentials(self.server), self.server.endpoint_url, BUCKET, [(BIG_KEY, self.size)],
-             self.args.threads),
-            ("small", self.credentials(self.server), self.server.endpoint_url, BUCKET,
-             [(f"{SMALL_DIR}/{n}", self.args.file_size) for n in self.names], SMALL_GET_THREADS),
-        ]
+        """Every engine on every target (the large object, the small files, the cluster blocks), the
+        engines in an order that turns each round; one child process per engine and round."""
+        jobs: dict[str, engines.Job] = {
+            "big": engines.Job(self.server.endpoint_url, BUCKET, [(BIG_KEY, self.size)], self.credentials(self.server),
+                               self.args.threads, DEFAULT_BLOCK_SIZE),
+            "small": engines.Job(self.server.endpoint_url, BUCKET,
+                                 [(f"{SMALL_DIR}/{n}", self.args.file_size) for n in self.names],
+                                 self.credentials(self.server), SMALL_GET_THREADS, DEFAULT_BLOCK_SIZE),
+        }
         if self.cluster is not None and self.cluster_keys:
-            targets.append(("cluster", self.credentials(self.cluster), self.cluster.endpoint_url, CLUSTER_BUCKET,
-                            self.cluster_keys, self.args.threads))
+            jobs["cluster"] = engines.Job(self.cluster.endpoint_url, CLUSTER_BUCKET, self.cluster_keys,
+                                          self.credentials(self.cluster), self.args.threads, DEFAULT_BLOCK_SIZE)
         for name in self.args.engine_names:
             reason = engines.unavailable_reason(name)
             if reason and name not in self.engine_unavailable:
                 self.engine_unavailable[name] = reason
                 self.warn(f"engine {name}: unavailable: {reason}")
         live = [n for n in self.args.engine_names if n not in self.engine_unavailable]
-        for target, creds, endpoint, bucket, sizes, threads in targets:
-            for name in analysis.rotation(live, run):
-                try:
-                    result = engines.measure(name, endpoint, bucket, sizes, creds, threads, DEFAULT_BLOCK_SIZE)
-                except (RuntimeError, OSError, ValueError) as exc:
-                    self.errors.setdefault(f"engine {name}", []).append(f"round {run + 1}, {target}: {exc}")
-                    self.say(f"engine {name} ({target}): failed: {exc}")
+        for name in analysis.rotation(live, run):
+            try:
+                answers = engines.measure_jobs(name, list(jobs.values()))
+            except (RuntimeError, OSError, ValueError) as exc:
+                answers = [str(exc)] * len(jobs)
+            for target, answer in zip(jobs, answers):
+                if isinstance(answer, str):
+                    self.errors.setdefault(f"engine {name}", []).append(f"round {run + 1}, {target}: {answer}")
+                    self.say(f"engine {name} ({target}): failed: {answer}")
                     continue
-                self.engine_runs.setdefault(target, {}).setdefault(name, []).append({"round": run + 1, **result.to_json()})
+                self.engine_runs.setdefault(target, {}).setdefault(name, []).append({"round": run + 1, **answer.to_json()})
         summary = []
         for target in self.engine_runs:
             for name, runs in self.engine_runs[target].items():

@@ -60,7 +60,6 @@ CHILD_TIMEOUT_S = 300.0
 CRT_TARGET_GBPS = 10.0
 ENV_ACCESS_KEY = "BENCH_ENGINE_ACCESS_KEY"
 ENV_SECRET_KEY = "BENCH_ENGINE_SECRET_KEY"
-ENV_REGION = "BENCH_ENGINE_REGION"
 
 
 @dataclass(frozen=True)
@@ -321,37 +320,71 @@ def get_object_timed(endpoint: str, bucket: str, key: str, credentials: Credenti
 # -- one engine in a child process (what the benchmark calls) -----------------------------------------
 
 
+@dataclass(frozen=True)
+class Job:
+    """One set of objects for an engine to fetch: where, what, with which credentials and settings."""
+
+    endpoint: str
+    bucket: str
+    sizes: Sequence[tuple[str, int]]
+    credentials: Credentials
+    threads: int = DEFAULT_THREADS
+    part_size: int = DEFAULT_PART_SIZE
+
+
 def measure(engine: str, endpoint: str, bucket: str, sizes: Sequence[tuple[str, int]], credentials: Credentials,
             threads: int = DEFAULT_THREADS, part_size: int = DEFAULT_PART_SIZE,
             timeout_s: float = CHILD_TIMEOUT_S) -> EngineRun:
     """``fetch`` in a fresh child process (see the module docstring); RuntimeError naming what failed."""
+    (run,) = measure_jobs(engine, [Job(endpoint, bucket, sizes, credentials, threads, part_size)], timeout_s)
+    if isinstance(run, str):
+        raise RuntimeError(run)
+    return run
+
+
+def measure_jobs(engine: str, jobs: Sequence[Job], timeout_s: float = CHILD_TIMEOUT_S) -> list[EngineRun | str]:
+    """Each job fetched by ``engine``, one after the other, in one fresh child process.
+
+    One child for several jobs pays the interpreter's start once (a second or so on a busy small
+    machine); each job keeps its own clock and CPU account. A job that fails is its error text in
+    the list; ``EngineUnavailable`` or ``RuntimeError`` when the child itself cannot run.
+    """
     reason = unavailable_reason(engine)
     if reason:
         raise EngineUnavailable(reason)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update({ENV_ACCESS_KEY: credentials.access_key, ENV_SECRET_KEY: credentials.secret_key,
-                ENV_REGION: credentials.region})
-    request = json.dumps({"engine": engine, "endpoint": endpoint, "bucket": bucket, "sizes": list(sizes),
-                          "threads": threads, "part_size": part_size})
+    request = []
+    for n, job in enumerate(jobs):
+        env.update({f"{ENV_ACCESS_KEY}_{n}": job.credentials.access_key, f"{ENV_SECRET_KEY}_{n}": job.credentials.secret_key})
+        request.append({"endpoint": job.endpoint, "bucket": job.bucket, "sizes": list(job.sizes),
+                        "region": job.credentials.region, "threads": job.threads, "part_size": job.part_size})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        result = subprocess.run([sys.executable, "-m", "benchmarks.engines", "--child"], input=request, env=env,
-                                cwd=root, capture_output=True, text=True, timeout=timeout_s)
+        result = subprocess.run([sys.executable, "-m", "benchmarks.engines", "--child"],
+                                input=json.dumps({"engine": engine, "jobs": request}), env=env,
+                                cwd=root, capture_output=True, text=True, timeout=timeout_s * max(len(jobs), 1))
     except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{engine}: no answer within {timeout_s:g} s") from exc
+        raise RuntimeError(f"{engine}: no answer within {timeout_s * max(len(jobs), 1):g} s") from exc
     if result.returncode != 0:
         tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"{engine}: child exited {result.returncode}: {tail}")
-    data = json.loads(result.stdout.strip().splitlines()[-1])
-    return EngineRun(**{f.name: data[f.name] for f in dataclasses.fields(EngineRun)})
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    return [EngineRun(**{f.name: a[f.name] for f in dataclasses.fields(EngineRun)}) if "error" not in a
+            else f"{engine}: {a['error']}" for a in answers]
 
 
 def _child() -> int:
     request = json.loads(sys.stdin.read())
-    creds = Credentials(os.environ[ENV_ACCESS_KEY], os.environ[ENV_SECRET_KEY], os.environ.get(ENV_REGION, "us-east-1"))
-    run = fetch(request["engine"], request["endpoint"], request["bucket"], [tuple(s) for s in request["sizes"]],
-                creds, request["threads"], request["part_size"])
-    print(json.dumps(run.to_json()), flush=True)
+    answers = []
+    for n, job in enumerate(request["jobs"]):
+        creds = Credentials(os.environ[f"{ENV_ACCESS_KEY}_{n}"], os.environ[f"{ENV_SECRET_KEY}_{n}"], job["region"])
+        try:
+            run = fetch(request["engine"], job["endpoint"], job["bucket"], [tuple(s) for s in job["sizes"]],
+                        creds, job["threads"], job["part_size"])
+            answers.append(run.to_json())
+        except Exception as exc:  # one job's failure is its answer; the other jobs still run
+            answers.append({"error": f"{type(exc).__name__}: {exc}"})
+    print(json.dumps(answers), flush=True)
     return 0
 
 

@@ -221,3 +221,15 @@ def test_quick_and_full_sets_choose_their_defaults_and_bad_options_are_refused(c
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
     assert "curl" in capsys.readouterr().err
+
+
+def test_a_failing_job_is_its_error_text_and_the_others_still_run() -> None:
+    # No server is needed: the first job is refused before any request (threads=0), the second has
+    # nothing to fetch. One child runs both; the first's failure does not stop the second.
+    creds = engines.Credentials("AKID", "never-in-a-message-0123456789")
+    bad = engines.Job("http://127.0.0.1:1", "bucket", [("key", 1024)], creds, threads=0)
+    empty = engines.Job("http://127.0.0.1:1", "bucket", [], creds)
+    first, second = engines.measure_jobs("obstore", [bad, empty])
+    assert isinstance(first, str) and first.startswith("obstore: ValueError") and "threads (0)" in first
+    assert creds.secret_key not in first
+    assert isinstance(second, engines.EngineRun) and second.bytes == 0 and second.requests == 0
