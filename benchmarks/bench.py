@@ -36,7 +36,7 @@ N-reader epochs, and the hit ratio of epochs over a dataset twice the disk tier.
 
 Every figure is the median of the rounds; every raw sample is kept. A limit that a tool beats by
 more than ``analysis.LIMIT_NOISE`` is a bug of the benchmark and is reported as one. Results go to
-``--out`` as results.json, results.md and results.png.
+``--out`` as results.json, results.md and results.png (``benchmarks.report``).
 
 Run: make bench [BENCH_ARGS="--size 256MiB --files 500 --rounds 1"]
  or: .venv/bin/python -m benchmarks.bench --help
