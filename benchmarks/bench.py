@@ -628,8 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.monotonic()
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachefs-bench-", dir=args.workdir)))
-        server = stack.enter_context(SeaweedS3())
-        cluster = None if args.no_cluster or "cachefs" not in args.tool_names else stack.enter_context(SeaweedS3())
+        server = SeaweedS3()
+        stack.enter_context(server)
+        cluster = None if args.no_cluster or "cachefs" not in args.tool_names else SeaweedS3()
+        if cluster is not None:
+            stack.enter_context(cluster)
         disk = DISK_SLACK * (args.size + args.files * args.file_size) + 256 * MiB
         tools = [TOOLS[name](server, BUCKET, work, ram_bytes=args.ram_cache, disk_bytes=disk) for name in args.tool_names]
         bench = Bench(args, server, cluster, work)
