@@ -7,8 +7,9 @@ rounds. Each round:
 1. samples how quiet the machine is (load average; the CPU others used while the harness idled
    for ``QUIET_WINDOW_S``) and warns loudly when it was not (``analysis.quiet_warnings``);
 2. measures the limits, the raw GET engines in an order that turns each round
-   (``benchmarks.engines``: aiohttp, boto3 threads, obstore, awscrt, each on the same objects with
-   the same part size and requests in flight), a local-disk read and a page-cache read;
+   (``benchmarks.engines``: the daemon's store path, aiohttp, boto3 threads, obstore, awscrt,
+   each on the same objects with the same part size and requests in flight), a local-disk read
+   and a page-cache read;
 3. measures each scenario on every tool, the tools in an order that turns each round
    (``analysis.rotation``), scenario after scenario, so that the tools of one scenario run minutes
    apart, not a whole round apart.

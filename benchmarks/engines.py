@@ -5,8 +5,10 @@ client's rate but the fastest of several engines, each given the same work (the 
 same part size, the same number of requests in flight) on the same server in the same run:
 
   engine    what it is                                            how it runs here
-  aiohttp   the daemon's own store path (``S3ObjectStore.get_range``: presigned URLs on aiohttp,
-            one asyncio loop), what cachefs used when this was written
+  daemon    cachefs's own store path, ``S3ObjectStore.get_range``, whatever it is built on (at
+            a115150: presigned URLs on aiohttp, one asyncio loop), without FUSE or the tiers
+  aiohttp   aiohttp alone: GETs on presigned URLs (botocore's presigner, inside the span), a 4 MiB
+            read buffer, ``threads`` in flight on one asyncio loop
   boto3     boto3/botocore (urllib3) ``get_object`` with a ``Range``, in ``threads`` Python threads,
             each part received with ``readinto`` into the thread's own preallocated buffer
   obstore   obstore (Rust object_store; releases the GIL) ``get_range`` in ``threads`` threads
@@ -18,9 +20,9 @@ A big object is fetched as ``part_size`` ranged GETs (``threads`` in flight); ob
 away. Each engine reports bytes, wall seconds, the CPU seconds of the process over the span
 (``time.process_time``: every thread, native ones included) and the CPU of its busiest thread.
 
-The benchmark runs each engine in its own child process (``measure``): a clean CPU account, no
-threads or event loops left over from the engine before, and an engine that crashes or hangs costs
-one row, not the run. ``fetch`` is the in-process call for anyone who wants a figure from Python
+The benchmark runs each engine in its own child process (``measure_jobs``: one per engine and
+round, for all of the round's objects): a clean CPU account, no threads or event loops left over
+from another engine, and an engine that crashes or hangs costs one row, not the run. ``fetch`` is the in-process call for anyone who wants a figure from Python
 (``get_object_timed`` for one object). Credentials travel in the environment, never in argv.
 
   .venv/bin/python -m benchmarks.engines --engine boto3 --endpoint URL --bucket B --key K [--threads 8]
@@ -51,13 +53,17 @@ GiB = 1024 * MiB
 # loopback server without queueing on the GIL more than they fetch).
 DEFAULT_THREADS = 8
 DEFAULT_PART_SIZE = 8 * MiB
-ENGINES = ("aiohttp", "boto3", "obstore", "awscrt")
+ENGINES = ("daemon", "aiohttp", "boto3", "obstore", "awscrt")
 # A child engine run that takes longer than this is stuck, not slow (1 GiB at 10 MiB/s is 100 s).
 CHILD_TIMEOUT_S = 300.0
 # The awscrt client aims its parallelism at this many Gbit/s; with part_size it sets how many parts
 # it keeps in flight. 10 is the CRT's own example for a big instance; here threads and the
 # loopback server are the bound anyway.
 CRT_TARGET_GBPS = 10.0
+# aiohttp's read buffer: the daemon's (64 KiB, the default, pauses the socket every 128 KiB).
+AIOHTTP_READ_BUFFER = 4 * 1024 * 1024
+# The presigned URLs of the aiohttp engine are used at once; a few minutes covers any run.
+PRESIGN_EXPIRES_S = 600
 ENV_ACCESS_KEY = "BENCH_ENGINE_ACCESS_KEY"
 ENV_SECRET_KEY = "BENCH_ENGINE_SECRET_KEY"
 
@@ -112,7 +118,7 @@ class EngineUnavailable(RuntimeError):
 
 def unavailable_reason(engine: str) -> str | None:
     """None when ``engine`` can run here, else why not."""
-    module = {"aiohttp": "aiohttp", "boto3": "boto3", "obstore": "obstore", "awscrt": "awscrt.s3"}.get(engine)
+    module = {"daemon": "tiering.objectstore.s3", "aiohttp": "aiohttp", "boto3": "boto3", "obstore": "obstore", "awscrt": "awscrt.s3"}.get(engine)
     if module is None:
         return f"unknown engine {engine!r} (known: {', '.join(ENGINES)})"
     try:
@@ -148,6 +154,8 @@ def _threaded(clock: _Clock, parts: list[tuple[str, int, int]], threads: int,
     local = threading.local()
 
     def one(part: tuple[str, int, int]) -> int:
+        if part[1] == part[2]:
+            return 0  # an empty object: nothing to request
         fetch = getattr(local, "fetch", None)
         if fetch is None:
             fetch = local.fetch = make()
@@ -241,8 +249,8 @@ def _awscrt(clock: _Clock, endpoint: str, bucket: str, creds: Credentials, parts
     return received[0], snapshot
 
 
-def _aiohttp(clock: _Clock, endpoint: str, bucket: str, creds: Credentials, parts: list[tuple[str, int, int]],
-        threads: int, part_size: int) -> tuple[int, dict[tuple[int, int], float]]:
+def _daemon(clock: _Clock, endpoint: str, bucket: str, creds: Credentials, parts: list[tuple[str, int, int]],
+            threads: int, part_size: int) -> tuple[int, dict[tuple[int, int], float]]:
     from tiering.objectstore.s3 import S3ObjectStore
 
     environ = {"AWS_ACCESS_KEY_ID": creds.access_key, "AWS_SECRET_ACCESS_KEY": creds.secret_key,
@@ -267,14 +275,52 @@ def _aiohttp(clock: _Clock, endpoint: str, bucket: str, creds: Credentials, part
     return total, procstat.thread_cpu(os.getpid())
 
 
-_RUNNERS = {"aiohttp": _aiohttp, "boto3": _boto3, "obstore": _obstore, "awscrt": _awscrt}
+def _aiohttp(clock: _Clock, endpoint: str, bucket: str, creds: Credentials, parts: list[tuple[str, int, int]],
+             threads: int, part_size: int) -> tuple[int, dict[tuple[int, int], float]]:
+    import aiohttp
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=creds.access_key, aws_secret_access_key=creds.secret_key,
+        region_name=creds.region, config=Config(s3={"addressing_style": "path"}, signature_version="s3v4"))
+
+    async def go() -> int:
+        connector = aiohttp.TCPConnector(limit=threads * 2)
+        async with aiohttp.ClientSession(connector=connector, read_bufsize=AIOHTTP_READ_BUFFER) as session:
+            slots = asyncio.Semaphore(threads)
+            clock.start()
+
+            async def one(key: str, start: int, end: int) -> int:
+                if start == end:
+                    return 0
+                async with slots:
+                    url = client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": key},
+                                                        ExpiresIn=PRESIGN_EXPIRES_S)
+                    async with session.get(url, headers={"Range": f"bytes={start}-{end - 1}"}) as response:
+                        if response.status not in (200, 206):
+                            raise RuntimeError(f"GET {key} [{start}, {end}): HTTP {response.status}")
+                        n = 0
+                        async for chunk in response.content.iter_chunked(AIOHTTP_READ_BUFFER):
+                            n += len(chunk)
+                        return n
+            return sum(await asyncio.gather(*(one(*p) for p in parts)))
+
+    try:
+        total = asyncio.run(go())
+    finally:
+        client.close()
+    return total, procstat.thread_cpu(os.getpid())
+
+
+_RUNNERS = {"daemon": _daemon, "aiohttp": _aiohttp, "boto3": _boto3, "obstore": _obstore, "awscrt": _awscrt}
 
 
 def fetch(engine: str, endpoint: str, bucket: str, sizes: Sequence[tuple[str, int]], credentials: Credentials,
           threads: int = DEFAULT_THREADS, part_size: int = DEFAULT_PART_SIZE) -> EngineRun:
     """Fetch every object of ``sizes`` ((key, size) pairs) with ``engine`` in this process, timed.
 
-    ``EngineUnavailable`` if its library is missing; a short read is a ``RuntimeError``. (The aiohttp
+    ``EngineUnavailable`` if its library is missing; a short read is a ``RuntimeError``. (The daemon
     engine HEADs each object for its ETag before the span: its ``get_range`` needs it, and the daemon
     has it from the listing.) Building the client is not timed either.
     """

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.fuse, pytest.mark.s3, pytest.mark.timeout(360)]
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = ["cachefs", "rclone", "s3fs"]
-ENGINES = ["aiohttp", "boto3", "obstore", "awscrt"]
+ENGINES = ["daemon", "aiohttp", "boto3", "obstore", "awscrt"]
 FIGURES = ["cold_read", "warm_read", "disk_tier_read", "small_cold", "small_warm", "list_cold", "list_warm",
            "write_close", "drain", "write_to_store", "peak_rss", "epoch_1r", "epoch_nr"]
 # Issue 15: an announced order and the hit-ratio run exist for cachefs only (the peers cannot be told);
