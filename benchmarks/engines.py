@@ -162,7 +162,9 @@ def _threaded(clock: _Clock, parts: list[tuple[str, int, int]], threads: int,
         return fetch(*part)
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        list(pool.map(lambda _: None, range(threads)))  # the threads exist before the clock starts
+        # Every thread exists before the clock starts: each of these waits until all have started.
+        barrier = threading.Barrier(threads)
+        list(pool.map(lambda _: barrier.wait(), range(threads)))
         clock.start()
         total = sum(pool.map(one, parts))
         snapshot = procstat.thread_cpu(os.getpid())  # before the pool's threads exit
