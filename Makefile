@@ -12,7 +12,7 @@ PY     := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 PYTEST_FLAGS ?= -q -p no:cacheprovider -ra --strict-markers -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: all setup demo test pytest lint-imports typecheck docs bench bench-cluster clean help
+.PHONY: all setup demo test pytest lint-imports typecheck docs bench bench-full bench-cluster clean help
 
 all: test
 
@@ -23,8 +23,9 @@ help:
 	@echo "make lint-imports  the import-layer contracts only"
 	@echo "make typecheck     mypy over the product packages only"
 	@echo "make docs          the documentation site (mkdocs, strict) into site/"
-	@echo "make bench         cachefs vs rclone mount vs s3fs-fuse on a local SeaweedFS (root; ~1 h;"
-	@echo "                   BENCH_ARGS=\"--size 256MiB --files 1000 --runs 1\" for a short one); see docs/benchmarks.md"
+	@echo "make bench         cachefs vs rclone mount vs s3fs-fuse vs raw GET engines on a local SeaweedFS"
+	@echo "                   (<= 15 min on 2 cores; BENCH_ARGS=\"--size 256MiB --rounds 1\" for a short one); docs/benchmarks.md"
+	@echo "make bench-full    every figure: 10,000-file epochs, listing, writes, hit ratio, then a 4-node cluster (~1 h)"
 	@echo "make bench-cluster 4 nodes, one dataset, a throttled source and a shared cluster tier (root;"
 	@echo "                   BENCH_CLUSTER_ARGS=\"--size 256MiB\"); results in bench-results/cluster.{json,md}"
 	@echo "make clean         remove $(VENV), build outputs and caches"
@@ -68,10 +69,18 @@ docs: setup
 
 # The side-by-side benchmark (benchmarks/bench.py): not part of `make test` (its smoke test is).
 # setup.sh --bench also checks that the peers (rclone, s3fs) run; results go to bench-results/.
+# `make bench` is the quick set (<= 15 min on 2 cores); `make bench-full` the hour-long figures
+# (10,000-file epochs, listing, writes, hit ratio beyond the disk tier) and the 4-node cluster.
 BENCH_ARGS ?=
+BENCH_FULL_ARGS ?=
 bench:
 	bash scripts/setup.sh --bench
 	$(PY) -m benchmarks.bench $(BENCH_ARGS)
+
+bench-full:
+	bash scripts/setup.sh --bench
+	$(PY) -m benchmarks.bench --set full --out bench-results/full $(BENCH_FULL_ARGS)
+	$(PY) -m benchmarks.cluster --nodes 4 --out bench-results/full $(BENCH_CLUSTER_ARGS)
 
 # The shared cluster tier's benchmark (benchmarks/cluster.py): two local SeaweedFS, one behind a
 # throttled proxy; not part of `make test` (its smoke test is).

@@ -1,146 +1,102 @@
-"""The side-by-side benchmark: cachefs, rclone mount and s3fs-fuse on one SeaweedFS, next to their limits.
+"""The side-by-side benchmark: cachefs, rclone mount and s3fs-fuse on one SeaweedFS, next to true limits.
 
-One run starts SeaweedFS on 127.0.0.1, uploads the datasets (one large object, ``--files`` small ones
-in one directory), and then, ``--runs`` times, measures the limits and every tool:
+One run starts SeaweedFS on 127.0.0.1 (and a second one as the cluster tier's store), uploads the
+datasets (one large object, ``--files`` small ones in one directory), then runs ``--rounds``
+rounds. Each round:
 
-  figure           what is timed                                         limit (same run, same bytes)
-  cold_read        first read of the large object, fresh cache, page      raw parallel ranged GET
-                   cache dropped                                          (common.raw_parallel_get)
-  warm_read        second read, same mount                                page cache (local file, 2nd read)
-  disk_tier_read   remount on the same cache dir, page cache dropped      local-disk read, cache dropped
-  small_cold/warm  open + read + close every small file, fresh mount;     the same files on local disk
-                   then again                                             (cold: cache dropped; warm)
-  list_cold/warm   os.scandir + stat of the small-file directory, fresh   the same on a local directory
-                   mount; then again
-  write_close      write the large file through the mount, close          local write + fsync + close
-  drain            from close until the object is in the store (HEAD      raw boto3 multipart upload
-                   poll; cachefs: `cachefs flush` first)
-  write_to_store   write_close + drain: when the bytes are in the bucket  raw boto3 multipart upload
-  peak_rss         VmHWM of the daemon, max over its mounts in a run      RAM tier + RSS_HEADROOM_MIB
-  cold_read_cpu    daemon CPU (user + system, /proc/PID/stat) over the    the raw parallel GET's own CPU
-                   cold read, seconds per GiB (lower is better)           (same fetch code, no FUSE)
-  epoch_1r/_nr     the small files in one shuffled order, whole, fresh    raw parallel small GET
-                   mount, 1 and --epoch-readers threads (DataLoader        (16 in flight, files/s)
-                   workers); cachefs also with the order announced
-                   (``cachefs.loader``, issue 15; peers cannot be told)
-  epoch_1r_cpu     daemon CPU per file of the 1-reader epochs (ms)        the raw small GET's own CPU
-  hit_lru/_order   cachefs only: a disk tier half the small-file          the share of the dataset the
-                   dataset, --epochs shuffled epochs on one mount, not    disk tier holds
-                   told (LRU) vs each epoch announced: the share of the
-                   files of epochs 2.. served without a GET
-                   (benchmarks/epochs.py)
+1. samples how quiet the machine is (load average; the CPU others used while the harness idled
+   for ``QUIET_WINDOW_S``) and warns loudly when it was not (``analysis.quiet_warnings``);
+2. measures the limits, the raw GET engines in an order that turns each round
+   (``benchmarks.engines``: the daemon's store path, aiohttp, boto3 threads, obstore, awscrt,
+   each on the same objects with the same part size and requests in flight), a local-disk read
+   and a page-cache read;
+3. measures each scenario on every tool, the tools in an order that turns each round
+   (``analysis.rotation``), scenario after scenario, so that the tools of one scenario run minutes
+   apart, not a whole round apart.
 
-Every figure is a median over the runs; all raw samples are kept. Tool order rotates between runs
-so that no tool always runs on a machine warmed by another. A tool that cannot be started is
-reported as "unavailable: reason", not a crash. Results go to ``--out`` as results.json,
-results.md and results.png (each figure normalised to its limit, one bar per tool).
+Scenarios of ``--set quick`` (``make bench``, <= 15 minutes on 2 cores) and their limits:
 
-Run: make bench [BENCH_ARGS="--size 256MiB --files 1000 --runs 1"]
+  figure            what is timed                                 limit (same round, same bytes)
+  cold_read         first read of the large object, fresh mount   the fastest raw GET engine, 8 MiB
+                    and cache                                     ranges, --threads in flight
+  warm_read         second read, same mount                       page cache: a local copy, 2nd read
+  disk_tier_read    remount on the same cache dir, the cache      local-disk read of a local copy,
+                    dir's pages dropped (fadvise DONTNEED)        its pages dropped the same way
+  epoch_1r          the small files whole, one shuffled order,    the fastest raw small GET engine
+                    1 reader, fresh mount                         (one GET per file, 16 in flight)
+  epoch_1r_ann.     cachefs: the same with the order announced    the same
+  cluster_read      cachefs: a fresh node reads the large object  the fastest raw GET engine on the
+                    from the cluster tier (filled once, before)   cluster store's block objects
+  peak_rss          VmHWM of the tool's processes, per round      RAM tier + RSS_HEADROOM_MIB
+
+For every figure and tool the CPU of the tool's processes (cachefs: the daemon and its children;
+rclone, s3fs: their process) over the timed span is kept, per GiB (per file, in ms, for the small
+files), and the CPU of its busiest thread (``benchmarks.procstat``). ``--set full`` (``make
+bench-full``) adds the long figures: small files by name cold and warm, listing, write + drain,
+N-reader epochs, and the hit ratio of epochs over a dataset twice the disk tier.
+
+Every figure is the median of the rounds; every raw sample is kept. A limit that a tool beats by
+more than ``analysis.LIMIT_NOISE`` is a bug of the benchmark and is reported as one. Results go to
+``--out`` as results.json, results.md and results.png (``benchmarks.report``).
+
+Run: make bench [BENCH_ARGS="--size 256MiB --files 500 --rounds 1"]
  or: .venv/bin/python -m benchmarks.bench --help
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import datetime
-import json
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import epochs  # noqa: E402
+from benchmarks import analysis, engines, epochs, procstat  # noqa: E402
+from benchmarks.report import FIGURE_BY_KEY, RSS_HEADROOM_MIB, markdown, summarise, write_results  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    MiB, drop_page_cache, peak_rss_mib, raw_multipart_upload, raw_parallel_get_cost, read_mib_s, read_seconds,
-    wait_stored, write_seconds,
+    MiB, drop_page_cache, raw_multipart_upload, read_mib_s, read_seconds, wait_stored, write_seconds,
 )
 from benchmarks.peers import PART_SIZE, PARTS_IN_FLIGHT, TOOLS, CachefsTool, PeerError, Tool  # noqa: E402
-from tests.support.s3servers import SeaweedS3  # noqa: E402
+from cachefs.client import call  # noqa: E402
+from tests.support.s3servers import REGION, SeaweedS3  # noqa: E402
 from tiering.blocks import DEFAULT_BLOCK_SIZE  # noqa: E402
 from tiering.units import format_size, parse_size  # noqa: E402
 
-GiB = 1024 * 1024 * 1024
+GiB = 1024 * MiB
 BUCKET = "bench"
 BIG_KEY = "big/big.bin"
 SMALL_DIR = "small"
-# The RSS target: the RAM tier may be full, plus this much for the interpreter, the engine's tables
-# and in-flight buffers (16 fetches of 8 MiB alone are 128 MiB at worst).
-RSS_HEADROOM_MIB = 150
+CLUSTER_BUCKET = "cluster"
+CLUSTER_PREFIX = "cache/"
+CLUSTER_PROFILE = "benchcluster"
 # The disk tier of every tool holds the large file and the small ones of one measurement, with room
 # to spare so that no eviction happens: this measures the data path, not eviction.
 DISK_SLACK = 2
-# The chart's y axis stops here; a bar above it is cut and labelled with its value (one meaningless
-# outlier, like a drain that happened inside close(), would otherwise squash every other bar).
-CHART_CLIP = 20.0
 # Bounds for the drain: a 1 GiB upload on loopback takes seconds; ten minutes means it is stuck.
 DRAIN_TIMEOUT_S = 600.0
+# How long the harness idles before each round to see what others use of the machine: long enough
+# for a few hundred scheduler ticks per CPU, short next to a round.
+QUIET_WINDOW_S = 2.0
+# Small-file engines keep this many GETs in flight: cachefs's fetch slots (a loader's prefetch).
+SMALL_GET_THREADS = 16
+# The cluster tier's write-behind gets this long to reach the cluster store after the seed read.
+CLUSTER_DRAIN_TIMEOUT_S = 300.0
+# Seed reads before giving up on a full cluster store: on a loaded 2-core machine one pass stored
+# 70-90% of a 1 GiB object (the write-behind queue dropped the rest), a second pass the rest.
+CLUSTER_SEED_PASSES = 3
+POLL_S = 0.1
 
 
-@dataclass(frozen=True)
-class Figure:
-    key: str
-    title: str
-    unit: str
-    limit: str
-    higher_is_better: bool = True
-    only: tuple[str, ...] | None = None  # the tools it is measured for (None: all)
-
-
-CACHEFS = ("cachefs",)
-FIGURES = [
-    Figure("cold_read", "cold sequential read", "MiB/s", "raw_get"),
-    Figure("warm_read", "warm re-read", "MiB/s", "page_cache"),
-    Figure("disk_tier_read", "disk-tier read (remount)", "MiB/s", "local_disk_read"),
-    Figure("small_cold", "small files, cold", "files/s", "local_small_cold"),
-    Figure("small_warm", "small files, warm", "files/s", "local_small_warm"),
-    Figure("list_cold", "listing, cold", "entries/s", "local_list_cold"),
-    Figure("list_warm", "listing, warm", "entries/s", "local_list_warm"),
-    Figure("write_close", "write + close", "MiB/s", "local_disk_write"),
-    Figure("drain", "drain (close -> in store)", "MiB/s", "raw_multipart"),
-    Figure("write_to_store", "write -> in store", "MiB/s", "raw_multipart"),
-    Figure("peak_rss", "daemon peak RSS", "MiB", "rss_budget", higher_is_better=False),
-    Figure("cold_read_cpu", "daemon CPU, cold sequential read", "CPU-s/GiB", "raw_get_cpu", higher_is_better=False),
-    Figure("epoch_1r", "shuffled epoch, cold, 1 reader", "files/s", "raw_small_get"),
-    Figure("epoch_1r_announced", "shuffled epoch, cold, 1 reader, order announced", "files/s", "raw_small_get",
-           only=CACHEFS),
-    Figure("epoch_nr", "shuffled epoch, cold, N readers", "files/s", "raw_small_get"),
-    Figure("epoch_nr_announced", "shuffled epoch, cold, N readers, order announced", "files/s", "raw_small_get",
-           only=CACHEFS),
-    Figure("epoch_1r_cpu", "daemon CPU, shuffled epoch, 1 reader", "ms/file", "raw_small_get_cpu",
-           higher_is_better=False),
-    Figure("epoch_1r_announced_cpu", "daemon CPU, shuffled epoch, 1 reader, announced", "ms/file",
-           "raw_small_get_cpu", higher_is_better=False, only=CACHEFS),
-    Figure("hit_lru", "epochs 2x the disk tier: hit ratio, LRU", "share", "disk_fits", only=CACHEFS),
-    Figure("hit_order", "epochs 2x the disk tier: hit ratio, announced", "share", "disk_fits", only=CACHEFS),
-]
-LIMITS = {
-    "raw_get": "raw parallel ranged GET (MiB/s)",
-    "page_cache": "page-cache read of a local file (MiB/s)",
-    "local_disk_read": "local-disk read, page cache dropped (MiB/s)",
-    "local_small_cold": "local small files, page cache dropped (files/s)",
-    "local_small_warm": "local small files, page cache warm (files/s)",
-    "local_list_cold": "local scandir + stat, caches dropped (entries/s)",
-    "local_list_warm": "local scandir + stat, warm (entries/s)",
-    "local_disk_write": "local-disk write + fsync + close (MiB/s)",
-    "raw_multipart": "raw boto3 multipart upload (MiB/s)",
-    "rss_budget": f"RAM tier + {RSS_HEADROOM_MIB} MiB (MiB)",
-    "raw_get_cpu": "CPU of the raw parallel ranged GET (CPU-s/GiB)",
-    "raw_small_get": "raw parallel small GET, 16 in flight (files/s)",
-    "raw_small_get_cpu": "CPU of the raw parallel small GET (ms/file)",
-    "disk_fits": "share of the small-file dataset the hit-ratio run's disk tier holds",
-}
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -172,29 +128,92 @@ def list_pass(directory: Path, expected: int) -> float:
     return n / elapsed
 
 
+def evict(path: Path) -> int:
+    """Drop ``path``'s pages (a file, or every file under a directory) from the page cache.
+
+    Dirty pages are written first (``fdatasync``), since DONTNEED leaves them. Only these files lose
+    their pages: nothing system-wide, no root needed, no other process on the machine disturbed.
+    Returns the number of files.
+    """
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue  # gone, or a socket: nothing cached to drop
+        try:
+            with contextlib.suppress(OSError):
+                os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(files)
+
+
+def timed_read(path: Path, pid: int) -> tuple[float, procstat.Span]:
+    """MiB/s of one sequential read of ``path``, and what the tool ``pid`` spent on it."""
+    meter = procstat.SpanMeter(pid)
+    rate = read_mib_s(path)
+    return rate, meter.stop()
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace, server: SeaweedS3, work: Path) -> None:
+    def __init__(self, args: argparse.Namespace, server: SeaweedS3, cluster: SeaweedS3 | None, work: Path) -> None:
         self.args = args
         self.server = server
+        self.cluster = cluster
         self.work = work
         self.size = args.size
         self.data = b""
         self.names = [f"f{i:05d}.bin" for i in range(args.files)]
         self.small_bytes = args.files * args.file_size
+        self.full = args.set == "full"
         self.hit_rows: list[dict[str, Any]] = []
-        self.samples: dict[str, dict[str, list[float]]] = {}
+        # tool -> figure -> samples ({"round", "value", "cpu", "thread", "loadavg"}).
+        self.samples: dict[str, dict[str, list[dict[str, Any]]]] = {}
         self.limits: dict[str, list[float]] = {}
+        # target ("big", "small", "cluster") -> engine -> one EngineRun (as JSON) per round.
+        self.engine_runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        self.engine_unavailable: dict[str, str] = {}
+        self.rounds: list[dict[str, Any]] = []
         self.errors: dict[str, list[str]] = {}
         self.unavailable: dict[str, str] = {}
-        # --keep-page-cache: drop_caches is system-wide, so a run beside other work (the test suite's
-        # smoke test) must not take every other process's cached pages away.
-        self.can_drop = not args.keep_page_cache
+        self.warnings: list[str] = []
+        self.evicting = not args.keep_page_cache
+        self.cluster_keys: list[tuple[str, int]] = []
+        self.cluster_seed: dict[str, Any] = {}
+        self.cluster_unavailable: str | None = None if cluster is not None else "not asked for (--no-cluster)"
+        self.rss: dict[str, list[float]] = {}
         self.log: list[str] = []
+        # Measurement settings the report shows.
+        self.small_get_threads = SMALL_GET_THREADS
+        self.quiet_window_s = QUIET_WINDOW_S
 
     def say(self, text: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {text}"
         self.log.append(line)
         print(line, flush=True)
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(text)
+        self.say("WARNING: " + text)
+
+    def add(self, tool: str, figure: str, run: int, value: float, span: procstat.Span | None = None,
+            amount: float | None = None) -> None:
+        """One sample; ``amount`` is the GiB (cost per GiB) or files (cost per file, ms) of the span."""
+        fig = FIGURE_BY_KEY[figure]
+        cpu = thread = None
+        if span is not None and amount:
+            scale = 1000.0 if fig.cost == "file" else 1.0
+            cpu, thread = span.cpu_s * scale / amount, span.busiest_thread_s * scale / amount
+        self.samples.setdefault(tool, {}).setdefault(figure, []).append(
+            {"round": run + 1, "value": value, "cpu": cpu, "thread": thread, "loadavg_1m": round(os.getloadavg()[0], 2)})
+        cost = "" if cpu is None else (f" · CPU {cpu:.2f}, busiest thread {thread:.2f} "
+                                       f"{'CPU-ms/file' if fig.cost == 'file' else 'CPU-s/GiB'}")
+        self.say(f"{tool} {figure}: {value:,.1f} {fig.unit}{cost}")
+
+    def credentials(self, server: SeaweedS3) -> engines.Credentials:
+        return engines.Credentials(server.access_key, server.secret_key, REGION)
 
     # -- datasets ---------------------------------------------------------------------------------
 
@@ -220,174 +239,302 @@ class Bench:
         for name, content in items:
             (local / SMALL_DIR / name).write_bytes(content)
         self.server.put_many(BUCKET, ((f"{SMALL_DIR}/{name}", content) for name, content in items))
+        if not self.full:
+            self.data = b""  # only the write figures need the bytes again
         self.say(f"datasets: {format_size(self.size)} object + {args.files} x {format_size(args.file_size)}, "
                  f"uploaded in {time.perf_counter() - begin:.1f} s")
 
+    # -- the cluster tier -------------------------------------------------------------------------
+
+    def cluster_tool(self) -> CachefsTool:
+        assert self.cluster is not None
+        creds = self.work / "cluster-credentials"
+        if not creds.exists():
+            fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(f"[{CLUSTER_PROFILE}]\naws_access_key_id = {self.cluster.access_key}\n"
+                         f"aws_secret_access_key = {self.cluster.secret_key}\n")
+        return CachefsTool(self.server, BUCKET, self.work, ram_bytes=self.args.ram_cache,
+                           disk_bytes=DISK_SLACK * self.size + 256 * MiB,
+                           extra_args=("--cluster-cache", f"s3://{CLUSTER_BUCKET}/{CLUSTER_PREFIX}",
+                                       "--cluster-endpoint-url", self.cluster.endpoint_url,
+                                       "--cluster-profile", CLUSTER_PROFILE),
+                           extra_env={"AWS_SHARED_CREDENTIALS_FILE": str(creds)})
+
+    def seed_cluster(self) -> None:
+        """Fill the cluster store before the rounds: a node reads the large object and its write-behind
+        drains; a full write-behind queue drops blocks (the cluster tier is best effort), so up to
+        ``CLUSTER_SEED_PASSES`` fresh nodes read it again, each storing what the store still lacks."""
+        if self.cluster is None:
+            return
+        try:
+            self.cluster.make_bucket(CLUSTER_BUCKET)
+            for attempt in range(CLUSTER_SEED_PASSES):
+                base = self.work / f"cluster-seed-{attempt}"
+                (base / "mnt").mkdir(parents=True)
+                try:
+                    with self.cluster_tool().mounted(base / "mnt", base / "cache") as m:
+                        read_mib_s(m.path / BIG_KEY)
+                        deadline = time.monotonic() + CLUSTER_DRAIN_TIMEOUT_S
+                        while (section := call(m.path, "/stats")["cluster"])["write_behind"]["depth"] != 0:
+                            if time.monotonic() >= deadline:
+                                raise TimeoutError(f"the cluster write-behind did not drain in {CLUSTER_DRAIN_TIMEOUT_S:g} s")
+                            time.sleep(POLL_S)
+                        self.cluster_seed = section["write_behind"]
+                finally:
+                    shutil.rmtree(base, ignore_errors=True)
+                self.cluster_keys = self.list_cluster()
+                held = sum(s for _, s in self.cluster_keys)
+                self.say(f"cluster store after seed pass {attempt + 1}: {len(self.cluster_keys)} block objects, "
+                         f"{format_size(held)}")
+                if held >= self.size:
+                    break
+            if not self.cluster_keys:
+                raise RuntimeError("the seed reads left no block in the cluster store")
+            if held < self.size:
+                self.warn(f"the cluster store holds {format_size(held)} of the {format_size(self.size)} object after "
+                          f"{CLUSTER_SEED_PASSES} seed reads (write-behind: {self.cluster_seed}); the cluster-tier "
+                          "node reads the rest from the source")
+        except (PeerError, OSError, RuntimeError, TimeoutError, KeyError, subprocess.SubprocessError) as exc:
+            self.cluster_unavailable = f"{type(exc).__name__}: {exc}"
+            self.cluster_keys = []
+            self.warn(f"cluster tier: unavailable: {self.cluster_unavailable}")
+
+    def list_cluster(self) -> list[tuple[str, int]]:
+        assert self.cluster is not None
+        keys: list[tuple[str, int]] = []
+        client = self.cluster.client()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX):
+            keys += [(o["Key"], o["Size"]) for o in page.get("Contents", [])]
+        return keys
+
     # -- limits -----------------------------------------------------------------------------------
 
-    def drop(self) -> None:
-        if not self.can_drop:
-            return
-        if not drop_page_cache():
-            self.can_drop = False
+    def drop_all(self) -> None:
+        """--drop-caches only (root; system-wide): for the full set's cold listing."""
+        if self.args.drop_caches and not drop_page_cache():
+            self.args.drop_caches = False
+            self.warn("--drop-caches: not allowed here (root only); cold listings are measured warm")
 
-    @staticmethod
-    def settle() -> None:
-        """Write back what earlier phases left dirty, so a timed phase does not pay for their disk I/O.
-
-        Every tool gets it at the same points (before the warm re-read and before the write); the
-        limits are measured on a system just as quiet (after a drop, which syncs too).
-        """
-        os.sync()
+    def measure_engines(self, run: int) -> None:
+        """Every engine on every target (the large object, the small files, the cluster blocks), the
+        engines in an order that turns each round; one child process per engine and round."""
+        jobs: dict[str, engines.Job] = {
+            "big": engines.Job(self.server.endpoint_url, BUCKET, [(BIG_KEY, self.size)], self.credentials(self.server),
+                               self.args.threads, DEFAULT_BLOCK_SIZE),
+            "small": engines.Job(self.server.endpoint_url, BUCKET,
+                                 [(f"{SMALL_DIR}/{n}", self.args.file_size) for n in self.names],
+                                 self.credentials(self.server), SMALL_GET_THREADS, DEFAULT_BLOCK_SIZE),
+        }
+        if self.cluster is not None and self.cluster_keys:
+            jobs["cluster"] = engines.Job(self.cluster.endpoint_url, CLUSTER_BUCKET, self.cluster_keys,
+                                          self.credentials(self.cluster), self.args.threads, DEFAULT_BLOCK_SIZE)
+        for name in self.args.engine_names:
+            reason = engines.unavailable_reason(name)
+            if reason and name not in self.engine_unavailable:
+                self.engine_unavailable[name] = reason
+                self.warn(f"engine {name}: unavailable: {reason}")
+        live = [n for n in self.args.engine_names if n not in self.engine_unavailable]
+        for name in analysis.rotation(live, run):
+            try:
+                answers = engines.measure_jobs(name, list(jobs.values()))
+            except (RuntimeError, OSError, ValueError) as exc:
+                answers = [str(exc)] * len(jobs)
+            for target, answer in zip(jobs, answers):
+                if isinstance(answer, str):
+                    self.errors.setdefault(f"engine {name}", []).append(f"round {run + 1}, {target}: {answer}")
+                    self.say(f"engine {name} ({target}): failed: {answer}")
+                    continue
+                self.engine_runs.setdefault(target, {}).setdefault(name, []).append({"round": run + 1, **answer.to_json()})
+        summary = []
+        for target in self.engine_runs:
+            for name, runs in self.engine_runs[target].items():
+                last = runs[-1]
+                if last["round"] == run + 1:
+                    rate = f"{last['mib_s']:.0f} MiB/s" if target != "small" else f"{last['requests_s']:.0f} files/s"
+                    summary.append(f"{target}/{name} {rate} {last['cpu_s_per_gib']:.2f} CPU-s/GiB")
+        self.say("engines: " + ", ".join(summary))
 
     def measure_limits(self, run: int) -> None:
         local = self.work / "local"
         add = lambda key, value: self.limits.setdefault(key, []).append(value)  # noqa: E731
-        self.drop()
+        self.measure_engines(run)
+        if self.evicting:
+            evict(local / "big.bin")
         add("local_disk_read", read_mib_s(local / "big.bin"))
         read_mib_s(local / "big.bin")
         add("page_cache", read_mib_s(local / "big.bin"))
-        scratch = self.work / "local-write.bin"
-        add("local_disk_write", self.size / write_seconds(scratch, self.data, fsync=True) / MiB)
-        scratch.unlink()
-        rate, cpu, total = asyncio.run(raw_parallel_get_cost(self.server, BUCKET, "", [BIG_KEY], DEFAULT_BLOCK_SIZE))
-        add("raw_get", rate)
-        add("raw_get_cpu", cpu / (total / GiB))
-        rate, cpu, total = asyncio.run(raw_parallel_get_cost(self.server, BUCKET, SMALL_DIR + "/", self.names,
-                                                             DEFAULT_BLOCK_SIZE))
-        add("raw_small_get", rate * MiB / self.args.file_size)
-        add("raw_small_get_cpu", cpu * 1000 / len(self.names))
-        add("disk_fits", min(1.0, self.hit_disk_bytes() / self.small_bytes))
-        key = f"raw/multipart-{run}.bin"
-        seconds = raw_multipart_upload(self.server, BUCKET, key, self.data, part_size=PART_SIZE, parallel=PARTS_IN_FLIGHT)
-        add("raw_multipart", self.size / seconds / MiB)
-        self.server.delete(BUCKET, key)
-        paths = [local / SMALL_DIR / name for name in self.names]
-        self.drop()
-        add("local_list_cold", list_pass(local / SMALL_DIR, len(self.names)))
-        add("local_list_warm", list_pass(local / SMALL_DIR, len(self.names)))
-        self.drop()
-        add("local_small_cold", small_pass(paths, self.args.file_workers))
-        add("local_small_warm", small_pass(paths, self.args.file_workers))
         add("rss_budget", self.args.ram_cache / MiB + RSS_HEADROOM_MIB)
+        if self.full:
+            scratch = self.work / "local-write.bin"
+            add("local_disk_write", self.size / write_seconds(scratch, self.data, fsync=True) / MiB)
+            scratch.unlink()
+            key = f"raw/multipart-{run}.bin"
+            seconds = raw_multipart_upload(self.server, BUCKET, key, self.data, part_size=PART_SIZE,
+                                           parallel=PARTS_IN_FLIGHT)
+            add("raw_multipart", self.size / seconds / MiB)
+            self.server.delete(BUCKET, key)
+            add("disk_fits", min(1.0, self.hit_disk_bytes() / self.small_bytes))
+            paths = [local / SMALL_DIR / name for name in self.names]
+            self.drop_all()
+            add("local_list_cold", list_pass(local / SMALL_DIR, len(self.names)))
+            add("local_list_warm", list_pass(local / SMALL_DIR, len(self.names)))
+            if self.evicting:
+                evict(local / SMALL_DIR)
+            add("local_small_cold", small_pass(paths, self.args.file_workers))
+            add("local_small_warm", small_pass(paths, self.args.file_workers))
         self.say("limits: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in self.limits.items()))
 
-    # -- one tool, one run ------------------------------------------------------------------------
+    # -- the scenarios, one tool at a time ----------------------------------------------------------
 
-    def measure_tool(self, tool: Tool, run: int) -> None:
-        got: dict[str, float] = {}
-        rss: list[float] = []
-        base = self.work / f"{tool.name}-{run}"
-        mnt = base / "mnt"
+    def note_rss(self, tool: str, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.rss.setdefault(tool, []).append(procstat.tree_peak_rss_mib(pid))
+
+    def big_file(self, tool: Tool, run: int) -> None:
+        """Cold read, warm re-read, then a remount on the same cache dir (its pages dropped): disk tier."""
+        base = self.work / f"{tool.name}-{run}-big"
+        mnt, cache = base / "mnt", base / "cache"
         mnt.mkdir(parents=True)
+        gib = self.size / GiB
+        try:
+            with tool.mounted(mnt, cache) as m:
+                rate, span = timed_read(mnt / BIG_KEY, m.pid)
+                self.add(tool.name, "cold_read", run, rate, span, gib)
+                os.sync()  # the cold pass's cache-file write-out is not the warm read's to pay
+                rate, span = timed_read(mnt / BIG_KEY, m.pid)
+                self.add(tool.name, "warm_read", run, rate, span, gib)
+                self.note_rss(tool.name, m.pid)
+            if self.evicting:
+                evict(cache)
+            with tool.mounted(mnt, cache) as m:
+                rate, span = timed_read(mnt / BIG_KEY, m.pid)
+                self.add(tool.name, "disk_tier_read", run, rate, span, gib)
+                self.note_rss(tool.name, m.pid)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
 
-        def note_rss(pid: int) -> None:
-            rss.append(peak_rss_mib(pid))
-
-        # 1-3: the large object: cold, warm, then from the disk tier after a remount.
-        cache = base / "cache-read"
-        self.drop()
-        with tool.mounted(mnt, cache) as m:
-            cpu = epochs.process_cpu_s(m.pid)
-            got["cold_read"] = read_mib_s(mnt / BIG_KEY)
-            got["cold_read_cpu"] = (epochs.process_cpu_s(m.pid) - cpu) / (self.size / GiB)
-            self.settle()
-            got["warm_read"] = read_mib_s(mnt / BIG_KEY)
-            note_rss(m.pid)
-        self.drop()
-        with tool.mounted(mnt, cache) as m:
-            got["disk_tier_read"] = read_mib_s(mnt / BIG_KEY)
-            note_rss(m.pid)
-        shutil.rmtree(cache, ignore_errors=True)
-
-        # 5: listing (before the small-file pass, which would warm the metadata).
-        cache = base / "cache-list"
-        self.drop()
-        with tool.mounted(mnt, cache) as m:
-            got["list_cold"] = list_pass(mnt / SMALL_DIR, len(self.names))
-            got["list_warm"] = list_pass(mnt / SMALL_DIR, len(self.names))
-            note_rss(m.pid)
-        shutil.rmtree(cache, ignore_errors=True)
-
-        # 4: small files, by name (as a data loader with a file list does).
-        cache = base / "cache-small"
-        self.drop()
-        with tool.mounted(mnt, cache) as m:
-            paths = [mnt / SMALL_DIR / name for name in self.names]
-            got["small_cold"] = small_pass(paths, self.args.file_workers)
-            got["small_warm"] = small_pass(paths, self.args.file_workers)
-            note_rss(m.pid)
-        shutil.rmtree(cache, ignore_errors=True)
-
-        # 4b: shuffled epochs (issue 15), each on a fresh mount.
-        got.update(self.measure_epochs(tool, base, mnt))
-        if tool.name == "cachefs":
-            got.update(self.measure_hit_ratio(tool, run))
-
-        # 6: write the large file and wait for it to be in the store.
-        cache = base / "cache-write"
-        key = f"written-{tool.name}-{run}.bin"
-        client = self.server.client()
-        self.settle()
-        with tool.mounted(mnt, cache) as m:
-            wrote = write_seconds(mnt / key, self.data, fsync=False)
-            start = time.perf_counter()
-            tool.settle(m, DRAIN_TIMEOUT_S)
-            wait_stored(client, BUCKET, key, self.size, DRAIN_TIMEOUT_S)
-            drained = time.perf_counter() - start
-            note_rss(m.pid)
-        self.server.delete(BUCKET, key)
-        shutil.rmtree(cache, ignore_errors=True)
-        got["write_close"] = self.size / wrote / MiB
-        got["drain"] = self.size / drained / MiB
-        got["write_to_store"] = self.size / (wrote + drained) / MiB
-
-        # 7: the highest VmHWM of the daemons of this run.
-        got["peak_rss"] = max(rss)
-        shutil.rmtree(base, ignore_errors=True)
-        for key_, value in got.items():
-            self.samples.setdefault(tool.name, {}).setdefault(key_, []).append(value)
-        self.say(f"{tool.name} run {run + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()))
-
-    def measure_epochs(self, tool: Tool, base: Path, mnt: Path) -> dict[str, float]:
-        got: dict[str, float] = {}
+    def epoch_1r(self, tool: Tool, run: int) -> None:
         order = [f"{SMALL_DIR}/{name}" for name in epochs.shuffled(self.names, epochs.SEED)]
         modes = [False, True] if tool.name == "cachefs" else [False]
-        for readers, label in ((1, "1r"), (self.args.epoch_readers, "nr")):
+        readers = [(1, "1r")] + ([(self.args.epoch_readers, "nr")] if self.full else [])
+        for n, label in readers:
             for announce in modes:
                 key = f"epoch_{label}" + ("_announced" if announce else "")
-                cache = base / f"cache-{key}"
-                with tool.mounted(mnt, cache) as m:
-                    rate, cpu_ms = epochs.timed_epoch(mnt, m.pid, order, readers, announce=announce,
-                                                      expected_bytes=self.small_bytes)
-                shutil.rmtree(cache, ignore_errors=True)
-                got[key] = rate
-                if readers == 1:
-                    got[key + "_cpu"] = cpu_ms
-        return got
+                base = self.work / f"{tool.name}-{run}-{key}"
+                (base / "mnt").mkdir(parents=True)
+                try:
+                    with tool.mounted(base / "mnt", base / "cache") as m:
+                        meter = procstat.SpanMeter(m.pid)
+                        rate = epochs.epoch(base / "mnt", order, n, announce=announce, expected_bytes=self.small_bytes)
+                        self.add(tool.name, key, run, rate, meter.stop(), len(order))
+                        self.note_rss(tool.name, m.pid)
+                finally:
+                    shutil.rmtree(base, ignore_errors=True)
+
+    def cluster_read(self, run: int) -> None:
+        base = self.work / f"cluster-node-{run}"
+        (base / "mnt").mkdir(parents=True)
+        try:
+            with self.cluster_tool().mounted(base / "mnt", base / "cache") as m:
+                rate, span = timed_read(m.path / BIG_KEY, m.pid)
+                stats = call(m.path, "/stats")
+                self.add("cachefs", "cluster_read", run, rate, span, self.size / GiB)
+                self.note_rss("cachefs", m.pid)
+            source = stats["object_store"]["bytes_read"]
+            if source > 0:
+                self.warn(f"round {run + 1}: the cluster-tier node read {format_size(source)} from the source "
+                          "(not every block came from the cluster tier)")
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def small_by_name(self, tool: Tool, run: int) -> None:
+        base = self.work / f"{tool.name}-{run}-small"
+        (base / "mnt").mkdir(parents=True)
+        try:
+            self.drop_all()
+            with tool.mounted(base / "mnt", base / "cache") as m:
+                got = list_pass(base / "mnt" / SMALL_DIR, len(self.names))
+                self.add(tool.name, "list_cold", run, got)
+                self.add(tool.name, "list_warm", run, list_pass(base / "mnt" / SMALL_DIR, len(self.names)))
+            with tool.mounted(base / "mnt", base / "cache2") as m:
+                paths = [base / "mnt" / SMALL_DIR / name for name in self.names]
+                for key in ("small_cold", "small_warm"):
+                    meter = procstat.SpanMeter(m.pid)
+                    rate = small_pass(paths, self.args.file_workers)
+                    self.add(tool.name, key, run, rate, meter.stop(), len(paths))
+                self.note_rss(tool.name, m.pid)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+
+    def write(self, tool: Tool, run: int) -> None:
+        base = self.work / f"{tool.name}-{run}-write"
+        (base / "mnt").mkdir(parents=True)
+        key = f"written-{tool.name}-{run}.bin"
+        client = self.server.client()
+        os.sync()
+        try:
+            with tool.mounted(base / "mnt", base / "cache") as m:
+                meter = procstat.SpanMeter(m.pid)
+                wrote = write_seconds(base / "mnt" / key, self.data, fsync=False)
+                span = meter.stop()
+                start = time.perf_counter()
+                tool.settle(m, DRAIN_TIMEOUT_S)
+                wait_stored(client, BUCKET, key, self.size, DRAIN_TIMEOUT_S)
+                drained = time.perf_counter() - start
+                self.note_rss(tool.name, m.pid)
+            self.server.delete(BUCKET, key)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        self.add(tool.name, "write_close", run, self.size / wrote / MiB, span, self.size / GiB)
+        self.add(tool.name, "drain", run, self.size / drained / MiB)
+        self.add(tool.name, "write_to_store", run, self.size / (wrote + drained) / MiB)
 
     def hit_disk_bytes(self) -> int:
         """The hit-ratio run's disk tier: half the small-file dataset (at least two blocks)."""
         return max(self.small_bytes // 2, 2 * DEFAULT_BLOCK_SIZE)
 
-    def measure_hit_ratio(self, tool: Tool, run: int) -> dict[str, float]:
+    def hit_ratio(self, tool: Tool, run: int) -> None:
         """cachefs only: --epochs shuffled epochs over a dataset twice the disk tier, LRU vs announced."""
         narrow = CachefsTool(self.server, BUCKET, self.work, ram_bytes=epochs.SMALL_RAM, disk_bytes=self.hit_disk_bytes())
         relative = [f"{SMALL_DIR}/{name}" for name in self.names]
-        got: dict[str, float] = {}
         for announce, key in ((False, "hit_lru"), (True, "hit_order")):
             base = self.work / f"hit-{key}-{run}"
-            mnt = base / "mnt"
-            mnt.mkdir(parents=True)
-            with narrow.mounted(mnt, base / "cache"):
-                rows = epochs.hit_ratio_run(mnt, relative, self.args.epochs, self.args.epoch_readers,
-                                            announce=announce, expected_bytes=self.small_bytes)
-            shutil.rmtree(base, ignore_errors=True)
+            (base / "mnt").mkdir(parents=True)
+            try:
+                with narrow.mounted(base / "mnt", base / "cache"):
+                    rows = epochs.hit_ratio_run(base / "mnt", relative, self.args.epochs, self.args.epoch_readers,
+                                                announce=announce, expected_bytes=self.small_bytes)
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
             self.hit_rows.append({"run": run + 1, "policy": "announced" if announce else "lru", "epochs": rows})
-            ratio_ = epochs.later_epochs_hit_ratio(rows)
-            if ratio_ is not None:
-                got[key] = ratio_
-        return got
+            later = epochs.later_epochs_hit_ratio(rows)
+            if later is not None:
+                self.add("cachefs", key, run, later)
+
+    # -- rounds -----------------------------------------------------------------------------------
+
+    def quiet_check(self, run: int, own: list[int]) -> None:
+        sample = procstat.quiet_sample(QUIET_WINDOW_S, own)
+        reasons = analysis.quiet_warnings(sample.loadavg[0], sample.foreign_busy, sample.cpus)
+        self.rounds.append({"round": run + 1, "loadavg": list(sample.loadavg), "foreign_busy": sample.foreign_busy,
+                            "quiet": not reasons, "warnings": reasons})
+        self.say(f"round {run + 1}: load average {sample.loadavg}, others used {sample.foreign_busy:.0%} of the CPUs")
+        for reason in reasons:
+            self.warn(f"round {run + 1}: the machine was not quiet: {reason}; rates of this round are lower bounds")
+
+    def guarded(self, tool: Tool, run: int, what: str, step: Any) -> None:
+        """Run one scenario of one tool; a failure is recorded and the run goes on."""
+        if tool.name in self.unavailable:
+            return
+        try:
+            step(tool, run)
+        except (PeerError, OSError, RuntimeError, TimeoutError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+            text = f"round {run + 1}, {what}: {type(exc).__name__}: {exc}"
+            self.errors.setdefault(tool.name, []).append(text + "\n" + traceback.format_exc())
+            self.say(f"{tool.name} {text}")
+            if tool.name not in self.samples:
+                self.unavailable[tool.name] = f"failed in round {run + 1} ({what}): {type(exc).__name__}: {exc}"
 
     def run(self, tools: list[Tool]) -> None:
         for tool in tools:
@@ -396,309 +543,111 @@ class Bench:
                 self.unavailable[tool.name] = reason
                 self.say(f"{tool.name}: unavailable: {reason}")
         live = [t for t in tools if t.name not in self.unavailable]
-        for run in range(self.args.runs):
+        own = [os.getpid()] + [s.pid for s in (self.server, self.cluster) if s is not None and s.pid]
+        cachefs = next((t for t in live if t.name == "cachefs"), None)
+        for run in range(self.args.rounds):
+            self.quiet_check(run, own)
             self.measure_limits(run)
-            order = live[run % len(live):] + live[:run % len(live)] if live else []
-            for tool in order:
-                if tool.name in self.unavailable:
-                    continue
-                try:
-                    self.measure_tool(tool, run)
-                except (PeerError, OSError, RuntimeError, TimeoutError, ValueError, subprocess.SubprocessError) as exc:
-                    text = f"run {run + 1}: {type(exc).__name__}: {exc}"
-                    self.errors.setdefault(tool.name, []).append(text + "\n" + traceback.format_exc())
-                    self.say(f"{tool.name} {text}")
-                    if tool.name not in self.samples:
-                        self.unavailable[tool.name] = f"failed in run {run + 1}: {type(exc).__name__}: {exc}"
-
-
-# -- results ----------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    def read(path: str) -> str | None:
-        try:
-            return Path(path).read_text().strip()
-        except OSError:
-            return None
-
-    mem = read("/proc/meminfo") or ""
-    total = next((int(line.split()[1]) // 1024 for line in mem.splitlines() if line.startswith("MemTotal:")), None)
-    cpu = next((line.split(":", 1)[1].strip() for line in (read("/proc/cpuinfo") or "").splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {
-        "hostname": platform.node(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "mem_total_mib": total,
-        "kernel_settings": {name: read(f"/proc/sys/vm/{name}") for name in
-                            ("dirty_ratio", "dirty_background_ratio", "dirty_expire_centisecs", "swappiness")},
-        "fuse_max_user_bgreq": read("/sys/module/fuse/parameters/max_user_bgreq"),
-    }
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def summarise(bench: Bench, tools: list[Tool], args: argparse.Namespace, started: str) -> dict[str, Any]:
-    med = lambda values: statistics.median(values) if values else None  # noqa: E731
-    limits = {k: med(v) for k, v in bench.limits.items()}
-    medians = {t: {k: med(v) for k, v in figs.items()} for t, figs in bench.samples.items()}
-    names = [t.name for t in tools]
-    figures: dict[str, Any] = {}
-    for fig in FIGURES:
-        title = fig.title.replace("N readers", f"{args.epoch_readers} readers")
-        entry: dict[str, Any] = {"title": title, "unit": fig.unit, "only": list(fig.only or names), "limit": fig.limit, "limit_median": limits.get(fig.limit),
-                                 "higher_is_better": fig.higher_is_better, "tools": {}}
-        for name in names:
-            value = medians.get(name, {}).get(fig.key)
-            entry["tools"][name] = {
-                "median": value,
-                "samples": bench.samples.get(name, {}).get(fig.key, []),
-                "ratio_to_limit": ratio(value, limits.get(fig.limit)),
-                "ratio_to_peers": {peer: ratio(value, medians.get(peer, {}).get(fig.key)) for peer in names if peer != name},
-            }
-        figures[fig.key] = entry
-    return {
-        "started": started,
-        "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "parameters": {"size": args.size, "files": args.files, "file_size": args.file_size, "runs": args.runs,
-                       "tools": names, "ram_cache": args.ram_cache, "file_workers": args.file_workers,
-                       "epoch_readers": args.epoch_readers, "epochs": args.epochs,
-                       "hit_ratio_disk": bench.hit_disk_bytes(), "hit_ratio_ram": epochs.SMALL_RAM},
-        "hit_ratio_runs": bench.hit_rows,
-        "machine": machine_info(),
-        "page_cache_dropped": bench.can_drop,
-        "versions": {t.name: (None if t.name in bench.unavailable else safe_version(t)) for t in tools},
-        "unavailable": bench.unavailable,
-        "errors": bench.errors,
-        "limits": {k: {"median": limits[k], "samples": v, "title": LIMITS[k]} for k, v in bench.limits.items()},
-        "figures": figures,
-        "targets": targets(figures, names),
-    }
-
-
-def safe_version(tool: Tool) -> str:
-    try:
-        return tool.version()
-    except Exception as exc:  # a version string is decoration: never fail a finished run over it
-        return f"? ({type(exc).__name__})"
-
-
-def targets(figures: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
-    """The targets of issue 6, each PASS, MISS or n/a (a figure or a peer is missing)."""
-    def value(fig: str, tool: str = "cachefs") -> float | None:
-        return figures[fig]["tools"].get(tool, {}).get("median")
-
-    def limit(fig: str) -> float | None:
-        return figures[fig]["limit_median"]
-
-    peers = [n for n in names if n != "cachefs"]
-
-    def best_peer(fig: str) -> tuple[str | None, float | None]:
-        found = [(p, value(fig, p)) for p in peers if value(fig, p)]
-        return max(found, key=lambda pv: pv[1]) if found else (None, None)
-
-    out = []
-
-    def check(name: str, measured: float | None, wanted: float, against: str, strict: bool = False) -> None:
-        passed = measured is not None and (measured > wanted if strict else measured >= wanted)
-        status = "n/a" if measured is None else ("PASS" if passed else "MISS")
-        out.append({"target": name, "measured": measured, "wanted": wanted, "against": against, "status": status})
-
-    check("warm re-read >= 0.80x page cache", ratio(value("warm_read"), limit("warm_read")), 0.80, "page_cache")
-    check("cold read >= 0.90x raw GET", ratio(value("cold_read"), limit("cold_read")), 0.90, "raw_get")
-    peer, peer_value = best_peer("cold_read")
-    check("cold read >= 1.5x the faster peer", ratio(value("cold_read"), peer_value), 1.5, peer or "no peer")
-    check("disk-tier read >= 0.80x local-disk read", ratio(value("disk_tier_read"), limit("disk_tier_read")), 0.80,
-          "local_disk_read")
-    peer, peer_value = best_peer("small_warm")
-    check("small files warm >= 2x the faster peer", ratio(value("small_warm"), peer_value), 2.0, peer or "no peer")
-    check("listing warm >= 10x listing cold", ratio(value("list_warm"), value("list_cold")), 10.0, "cachefs list_cold")
-    check("write + close >= 0.5x local-disk write", ratio(value("write_close"), limit("write_close")), 0.5,
-          "local_disk_write")
-    check("drain >= 0.8x raw multipart", ratio(value("drain"), limit("drain")), 0.8, "raw_multipart")
-    rss, budget = value("peak_rss"), limit("peak_rss")
-    # Expressed as budget / RSS so that, like the others, >= 1.0 passes.
-    check(f"daemon RSS <= RAM tier + {RSS_HEADROOM_MIB} MiB", ratio(budget, rss), 1.0, "rss_budget")
-    # Issue 15. "Today's cold rate" is cachefs's own in-order small-file cold read of the same run.
-    check("announced epoch, 1 reader >= 5x the cold small-file rate",
-          ratio(value("epoch_1r_announced"), value("small_cold")), 5.0, "cachefs small_cold")
-    check("announced epoch, 1 reader >= 0.8x raw small GET",
-          ratio(value("epoch_1r_announced"), limit("epoch_1r_announced")), 0.8, "raw_small_get")
-    check("announced epoch, N readers >= 0.8x raw small GET",
-          ratio(value("epoch_nr_announced"), limit("epoch_nr_announced")), 0.8, "raw_small_get")
-    check("announced epoch, 1 reader > not announced", ratio(value("epoch_1r_announced"), value("epoch_1r")), 1.0,
-          "cachefs epoch_1r", strict=True)
-    check("hit ratio, announced > LRU", ratio(value("hit_order"), value("hit_lru")), 1.0, "cachefs hit_lru",
-          strict=True)
-    check("hit ratio, announced >= 0.9x the share that fits", ratio(value("hit_order"), limit("hit_order")), 0.9,
-          "disk_fits")
-    return out
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    if value is None:
-        return "—"
-    return f"{value:,.{digits}f}" if abs(value) < 100_000 else f"{value:,.0f}"
-
-
-def markdown(result: dict[str, Any]) -> str:
-    names = result["parameters"]["tools"]
-    p = result["parameters"]
-    lines = [
-        "# cachefs side-by-side benchmark",
-        "",
-        (f"{result['started']} · {p['runs']} run(s), medians · large file {format_size(p['size'])} · "
-         f"{p['files']} files of {format_size(p['file_size'])} · RAM tier {format_size(p['ram_cache'])} · "
-         f"{result['machine']['cpus']} CPUs, {result['machine']['mem_total_mib']} MiB · kernel {result['machine']['kernel']}"),
-        "",
-    ]
-    for name, reason in result["unavailable"].items():
-        lines.append(f"- **{name}: unavailable: {reason}**")
-    if not result["page_cache_dropped"]:
-        lines.append("- the page cache was not dropped (not root, or --keep-page-cache): cold and disk-tier figures are warm")
-    lines.append("")
-    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
-    header = ["figure", "unit", "limit"] + [f"{n} (x limit)" for n in names] + [f"{a} / {b}" for a, b in pairs]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for fig in result["figures"].values():
-        row = [fig["title"] + ("" if fig["higher_is_better"] else " (lower is better)"), fig["unit"], fmt(fig["limit_median"])]
-        for n in names:
-            t = fig["tools"][n]
-            row.append("—" if t["median"] is None else f"{fmt(t['median'])} ({fmt(t['ratio_to_limit'], 2)}x)")
-        for a, b in pairs:
-            r = fig["tools"][a]["ratio_to_peers"].get(b)
-            row.append("—" if r is None else fmt(r, 2) + "x")
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "## Limits", "", "| limit | median | samples |", "|---|---|---|"]
-    for lim in result["limits"].values():
-        lines.append(f"| {lim['title']} | {fmt(lim['median'])} | {', '.join(fmt(s) for s in lim['samples'])} |")
-    lines += ["", "## Targets (cachefs)", "", "| target | measured | wanted | against | result |", "|---|---|---|---|---|"]
-    for t in result["targets"]:
-        measured = "—" if t["measured"] is None else f"{fmt(t['measured'], 2)}x"
-        lines.append(f"| {t['target']} | {measured} | {t['wanted']}x | {t['against']} | **{t['status']}** |")
-    lines += hit_ratio_markdown(result)
-    lines += ["", ("Notes: drain is the time from close() until the object is in the store; s3fs uploads inside "
-                   "close(), so its drain is only the HEAD check and its upload shows in write + close. "
-                   "Peak RSS is compared with the cachefs budget for every tool (the peers have no RAM tier). "
-                   "CPU figures are the daemon process's user + system time (/proc/PID/stat) over the timed span; "
-                   "their limit is the CPU the harness itself spent on the raw parallel GETs (the engine's fetch "
-                   "code, no FUSE). On a shared machine, ratios measured in one run and CPU per unit of work "
-                   "vary less than the rates."),
-              f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}.", ""]
-    return "\n".join(lines)
-
-
-def hit_ratio_markdown(result: dict[str, Any]) -> list[str]:
-    p = result["parameters"]
-    rows = result.get("hit_ratio_runs") or []
-    if not rows:
-        return []
-    lines = ["", (f"## Epochs over a dataset twice the disk tier (cachefs; disk tier {format_size(p['hit_ratio_disk'])}, "
-                  f"RAM tier {format_size(p['hit_ratio_ram'])}, {p['epoch_readers']} readers)"), "",
-             "Hit ratio: the share of an epoch's files served without a GET. Epoch 1 is cold for both policies.", "",
-             "| run | policy | epoch | files/s | GETs | hit ratio | stalls |", "|---|---|---|---|---|---|---|"]
-    for block in rows:
-        for e in block["epochs"]:
-            lines.append(f"| {block['run']} | {block['policy']} | {e['epoch']} | {fmt(e['files_per_s'])} | {e['gets']} | "
-                         f"{fmt(e['hit_ratio'], 3)} | {e.get('stalls', '—')} |")
-    return lines
-
-
-def chart(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = result["parameters"]["tools"]
-    figs = list(result["figures"].values())
-    fig, ax = plt.subplots(figsize=(14, 6))
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        ys = []
-        for f in figs:
-            r = f["tools"][name]["ratio_to_limit"]
-            if not r:
-                ys.append(float("nan"))  # not measured for this tool (e.g. an announced order: cachefs only)
-                continue
-            ys.append(1 / r if not f["higher_is_better"] else r)
-        xs = [x + (i - (len(names) - 1) / 2) * width for x in range(len(figs))]
-        ax.bar(xs, [min(y, CHART_CLIP) for y in ys], width, label=name)
-        for x, y in zip(xs, ys):
-            if y > CHART_CLIP:  # e.g. s3fs's drain, which happens inside close(): label, do not scale
-                ax.annotate(f"{y:,.0f}x", (x, CHART_CLIP), ha="center", va="bottom", fontsize=7)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(figs)))
-    ax.set_xticklabels([f["title"] + ("\n(limit/value)" if not f["higher_is_better"] else "") for f in figs],
-                       rotation=30, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("figure / its limit (log; 1 = the limit)")
-    ax.set_title(f"cachefs vs peers, normalised to each figure's limit ({result['parameters']['runs']} run(s), medians)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_results(result: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result))
-    chart(result, out / "results.png")
+            order = analysis.rotation(live, run)
+            self.rounds[-1]["order"] = [t.name for t in order]
+            scenarios: list[tuple[str, Any, list[Tool]]] = [("big file", self.big_file, order),
+                                                            ("epoch", self.epoch_1r, order)]
+            if cachefs is not None and self.cluster_keys:
+                scenarios.append(("cluster node", lambda _t, r: self.cluster_read(r), [cachefs]))
+            if self.full:
+                scenarios += [("small files by name", self.small_by_name, order), ("write", self.write, order)]
+                if cachefs is not None:
+                    scenarios.append(("hit ratio", self.hit_ratio, [cachefs]))
+            for what, step, who in scenarios:
+                for tool in who:
+                    self.guarded(tool, run, what, step)
+            for name, values in self.rss.items():
+                if values:
+                    self.add(name, "peak_rss", run, max(values))
+            self.rss = {}
+            self.say(f"round {run + 1} done")
 
 
 # -- entry point ------------------------------------------------------------------------------------
+
+# --set full: the hour-long defaults (issue 25 moved them out of `make bench`).
+FULL_DEFAULTS = {"files": 10_000}
+QUICK_DEFAULTS = {"files": 2_000}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--set", choices=("quick", "full"), default="quick",
+                        help="quick: make bench's scenarios (<= 15 min on 2 cores); full: every figure (an hour)")
     parser.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="the large file (e.g. 1GiB, 8MiB)")
-    parser.add_argument("--files", type=int, default=10_000, help="small files (and listing entries)")
+    parser.add_argument("--files", type=int, default=None,
+                        help=f"small files (default {QUICK_DEFAULTS['files']}; --set full: {FULL_DEFAULTS['files']})")
     parser.add_argument("--file-size", type=parse_size, default=parse_size("100KiB"), help="size of each small file")
-    parser.add_argument("--runs", type=int, default=3, help="runs; each figure is the median")
+    parser.add_argument("--rounds", "--runs", dest="rounds", type=int, default=3, help="rounds; each figure is the median")
     parser.add_argument("--tools", default="cachefs,rclone,s3fs", help="comma-separated, from: " + ",".join(TOOLS))
+    parser.add_argument("--engines", default=",".join(engines.ENGINES),
+                        help="raw GET engines for the limits, from: " + ",".join(engines.ENGINES))
+    parser.add_argument("--threads", type=int, default=engines.DEFAULT_THREADS,
+                        help="requests in flight of the threaded engines on the large object and the cluster blocks")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the cluster-tier node (no second server)")
     parser.add_argument("--ram-cache", type=parse_size, default=parse_size("1GiB"), help="cachefs RAM tier")
-    parser.add_argument("--file-workers", type=int, default=1, help="threads reading small files")
+    parser.add_argument("--file-workers", type=int, default=1, help="threads reading small files by name (full set)")
     parser.add_argument("--epoch-readers", type=int, default=8,
-                        help="threads reading the shuffled epochs besides the 1-reader one (DataLoader workers)")
-    parser.add_argument("--epochs", type=int, default=3, help="shuffled epochs of the hit-ratio run (>= 2)")
+                        help="threads of the N-reader epochs and the hit-ratio run (full set)")
+    parser.add_argument("--epochs", type=int, default=3, help="shuffled epochs of the hit-ratio run (full set, >= 2)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     parser.add_argument("--keep-page-cache", action="store_true",
-                        help="never drop the system's page cache (for runs beside other work; cold figures are then warm)")
+                        help="drop no pages at all (disk-tier and local-disk figures are then warm)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="full set: drop the system's page cache and dentries before the cold listings (root; "
+                             "system-wide, so not beside other work)")
     parser.add_argument("--workdir", type=Path, default=None, help="mounts, caches and local copies (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.files is None:
+        args.files = (FULL_DEFAULTS if args.set == "full" else QUICK_DEFAULTS)["files"]
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     unknown = [t for t in tools if t not in TOOLS]
     if unknown or not tools:
         parser.error(f"--tools: unknown {unknown}; choose from {','.join(TOOLS)}")
-    if (args.size < MiB or args.files < 1 or args.file_size < 128 or args.runs < 1 or args.file_workers < 1
-            or args.epoch_readers < 1 or args.epochs < 2):
-        parser.error("--size >= 1MiB, --files >= 1, --file-size >= 128, --runs >= 1, --file-workers >= 1, "
-                     "--epoch-readers >= 1, --epochs >= 2")
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in names if e not in engines.ENGINES]
+    if bad or not names:
+        parser.error(f"--engines: unknown {bad}; choose from {','.join(engines.ENGINES)}")
+    if (args.size < MiB or args.files < 1 or args.file_size < 128 or args.rounds < 1 or args.file_workers < 1
+            or args.epoch_readers < 1 or args.epochs < 2 or args.threads < 1):
+        parser.error("--size >= 1MiB, --files >= 1, --file-size >= 128, --rounds >= 1, --file-workers >= 1, "
+                     "--epoch-readers >= 1, --epochs >= 2, --threads >= 1")
     args.tool_names = tools
+    args.engine_names = names
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    with tempfile.TemporaryDirectory(prefix="cachefs-bench-", dir=args.workdir) as tmp, SeaweedS3() as server:
-        work = Path(tmp)
+    begin = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachefs-bench-", dir=args.workdir)))
+        server = SeaweedS3()
+        stack.enter_context(server)
+        cluster = None if args.no_cluster or "cachefs" not in args.tool_names else SeaweedS3()
+        if cluster is not None:
+            stack.enter_context(cluster)
         disk = DISK_SLACK * (args.size + args.files * args.file_size) + 256 * MiB
         tools = [TOOLS[name](server, BUCKET, work, ram_bytes=args.ram_cache, disk_bytes=disk) for name in args.tool_names]
-        bench = Bench(args, server, work)
+        bench = Bench(args, server, cluster, work)
         bench.generate()
+        bench.seed_cluster()
         bench.run(tools)
         result = summarise(bench, tools, args, started)
+    result["wall_s"] = round(time.monotonic() - begin, 1)
     write_results(result, args.out)
     print(markdown(result))
-    print(f"results: {args.out / 'results.json'}, {args.out / 'results.md'}, {args.out / 'results.png'}")
+    for w in result["warnings"]:
+        print(f"WARNING: {w}", file=sys.stderr)
+    print(f"results: {args.out / 'results.json'}, {args.out / 'results.md'}, {args.out / 'results.png'} "
+          f"({result['wall_s']:.0f} s)")
     return 0
 
 

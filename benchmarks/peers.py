@@ -168,9 +168,13 @@ class Tool:
 class CachefsTool(Tool):
     name = "cachefs"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.exe = str(Path(sys.executable).parent / "cachefs")
+        # More mount options (the cluster-tier node of benchmarks/bench.py) and their environment.
+        self.extra_args = extra_args
+        self.extra_env = extra_env or {}
 
     def unavailable_reason(self) -> str | None:
         if not os.access(self.exe, os.X_OK):
@@ -183,7 +187,7 @@ class CachefsTool(Tool):
         return package_version()
 
     def _env(self) -> dict[str, str]:
-        return {**clean_env(), **self.server.env()}
+        return {**clean_env(), **self.server.env(), **self.extra_env}
 
     def _cli(self, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
         result = subprocess.run([self.exe, *args], env=self._env(), capture_output=True, text=True, timeout=timeout_s)
@@ -197,7 +201,7 @@ class CachefsTool(Tool):
         self._cli("mount", f"s3://{self.bucket}", str(path), "--endpoint-url", self.server.endpoint_url,
                   "--cache-dir", str(cache_dir), "--ram-cache", f"{self.ram_bytes}B",
                   "--disk-cache", f"{self.disk_bytes}B", "--log-file", str(log),
-                  "--log-level", "WARNING", timeout_s=MOUNT_TIMEOUT_S + 30)
+                  "--log-level", "WARNING", *self.extra_args, timeout_s=MOUNT_TIMEOUT_S + 30)
         pid = None
         try:
             try:

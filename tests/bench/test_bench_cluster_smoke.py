@@ -55,6 +55,10 @@ def test_cluster_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert all(n["daemon_cpu_s"] >= 0 and n["read_s"] > 0 for n in data["per_node"].values())
     for key in ("node1_cold_mib_s", "later_nodes_median_mib_s", "cluster_raw_get_mib_s", "later_nodes_ratio_to_raw_get"):
         assert data[key] > 0, key
+    # The limit is the fastest raw GET engine on the cluster store's blocks (issue 25).
+    runs = data["cluster_raw_get_engines"]
+    assert data["cluster_raw_get_engine"] in runs
+    assert data["cluster_raw_get_mib_s"] == round(max(r["mib_s"] for r in runs.values() if "mib_s" in r), 1)
     down = data["cluster_down"]
     assert down["bytes_verified"] is True and down["read_mib_s"] > 0 and down["source_bytes"] == SIZE
     assert {t["status"] for t in data["targets"]} <= {"PASS", "MISS"} and len(data["targets"]) == 2
