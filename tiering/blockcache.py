@@ -76,6 +76,7 @@ from tiering.pins import PinError, PinLimitError, PinTable, block_keys
 from tiering.protocols import BlockTier, ClusterBlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth, bounded
+from tiering.traffic import CLUSTER, DISK, RAM, SOURCE, ReadTraffic
 from tiering.units import format_size
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,8 @@ class BlockCache:
         self.write_behind = write_behind if write_behind is not None or cluster is None else WriteBehind(cluster)
         self.clock = clock or SystemClock()
         self.stats = EngineStats()
+        # Bytes of reads by the place that answered them (tiering.traffic): what the cache saved.
+        self.traffic = ReadTraffic()
         self.latency: dict[str, LatencyHistogram] = {"get": LatencyHistogram()}
         self.pins = PinTable(lambda ref: object_footprint(ref.key, ref.etag, ref.size, self.block_size))
         self._inflight: dict[BlockKey, asyncio.Future[bytes]] = {}
@@ -241,11 +244,23 @@ class BlockCache:
         if data is not None:
             self.stats.ram_served += 1
             self.ram.stats.hit_bytes += len(data) if wanted is None else wanted
+            self.traffic.served(RAM, len(data) if wanted is None else wanted)
             return data
+        if wanted is None:
+            start, end = block_range(index, ref.size, self.block_size)
+            asked = end - start
+        else:
+            asked = wanted
         fut = self._inflight.get(key)
         if fut is None:
-            return self._start_load(ref, key, wanted=wanted)
+            fut = self._start_load(ref, key, wanted=wanted)
+            self.traffic.waiting(key, asked)
+            return fut
         self.stats.singleflight_joins += 1
+        if fut.done():  # a warm load's block, held until it is on disk: in memory already
+            self.traffic.served(RAM, asked)
+        else:
+            self.traffic.waiting(key, asked)
         return fut
 
     def read_ahead(self, ref: ObjectRef, offset: int, length: int) -> int:
@@ -400,6 +415,7 @@ class BlockCache:
         try:
             data = self.ram.get(key) if self.ram.contains(key) else None
             if data is not None:
+                self.traffic.settle(key, RAM)
                 fut.set_result(data)
                 stored = await self._disk_call("put", self.disk.put, key, data)
                 outcome = WarmOutcome.FROM_RAM if stored else WarmOutcome.NOT_STORED
@@ -408,11 +424,14 @@ class BlockCache:
             else:
                 async with self._slots:
                     data = await self._from_cluster(ref, key, warm=True)
+                    place = CLUSTER
                     if data is None:
                         data = await self._fetch(ref, key, started_at)
                         self._offer_cluster(key, data)
                         self.stats.warm_blocks += 1
                         self.stats.warm_bytes += len(data)
+                        place = SOURCE
+                    self.traffic.settle(key, place)
                     fut.set_result(data)
                     stored = await self._disk_call("put", self.disk.put, key, data)
                 outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED
@@ -421,6 +440,7 @@ class BlockCache:
             return outcome
         except BaseException as exc:
             if not fut.done():
+                self.traffic.drop(key)
                 if isinstance(exc, asyncio.CancelledError):
                     fut.cancel()
                 else:
@@ -471,6 +491,7 @@ class BlockCache:
                 data = await asyncio.to_thread(read, start, end)
                 if len(data) != end - start:
                     raise OSError(f"promoting {ref.key!r}: {len(data)} of {end - start} bytes of block {index}")
+                self.traffic.settle(key, DISK)  # written here, read back locally: no GET
                 fut.set_result(data)
             except BaseException as exc:
                 if self._inflight.get(key) is fut:
@@ -632,17 +653,20 @@ class BlockCache:
                     self.disk.stats.hit_bytes += len(data) if wanted is None else wanted
                     self.stats.ram_miss_bytes += len(data)
                     self.ram.put(key, data)
+                    self.traffic.settle(key, DISK)
                     fut.set_result(data)
                     return
             if self.health is not None and self.cluster is None:
                 self.health.check_reachable(f"reading {ref.key!r}")  # not even a wait for a fetch slot
             async with self._slots:
                 data = await self._from_cluster(ref, key)
+                place = CLUSTER
                 if data is None:
                     if self.health is not None:
                         self.health.check_reachable(f"reading {ref.key!r}")
                     data = await self._fetch(ref, key, started_at)
                     self._offer_cluster(key, data)
+                    place = SOURCE
                 self.stats.ram_miss_bytes += len(data)
                 if self.disk is not None:
                     self.stats.disk_miss_bytes += len(data)
@@ -650,6 +674,7 @@ class BlockCache:
                     self.stats.readahead_blocks += 1
                     self.stats.readahead_bytes += len(data)
                 self.ram.put(key, data)
+                self.traffic.settle(key, place)
                 fut.set_result(data)
                 # Readers are served; the block stays in a fetch slot until it is on disk, which is
                 # what bounds memory in flight.
@@ -658,6 +683,7 @@ class BlockCache:
                     await self._disk_call("put", self.disk.put, key, data)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting readers
             if not fut.done():
+                self.traffic.drop(key)
                 if isinstance(exc, asyncio.CancelledError):
                     fut.cancel()
                 else:
