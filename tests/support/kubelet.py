@@ -8,6 +8,11 @@ and, for each new one, does what a kubelet and a container runtime would do with
   literal ``value`` for a variable that looks like a credential;
 - resolves ``env[].valueFrom.secretKeyRef`` from the Secrets in the API (waiting, as a kubelet does,
   while the Secret is missing);
+- gives each pod an IP of its own (``status.podIP``, a random address of 127.0.0.0/8, which is all
+  loopback on Linux: pods then bind the same port without clashing, as in their own network
+  namespaces), resolves ``env[].valueFrom.fieldRef`` of ``status.podIP``, ``metadata.name`` and
+  ``spec.nodeName``, and expands ``$(VAR)`` in the command from the container's environment (``$$``
+  stays a literal ``$``; an unknown variable is left as written, as a kubelet does);
 - runs the container's command as a process group of its own (``cachefs`` is this interpreter's
   ``-m cachefs``), under ``setpriv`` with an empty capability bounding set and ``no_new_privs``, as
   ``runAsUser``/``runAsGroup``: the daemon gets no more privilege than the pod spec grants;
@@ -24,6 +29,8 @@ from __future__ import annotations
 import base64
 import datetime
 import os
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +42,18 @@ from pathlib import Path
 from typing import Any
 
 POLL_S = 0.1
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` references of a container's command, as the kubelet expands them."""
+    return _VAR_REF.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def pod_ip() -> str:
+    rng = random.SystemRandom()
+    return f"127.{rng.randint(1, 254)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
+
 SECRETISH = ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY")
 KILL_WAIT_S = 10.0
 
@@ -148,11 +167,19 @@ class Kubelet:
             if mount.name not in scratch and host.get(mount.name) != mount.mount_path:
                 return self._refuse(pod, f"volume {mount.name} is not a hostPath mounted at its own path")
         env: dict[str, str] = {}
+        ip = pod_ip()
+        fields = {"status.podIP": ip, "metadata.name": pod.metadata.name, "spec.nodeName": self.node}
         for var in container.env or []:
             if var.value is not None:
                 if any(word in var.name.upper() for word in SECRETISH):
                     return self._refuse(pod, f"variable {var.name} is a literal value in the pod spec")
                 env[var.name] = var.value
+                continue
+            if var.value_from.field_ref is not None:
+                path = var.value_from.field_ref.field_path
+                if path not in fields:
+                    return self._refuse(pod, f"variable {var.name}: fieldRef {path} is not supported here")
+                env[var.name] = fields[path]
                 continue
             ref = var.value_from.secret_key_ref
             try:
@@ -160,7 +187,7 @@ class Kubelet:
             except Exception:
                 return None  # CreateContainerConfigError: try again next round
             env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
-        command = list(container.command)
+        command = [expand(arg, env) for arg in container.command]
         if command[0] == "cachefs":
             command[:1] = [sys.executable, "-m", "cachefs"]
         security_pod = spec.security_context
@@ -179,7 +206,7 @@ class Kubelet:
             self.containers[pod.metadata.uid] = Container(pod.metadata.name, pod.metadata.uid, proc, log_path,
                                                           float(spec.termination_grace_period_seconds or 30), env)
         self._patch_status(pod.metadata.name, {
-            "phase": "Running", "hostIP": "127.0.0.1", "startTime": _now(),
+            "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "startTime": _now(),
             "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "local",
                                    "ready": True, "restartCount": 0, "started": True,
                                    "state": {"running": {"startedAt": _now()}}}],
