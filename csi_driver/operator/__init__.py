@@ -24,7 +24,7 @@ Layout, outermost first:
                operator and mount pod restarts, hit ratios, source bytes and requests avoided, cost.
 ``spec``       a Dataset's spec parsed into frozen ``DatasetSettings``, or ``SpecError`` naming the
                problem.
-``cron``       the five-field schedule of ``warmUp.schedule.cron`` (no cron library is installed).
+``cron``       the five-field schedule of ``warmUp.schedule.cron`` (croniter), in UTC or ``timeZone``.
 
 Progress: a warm-up Job runs ``cachefs prefetch MOUNT ... --json-progress``, which prints the job
 document of the cachefs daemon as one JSON line every few seconds and the final one last. The

@@ -227,14 +227,17 @@ def _parse_warm_up(warm: Mapping[str, Any], *, has_cluster_tier: bool) -> WarmUp
         text = schedule.get("cron")
         if not isinstance(text, str) or not text.strip():
             raise SpecError("spec.warmUp.schedule.cron is required with policy Cron (e.g. '0 3 * * *')")
+        zone = schedule.get("timeZone")
+        if zone is not None and not (isinstance(zone, str) and zone):
+            raise SpecError("spec.warmUp.schedule.timeZone must be an IANA time zone name (e.g. Europe/Paris)")
         try:
-            cron = parse_cron(text)
+            cron = parse_cron(text, zone)
         except CronError as exc:
             raise SpecError(f"spec.warmUp.schedule: {exc}") from None
     elif policy != POLICY_ONCE:
         raise SpecError(f"spec.warmUp.schedule.policy must be {POLICY_ONCE} or {POLICY_CRON}, got {policy!r}")
-    elif schedule.get("cron"):
-        raise SpecError("spec.warmUp.schedule.cron needs policy Cron")
+    elif schedule.get("cron") or schedule.get("timeZone"):
+        raise SpecError(f"spec.warmUp.schedule.{'cron' if schedule.get('cron') else 'timeZone'} needs policy Cron")
     parallel = warm.get("parallel")
     return WarmUpSettings(
         paths=paths, manifest_config_map=config_map, manifest_key=key or "manifest", tier=tier,
