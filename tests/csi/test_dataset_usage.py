@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import pytest
+import yaml
+from kmock._internal import enums
+from kubernetes import client
 
 from cachefs import mounts
 from csi_driver import mountpods
@@ -48,6 +51,8 @@ FILES = {f"train/part-{i}.bin": random.Random(i).randbytes(2 * BLOCK + 999 * i) 
 MOUNT_NS = "cachefs"
 FAST = dict(follow_interval_s=0.3, gate_interval_s=0.2, usage_interval_s=0.3)
 WAIT_S = 60.0
+TEST_AGENT = "test-harness"
+RBAC = Path(__file__).resolve().parents[2] / "deploy" / "components" / "datasets" / "rbac.yaml"
 
 
 @pytest.fixture
@@ -72,7 +77,9 @@ async def api() -> AsyncIterator[OperatorApiServer]:
 
 def node_mounter(k: Cluster, node: str, workdir: Path) -> HandoverMounter:
     """The node plugin's mounter in pod mode on ``node``: mount pods through the API double."""
-    launcher = PodLauncher(MountPodSettings(namespace=MOUNT_NS, node_name=node, image="cachefs:test"), k.client)
+    api = client.ApiClient(client.Configuration(host=k.client.configuration.host))
+    api.user_agent = mountpods.USER_AGENT
+    launcher = PodLauncher(MountPodSettings(namespace=MOUNT_NS, node_name=node, image="cachefs:test"), api)
     return HandoverMounter(launcher, workdir / f"run-{node}", command=[sys.executable, "-m", "cachefs"],
                            environ=driver_environ())
 
@@ -114,6 +121,33 @@ def daemon_counters(k: Cluster, node: str) -> dict[str, int]:
     return got
 
 
+def operator_rbac() -> set[tuple[str, str]]:
+    """(verb, resource) pairs granted by deploy/components/datasets/rbac.yaml (ClusterRole and Role)."""
+    granted = set()
+    for doc in yaml.safe_load_all(RBAC.read_text()):
+        if doc["kind"] in ("ClusterRole", "Role"):
+            granted |= {(verb, resource) for rule in doc["rules"] for resource in rule["resources"]
+                        for verb in rule["verbs"]}
+    return granted
+
+
+def operator_calls(api: OperatorApiServer) -> set[tuple[str, str]]:
+    """(verb, resource) of every request not made by the test, the node plugin or the kubelet stand-in,
+    in the verbs RBAC names."""
+    found = set()
+    for request in list(api):
+        agent = request.headers.get("User-Agent", "")
+        if request.resource is None or not request.resource.plural or agent.startswith((TEST_AGENT, mountpods.USER_AGENT)):
+            continue
+        method = request.method.value
+        if method == "GET":
+            verb = "watch" if request.action == enums.action.WATCH else "get" if request.name else "list"
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+        found.add((verb, request.resource.plural + (f"/{request.subresource}" if request.subresource else "")))
+    return found
+
+
 async def read_all(mnt: Path) -> dict[str, bytes]:
     return {key: await asyncio.to_thread((mnt / key).read_bytes) for key in FILES}
 
@@ -125,6 +159,7 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
     seaweed.make_bucket(shared)
     seaweed.put_many(bucket, FILES.items())
     k = Cluster(api)
+    k.client.user_agent = TEST_AGENT  # the kubelet stand-in and the test's own calls
     base_env = {**driver_environ(), "AWS_ENDPOINT_URL": seaweed.endpoint_url}
     nodes = ("node-a", "node-b")
     kubelets = [Kubelet(k.core, node, MOUNT_NS, workdir / f"kubelet-{node}", base_env).start() for node in nodes]
@@ -180,6 +215,10 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
             usage = await eventually(b_unreachable, "totals kept with B unreachable", WAIT_S)
         assert usage["sourceBytesAvoided"] >= size and usage["clusterHitRatio"] > 0
         assert {d["node"] for d in usage["daemons"]} == set(nodes)  # B's last counters, kept
+        # Every call the operator made is granted by its RBAC; reading the mount pods is one of them.
+        calls = operator_calls(api)
+        assert ("list", "pods") in calls
+        assert calls <= operator_rbac(), f"not granted by {RBAC.name}: {sorted(calls - operator_rbac())}"
     finally:
         # Lazily detached, each daemon sees its connection end and exits (an unstage through the API
         # double would wait out its slow answers for deleted pods).
