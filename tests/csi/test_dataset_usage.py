@@ -137,7 +137,9 @@ def operator_calls(api: OperatorApiServer) -> set[tuple[str, str]]:
     found = set()
     for request in list(api):
         agent = request.headers.get("User-Agent", "")
-        if request.resource is None or not request.resource.plural or agent.startswith((TEST_AGENT, mountpods.USER_AGENT)):
+        if request.resource is None or not request.resource.plural:
+            continue  # discovery: not a resource RBAC rules name
+        if agent.startswith((TEST_AGENT, mountpods.USER_AGENT)):
             continue
         method = request.method.value
         if method == "GET":
