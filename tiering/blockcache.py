@@ -134,6 +134,20 @@ class EngineStats:
         return served / total if total else 0.0
 
 
+def _hand_over(joined: asyncio.Future[bytes]) -> Callable[[asyncio.Future[bytes]], None]:
+    """A done-callback that gives ``joined`` the outcome of the load it is attached to."""
+    def done(load: asyncio.Future[bytes]) -> None:
+        if joined.done():
+            return
+        if load.cancelled():
+            joined.cancel()
+        elif (error := load.exception()) is not None:
+            joined.set_exception(error)
+        else:
+            joined.set_result(load.result())
+    return done
+
+
 class WarmOutcome(enum.Enum):
     """What ``warm_block`` did for one block."""
 
@@ -171,8 +185,7 @@ class BlockCache:
         self.write_behind = write_behind if write_behind is not None or cluster is None else WriteBehind(cluster)
         self.clock = clock or SystemClock()
         self.stats = EngineStats()
-        # Bytes of reads by the place that answered them (tiering.traffic): what the cache saved.
-        self.traffic = ReadTraffic()
+        self.traffic = ReadTraffic()  # bytes of reads by the place that answered them
         self.latency: dict[str, LatencyHistogram] = {"get": LatencyHistogram()}
         self.pins = PinTable(lambda ref: object_footprint(ref.key, ref.etag, ref.size, self.block_size))
         self._inflight: dict[BlockKey, asyncio.Future[bytes]] = {}
@@ -239,28 +252,20 @@ class BlockCache:
         answers the lookup counts as its hit bytes (``TierStats.hit_bytes``).
         """
         key = BlockKey(ref.key, ref.etag, index)
+        asked = wanted if wanted is not None else len(range(*block_range(index, ref.size, self.block_size)))
         self.stats.block_requests += 1
         data = self.ram.get(key)
         if data is not None:
             self.stats.ram_served += 1
-            self.ram.stats.hit_bytes += len(data) if wanted is None else wanted
-            self.traffic.served(RAM, len(data) if wanted is None else wanted)
+            self.ram.stats.hit_bytes += asked
+            self.traffic.served(RAM, asked)
             return data
-        if wanted is None:
-            start, end = block_range(index, ref.size, self.block_size)
-            asked = end - start
-        else:
-            asked = wanted
         fut = self._inflight.get(key)
         if fut is None:
             fut = self._start_load(ref, key, wanted=wanted)
-            self.traffic.waiting(key, asked)
-            return fut
-        self.stats.singleflight_joins += 1
-        if fut.done():  # a warm load's block, held until it is on disk: in memory already
-            self.traffic.served(RAM, asked)
         else:
-            self.traffic.waiting(key, asked)
+            self.stats.singleflight_joins += 1
+        self.traffic.waiting(key, asked, ready=fut.done())  # credited when the load settles
         return fut
 
     def read_ahead(self, ref: ObjectRef, offset: int, length: int) -> int:
@@ -399,7 +404,7 @@ class BlockCache:
     def _start_warm_load(self, ref: ObjectRef, key: BlockKey) -> asyncio.Task[WarmOutcome | None]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bytes] = loop.create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        fut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self.traffic.drop(key))
         self._inflight[key] = fut
         task = loop.create_task(self._warm_load(ref, key, fut, loop.time()))
         # The warm that started it may be cancelled and never look at the outcome.
@@ -424,13 +429,12 @@ class BlockCache:
             else:
                 async with self._slots:
                     data = await self._from_cluster(ref, key, warm=True)
-                    place = CLUSTER
+                    place = CLUSTER if data is not None else SOURCE
                     if data is None:
                         data = await self._fetch(ref, key, started_at)
                         self._offer_cluster(key, data)
                         self.stats.warm_blocks += 1
                         self.stats.warm_bytes += len(data)
-                        place = SOURCE
                     self.traffic.settle(key, place)
                     fut.set_result(data)
                     stored = await self._disk_call("put", self.disk.put, key, data)
@@ -440,7 +444,6 @@ class BlockCache:
             return outcome
         except BaseException as exc:
             if not fut.done():
-                self.traffic.drop(key)
                 if isinstance(exc, asyncio.CancelledError):
                     fut.cancel()
                 else:
@@ -465,18 +468,6 @@ class BlockCache:
         if disk is None:
             return 0
 
-        def hand_over(joined: asyncio.Future[bytes]) -> Callable[[asyncio.Future[bytes]], None]:
-            def done(load: asyncio.Future[bytes]) -> None:
-                if joined.done():
-                    return
-                if load.cancelled():
-                    joined.cancel()
-                elif (error := load.exception()) is not None:
-                    joined.set_exception(error)
-                else:
-                    joined.set_result(load.result())
-            return done
-
         stored = 0
         loop = asyncio.get_running_loop()
         for index in range(block_count(ref.size, self.block_size)):
@@ -497,7 +488,7 @@ class BlockCache:
                 if self._inflight.get(key) is fut:
                     del self._inflight[key]
                 if not fut.done():  # whoever joined gets a load of their own
-                    self._start_load(ref, key).add_done_callback(hand_over(fut))
+                    self._start_load(ref, key).add_done_callback(_hand_over(fut))
                 if not isinstance(exc, Exception):
                     raise
                 log.debug("promoting %r into the disk tier stopped at block %d: %s", ref.key, index, exc)
@@ -623,8 +614,9 @@ class BlockCache:
                     wanted: int | None = 0) -> asyncio.Future[bytes]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bytes] = loop.create_future()
-        # A future nobody awaits (read-ahead) must not log "exception was never retrieved".
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        # A future nobody awaits (read-ahead) must not log "exception was never retrieved"; a failed
+        # load served its readers nothing.
+        fut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self.traffic.drop(key))
         self._inflight[key] = fut
         task = loop.create_task(self._load(ref, key, fut, readahead, loop.time(), wanted))
         self._track(key, task)
@@ -660,13 +652,12 @@ class BlockCache:
                 self.health.check_reachable(f"reading {ref.key!r}")  # not even a wait for a fetch slot
             async with self._slots:
                 data = await self._from_cluster(ref, key)
-                place = CLUSTER
+                place = CLUSTER if data is not None else SOURCE
                 if data is None:
                     if self.health is not None:
                         self.health.check_reachable(f"reading {ref.key!r}")
                     data = await self._fetch(ref, key, started_at)
                     self._offer_cluster(key, data)
-                    place = SOURCE
                 self.stats.ram_miss_bytes += len(data)
                 if self.disk is not None:
                     self.stats.disk_miss_bytes += len(data)
@@ -683,7 +674,6 @@ class BlockCache:
                     await self._disk_call("put", self.disk.put, key, data)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting readers
             if not fut.done():
-                self.traffic.drop(key)
                 if isinstance(exc, asyncio.CancelledError):
                     fut.cancel()
                 else:

@@ -10,7 +10,8 @@ the operator adds up per Dataset (``csi_driver.operator.usage``).
 The seam is deliberately narrow, so the engine can change around it: the block cache calls
 ``served`` for a block found in RAM, ``waiting`` for a reader that starts or joins a load, then
 ``settle`` when that load's bytes are in (naming the place they came from: every reader that
-waited on it is credited to that place) or ``drop`` when it failed (nothing was served). A load
+waited on it is credited to that place) or ``drop`` when it failed (nothing was served; the block
+cache drops from its load futures' done-callback). A load
 nobody reads (read-ahead, a warm) credits nothing; a reader that later finds its block in RAM is a
 RAM hit. Everything runs on the event loop: plain integers, no lock.
 
@@ -41,8 +42,12 @@ class ReadTraffic:
         self.served_bytes[place] += nbytes
         self.served_blocks[place] += blocks
 
-    def waiting(self, key: Hashable, nbytes: int) -> None:
-        """A reader started or joined the load of ``key``, for ``nbytes`` of the block."""
+    def waiting(self, key: Hashable, nbytes: int, *, ready: bool = False) -> None:
+        """A reader started or joined the load of ``key``, for ``nbytes`` of the block. ``ready``: the
+        load has its bytes already (a warm load holds them until they are on disk): served from memory."""
+        if ready:
+            self.served(RAM, nbytes)
+            return
         wanted, readers = self._pending.get(key, (0, 0))
         self._pending[key] = (wanted + nbytes, readers + 1)
 
