@@ -404,7 +404,7 @@ class BlockCache:
     def _start_warm_load(self, ref: ObjectRef, key: BlockKey) -> asyncio.Task[WarmOutcome | None]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bytes] = loop.create_future()
-        fut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self.traffic.drop(key))
+        fut.add_done_callback(self.traffic.dropper(key))
         self._inflight[key] = fut
         task = loop.create_task(self._warm_load(ref, key, fut, loop.time()))
         # The warm that started it may be cancelled and never look at the outcome.
@@ -616,7 +616,7 @@ class BlockCache:
         fut: asyncio.Future[bytes] = loop.create_future()
         # A future nobody awaits (read-ahead) must not log "exception was never retrieved"; a failed
         # load served its readers nothing.
-        fut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self.traffic.drop(key))
+        fut.add_done_callback(self.traffic.dropper(key))
         self._inflight[key] = fut
         task = loop.create_task(self._load(ref, key, fut, readahead, loop.time(), wanted))
         self._track(key, task)

@@ -21,8 +21,9 @@ invisible here (and cost the source nothing either).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 RAM, DISK, CLUSTER, SOURCE = "ram", "disk", "cluster", "source"
 PLACES = (RAM, DISK, CLUSTER, SOURCE)
@@ -60,6 +61,14 @@ class ReadTraffic:
     def drop(self, key: Hashable) -> None:
         """The load of ``key`` failed: its readers got an error, nothing was served."""
         self._pending.pop(key, None)
+
+    def dropper(self, key: Hashable) -> Callable[[asyncio.Future[Any]], None]:
+        """A done-callback for the future of the load of ``key``: a failed or cancelled load drops
+        its readers (and its exception counts as retrieved: a load nobody awaited logs nothing)."""
+        def done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                self.drop(key)
+        return done
 
     @property
     def waiting_loads(self) -> int:
