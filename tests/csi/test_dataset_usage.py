@@ -201,8 +201,9 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
             status = k.status("imagenet")
             assert status["hitRatio"] == "50.0%" and status["saved"] == f"{size / KiB:.1f} KiB"
 
-        # While the operator is down, B's daemon ends with its counters (its stats unreachable). A new operator must keep what B served: the totals live in the status
-        # only, and B's last-seen counters stay there for when it answers again.
+        # While the operator is down, B's daemon ends with its counters (its stats unreachable). A new
+        # operator must keep what B served: the totals live in the status only, and B's last-seen
+        # counters stay there for when it answers again.
         b_address = f"{stats_pod(k, 'node-b')['status']['podIP']}:{mountpods.STATS_PORT}"
         await asyncio.to_thread(detach, requests.pop("node-b").target)
         await eventually(lambda: read_stats(b_address) is None, "B's daemon gone", WAIT_S)
