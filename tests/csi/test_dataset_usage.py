@@ -223,9 +223,10 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
         assert ("list", "pods") in calls
         assert calls <= operator_rbac(), f"not granted by {RBAC.name}: {sorted(calls - operator_rbac())}"
     finally:
-        # Lazily detached, each daemon sees its connection end and exits (an unstage through the API
-        # double would wait out its slow answers for deleted pods).
+        # The kubelets first (off the loop: the API double they call is served on this loop): they
+        # end the daemons; then the mounts, lazily detached (an unstage through the API double would
+        # wait out its slow answers for deleted pods).
+        for kubelet in kubelets:
+            await asyncio.to_thread(kubelet.stop)
         for request in requests.values():
             await asyncio.to_thread(detach, request.target)
-        for kubelet in kubelets:
-            kubelet.stop()

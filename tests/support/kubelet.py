@@ -56,6 +56,10 @@ def pod_ip() -> str:
 
 SECRETISH = ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY")
 KILL_WAIT_S = 10.0
+# Each API call is bounded, as a real kubelet's are: a call the API double leaves unanswered costs one
+# round (a status report is tried again), not the kubelet's stop, which waits for its thread.
+API_TIMEOUT_S = 5.0
+STATUS_ATTEMPTS = 3
 
 
 def _now() -> str:
@@ -96,7 +100,7 @@ class Kubelet:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=API_TIMEOUT_S + 1)  # at most one API call in flight, bounded
         with self._lock:
             containers = list(self.containers.values())
         for container in containers:
@@ -127,7 +131,7 @@ class Kubelet:
 
     # -- one round ----------------------------------------------------------------------------------
     def _sync(self) -> None:
-        pods = [p for p in self.core.list_namespaced_pod(self.namespace).items if p.spec.node_name == self.node]
+        pods = [p for p in self.core.list_namespaced_pod(self.namespace, _request_timeout=API_TIMEOUT_S).items if p.spec.node_name == self.node]
         present = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None}
         for uid, pod in present.items():
             with self._lock:
@@ -183,7 +187,7 @@ class Kubelet:
                 continue
             ref = var.value_from.secret_key_ref
             try:
-                secret = self.core.read_namespaced_secret(ref.name, self.namespace)
+                secret = self.core.read_namespaced_secret(ref.name, self.namespace, _request_timeout=API_TIMEOUT_S)
             except Exception:
                 return None  # CreateContainerConfigError: try again next round
             env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
@@ -238,11 +242,17 @@ class Kubelet:
             pass
 
     def _patch_status(self, name: str, status: dict[str, Any]) -> None:
-        try:
-            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
-                                                  _content_type="application/merge-patch+json")
-        except Exception:
-            pass  # the pod was deleted meanwhile
+        for _ in range(STATUS_ATTEMPTS):
+            if self._stop.is_set():
+                return
+            try:
+                self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
+                                                      _content_type="application/merge-patch+json",
+                                                      _request_timeout=API_TIMEOUT_S)
+                return
+            except Exception as exc:
+                if getattr(exc, "status", None) == 404:
+                    return  # the pod was deleted meanwhile
 
     def wait_gone(self, pod: str, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
