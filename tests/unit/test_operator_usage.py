@@ -105,3 +105,34 @@ def test_bad_prices_are_refused_with_one_line(pricing: dict, message: str) -> No
     with pytest.raises(SpecError) as err:
         parse_spec({"source": "s3://bucket/x", "warmUp": {"target": {"tier": "Node"}}, "pricing": pricing})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_status_field_written_is_declared_in_the_crd() -> None:
+    """A real API server prunes status fields its CRD does not declare: every one the usage timer
+    writes is declared, with a type."""
+    from pathlib import Path
+
+    import yaml
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "components" / "datasets"
+                          / "crd.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    usage = u.accumulate(None, [A], {"uid-a": counted(ram=MiB, source=MiB)}, u.Prices(0.09, 0.4), "2026-01-01T00:00:00Z")
+    written = {"usage": usage, **u.display(usage, format_size)}
+
+    def check(value: object, schema: dict, where: str) -> None:
+        assert "type" in schema, f"{where}: no type"
+        if isinstance(value, dict):
+            assert schema["type"] == "object", where
+            for key, item in value.items():
+                assert key in schema.get("properties", {}), f"{where}.{key} is not declared: it would be pruned"
+                check(item, schema["properties"][key], f"{where}.{key}")
+        elif isinstance(value, list):
+            assert schema["type"] == "array", where
+            for item in value:
+                check(item, schema["items"], f"{where}[]")
+        else:
+            expected = {str: "string", bool: "boolean", int: "integer", float: "number"}[type(value)]
+            assert schema["type"] == expected or (schema["type"] == "number" and expected == "integer"), where
+
+    check(written, status, "status")
