@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -23,7 +22,7 @@ from kubernetes import client, config
 
 from csi_driver.operator.handlers import (DEFAULT_IMAGE, DEFAULT_MOUNT_NAMESPACE, FOLLOW_INTERVAL_S, GATE_INTERVAL_S,
                                           USAGE_INTERVAL_S, OperatorSettings, OperatorState, build_registry)
-from csi_driver.operator.spec import MAX_PRICE
+from csi_driver.operator.spec import CURRENCY_RE, MAX_PRICE
 from csi_driver.operator.usage import Prices
 from csi_driver.operator.kube import Kube, KubeError
 
@@ -51,7 +50,7 @@ def _price(text: str) -> float:
 
 
 def _currency(text: str) -> str:
-    if not re.fullmatch(r"[A-Z]{3}", text):
+    if not CURRENCY_RE.fullmatch(text):
         raise argparse.ArgumentTypeError(f"invalid currency {text!r}: expected a code such as USD or EUR")
     return text
 

@@ -31,7 +31,7 @@ MAX_GATE_TIMEOUT_S = 7 * 86400
 MAX_WARMUP_PATHS = 256
 # A price per GB or per thousand requests above this is a typo (a unit mixed up), not a tariff.
 MAX_PRICE = 1000.0
-_CURRENCY_RE = re.compile(r"[A-Z]{3}")
+CURRENCY_RE = re.compile(r"[A-Z]{3}")  # an ISO 4217 code
 _NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _KEY_RE = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 _CAPACITY_RE = re.compile(r"[0-9]+(Ki|Mi|Gi|Ti|Pi)?")
@@ -170,7 +170,7 @@ def parse_spec(spec: Mapping[str, Any]) -> DatasetSettings:
         raise SpecError(f"spec.pricing: unknown key {unknown[0]!r} (known: egressPerGB, requestsPerThousand, currency)")
     egress, requests = (_price(pricing.get(k), f"spec.pricing.{k}") for k in ("egressPerGB", "requestsPerThousand"))
     currency = pricing.get("currency")
-    if currency is not None and not (isinstance(currency, str) and _CURRENCY_RE.fullmatch(currency)):
+    if currency is not None and not (isinstance(currency, str) and CURRENCY_RE.fullmatch(currency)):
         raise SpecError(f"spec.pricing.currency {currency!r} must be a currency code such as USD or EUR")
     return DatasetSettings(volume_attributes=attrs, secret_name=secret, capacity=capacity, warm_up=warm_up,
                            gate_timeout_s=gate_timeout, egress_per_gb=egress, requests_per_thousand=requests,

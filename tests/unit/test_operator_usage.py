@@ -136,3 +136,16 @@ def test_every_status_field_written_is_declared_in_the_crd() -> None:
             assert schema["type"] == expected or (schema["type"] == "number" and expected == "integer"), where
 
     check(written, status, "status")
+
+
+def test_operator_flags_set_the_default_prices() -> None:
+    from csi_driver.operator.main import build_parser
+
+    args = build_parser().parse_args(["--egress-price-per-gb", "0.09", "--request-price-per-thousand", "0.4",
+                                      "--currency", "EUR", "--usage-interval", "60", "--mount-namespace", "csi"])
+    assert (args.egress_price_per_gb, args.request_price_per_thousand, args.currency) == (0.09, 0.4, "EUR")
+    assert (args.usage_interval, args.mount_namespace) == (60.0, "csi")
+    assert build_parser().parse_args([]).egress_price_per_gb is None  # no price: no estimate
+    for bad in (["--egress-price-per-gb", "-1"], ["--currency", "euro"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
