@@ -202,6 +202,12 @@ class MountSettings:
         """What names this source in the shared cluster tier: its URL and endpoint."""
         return json.dumps({"source": self.source, "endpoint": self.endpoint_url or ""}, sort_keys=True)
 
+    def source_label(self) -> str:
+        """A short name of this source (16 hex digits of a hash of its identity): the ``volume`` label
+        of the per-volume metrics and the name of its cache directory. Every node mounting the same
+        source gets the same value, so series sum across nodes; a daemon has exactly one."""
+        return hashlib.sha256(self.source_identity().encode()).hexdigest()[:16]
+
     def source_cache_dir(self) -> Path:
         """This source's own directory inside ``cache_dir`` (mounts of other sources may share it)."""
-        return self.cache_dir / hashlib.sha256(self.source_identity().encode()).hexdigest()[:16]
+        return self.cache_dir / self.source_label()

@@ -17,7 +17,7 @@ DISTRIBUTION = "cachefs-fuse"
 # The modules each extra provides, as the entry points import them.
 EXTRA_MODULES = {
     "csi": ("grpc", "google.protobuf", "kubernetes"),
-    "operator": ("kopf", "kubernetes"),
+    "operator": ("kopf", "kubernetes", "croniter"),
 }
 
 

@@ -121,6 +121,13 @@ DAEMON_OVERHEAD_BYTES = 320 * MiB
 DEFAULT_CPU_REQUEST = "100m"
 # /tmp of a mount pod (its root filesystem is read-only): the daemon writes nothing there itself.
 TMP_SIZE = "64Mi"
+# The daemon of a mount pod serves its read-only /stats and /metrics on the pod's own IP at this port
+# (cachefs's default stats port; a pod has its own network namespace, so every mount pod uses the
+# same one), declared as the container port "stats": what Prometheus scrapes and the Dataset
+# operator reads (csi_driver.operator.usage). The IP comes from the downward API ($(POD_IP)).
+STATS_PORT = 9750
+STATS_PORT_NAME = "stats"
+POD_IP_ENV = "POD_IP"
 # A container waiting for one of these will not start by itself: the mount fails at once (naming
 # the reason) instead of after the whole mount timeout; the kubelet retries the publish anyway.
 STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
@@ -223,6 +230,7 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
     volumes.append({"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": TMP_SIZE}})
     mounts.append({"name": "tmp", "mountPath": "/tmp"})
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} for key in sorted(spec.env)]
+    env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     wanted = spec.pod_resources
     chosen = wanted if wanted.requests() or wanted.limits() else default_resources(spec)
     resources: dict[str, dict[str, str]] = {}
@@ -246,7 +254,9 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
             "name": CONTAINER,
             "image": settings.image,
             "imagePullPolicy": settings.image_pull_policy,
-            "command": [*settings.command, *spec.args],
+            # The kubelet expands $(POD_IP) from the container's environment.
+            "command": [*settings.command, *spec.args, "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}"],
+            "ports": [{"name": STATS_PORT_NAME, "containerPort": STATS_PORT, "protocol": "TCP"}],
             "env": env,
             "resources": resources,
             "volumeMounts": mounts,

@@ -76,6 +76,7 @@ from tiering.pins import PinError, PinLimitError, PinTable, block_keys
 from tiering.protocols import BlockTier, ClusterBlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth, bounded
+from tiering.traffic import CLUSTER, DISK, RAM, SOURCE, ReadTraffic
 from tiering.units import format_size
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,20 @@ class EngineStats:
         return served / total if total else 0.0
 
 
+def _hand_over(joined: asyncio.Future[bytes]) -> Callable[[asyncio.Future[bytes]], None]:
+    """A done-callback that gives ``joined`` the outcome of the load it is attached to."""
+    def done(load: asyncio.Future[bytes]) -> None:
+        if joined.done():
+            return
+        if load.cancelled():
+            joined.cancel()
+        elif (error := load.exception()) is not None:
+            joined.set_exception(error)
+        else:
+            joined.set_result(load.result())
+    return done
+
+
 class WarmOutcome(enum.Enum):
     """What ``warm_block`` did for one block."""
 
@@ -170,6 +185,7 @@ class BlockCache:
         self.write_behind = write_behind if write_behind is not None or cluster is None else WriteBehind(cluster)
         self.clock = clock or SystemClock()
         self.stats = EngineStats()
+        self.traffic = ReadTraffic()  # bytes of reads by the place that answered them
         self.latency: dict[str, LatencyHistogram] = {"get": LatencyHistogram()}
         self.pins = PinTable(lambda ref: object_footprint(ref.key, ref.etag, ref.size, self.block_size))
         self._inflight: dict[BlockKey, asyncio.Future[bytes]] = {}
@@ -236,16 +252,20 @@ class BlockCache:
         answers the lookup counts as its hit bytes (``TierStats.hit_bytes``).
         """
         key = BlockKey(ref.key, ref.etag, index)
+        asked = wanted if wanted is not None else len(range(*block_range(index, ref.size, self.block_size)))
         self.stats.block_requests += 1
         data = self.ram.get(key)
         if data is not None:
             self.stats.ram_served += 1
-            self.ram.stats.hit_bytes += len(data) if wanted is None else wanted
+            self.ram.stats.hit_bytes += asked
+            self.traffic.served(RAM, asked)
             return data
         fut = self._inflight.get(key)
         if fut is None:
-            return self._start_load(ref, key, wanted=wanted)
-        self.stats.singleflight_joins += 1
+            fut = self._start_load(ref, key, wanted=wanted)
+        else:
+            self.stats.singleflight_joins += 1
+        self.traffic.waiting(key, asked, ready=fut.done())  # credited when the load settles
         return fut
 
     def read_ahead(self, ref: ObjectRef, offset: int, length: int) -> int:
@@ -384,7 +404,7 @@ class BlockCache:
     def _start_warm_load(self, ref: ObjectRef, key: BlockKey) -> asyncio.Task[WarmOutcome | None]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bytes] = loop.create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        fut.add_done_callback(self.traffic.dropper(key))
         self._inflight[key] = fut
         task = loop.create_task(self._warm_load(ref, key, fut, loop.time()))
         # The warm that started it may be cancelled and never look at the outcome.
@@ -400,6 +420,7 @@ class BlockCache:
         try:
             data = self.ram.get(key) if self.ram.contains(key) else None
             if data is not None:
+                self.traffic.settle(key, RAM)
                 fut.set_result(data)
                 stored = await self._disk_call("put", self.disk.put, key, data)
                 outcome = WarmOutcome.FROM_RAM if stored else WarmOutcome.NOT_STORED
@@ -408,11 +429,13 @@ class BlockCache:
             else:
                 async with self._slots:
                     data = await self._from_cluster(ref, key, warm=True)
+                    place = CLUSTER if data is not None else SOURCE
                     if data is None:
                         data = await self._fetch(ref, key, started_at)
                         self._offer_cluster(key, data)
                         self.stats.warm_blocks += 1
                         self.stats.warm_bytes += len(data)
+                    self.traffic.settle(key, place)
                     fut.set_result(data)
                     stored = await self._disk_call("put", self.disk.put, key, data)
                 outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED
@@ -445,18 +468,6 @@ class BlockCache:
         if disk is None:
             return 0
 
-        def hand_over(joined: asyncio.Future[bytes]) -> Callable[[asyncio.Future[bytes]], None]:
-            def done(load: asyncio.Future[bytes]) -> None:
-                if joined.done():
-                    return
-                if load.cancelled():
-                    joined.cancel()
-                elif (error := load.exception()) is not None:
-                    joined.set_exception(error)
-                else:
-                    joined.set_result(load.result())
-            return done
-
         stored = 0
         loop = asyncio.get_running_loop()
         for index in range(block_count(ref.size, self.block_size)):
@@ -471,12 +482,13 @@ class BlockCache:
                 data = await asyncio.to_thread(read, start, end)
                 if len(data) != end - start:
                     raise OSError(f"promoting {ref.key!r}: {len(data)} of {end - start} bytes of block {index}")
+                self.traffic.settle(key, DISK)  # written here, read back locally: no GET
                 fut.set_result(data)
             except BaseException as exc:
                 if self._inflight.get(key) is fut:
                     del self._inflight[key]
                 if not fut.done():  # whoever joined gets a load of their own
-                    self._start_load(ref, key).add_done_callback(hand_over(fut))
+                    self._start_load(ref, key).add_done_callback(_hand_over(fut))
                 if not isinstance(exc, Exception):
                     raise
                 log.debug("promoting %r into the disk tier stopped at block %d: %s", ref.key, index, exc)
@@ -602,8 +614,9 @@ class BlockCache:
                     wanted: int | None = 0) -> asyncio.Future[bytes]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bytes] = loop.create_future()
-        # A future nobody awaits (read-ahead) must not log "exception was never retrieved".
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        # A future nobody awaits (read-ahead) must not log "exception was never retrieved"; a failed
+        # load served its readers nothing.
+        fut.add_done_callback(self.traffic.dropper(key))
         self._inflight[key] = fut
         task = loop.create_task(self._load(ref, key, fut, readahead, loop.time(), wanted))
         self._track(key, task)
@@ -632,12 +645,14 @@ class BlockCache:
                     self.disk.stats.hit_bytes += len(data) if wanted is None else wanted
                     self.stats.ram_miss_bytes += len(data)
                     self.ram.put(key, data)
+                    self.traffic.settle(key, DISK)
                     fut.set_result(data)
                     return
             if self.health is not None and self.cluster is None:
                 self.health.check_reachable(f"reading {ref.key!r}")  # not even a wait for a fetch slot
             async with self._slots:
                 data = await self._from_cluster(ref, key)
+                place = CLUSTER if data is not None else SOURCE
                 if data is None:
                     if self.health is not None:
                         self.health.check_reachable(f"reading {ref.key!r}")
@@ -650,6 +665,7 @@ class BlockCache:
                     self.stats.readahead_blocks += 1
                     self.stats.readahead_bytes += len(data)
                 self.ram.put(key, data)
+                self.traffic.settle(key, place)
                 fut.set_result(data)
                 # Readers are served; the block stays in a fetch slot until it is on disk, which is
                 # what bounds memory in flight.

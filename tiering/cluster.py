@@ -57,7 +57,7 @@ from tiering.blocks import BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
-from tiering.protocols import ClusterBlockTier, ClusterTierStats, ObjectStore
+from tiering.protocols import ClusterBlockTier, ClusterTierStats, ObjectStore, ObjectStoreStats
 from tiering.settings import (
     DEFAULT_CLUSTER_TIMEOUT_S,
     DEFAULT_WRITE_BEHIND_BLOCKS,
@@ -106,6 +106,10 @@ class ClusterTier:
         self.where = where  # the cluster URL, for /stats (no credentials in it)
         self.stats = ClusterTierStats()
         self.health = health or StoreHealth(clock or SystemClock(), probe=store.check, name="cluster store")
+
+    @property
+    def store_stats(self) -> ObjectStoreStats:
+        return self.store.stats
 
     def _locate(self, key: BlockKey) -> tuple[bytes, str]:
         token = cluster_token(self.source_id, self.block_size, key)
@@ -206,6 +210,8 @@ class InMemoryClusterTier:
 
     def __init__(self) -> None:
         self.stats = ClusterTierStats()
+        # What a store behind it would count: one GET per lookup, one PUT per block written.
+        self.store_stats = ObjectStoreStats()
         self.blocks: dict[BlockKey, bytes] = {}
         self.failing = False
 
@@ -216,9 +222,12 @@ class InMemoryClusterTier:
             self.stats.misses += 1
             return None
         data = self.blocks.get(key)
+        self.store_stats.requests += 1
+        self.store_stats.get_requests += 1
         if data is None or len(data) != length:
             self.stats.misses += 1
             return None
+        self.store_stats.bytes_read += len(data)
         self.stats.hits += 1
         self.stats.hit_bytes += len(data)
         return data
@@ -229,6 +238,9 @@ class InMemoryClusterTier:
             self.stats.errors += 1
             return False
         self.blocks[key] = bytes(data)
+        self.store_stats.requests += 1
+        self.store_stats.put_requests += 1
+        self.store_stats.bytes_written += len(data)
         self.stats.puts += 1
         self.stats.put_bytes += len(data)
         return True

@@ -197,6 +197,10 @@ class ClusterBlockTier(Protocol):
     name: str
     stats: ClusterTierStats
 
+    @property
+    def store_stats(self) -> ObjectStoreStats:
+        """The requests and bytes sent to and read from the cluster store (what the tier costs)."""
+
     async def get(self, key: BlockKey, length: int) -> bytes | None:
         """The block's ``length`` bytes, or None (a miss: absent, corrupt, foreign, failing store)."""
 

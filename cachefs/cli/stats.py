@@ -7,6 +7,10 @@ redrawn in place (rich); anywhere else (a pipe, a file, ``watch``-less logging) 
 plain line, flushed at once, with no terminal control codes, so ``cachefs stats --watch 1 | tee``
 works. ``--json --watch`` prints one compact JSON document per line, with the rates under
 ``"rates"``.
+
+Every view ends with what the cache saved: the bytes and requests of reads that did not reach the
+source (served by RAM, disk or the cluster tier, from the daemon's ``traffic`` section) and the hit
+ratios local (RAM + disk), cluster and source, by bytes.
 """
 
 from __future__ import annotations
@@ -69,7 +73,25 @@ def plain_line(stats: dict[str, Any], r: dict[str, float] | None) -> str:
                       for name, t in sorted(stats.get("tiers", {}).items()))
     head = time.strftime("%H:%M:%S")
     body = rate_line(r) if r is not None else "first sample"
-    return f"{head} {body}; {tiers}; hit ratio {stats.get('hit_ratio', 0.0):.1%}"
+    line = f"{head} {body}; {tiers}; hit ratio {stats.get('hit_ratio', 0.0):.1%}"
+    saved = savings_line(stats)
+    return line if saved is None else f"{line}; {saved}"
+
+
+def savings_line(stats: dict[str, Any]) -> str | None:
+    """What the cache saved this mount: bytes and requests of reads that never reached the source
+    (answered by RAM, disk or the cluster tier) and the hit ratios by bytes; None from a daemon
+    without the ``traffic`` section (an older version)."""
+    traffic = stats.get("traffic")
+    if not isinstance(traffic, dict):
+        return None
+    served = traffic.get("served_bytes", {})
+    ratios = traffic.get("hit_ratios", {})
+    by_tier = ", ".join(f"{tier} {format_size(served.get(tier, 0))}" for tier in ("ram", "disk", "cluster", "source"))
+    return (f"saved: {format_size(traffic.get('avoided_source_bytes', 0))} and "
+            f"{traffic.get('avoided_source_requests', 0)} requests did not reach the source "
+            f"(reads served: {by_tier}); hit ratio local {ratios.get('local', 0.0):.1%}, "
+            f"cluster {ratios.get('cluster', 0.0):.1%}, source {ratios.get('source', 0.0):.1%}")
 
 
 def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> Any:
@@ -91,6 +113,9 @@ def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> An
     store = stats["object_store"]
     table.caption = (f"object store: {store['requests']} requests, {format_size(store['bytes_read'])} read, "
                      f"{store['errors']} errors  |  hit ratio {stats['hit_ratio']:.1%}")
+    saved = savings_line(stats)
+    if saved is not None:
+        table.caption += "\n" + saved
     health = stats.get("store_health")
     if health is not None and health.get("state") != "reachable":
         table.caption += f"\nobject store UNREACHABLE for {health.get('unreachable_for_s', 0):.0f} s"

@@ -235,7 +235,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                      index=index, pinned=pinned)
         control = ControlServer(
             socket_path,
-            lambda: stats_document(fs),
+            lambda: stats_document(fs, settings.source_label()),
             {
                 "pid": os.getpid(),
                 "source": settings.source,

@@ -125,6 +125,18 @@ STAGING_USED_BYTES = "cachefs_staging_used_bytes"
 STAGING_LIMIT_BYTES = "cachefs_staging_limit_bytes"
 WRITEBACK_ENOSPC_TOTAL = "cachefs_writeback_enospc_errors_total"
 
+# Per volume (label "volume": MountSettings.source_label, one value per daemon, the same on every
+# node mounting the same source, so sum by (volume) adds up a dataset across nodes). What the cache
+# saved: reads by the place that answered them (label "tier": ram, disk, cluster, source), what the
+# source and the cluster store were sent (label "store": source, cluster; "direction": read, upload).
+VOLUME_SERVED_BYTES_TOTAL = "cachefs_volume_served_bytes_total"
+VOLUME_SERVED_BLOCKS_TOTAL = "cachefs_volume_served_blocks_total"
+VOLUME_STORE_REQUESTS_TOTAL = "cachefs_volume_store_requests_total"  # labels volume, store, direction
+VOLUME_STORE_BYTES_TOTAL = "cachefs_volume_store_bytes_total"  # labels volume, store, direction
+VOLUME_AVOIDED_SOURCE_BYTES_TOTAL = "cachefs_volume_avoided_source_bytes_total"
+VOLUME_AVOIDED_SOURCE_REQUESTS_TOTAL = "cachefs_volume_avoided_source_requests_total"
+VOLUME_HIT_RATIO = "cachefs_volume_hit_ratio"  # labels volume, scope: local (RAM + disk), cluster, source
+
 _REQUESTS_SUFFIX = "_requests"
 
 
@@ -150,6 +162,49 @@ class CacheFSCollector(Collector):
         yield from self._filesystem(doc.get("filesystem", {}))
         yield from self._writeback(doc.get("writeback"))
         yield from self._announce(doc.get("announce"))
+        yield from self._traffic(str(doc.get("volume", "")), doc.get("traffic"))
+
+    @staticmethod
+    def _traffic(volume: str, traffic: Any) -> Iterator[Metric]:
+        if not isinstance(traffic, dict):
+            return
+        for name, field, doc in (
+            (VOLUME_SERVED_BYTES_TOTAL, "served_bytes", "Bytes of reads answered, by the tier that answered them."),
+            (VOLUME_SERVED_BLOCKS_TOTAL, "served_blocks", "Block requests of reads answered, by the tier."),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["volume", "tier"])
+            for tier, value in sorted(traffic.get(field, {}).items()):
+                family.add_metric([volume, tier], value)
+            yield family
+        requests = CounterMetricFamily(VOLUME_STORE_REQUESTS_TOTAL,
+                                       "Requests sent to the source and to the cluster store: reads (GET) and uploads (PUT).",
+                                       labels=["volume", "store", "direction"])
+        moved = CounterMetricFamily(VOLUME_STORE_BYTES_TOTAL,
+                                    "Bytes read from and uploaded to the source and the cluster store.",
+                                    labels=["volume", "store", "direction"])
+        for store, section in (("source", traffic.get("source")), ("cluster", traffic.get("cluster_store"))):
+            if not isinstance(section, dict):
+                continue
+            requests.add_metric([volume, store, "read"], section.get("read_requests", 0))
+            requests.add_metric([volume, store, "upload"], section.get("upload_requests", 0))
+            moved.add_metric([volume, store, "read"], section.get("read_bytes", 0))
+            moved.add_metric([volume, store, "upload"], section.get("uploaded_bytes", 0))
+        yield requests
+        yield moved
+        for name, field, doc in (
+            (VOLUME_AVOIDED_SOURCE_BYTES_TOTAL, "avoided_source_bytes",
+             "Bytes of reads answered by RAM, disk or the cluster tier: not pulled from the source."),
+            (VOLUME_AVOIDED_SOURCE_REQUESTS_TOTAL, "avoided_source_requests",
+             "Block requests answered by RAM, disk or the cluster tier: GETs the source did not get."),
+        ):
+            avoided = CounterMetricFamily(name, doc, labels=["volume"])
+            avoided.add_metric([volume], traffic.get(field, 0))
+            yield avoided
+        ratio = GaugeMetricFamily(VOLUME_HIT_RATIO, "Share of read bytes answered locally (RAM + disk), by the "
+                                  "cluster tier, and by the source, since the mount.", labels=["volume", "scope"])
+        for scope, value in sorted(traffic.get("hit_ratios", {}).items()):
+            ratio.add_metric([volume, scope], value)
+        yield ratio
 
     @staticmethod
     def _tiers(local: dict[str, dict[str, Any]], cluster: dict[str, Any] | None) -> Iterator[Metric]:
@@ -385,6 +440,7 @@ class MetricsFeature:
 
 
 def install(ctx: DaemonContext) -> MetricsFeature:
-    registry = make_registry(lambda: stats_document(ctx.fs), lambda: ctx.cache.latency)
+    volume = ctx.settings.source_label()
+    registry = make_registry(lambda: stats_document(ctx.fs, volume), lambda: ctx.cache.latency)
     ctx.control.add_route("GET", "/metrics", metrics_handler(registry), public=True)
     return MetricsFeature()

@@ -12,6 +12,7 @@ from typing import Any
 
 from cachefs.fs.filesystem import CacheFS
 from tiering.blockcache import BlockCache
+from tiering.protocols import ObjectStoreStats
 
 
 def cluster_section(cache: BlockCache) -> dict[str, Any]:
@@ -36,8 +37,33 @@ def cluster_section(cache: BlockCache) -> dict[str, Any]:
     return section
 
 
-def stats_document(fs: CacheFS) -> dict[str, Any]:
-    """The document ``GET /stats`` serves and ``cachefs stats --json`` prints."""
+def store_traffic(stats: ObjectStoreStats) -> dict[str, int]:
+    """What one store (the source, or the cluster store) was sent and gave: all requests, the reads
+    (GETs and their bytes) and the uploads (PUTs, multipart parts included, and their bytes)."""
+    return {
+        "requests": stats.requests,
+        "read_requests": stats.get_requests,
+        "read_bytes": stats.bytes_read,
+        "upload_requests": stats.put_requests,
+        "uploaded_bytes": stats.bytes_written,
+    }
+
+
+def traffic_section(cache: BlockCache, source: ObjectStoreStats) -> dict[str, Any]:
+    """Where reads were answered (``tiering.traffic``: bytes and block requests per place, what did
+    not reach the source, hit ratios by bytes) and what the source and the cluster store were sent."""
+    return {
+        **cache.traffic.snapshot(),
+        "source": store_traffic(source),
+        **({"cluster_store": store_traffic(cache.cluster.store_stats)} if cache.cluster is not None else {}),
+    }
+
+
+def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
+    """The document ``GET /stats`` serves and ``cachefs stats --json`` prints.
+
+    ``volume`` names the mount in the per-volume metrics (``MountSettings.source_label``: the same
+    value on every node that mounts the same source, one value per daemon)."""
     cache = fs.cache
     tiers: dict[str, Any] = {}
     disk = cache.disk
@@ -69,6 +95,9 @@ def stats_document(fs: CacheFS) -> dict[str, Any]:
     store = fs.store.stats
     engine = cache.stats
     return {
+        "volume": volume,
+        # Savings: reads by the place that answered them, and what each store was sent.
+        "traffic": traffic_section(cache, store),
         "tiers": tiers,
         "object_store": {
             "requests": store.requests,

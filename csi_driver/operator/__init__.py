@@ -14,14 +14,17 @@ Layout, outermost first:
                ``kopf.run``.
 ``handlers``   the kopf handlers, registered in a registry built per operator (tests build their
                own): Dataset create/update/resume, delete (a finalizer), a timer that follows warm-up
-               Jobs into status and starts scheduled runs, a timer that releases gated pods.
+               Jobs into status and starts scheduled runs, a timer that releases gated pods, a
+               timer that reads the volume's mount pods into ``status.usage``.
 ``kube``       the kubernetes client where kopf leaves off: create PVs, PVCs and Jobs, list them by
                label, read a pod's log, delete what the operator made.
 ``manifests``  pure builders of the objects (PersistentVolume, PersistentVolumeClaim, Job) and of
                the status (progress per tier, conditions) from the warm-up Jobs' JSON lines.
+``usage``      what a Dataset saved: its mount pods' /stats read over HTTP, added up across
+               operator and mount pod restarts, hit ratios, source bytes and requests avoided, cost.
 ``spec``       a Dataset's spec parsed into frozen ``DatasetSettings``, or ``SpecError`` naming the
                problem.
-``cron``       the five-field schedule of ``warmUp.schedule.cron`` (no cron library is installed).
+``cron``       the five-field schedule of ``warmUp.schedule.cron`` (croniter), in UTC or ``timeZone``.
 
 Progress: a warm-up Job runs ``cachefs prefetch MOUNT ... --json-progress``, which prints the job
 document of the cachefs daemon as one JSON line every few seconds and the final one last. The

@@ -1,95 +1,76 @@
-"""A five-field cron schedule (minute hour day-of-month month day-of-week, UTC), as ``warmUp.schedule.cron``.
+"""``warmUp.schedule.cron``: a five-field cron schedule, read by croniter, in UTC or a named time zone.
 
-No cron library is installed (croniter is not a dependency), and the operator needs only one
-question answered: "did a scheduled minute pass between the last run's start and now?". Fields take
-``*``, numbers, ranges ``a-b``, lists ``a,b`` and steps ``*/n``, ``a-b/n``; day-of-week 0-7 with 0 and
-7 both Sunday. Names (``MON``, ``JAN``) and the ``@daily`` shorthands are refused with a message.
-Day-of-month and day-of-week combine as in Vixie cron: when both are restricted, either may match.
+The operator asks one question of a schedule: "did a scheduled minute pass between the last run's
+start and now?" (``Cron.due``). croniter answers it with the meaning cron users expect: numbers,
+``*``, ranges ``a-b``, lists, steps ``*/n`` and ``a-b/n``, month and day names (``jan``, ``mon-fri``),
+day-of-week 0-7 (0 and 7 Sunday), and, when both day fields are restricted, either one matching
+(Vixie cron). Exactly five fields: croniter would take a sixth (seconds) or a seventh (years),
+which no crontab has, and the ``@daily`` shorthands, which the CRD's pattern keeps out.
+
+``timeZone`` (as a CronJob's ``spec.timeZone``): an IANA name such as ``Europe/Paris``; the
+schedule's minutes are that zone's wall clock, daylight-saving jumps as croniter handles them (a
+02:30 that does not exist on the spring-forward day fires at the first minute after the jump).
+Without one, UTC.
+
+Every refusal is one line naming the problem (``CronError``), never croniter's exception.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import zoneinfo
 from dataclasses import dataclass
 
-# (low, high) of each field.
-_BOUNDS = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 7))
-_NAMES = ("minute", "hour", "day of month", "month", "day of week")
-# How far ``due`` looks back: a schedule that has not fired for 400 days is due anyway (a yearly
-# schedule fires within 366 days); bounds the minute walk to about 576,000 steps in the worst case.
-MAX_LOOKBACK = dt.timedelta(days=400)
+from croniter import croniter
+from croniter.croniter import CroniterError
+
+FIELDS = 5
 
 
 class CronError(ValueError):
-    """A schedule that cannot be parsed; the message names the field."""
+    """A schedule or time zone that cannot be used; the message is one line."""
 
 
 @dataclass(frozen=True)
 class Cron:
-    minutes: frozenset[int]
-    hours: frozenset[int]
-    days: frozenset[int]
-    months: frozenset[int]
-    weekdays: frozenset[int]  # 0 = Sunday
-    days_restricted: bool
-    weekdays_restricted: bool
+    expression: str
+    zone: dt.tzinfo = dt.timezone.utc
+
+    def next_after(self, when: dt.datetime) -> dt.datetime:
+        """The first scheduled minute strictly after ``when`` (aware), in the schedule's zone."""
+        nxt = croniter(self.expression, when.astimezone(self.zone)).get_next(dt.datetime)
+        assert isinstance(nxt, dt.datetime)
+        return nxt
 
     def matches(self, when: dt.datetime) -> bool:
-        if when.minute not in self.minutes or when.hour not in self.hours or when.month not in self.months:
-            return False
-        day_ok = when.day in self.days
-        weekday_ok = (when.isoweekday() % 7) in self.weekdays
-        if self.days_restricted and self.weekdays_restricted:
-            return day_ok or weekday_ok
-        return day_ok and weekday_ok
+        """Whether the minute of ``when`` is a scheduled one."""
+        minute = when.replace(second=0, microsecond=0)
+        return self.next_after(minute - dt.timedelta(seconds=1)) == minute.astimezone(self.zone)
 
     def due(self, since: dt.datetime, now: dt.datetime) -> bool:
-        """Whether a scheduled minute lies in ``(since, now]`` (both aware, any zone)."""
-        if now - since > MAX_LOOKBACK:
-            return True
-        minute = since.astimezone(dt.timezone.utc).replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
-        end = now.astimezone(dt.timezone.utc)
-        while minute <= end:
-            if self.matches(minute):
-                return True
-            # Skip whole hours and days that cannot match: keeps a daily schedule's walk short.
-            if minute.hour not in self.hours or minute.month not in self.months:
-                minute = (minute + dt.timedelta(hours=1)).replace(minute=0)
-            else:
-                minute += dt.timedelta(minutes=1)
-        return False
+        """Whether a scheduled minute lies in ``(since, now]`` (both aware, any zone); the minute
+        ``since`` falls in does not count again."""
+        start = since.replace(second=0, microsecond=0)
+        return self.next_after(start) <= now
 
 
-def _field(text: str, index: int) -> tuple[frozenset[int], bool]:
-    low, high = _BOUNDS[index]
-    name = _NAMES[index]
-    values: set[int] = set()
-    for part in text.split(","):
-        body, slash, step_text = part.partition("/")
-        try:
-            step = int(step_text) if slash else 1
-            if body == "*":
-                start, stop = low, high
-            elif "-" in body:
-                a, b = body.split("-", 1)
-                start, stop = int(a), int(b)
-            else:
-                start = stop = int(body)
-                if slash:
-                    stop = high
-        except ValueError:
-            raise CronError(f"cron {name} field {text!r}: expected *, numbers, ranges a-b, lists and steps /n") from None
-        if step < 1 or not low <= start <= stop <= high:
-            raise CronError(f"cron {name} field {text!r}: values must be from {low} to {high}, ranges low-high, steps >= 1")
-        values.update(range(start, stop + 1, step))
-    return frozenset(values), text != "*"
-
-
-def parse_cron(text: str) -> Cron:
+def parse_cron(text: str, time_zone: str | None = None) -> Cron:
+    """``Cron`` for a five-field schedule in ``time_zone`` (None: UTC); ``CronError`` otherwise."""
     fields = text.split()
-    if len(fields) != 5:
+    if len(fields) != FIELDS:
         raise CronError(f"cron schedule {text!r} must have five fields: minute hour day-of-month month day-of-week")
-    parsed = [_field(f, i) for i, f in enumerate(fields)]
-    weekdays = frozenset(d % 7 for d in parsed[4][0])
-    return Cron(parsed[0][0], parsed[1][0], parsed[2][0], parsed[3][0], weekdays,
-                days_restricted=parsed[2][1], weekdays_restricted=parsed[4][1])
+    zone: dt.tzinfo = dt.timezone.utc
+    if time_zone is not None:
+        try:
+            zone = zoneinfo.ZoneInfo(time_zone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise CronError(f"time zone {time_zone!r} is not an IANA time zone name (e.g. Europe/Paris)") from None
+    expression = " ".join(fields)
+    try:
+        croniter(expression, dt.datetime(2000, 1, 1, tzinfo=zone)).get_next(dt.datetime)
+    except (CroniterError, ValueError, KeyError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "failed to find next date" in reason:
+            reason = "it never fires (a day that no month has?)"
+        raise CronError(f"cron schedule {text!r} is not valid: {reason}") from None
+    return Cron(expression, zone)

@@ -31,7 +31,9 @@ from typing import Any, Callable, Mapping
 
 import kopf
 
+from csi_driver import mountpods
 from csi_driver.operator import manifests as m
+from csi_driver.operator import usage as u
 from csi_driver.operator.kube import Kube, KubeError
 from csi_driver.operator.spec import (DEFAULT_GATE_TIMEOUT_S, POLICY_CRON, TIER_CLUSTER, TIER_NODE, DatasetSettings,
                                       SpecError, parse_spec)
@@ -42,6 +44,11 @@ FOLLOW_INTERVAL_S = 15.0
 # How often gated pods are checked against their Datasets: a pod waits at most this long after its
 # Dataset turns Warm.
 GATE_INTERVAL_S = 5.0
+# How often a Dataset's mount pods are read into status.usage (csi_driver.operator.usage): one list
+# and one small GET per node; the figures of a node lost between two reads are lost with it.
+USAGE_INTERVAL_S = 30.0
+# Where the CSI node plugins run mount pods (their --namespace; deploy/base's namespace).
+DEFAULT_MOUNT_NAMESPACE = "cachefs"
 FINALIZER = "cachefs.io/dataset-cleanup"
 MAX_ERRORS = 20  # status.errors keeps the last 20 (the CRD's maxItems)
 DEFAULT_IMAGE = "ghcr.io/cachefs/cachefs-csi:0.1.0"
@@ -54,6 +61,10 @@ class OperatorSettings:
     image: str = DEFAULT_IMAGE
     follow_interval_s: float = FOLLOW_INTERVAL_S
     gate_interval_s: float = GATE_INTERVAL_S
+    usage_interval_s: float = USAGE_INTERVAL_S
+    mount_namespace: str = DEFAULT_MOUNT_NAMESPACE
+    prices: u.Prices = field(default_factory=u.Prices)  # a Dataset's spec.pricing overrides each price
+    read_stats: u.StatsReader = u.read_stats
     now: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc)
 
 
@@ -281,6 +292,29 @@ def follow(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state
     log.info("Dataset %s/%s: warm-up run %s ended: %s", meta["namespace"], meta["name"], run.get("run"), message)
 
 
+def collect_usage(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state: OperatorState) -> None:
+    """One usage tick: read the mount pods of the Dataset's volume, add their growth to status.usage."""
+    volume = status.get("volumeName")
+    if not volume:
+        return  # no volume yet, so no mount pods
+    try:
+        settings = parse_spec(body.get("spec") or {})
+    except SpecError:
+        return  # reconcile reports it
+    selector = {mountpods.LABEL_APP: mountpods.APP, mountpods.LABEL_VOLUME: mountpods.volume_label(volume)}
+    pods = [u.mount_pod(p) for p in state.kube.list_pods(state.settings.mount_namespace, selector)]
+    previous = status.get("usage") or {}
+    if not pods and not previous.get("daemons"):
+        return  # nothing mounted it yet, nothing to forget
+    read = u.collect(pods, state.settings.read_stats)
+    usage = u.accumulate(previous, pods, read, settings.prices(state.settings.prices), _stamp(state.settings.now()))
+    if previous and all(usage.get(k) == previous.get(k) for k in ("totals", "unreachable", "estimatedCostAvoided")) \
+            and [d["uid"] for d in usage["daemons"]] == [d.get("uid") for d in previous.get("daemons") or []]:
+        return  # nothing moved: no write
+    patch.status["usage"] = usage
+    patch.status.update(u.display(usage, m.format_size))
+
+
 def cleanup(body: Mapping[str, Any], state: OperatorState) -> None:
     """Delete the Jobs, the claim and the PersistentVolume of a Dataset (never the bucket's data)."""
     meta = body["metadata"]
@@ -410,6 +444,10 @@ def build_registry(state: OperatorState, *, login: Callable[..., Any] | None = N
     @kopf.timer(*res, interval=state.settings.follow_interval_s, registry=registry)
     def followed(body: Any, status: Any, patch: Any, **_: Any) -> None:
         follow(body, status, patch, state)
+
+    @kopf.timer(*res, interval=state.settings.usage_interval_s, registry=registry)
+    def usage(body: Any, status: Any, patch: Any, **_: Any) -> None:
+        collect_usage(body, status, patch, state)
 
     @kopf.on.event(*res, registry=registry)
     def dataset_seen(body: Any, type: str | None, **_: Any) -> None:

@@ -112,6 +112,10 @@ class Kube:
     def list_nodes(self, labels: Mapping[str, str]) -> list[str]:
         return sorted(n["metadata"]["name"] for n in self._listed("nodes", self.core.list_node, labels))
 
+    def list_pods(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Pods by label (the mount pods of a Dataset's volume, for their stats address)."""
+        return self._listed(f"pods in {namespace}", self.core.list_namespaced_pod, labels, namespace)
+
     def job_pod_log(self, namespace: str, job: str) -> str | None:
         """The tail of the log of the newest pod of ``job`` (None: no pod, or no log yet)."""
         pods = self._listed(f"the pods of Job {namespace}/{job}", self.core.list_namespaced_pod,

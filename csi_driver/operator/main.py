@@ -27,8 +27,10 @@ import kopf
 from kubernetes import client, config
 
 from cachefs.cli.parsing import CliParser
-from csi_driver.operator.handlers import (DEFAULT_IMAGE, FOLLOW_INTERVAL_S, GATE_INTERVAL_S, OperatorSettings,
-                                          OperatorState, build_registry)
+from csi_driver.operator.handlers import (DEFAULT_IMAGE, DEFAULT_MOUNT_NAMESPACE, FOLLOW_INTERVAL_S, GATE_INTERVAL_S,
+                                          USAGE_INTERVAL_S, OperatorSettings, OperatorState, build_registry)
+from csi_driver.operator.spec import CURRENCY_RE, MAX_PRICE
+from csi_driver.operator.usage import Prices
 from csi_driver.operator.kube import Kube, KubeError
 
 OWN_CONTAINER = "operator"  # the container of deploy/components/datasets/deployment.yaml
@@ -44,6 +46,22 @@ def _positive(text: str) -> float:
     return value
 
 
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= MAX_PRICE:
+        raise argparse.ArgumentTypeError(f"invalid price {text!r}: expected a number from 0 to {MAX_PRICE:g}")
+    return value
+
+
+def _currency(text: str) -> str:
+    if not CURRENCY_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"invalid currency {text!r}: expected a code such as USD or EUR")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="cachefs-operator", description="run the cachefs Dataset operator")
     p.add_argument("--image", default=None,
@@ -54,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds between reads of warm-up progress (default {FOLLOW_INTERVAL_S:g})")
     p.add_argument("--gate-interval", type=_positive, default=GATE_INTERVAL_S, metavar="S",
                    help=f"seconds between checks of gated pods (default {GATE_INTERVAL_S:g})")
+    p.add_argument("--usage-interval", type=_positive, default=USAGE_INTERVAL_S, metavar="S",
+                   help=f"seconds between reads of the mount pods' stats into status.usage (default {USAGE_INTERVAL_S:g})")
+    p.add_argument("--mount-namespace", default=DEFAULT_MOUNT_NAMESPACE, metavar="NS",
+                   help=f"namespace of the CSI driver's mount pods (default {DEFAULT_MOUNT_NAMESPACE})")
+    p.add_argument("--egress-price-per-gb", type=_price, default=None, metavar="PRICE",
+                   help="what the source charges per GiB read out of it, for status.usage.estimatedCostAvoided "
+                        "(a Dataset's spec.pricing overrides it; none: no estimate)")
+    p.add_argument("--request-price-per-thousand", type=_price, default=None, metavar="PRICE",
+                   help="what the source charges per 1000 GET requests (likewise)")
+    p.add_argument("--currency", default="USD", type=_currency, help="currency of the prices (default USD)")
     p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
                    help="kopf's liveness endpoint (default http://0.0.0.0:8080/healthz)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -98,8 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kube = Kube(_load_config())
     image = warm_up_image(kube, args.image, os.environ)
     logging.getLogger("cachefs.operator").info("warm-up Jobs run %s", image)
-    state = OperatorState(kube=kube, settings=OperatorSettings(image=image, follow_interval_s=args.follow_interval,
-                                                               gate_interval_s=args.gate_interval))
+    prices = Prices(egress_per_gb=args.egress_price_per_gb, requests_per_thousand=args.request_price_per_thousand,
+                    currency=args.currency)
+    state = OperatorState(kube=kube, settings=OperatorSettings(
+        image=image, follow_interval_s=args.follow_interval, gate_interval_s=args.gate_interval,
+        usage_interval_s=args.usage_interval, mount_namespace=args.mount_namespace, prices=prices))
 
     def login(**kwargs: Any) -> Any:
         return kopf.login_via_client(**kwargs)

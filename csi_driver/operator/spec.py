@@ -19,6 +19,7 @@ from typing import Any, Mapping
 from csi_driver import attributes
 from csi_driver.errors import CsiError
 from csi_driver.operator.cron import Cron, CronError, parse_cron
+from csi_driver.operator.usage import Prices
 
 TIER_CLUSTER, TIER_NODE = "Cluster", "Node"
 POLICY_ONCE, POLICY_CRON = "Once", "Cron"
@@ -28,6 +29,9 @@ DEFAULT_GATE_TIMEOUT_S = 3600  # an hour: a warm-up of a few TiB at cluster band
 DEFAULT_ACTIVE_DEADLINE_S = 86400  # a day: the Job is killed, the run reported failed
 MAX_GATE_TIMEOUT_S = 7 * 86400
 MAX_WARMUP_PATHS = 256
+# A price per GB or per thousand requests above this is a typo (a unit mixed up), not a tariff.
+MAX_PRICE = 1000.0
+CURRENCY_RE = re.compile(r"[A-Z]{3}")  # an ISO 4217 code
 _NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _KEY_RE = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 _CAPACITY_RE = re.compile(r"[0-9]+(Ki|Mi|Gi|Ti|Pi)?")
@@ -60,6 +64,17 @@ class DatasetSettings:
     capacity: str
     warm_up: WarmUpSettings
     gate_timeout_s: int
+    # spec.pricing: what the source charges, for the estimate of the cost avoided (None: the operator's)
+    egress_per_gb: float | None = None
+    requests_per_thousand: float | None = None
+    currency: str | None = None
+
+    def prices(self, default: Prices) -> Prices:
+        """The Dataset's prices, each one falling back to the operator's."""
+        return Prices(egress_per_gb=self.egress_per_gb if self.egress_per_gb is not None else default.egress_per_gb,
+                      requests_per_thousand=(self.requests_per_thousand if self.requests_per_thousand is not None
+                                             else default.requests_per_thousand),
+                      currency=self.currency or default.currency)
 
 
 def _mapping(spec: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
@@ -149,8 +164,25 @@ def parse_spec(spec: Mapping[str, Any]) -> DatasetSettings:
     gate_timeout = _int(gate.get("timeoutSeconds", DEFAULT_GATE_TIMEOUT_S), "spec.gate.timeoutSeconds", 0,
                         MAX_GATE_TIMEOUT_S)
     warm_up = _parse_warm_up(_mapping(spec, "warmUp", "spec."), has_cluster_tier=volume.cache.cluster_cache is not None)
+    pricing = _mapping(spec, "pricing", "spec.")
+    unknown = sorted(set(pricing) - {"egressPerGB", "requestsPerThousand", "currency"})
+    if unknown:
+        raise SpecError(f"spec.pricing: unknown key {unknown[0]!r} (known: egressPerGB, requestsPerThousand, currency)")
+    egress, requests = (_price(pricing.get(k), f"spec.pricing.{k}") for k in ("egressPerGB", "requestsPerThousand"))
+    currency = pricing.get("currency")
+    if currency is not None and not (isinstance(currency, str) and CURRENCY_RE.fullmatch(currency)):
+        raise SpecError(f"spec.pricing.currency {currency!r} must be a currency code such as USD or EUR")
     return DatasetSettings(volume_attributes=attrs, secret_name=secret, capacity=capacity, warm_up=warm_up,
-                           gate_timeout_s=gate_timeout)
+                           gate_timeout_s=gate_timeout, egress_per_gb=egress, requests_per_thousand=requests,
+                           currency=currency)
+
+
+def _price(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_PRICE:
+        raise SpecError(f"{where} must be a price from 0 to {MAX_PRICE:g}, got {value!r}")
+    return float(value)
 
 
 def _parse_warm_up(warm: Mapping[str, Any], *, has_cluster_tier: bool) -> WarmUpSettings:
@@ -195,14 +227,17 @@ def _parse_warm_up(warm: Mapping[str, Any], *, has_cluster_tier: bool) -> WarmUp
         text = schedule.get("cron")
         if not isinstance(text, str) or not text.strip():
             raise SpecError("spec.warmUp.schedule.cron is required with policy Cron (e.g. '0 3 * * *')")
+        zone = schedule.get("timeZone")
+        if zone is not None and not (isinstance(zone, str) and zone):
+            raise SpecError("spec.warmUp.schedule.timeZone must be an IANA time zone name (e.g. Europe/Paris)")
         try:
-            cron = parse_cron(text)
+            cron = parse_cron(text, zone)
         except CronError as exc:
             raise SpecError(f"spec.warmUp.schedule: {exc}") from None
     elif policy != POLICY_ONCE:
         raise SpecError(f"spec.warmUp.schedule.policy must be {POLICY_ONCE} or {POLICY_CRON}, got {policy!r}")
-    elif schedule.get("cron"):
-        raise SpecError("spec.warmUp.schedule.cron needs policy Cron")
+    elif schedule.get("cron") or schedule.get("timeZone"):
+        raise SpecError(f"spec.warmUp.schedule.{'cron' if schedule.get('cron') else 'timeZone'} needs policy Cron")
     parallel = warm.get("parallel")
     return WarmUpSettings(
         paths=paths, manifest_config_map=config_map, manifest_key=key or "manifest", tier=tier,

@@ -59,7 +59,7 @@ def test_crd_names_and_columns() -> None:
     (version,) = doc["spec"]["versions"]
     assert version["name"] == m.VERSION and version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
-    assert columns == ["Phase", "Cached", "Size", "Age"]
+    assert columns == ["Phase", "Cached", "Size", "Hit ratio", "Saved", "Age"]
 
 
 def test_every_example_dataset_validates_against_the_crd_schema_and_parses() -> None:

@@ -52,7 +52,8 @@ def test_the_pod_spec_holds_no_credential_and_grants_no_privilege() -> None:
                                              "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
     assert "lifecycle" not in container  # no preStop: deleting the pod never unmounts
     assert all("valueFrom" in var and "value" not in var for var in container["env"])
-    assert {var["name"] for var in container["env"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"}
+    assert {var["name"] for var in container["env"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
+                                                         "POD_IP"}
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["nodeName"] == SETTINGS.node_name
@@ -72,7 +73,8 @@ def test_the_secret_carries_the_environment_and_the_pod_reads_it_by_reference() 
     assert secret["metadata"]["name"] == pod["metadata"]["name"]
     decoded = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert decoded["AWS_SECRET_ACCESS_KEY"] == SECRET
-    refs = {var["valueFrom"]["secretKeyRef"]["key"] for var in pod["spec"]["containers"][0]["env"]}
+    refs = {var["valueFrom"]["secretKeyRef"]["key"] for var in pod["spec"]["containers"][0]["env"]
+            if "secretKeyRef" in var["valueFrom"]}
     assert refs == set(decoded)
 
 
@@ -239,3 +241,11 @@ def test_a_container_that_cannot_start_is_not_running() -> None:
     creating = PodState("p", "u", "d", "v", "/t", "Pending", None, False, "ContainerCreating")
     assert not pulling.running and pulling.stuck and "ErrImagePull" in pulling.describe()
     assert creating.running and not creating.stuck
+
+
+def test_the_daemon_serves_its_stats_on_the_pod_ip() -> None:
+    """The operator (csi_driver.operator.usage) and Prometheus read /stats and /metrics there (issue 26)."""
+    (container,) = build_pod(SETTINGS, spec())["spec"]["containers"]
+    assert container["command"][-2:] == ["--stats-addr", "$(POD_IP):9750"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    assert container["ports"] == [{"name": "stats", "containerPort": 9750, "protocol": "TCP"}]

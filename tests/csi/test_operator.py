@@ -339,7 +339,7 @@ async def test_node_tier_warms_each_matching_node_and_delete_cleans_up(api: Oper
      "leads outside the dataset"),
     ({"source": "s3://training/x", "warmUp": {"target": {"tier": "Node"},
                                               "schedule": {"policy": "Cron", "cron": "61 * * * *"}}},
-     "cron minute field '61'"),
+     "cron schedule '61 * * * *' is not valid"),
     ({"source": "s3://training/x", "endpointUrl": "http://user:pw@host"}, "must not contain user info"),
 ])
 async def test_bad_spec_creates_nothing_and_says_why(api: OperatorApiServer, spec: dict, message: str) -> None:

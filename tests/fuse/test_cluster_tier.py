@@ -323,3 +323,72 @@ def test_cluster_gc_deletes_the_oldest_blocks_down_to_the_size(
                   f"http://127.0.0.1:{free_ports(1)[0]}", "--cluster-profile", "cluster", "--max-size", "1GiB",
                   env=cluster_env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cluster gc" in bad.stderr, bad.stderr
+
+
+def read_direct(path: Path) -> bytes:
+    """Read ``path`` one block per read with O_DIRECT: no page cache and no kernel read-ahead, so
+    every read reaches the daemon exactly once, as one request for one block."""
+    import mmap
+    import os
+
+    buf = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
+    out = bytearray()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        while True:
+            n = os.preadv(fd, [buf], len(out))
+            out += buf[:n]
+            if n < BLOCK:
+                return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def test_traffic_counts_where_every_byte_came_from_exactly(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
+    """What the cache saved (issue 26), counted on a real mount: a cold read comes from the source,
+    a re-read after dropping RAM from disk, a second node's read from the cluster tier."""
+    source, cluster = servers
+    clear_cluster(cluster)
+    key = "data/part-1.bin"
+    data, blocks = FILES[key], -(-len(FILES[key]) // BLOCK)
+    first = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster, "--readahead", "0"), env=cluster_env)
+    before = first.stats()["traffic"]
+    assert bounded(lambda: read_direct(first.path / key), READ_BOUND_S, "cold read") == data
+    wait_drained(first)
+    t = first.stats()["traffic"]
+    assert t["served_bytes"] == {"ram": 0, "disk": 0, "cluster": 0, "source": len(data)}
+    assert t["served_blocks"] == {"ram": 0, "disk": 0, "cluster": 0, "source": blocks}
+    assert t["avoided_source_bytes"] == t["avoided_source_requests"] == 0
+    assert t["source"]["read_requests"] - before["source"]["read_requests"] == blocks
+    assert t["source"]["read_bytes"] - before["source"]["read_bytes"] == len(data)
+    assert t["source"]["upload_requests"] == t["source"]["uploaded_bytes"] == 0
+    # The cluster store: one lookup per block (a miss: a HEAD, nothing read), one upload per block.
+    stored = sum(obj["Size"] for obj in cluster.client().list_objects_v2(
+        Bucket=CLUSTER_BUCKET, Prefix=CLUSTER_PREFIX)["Contents"])  # the blocks, each framed
+    assert t["cluster_store"]["read_requests"] == 0 and t["cluster_store"]["read_bytes"] == 0
+    assert t["cluster_store"]["upload_requests"] == blocks
+    assert t["cluster_store"]["uploaded_bytes"] == stored > len(data)
+    assert t["hit_ratios"] == {"local": 0.0, "cluster": 0.0, "source": 1.0}
+
+    assert run_cli("evict", str(first.path), "--tier", "ram", env=cluster_env).returncode == 0
+    assert bounded(lambda: read_direct(first.path / key), READ_BOUND_S, "re-read") == data
+    t = first.stats()["traffic"]
+    assert t["served_bytes"] == {"ram": 0, "disk": len(data), "cluster": 0, "source": len(data)}
+    assert t["avoided_source_bytes"] == len(data) and t["avoided_source_requests"] == blocks
+    assert t["source"]["read_bytes"] - before["source"]["read_bytes"] == len(data)  # no new GET
+    assert t["hit_ratios"] == {"local": 0.5, "cluster": 0.0, "source": 0.5}
+
+    second = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster, "--readahead", "0"), env=cluster_env)
+    assert bounded(lambda: read_direct(second.path / key), READ_BOUND_S, "second node") == data
+    s = second.stats()
+    t = s["traffic"]
+    assert t["served_bytes"] == {"ram": 0, "disk": 0, "cluster": len(data), "source": 0}
+    assert t["avoided_source_bytes"] == len(data) and t["avoided_source_requests"] == blocks
+    assert t["source"]["read_requests"] == t["source"]["read_bytes"] == 0
+    # A hit costs a HEAD and a GET of the framed block.
+    assert t["cluster_store"]["read_requests"] == blocks
+    assert t["cluster_store"]["read_bytes"] == stored
+    assert t["hit_ratios"] == {"local": 0.0, "cluster": 1.0, "source": 0.0}
+    assert s["volume"] == first.stats()["volume"] and len(s["volume"]) == 16  # one label per source
+

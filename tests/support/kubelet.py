@@ -10,8 +10,12 @@ another single-container pod of cachefs's image, such as the operator's):
   that looks like a credential;
 - resolves ``env[].valueFrom.secretKeyRef`` from the Secrets in the API (waiting, as a kubelet does,
   while the Secret is missing);
-- resolves ``env[].valueFrom.fieldRef`` for ``metadata.name`` and ``metadata.namespace`` (the
-  downward API);
+- gives each pod an IP of its own (``status.podIP``, a random address of 127.0.0.0/8, which is all
+  loopback on Linux: pods then bind the same port without clashing, as in their own network
+  namespaces), resolves ``env[].valueFrom.fieldRef`` of ``status.podIP``, ``metadata.name``,
+  ``metadata.namespace`` and ``spec.nodeName`` (the downward API), and expands ``$(VAR)`` in the
+  command and args from the container's environment (``$$`` stays a literal ``$``; an unknown
+  variable is left as written, as a kubelet does);
 - runs the container's command as a process group of its own (``cachefs`` is this interpreter's
   ``-m cachefs``; another command that is one of this venv's console scripts runs from it), under
   ``setpriv`` with an empty capability bounding set and ``no_new_privs``, as the uid and gid a
@@ -39,6 +43,8 @@ import base64
 import datetime
 import json
 import os
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +56,18 @@ from pathlib import Path
 from typing import Any
 
 POLL_S = 0.1
+_VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` references of a container's command, as the kubelet expands them."""
+    return _VAR_REF.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def pod_ip() -> str:
+    rng = random.SystemRandom()
+    return f"127.{rng.randint(1, 254)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
+
 SECRETISH = ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY")
 KILL_WAIT_S = 10.0
 # deploy/Dockerfile's ENTRYPOINT, less tini (the stand-in reaps its own children).
@@ -70,6 +88,10 @@ def runtime_environ(base: dict[str, str], uid: int) -> dict[str, str]:
     except KeyError:
         env["HOME"] = "/"
     return env
+# Each API call is bounded, as a real kubelet's are: a call the API double leaves unanswered costs one
+# round (a status report is tried again), not the kubelet's stop, which waits for its thread.
+API_TIMEOUT_S = 5.0
+STATUS_ATTEMPTS = 3
 
 
 def _now() -> str:
@@ -111,7 +133,7 @@ class Kubelet:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=API_TIMEOUT_S + 1)  # at most one API call in flight, bounded
         with self._lock:
             containers = list(self.containers.values())
         for container in containers:
@@ -142,7 +164,7 @@ class Kubelet:
 
     # -- one round ----------------------------------------------------------------------------------
     def _sync(self) -> None:
-        pods = [p for p in self.core.list_namespaced_pod(self.namespace).items if p.spec.node_name == self.node]
+        pods = [p for p in self.core.list_namespaced_pod(self.namespace, _request_timeout=API_TIMEOUT_S).items if p.spec.node_name == self.node]
         present = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None}
         for uid, pod in present.items():
             with self._lock:
@@ -190,6 +212,9 @@ class Kubelet:
             else:
                 binds.append((mount.mount_path, mount.mount_path))
         env: dict[str, str] = {}
+        ip = pod_ip()
+        fields = {"status.podIP": ip, "metadata.name": pod.metadata.name,
+                  "metadata.namespace": pod.metadata.namespace, "spec.nodeName": self.node}
         for var in container.env or []:
             if var.value is not None:
                 if any(word in var.name.upper() for word in SECRETISH):
@@ -197,17 +222,18 @@ class Kubelet:
                 env[var.name] = var.value
                 continue
             if var.value_from.field_ref is not None:
-                field_path = var.value_from.field_ref.field_path
-                env[var.name] = {"metadata.name": pod.metadata.name,
-                                 "metadata.namespace": pod.metadata.namespace}[field_path]
+                path = var.value_from.field_ref.field_path
+                if path not in fields:
+                    return self._refuse(pod, f"variable {var.name}: fieldRef {path} is not supported here")
+                env[var.name] = fields[path]
                 continue
             ref = var.value_from.secret_key_ref
             try:
-                secret = self.core.read_namespaced_secret(ref.name, self.namespace)
+                secret = self.core.read_namespaced_secret(ref.name, self.namespace, _request_timeout=API_TIMEOUT_S)
             except Exception:
                 return None  # CreateContainerConfigError: try again next round
             env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
-        command = list(container.command or IMAGE_ENTRYPOINT) + list(container.args or [])
+        command = [expand(arg, env) for arg in list(container.command or IMAGE_ENTRYPOINT) + list(container.args or [])]
         script = Path(sys.executable).with_name(command[0])
         if command[0] == "cachefs":
             command[:1] = [sys.executable, "-m", "cachefs"]
@@ -236,7 +262,7 @@ class Kubelet:
             self.containers[pod.metadata.uid] = Container(pod.metadata.name, pod.metadata.uid, proc, log_path,
                                                           float(spec.termination_grace_period_seconds or 30), env)
         self._patch_status(pod.metadata.name, {
-            "phase": "Running", "hostIP": "127.0.0.1", "startTime": _now(),
+            "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "startTime": _now(),
             "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "local",
                                    "ready": True, "restartCount": 0, "started": True,
                                    "state": {"running": {"startedAt": _now()}}}],
@@ -268,11 +294,17 @@ class Kubelet:
             pass
 
     def _patch_status(self, name: str, status: dict[str, Any]) -> None:
-        try:
-            self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
-                                                  _content_type="application/merge-patch+json")
-        except Exception:
-            pass  # the pod was deleted meanwhile
+        for _ in range(STATUS_ATTEMPTS):
+            if self._stop.is_set():
+                return
+            try:
+                self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status},
+                                                      _content_type="application/merge-patch+json",
+                                                      _request_timeout=API_TIMEOUT_S)
+                return
+            except Exception as exc:
+                if getattr(exc, "status", None) == 404:
+                    return  # the pod was deleted meanwhile
 
     def wait_gone(self, pod: str, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -330,3 +330,23 @@ def test_the_readme_fstab_line_and_systemd_unit_translate() -> None:
                 if "=" in ln and not ln.startswith("#"))
     assert unit["Type"] == "cachefs"
     assert build_parser().parse_args(fstab.translate(unit["What"], unit["Where"], unit["Options"].split(",")))
+
+
+def test_stats_show_what_the_cache_saved() -> None:
+    """``cachefs stats`` (table and plain lines) ends with the savings of the mount (issue 26)."""
+    from cachefs.cli.stats import render_stats, savings_line
+
+    stats = {**doc(0, 0, 0, 0, 0), "traffic": {
+        "served_bytes": {"ram": 3 * MiB, "disk": MiB, "cluster": 2 * MiB, "source": 2 * MiB},
+        "avoided_source_bytes": 6 * MiB, "avoided_source_requests": 12,
+        "hit_ratios": {"local": 0.5, "cluster": 0.25, "source": 0.25}}}
+    line = savings_line(stats)
+    assert line == ("saved: 6.0 MiB and 12 requests did not reach the source (reads served: ram 3.0 MiB, "
+                    "disk 1.0 MiB, cluster 2.0 MiB, source 2.0 MiB); hit ratio local 50.0%, cluster 25.0%, "
+                    "source 25.0%")
+    assert plain_line(stats, None).endswith(line)
+    table = {**stats, "object_store": {"requests": 20, "bytes_read": 2 * MiB, "errors": 0},
+             "tiers": {"ram": {**stats["tiers"]["ram"], "entries": 3, "hits": 6, "misses": 2, "evictions": 0,
+                               "errors": 0}}}
+    assert line in str(render_stats(table).caption)
+    assert savings_line(doc(0, 0, 0, 0, 0)) is None  # a daemon without the section

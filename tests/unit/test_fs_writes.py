@@ -132,6 +132,8 @@ async def test_create_write_read_back_and_upload(env: Env) -> None:
     assert env.obj("new.bin") == b"hello world"
     assert await read_path(fs, "new.bin") == b"hello world"  # after upload: from the store version
     assert stats_document(fs)["writeback"]["files_uploaded"] == 1
+    uploaded = stats_document(fs)["traffic"]["source"]  # what the source was sent (issue 26)
+    assert uploaded["upload_requests"] == 1 and uploaded["uploaded_bytes"] == 11
 
 
 async def test_random_writes_into_an_object_from_the_store(env: Env) -> None:

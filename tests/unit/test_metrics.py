@@ -189,3 +189,21 @@ async def test_the_cluster_tier_is_reported_with_tier_cluster(tmp_path: Path) ->
     assert value(got[metrics.TIER_WRITE_BEHIND_DEPTH], tier="cluster") == 0
     assert value(got[metrics.TIER_STATE], tier="cluster", state="healthy") == 1
     assert value(got["cachefs_blocks_served"], tier="cluster") == 0
+
+
+async def test_per_volume_series_follow_the_traffic_section(fs: CacheFS) -> None:
+    """What the cache saved, per volume (issue 26): served bytes per tier, the source's requests."""
+    registry = metrics.make_registry(lambda: stats_document(fs, "ab12"), lambda: fs.cache.latency, process=False)
+    got = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    traffic = stats_document(fs, "ab12")["traffic"]
+    # The fixture read 3 blocks cold (source), then again (RAM); the warm served no read.
+    assert value(got["cachefs_volume_served_bytes"], volume="ab12", tier="source") == 3 * BS
+    assert value(got["cachefs_volume_served_bytes"], volume="ab12", tier="ram") == 3 * BS
+    assert value(got["cachefs_volume_served_blocks"], volume="ab12", tier="disk") == 0
+    assert value(got["cachefs_volume_avoided_source_bytes"], volume="ab12") == traffic["avoided_source_bytes"] == 3 * BS
+    assert value(got["cachefs_volume_avoided_source_requests"], volume="ab12") == 3
+    assert value(got["cachefs_volume_store_requests"], volume="ab12", store="source", direction="read") == 3
+    assert value(got["cachefs_volume_store_bytes"], volume="ab12", store="source", direction="read") == 3 * BS
+    assert value(got["cachefs_volume_store_bytes"], volume="ab12", store="source", direction="upload") == 0
+    assert value(got[metrics.VOLUME_HIT_RATIO], volume="ab12", scope="local") == 0.5
+    assert not [s for s in got["cachefs_volume_store_requests"].samples if s.labels["store"] == "cluster"]

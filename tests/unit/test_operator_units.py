@@ -70,18 +70,46 @@ def test_a_secret_in_an_endpoint_url_is_never_quoted() -> None:
 
 
 # ------------------------------------------------------------------------------------------- cron
-def test_cron_fields() -> None:
-    cron = parse_cron("*/15 3,4 1-7 * 0")
-    assert cron.minutes == {0, 15, 30, 45} and cron.hours == {3, 4} and cron.days == set(range(1, 8))
-    assert cron.weekdays == {0} and cron.days_restricted and cron.weekdays_restricted
-    assert parse_cron("0 0 * * 7").weekdays == {0}  # 7 is Sunday too
+def test_cron_reads_names_ranges_and_steps_as_cron_does() -> None:
+    """croniter (issue 26): month and day names, ranges of names, steps, 7 as Sunday."""
+    weekdays = parse_cron("0 9 * * mon-fri")
+    monday, saturday = dt.datetime(2026, 3, 2, 9, 0, tzinfo=UTC), dt.datetime(2026, 3, 7, 9, 0, tzinfo=UTC)
+    assert weekdays.matches(monday) and not weekdays.matches(saturday)
+    assert weekdays.next_after(dt.datetime(2026, 3, 6, 9, 0, tzinfo=UTC)) == dt.datetime(2026, 3, 9, 9, 0, tzinfo=UTC)
+    quarter = parse_cron("*/15 3,4 1-7 * *")
+    assert [quarter.matches(dt.datetime(2026, 3, 2, 3, m, tzinfo=UTC)) for m in (0, 15, 20, 45)] == [True, True, False, True]
+    assert parse_cron("0 0 * jan,jul *").matches(dt.datetime(2026, 7, 1, tzinfo=UTC))
+    assert parse_cron("0 0 * * 7").matches(dt.datetime(2026, 3, 1, tzinfo=UTC))  # 7 is Sunday too
+    assert parse_cron("10-50/20 * * * *").next_after(dt.datetime(2026, 3, 1, 0, 31, tzinfo=UTC)).minute == 50
 
 
-@pytest.mark.parametrize("text", ["* * * *", "60 * * * *", "* 24 * * *", "*/0 * * * *", "5-1 * * * *",
-                                  "@daily", "0 0 * JAN *"])
-def test_bad_cron_is_refused(text: str) -> None:
-    with pytest.raises(CronError):
-        parse_cron(text)
+def test_cron_in_a_time_zone_follows_its_wall_clock() -> None:
+    paris = parse_cron("0 3 * * *", "Europe/Paris")
+    # 03:00 in Paris is 02:00 UTC in winter and 01:00 UTC in summer.
+    assert paris.matches(dt.datetime(2026, 1, 15, 2, 0, tzinfo=UTC))
+    assert paris.matches(dt.datetime(2026, 7, 15, 1, 0, tzinfo=UTC))
+    assert not paris.due(dt.datetime(2026, 7, 15, 0, 0, tzinfo=UTC), dt.datetime(2026, 7, 15, 0, 59, tzinfo=UTC))
+    assert paris.due(dt.datetime(2026, 7, 15, 0, 0, tzinfo=UTC), dt.datetime(2026, 7, 15, 1, 0, tzinfo=UTC))
+    settings = parse_spec({"source": "s3://bucket/p", "warmUp": {"target": {"tier": "Node"}, "schedule": {
+        "policy": "Cron", "cron": "0 3 * * *", "timeZone": "Europe/Paris"}}})
+    assert settings.warm_up.cron == paris
+
+
+@pytest.mark.parametrize(("text", "zone", "message"), [
+    ("* * * *", None, "must have five fields"),
+    ("0 0 * * * 2026", None, "must have five fields"),
+    ("60 * * * *", None, "'60 * * * *' is not valid"),
+    ("* 24 * * *", None, "is not valid"),
+    ("*/0 * * * *", None, "is not valid"),
+    ("0 0 * * funday", None, "is not valid"),
+    ("0 0 31 2 *", None, "never fires"),
+    ("@daily", None, "must have five fields"),
+    ("0 3 * * *", "Mars/Olympus", "'Mars/Olympus' is not an IANA time zone name"),
+])
+def test_bad_cron_is_refused_with_one_line(text: str, zone: str | None, message: str) -> None:
+    with pytest.raises(CronError) as err:
+        parse_cron(text, zone)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_cron_due() -> None:

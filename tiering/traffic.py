@@ -1,0 +1,90 @@
+"""Where the bytes of reads came from: the counters behind "what the cache saved".
+
+A read is answered block by block, and each block by one place: the RAM tier, the disk tier, the
+shared cluster tier, or the source (a GET). ``ReadTraffic`` counts, per place, the bytes of reads it
+answered (the range each reader asked for, not the whole block) and the block requests it answered.
+Every block request answered by RAM, disk or the cluster tier is one ranged GET the source did not
+get, and its bytes are bytes not pulled from the source: that is what ``avoided_*`` sums, and what
+the operator adds up per Dataset (``csi_driver.operator.usage``).
+
+The seam is deliberately narrow, so the engine can change around it: the block cache calls
+``served`` for a block found in RAM, ``waiting`` for a reader that starts or joins a load, then
+``settle`` when that load's bytes are in (naming the place they came from: every reader that
+waited on it is credited to that place) or ``drop`` when it failed (nothing was served; the block
+cache drops from its load futures' done-callback). A load
+nobody reads (read-ahead, a warm) credits nothing; a reader that later finds its block in RAM is a
+RAM hit. Everything runs on the event loop: plain integers, no lock.
+
+The page cache of the kernel answers some re-reads before they reach the daemon; those are
+invisible here (and cost the source nothing either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+RAM, DISK, CLUSTER, SOURCE = "ram", "disk", "cluster", "source"
+PLACES = (RAM, DISK, CLUSTER, SOURCE)
+LOCAL_PLACES = (RAM, DISK)
+
+
+@dataclass
+class ReadTraffic:
+    """Bytes and block requests of reads, by the place that answered them."""
+
+    served_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLACES, 0))
+    served_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLACES, 0))
+    # Readers waiting on a load, per block: (bytes they asked for, how many readers).
+    _pending: dict[Hashable, tuple[int, int]] = field(default_factory=dict, repr=False)
+
+    def served(self, place: str, nbytes: int, blocks: int = 1) -> None:
+        self.served_bytes[place] += nbytes
+        self.served_blocks[place] += blocks
+
+    def waiting(self, key: Hashable, nbytes: int, *, ready: bool = False) -> None:
+        """A reader started or joined the load of ``key``, for ``nbytes`` of the block. ``ready``: the
+        load has its bytes already (a warm load holds them until they are on disk): served from memory."""
+        if ready:
+            self.served(RAM, nbytes)
+            return
+        wanted, readers = self._pending.get(key, (0, 0))
+        self._pending[key] = (wanted + nbytes, readers + 1)
+
+    def settle(self, key: Hashable, place: str) -> None:
+        """The load of ``key`` got its bytes from ``place``: credit every reader that waited on it."""
+        wanted, readers = self._pending.pop(key, (0, 0))
+        if readers:
+            self.served(place, wanted, readers)
+
+    def drop(self, key: Hashable) -> None:
+        """The load of ``key`` failed: its readers got an error, nothing was served."""
+        self._pending.pop(key, None)
+
+    def dropper(self, key: Hashable) -> Callable[[asyncio.Future[Any]], None]:
+        """A done-callback for the future of the load of ``key``: a failed or cancelled load drops
+        its readers (and its exception counts as retrieved: a load nobody awaited logs nothing)."""
+        def done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                self.drop(key)
+        return done
+
+    @property
+    def waiting_loads(self) -> int:
+        return len(self._pending)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Served bytes and blocks per place, what did not reach the source, and hit ratios by bytes."""
+        total = sum(self.served_bytes.values())
+
+        def ratio(places: tuple[str, ...]) -> float:
+            return round(sum(self.served_bytes[p] for p in places) / total, 6) if total else 0.0
+
+        return {
+            "served_bytes": dict(self.served_bytes),
+            "served_blocks": dict(self.served_blocks),
+            "avoided_source_bytes": total - self.served_bytes[SOURCE],
+            "avoided_source_requests": sum(self.served_blocks.values()) - self.served_blocks[SOURCE],
+            "hit_ratios": {"local": ratio(LOCAL_PLACES), "cluster": ratio((CLUSTER,)), "source": ratio((SOURCE,))},
+        }
