@@ -685,6 +685,37 @@ class S3ObjectStore:
         self.stats.delete_requests += 1
         await self._call("delete_object", op="DELETE", where=self._where(key), Key=self.prefix + key)
 
+    # -- conditional writes (tiering.writeback.durable: leases and recovery) --------------------------
+
+    async def put_if(self, key: str, data: bytes, *, if_match: str | None = None,
+                     if_none_match: bool = False) -> ObjectInfo:
+        """One PutObject of ``data`` sent with ``If-Match: if_match`` or ``If-None-Match: *``.
+
+        ``ObjectChangedError`` (412) when the condition fails, ``ObjectNotFoundError`` when
+        ``if_match`` names an object that is gone. AWS S3 and SeaweedFS (4.x) evaluate both headers
+        on PUT; a server that ignores them would make this an unconditional put (see
+        ``tiering.writeback.durable`` on the read-back check that narrows that case).
+        """
+        check_write_key(key)
+        where = self._where(key)
+        conditions: dict[str, Any] = {}
+        if if_match is not None:
+            conditions["IfMatch"] = if_match
+        if if_none_match:
+            conditions["IfNoneMatch"] = "*"
+        self.stats.put_requests += 1
+        async with self._upload_slots:
+            response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=bytes(data),
+                                        **conditions)
+        self.stats.bytes_written += len(data)
+        return ObjectInfo(key=key, size=len(data), etag=_quote_etag(response["ETag"]), mtime=time.time())
+
+    async def delete_if(self, key: str, if_match: str) -> None:
+        """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag."""
+        check_write_key(key)
+        self.stats.delete_requests += 1
+        await self._call("delete_object", op="DELETE", where=self._where(key), Key=self.prefix + key, IfMatch=if_match)
+
     async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
         check_write_key(dst)
         source = await self.head(src)  # the size decides CopyObject or UploadPartCopy

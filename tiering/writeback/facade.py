@@ -87,6 +87,7 @@ from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth
 from tiering.writeback.datafiles import DataFiles
+from tiering.writeback.durable import DurableJournal
 from tiering.writeback.files import StagedFiles, read_range
 from tiering.writeback.events import KeyLocks, describe, wait_event
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, pread_exact
@@ -139,8 +140,11 @@ class WriteBack:
         wall: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         health: StoreHealth | None = None,
+        durable: DurableJournal | None = None,
     ) -> None:
         self.settings = settings
+        # --write-durability cluster (``tiering.writeback.durable``): records mirrored in the cluster store.
+        self.durable = durable
         self.staging = StagingDir(staging_root)
         self.store = store
         self.cache = cache
@@ -158,7 +162,7 @@ class WriteBack:
         self.space = StagingSpace(
             budget, self.stats, eager_fraction=eager_fraction, space_wait_s=lambda: self.settings.space_wait_s,
             wake=lambda: self.uploader.wake(), on_full=lambda: self.files.unload_clean(), backlog=self._backlog)
-        self.records = Records(self.staging, self.space)
+        self.records = Records(self.staging, self.space, durable)
         self.datafiles = DataFiles(self.staging, self.space, cache, self.stats, self._spawn)
         self.files = StagedFiles(self.index, self.datafiles, cache, self.stats, lambda: self.space.waiters)
         self.uploader = Uploader(
@@ -170,7 +174,13 @@ class WriteBack:
     # ================================================================== life cycle
     async def start(self) -> None:
         """Replay the journal (before the mount: what it finds is visible and queued) and start uploading."""
+        if self.durable is not None:
+            for note in await self.durable.open():  # before the scan: it may set the local journal aside
+                log.error("write-back: %s", note)
         scan = await asyncio.to_thread(self.staging.scan)
+        if self.durable is not None:
+            await self.durable.adopt(scan.records)
+            self.durable.start()
         now = self.clock.monotonic()
         files = deletes = markers = 0
         staged_bytes = 0
@@ -215,6 +225,8 @@ class WriteBack:
         await self.uploader.stop()
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        if self.durable is not None:
+            await self.durable.close(drained=not self.index.journaled())
         self.datafiles.close_all()
         pending = self.index.journaled()
         if pending:
@@ -252,10 +264,13 @@ class WriteBack:
             return existing
         sf = StagedFile(key, size=base.size, mtime=self.wall(), may_exist=True, base=base)
         self.files.add(sf)
+        if self.durable is not None and base.etag:
+            self.durable.note_base(key, base.etag)
         return sf
 
-    async def create(self, key: str, *, may_exist: bool) -> StagedFile:
-        """A new, empty staged file at ``key`` (creat, or O_TRUNC of a file in the store)."""
+    async def create(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> StagedFile:
+        """A new, empty staged file at ``key`` (creat, or O_TRUNC of a file in the store: ``base_etag``
+        is the store's version it replaces, for ``durable``'s base)."""
         old = self.files.get(key)
         if old is not None:
             # Truncate rather than replace: its acknowledged version must outlive the journal record
@@ -266,6 +281,8 @@ class WriteBack:
             return old
         async with self._locks.hold(key):
             entry = self.index.get(key)
+            if self.durable is not None and base_etag and entry is None:
+                self.durable.note_base(key, base_etag)  # the store's version this replaces
             may = (may_exist or self.uploader.busy(key)
                    or (entry is not None and (entry.op == DELETE or entry.may_exist)))
             df = await self.datafiles.new(0)
@@ -374,11 +391,14 @@ class WriteBack:
                 self.files.maybe_dispose(sf)
 
     # ================================================================== namespace operations
-    async def remove(self, key: str, *, may_exist: bool) -> None:
-        """unlink: the key is deleted in the store (if it may be there) and its staged data dropped."""
+    async def remove(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> None:
+        """unlink: the key is deleted in the store (if it may be there) and its staged data dropped.
+        ``base_etag``: the store's version the caller saw (a clean file), for ``durable``'s base."""
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
             entry = self.index.get(key)
+            if self.durable is not None and base_etag and sf is None and entry is None:
+                self.durable.note_base(key, base_etag)
             # Nothing staged or pending: the file is clean, so the store has it (whatever the caller saw
             # before an upload landed). Otherwise: whether an upload may have started, ever.
             may = (may_exist or self.uploader.busy(key) or (sf is None and entry is None)
@@ -500,7 +520,10 @@ class WriteBack:
         entry = self.index.get(key)
         if entry is None:
             return None
-        return entry_status(entry, self.uploader, wall_now=self.wall(), now=self.clock.monotonic())
+        out = entry_status(entry, self.uploader, wall_now=self.wall(), now=self.clock.monotonic())
+        if entry.seq is not None:  # acknowledged: where its durable copies are
+            out["durable_in"] = "cluster" if self.durable is not None and self.durable.where(key) else "local"
+        return out
 
     def pending(self, prefix: str = "") -> list[dict[str, Any]]:
         return [s for k in sorted(self.index.keys()) if k.startswith(prefix) and (s := self.status(k)) is not None]
@@ -663,6 +686,8 @@ class WriteBack:
 
     # ================================================================== what the uploader calls back
     async def _perform(self, entry: Entry) -> ObjectInfo | None:
+        if self.durable is not None:
+            self.durable.check_may_upload()  # a writer whose journal was taken over uploads nothing
         if entry.op == DELETE:
             await self.store.delete(entry.key)
             return None
@@ -692,6 +717,8 @@ class WriteBack:
                 self.stats.bytes_uploaded += info.size if info is not None else 0
             if entry.attempts:
                 log.info("write-back: %s %r succeeded after %d failed attempts", entry.op, key, entry.attempts)
+            if self.durable is not None:
+                await self.durable.uploaded(key, seq, info.etag if info is not None else None)
             if self.index.get(key) is entry and entry.seq == seq:
                 # Durably: the data file it names may be modified in place or removed from now on.
                 await self.records.remove(key, durable=True)

@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+from tiering.writeback.durable import DurableJournal
 from tiering.writeback.journal import Record, StagingDir
 from tiering.writeback.settings import RECORD_BYTES
 from tiering.writeback.space import StagingSpace
 
 
 class Records:
-    def __init__(self, staging: StagingDir, space: StagingSpace) -> None:
+    def __init__(self, staging: StagingDir, space: StagingSpace, durable: DurableJournal | None = None) -> None:
         self.staging = staging
         self._space = space
+        # --write-durability cluster: every record is in the cluster store before it is written here.
+        self.durable = durable
         self._recorded: set[str] = set()  # keys with a record on disk (RECORD_BYTES reserved each)
         self._seq = itertools.count(1)
 
@@ -40,6 +43,8 @@ class Records:
             await self._space.reserve(RECORD_BYTES)
             self._recorded.add(record.key)
         try:
+            if self.durable is not None:
+                await self.durable.mirror(record)
             await asyncio.to_thread(self.staging.write_record, record)
         except BaseException:
             if new:
@@ -50,6 +55,8 @@ class Records:
     async def remove(self, key: str, *, durable: bool = False) -> None:
         if key not in self._recorded:
             return
+        if self.durable is not None:
+            await self.durable.forget(key, durable=durable)
         remove = self.staging.remove_record_durably if durable else self.staging.remove_record
         await asyncio.to_thread(remove, key)
         self._recorded.discard(key)

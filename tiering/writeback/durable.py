@@ -1,0 +1,726 @@
+"""Write durability ``cluster``: staged writes copied to the cluster store before they are acknowledged.
+
+Why. With ``--write-durability local`` (the default) an acknowledged write is on the node's local
+disk: it survives a crash of the daemon or of the node, not the loss of the node (a reclaimed spot
+instance, a dead disk, a node pool scaled down). With ``cluster``, close() and fsync() return only
+once the staged bytes and the journal record naming them are also in the cluster store (the
+S3-compatible store of ``--cluster-cache``, which brings its own replication). Anyone with the
+source's and the cluster store's credentials can then finish the uploads: ``cachefs recover``
+(``recover_prefix`` below).
+
+Layout. Each writer (one daemon incarnation of one volume on one node) owns a prefix of the
+cluster store, relative to ``--cluster-cache``::
+
+    writeback/<volume>/<node>/<incarnation>/
+        lease                       who may upload this journal to the source (JSON, see ``Lease``)
+        journal/<seq, 16 digits>    one pending operation (JSON, see ``ClusterRecord``)
+        data/<seq, 16 digits>       the staged bytes a file put names (exactly ``size`` bytes)
+
+``volume`` is the hash of the source's identity (the name of its cache directory), ``node`` the
+node id, ``incarnation`` a random token kept in the staging directory: a daemon restarted with its
+cache directory continues its own journal; one whose cache directory is gone starts a new prefix
+and leaves the old one to ``cachefs recover``.
+
+The writer's mirror (``DurableJournal``). It mirrors the local journal (``tiering.writeback.journal``,
+whose invariants stay as they are): before a record is written locally, its data object and then its
+journal object are put in the cluster store (so a journal object never names missing data); a
+record that replaces an older one of the same key makes the older objects garbage (deleted in the
+background: recovery replays only the latest record of each key); a record removed locally (the
+upload succeeded, or the key's pending operation was dropped) has its journal object deleted first.
+A rename's data object is a server-side copy of the source's. Every cluster operation on the
+acknowledgement path runs under ``durable_deadline_s(size)``; a failure or a timeout is a
+``DurabilityError`` (EIO) for close()/fsync(), and nothing was acknowledged locally: there is no
+fallback to local durability.
+
+Never overwriting a newer version. Each journal object carries ``base``: the source's ETag the write
+replaces, as this writer knows it (the version it staged from, or its own last upload), ``ABSENT``
+(the source never had the key) or None (unknown). When the writer's own upload of an older version
+lands after a newer record was mirrored, that record is put again with the new ETag as its base. A
+recoverer writes with ``If-Match: base`` (or ``If-None-Match: *`` for ``ABSENT``), so an object
+rewritten in the source since is left as it is; with an unknown base, it writes only if the source's
+object is absent or not modified after the record was acknowledged (clock skew between the node
+and the store counts here, see docs/durability.md).
+
+Leases. ``lease`` names the owner. The writer creates it (``If-None-Match: *``) and renews it every
+``LEASE_RENEW_S`` with ``If-Match`` on its last ETag. A recoverer takes a lease whose LastModified
+(the store's clock) is more than its TTL old by replacing it with ``If-Match`` on the ETag it read:
+of two recoverers, exactly one wins (the other gets 412), and a read-back confirms it. A writer
+fences itself: it sends nothing to the source while its last successful renewal is older than half
+the TTL, and stops for good when a renewal finds the lease taken (412): a daemon that comes back to
+a prefix taken over never uploads that journal a second time (its local records are set aside at
+start). When done, the recoverer leaves the lease as a tombstone (``role: recovered``) and deletes
+everything else. The race left open: an upload the writer started before fencing itself that takes
+longer than half the TTL can land while the recoverer runs; both send the same acknowledged
+version, and the recoverer's conditional write keeps whichever landed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tiering.checksum import crc32
+from tiering.errors import CacheError, ObjectChangedError, ObjectNotFoundError, ObjectStoreError
+from tiering.protocols import ObjectInfo, ObjectStore
+from tiering.writeback.journal import DELETE, IO_CHUNK, PUT, Record, pread_exact, pwrite_all
+
+log = logging.getLogger("tiering.writeback")
+
+ROOT = "writeback/"
+LEASE = "lease"
+JOURNAL = "journal/"
+DATA = "data/"
+INCARNATION_FILE = "durable.json"
+FORMAT = 1
+# The base of a write whose key the source did not hold.
+ABSENT = "-"
+
+WRITER, RECOVERING, RECOVERED = "writer", "recovering", "recovered"
+# Keys whose source ETag the writer remembers (the base of its next write of them): the files it
+# wrote or staged most recently. 100,000 entries are ~20 MB; a key forgotten has an unknown base,
+# which recovery checks by modification time instead (see ``_unknown_base``).
+KNOWN_KEYS = 100_000
+
+# Lease lifetime. A writer renews every LEASE_RENEW_S; one minute without a renewal means the
+# daemon is gone (or cut off), which is soon enough for a node that will not come back, and long
+# enough that a store answering slowly for a few renewals does not hand a live writer's journal to
+# a recoverer. The writer stops uploading after half of it without a renewal, which leaves the
+# other half for clock skew between the recoverer and the store, and for an upload in flight.
+DEFAULT_LEASE_TTL_S = 60.0
+LEASE_RENEW_FRACTION = 0.25
+# The acknowledgement deadline: a floor for a small record (two PUTs inside the cluster take
+# milliseconds; 15 s rides out a store that is briefly slow or a botocore retry) plus the object's
+# size at 8 MiB/s, far below any in-cluster link: only a store that stopped answering reaches it.
+DURABLE_DEADLINE_FLOOR_S = 15.0
+DURABLE_MIN_RATE = 8 * 1024 * 1024
+
+
+def durable_deadline_s(size: int) -> float:
+    """How long one acknowledgement may wait for the cluster store (data and record)."""
+    return DURABLE_DEADLINE_FLOOR_S + max(0, size) / DURABLE_MIN_RATE
+
+
+class DurabilityError(CacheError):
+    """The cluster store did not take a record in time: close()/fsync() fail, nothing is acknowledged."""
+
+
+class TakenOverError(ObjectStoreError):
+    """This writer's journal was taken over by a recoverer: it must not upload it."""
+
+
+class ConditionalStore(ObjectStore, Protocol):
+    """An ``ObjectStore`` with the conditional writes leases and recovery need (S3, in-memory)."""
+
+    async def put_if(self, key: str, data: bytes, *, if_match: str | None = None,
+                     if_none_match: bool = False) -> ObjectInfo: ...
+
+    async def delete_if(self, key: str, if_match: str) -> None: ...
+
+
+def conditional(store: ObjectStore) -> ConditionalStore | None:
+    """``store`` if it has conditional writes, else None."""
+    if callable(getattr(store, "put_if", None)) and callable(getattr(store, "delete_if", None)):
+        return store  # type: ignore[return-value]
+    return None
+
+
+def writer_prefix(volume: str, node: str, incarnation: str) -> str:
+    return f"{ROOT}{volume}/{node}/{incarnation}/"
+
+
+def safe_node_id(node: str) -> str:
+    """A node id usable as one key segment (a hostname, a Kubernetes node name)."""
+    text = "".join(c if c.isalnum() or c in "-_." else "_" for c in node.strip())[:128]
+    if not text or text in (".", ".."):
+        raise ValueError(f"node id {node!r} is not usable (letters, digits, '-', '_', '.')")
+    return text
+
+
+def _seq_name(seq: int) -> str:
+    return f"{seq:016d}"
+
+
+# ---------------------------------------------------------------------------------------------- formats
+@dataclass(frozen=True)
+class ClusterRecord:
+    """One pending operation in the cluster store (``journal/<seq>``)."""
+
+    seq: int
+    key: str
+    op: str  # PUT or DELETE
+    size: int = 0
+    crc32: int = 0
+    data: str | None = None  # data object (file puts only)
+    base: str | None = None  # source ETag replaced, ABSENT, or None: unknown
+    acked_at: float = 0.0  # wall clock of the acknowledgement
+    mtime: float = 0.0
+
+    @property
+    def is_marker(self) -> bool:
+        return self.key.endswith("/")
+
+    def encode(self) -> bytes:
+        body = asdict(self)
+        body["format"] = FORMAT
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        return b"%08x " % crc32(text) + text + b"\n"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "ClusterRecord":
+        if not raw.endswith(b"\n") or len(raw) < 11 or raw[8:9] != b" ":
+            raise ValueError("truncated or malformed journal object")
+        text = raw[9:-1]
+        if int(raw[:8], 16) != crc32(text):
+            raise ValueError("journal object checksum mismatch")
+        body = json.loads(text)
+        if body.pop("format", None) != FORMAT:
+            raise ValueError("unknown journal object format")
+        record = cls(**body)
+        if record.op not in (PUT, DELETE) or not record.key:
+            raise ValueError("invalid journal object fields")
+        if record.op == PUT and not record.is_marker and not record.data:
+            raise ValueError("a file put without a data object")
+        return record
+
+
+@dataclass(frozen=True)
+class Lease:
+    owner: str
+    role: str  # WRITER, RECOVERING or RECOVERED
+    ttl_s: float
+    node: str = ""
+    source: str = ""
+    etag: str = field(default="", compare=False)  # from the store, not stored in the body
+    modified: float = field(default=0.0, compare=False)  # the store's LastModified
+
+    def encode(self) -> bytes:
+        return json.dumps({"format": FORMAT, "owner": self.owner, "role": self.role, "ttl_s": self.ttl_s,
+                           "node": self.node, "source": self.source}, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, info: ObjectInfo) -> "Lease":
+        body = json.loads(raw)
+        if body.get("format") != FORMAT or body.get("role") not in (WRITER, RECOVERING, RECOVERED):
+            raise ValueError("not a cachefs write-back lease")
+        return cls(str(body["owner"]), body["role"], float(body["ttl_s"]), str(body.get("node", "")),
+                   str(body.get("source", "")), etag=info.etag, modified=info.mtime)
+
+    def expires_in(self, now: float) -> float:
+        return self.modified + self.ttl_s - now
+
+
+async def read_object(store: ObjectStore, key: str) -> tuple[bytes, ObjectInfo] | None:
+    """The whole (small) object and its info, or None if absent (or replaced between HEAD and GET)."""
+    try:
+        info = await store.head(key)
+        return await store.get_range(key, info.etag, 0, info.size) if info.size else b"", info
+    except (ObjectNotFoundError, ObjectChangedError):
+        return None
+
+
+async def read_lease(store: ObjectStore, prefix: str) -> Lease | None:
+    found = await read_object(store, prefix + LEASE)
+    if found is None:
+        return None
+    raw, info = found
+    try:
+        return Lease.decode(raw, info)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ObjectStoreError(f"the lease of {prefix} is not readable ({exc})") from None
+
+
+# ---------------------------------------------------------------------------------------------- writer
+@dataclass
+class _Mirrored:
+    record: ClusterRecord
+    data_etag: str | None  # of the data object (for a rename's server-side copy)
+    local: tuple[str, int, int] | None  # (local data file, size, crc32)
+
+
+class DurableJournal:
+    """The writer's copy of its journal in the cluster store (the module docstring)."""
+
+    def __init__(self, store: ConditionalStore, *, volume: str, node: str, source: str, data_dir: Path,
+                 staging_root: Path, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 wall: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.volume = volume
+        self.node = safe_node_id(node)
+        self.source = source
+        self.data_dir = data_dir
+        self.staging_root = staging_root
+        self.lease_ttl_s = lease_ttl_s
+        self.wall = wall
+        self.monotonic = monotonic
+        self.prefix = ""
+        self.owner = ""
+        self.taken_over = False
+        self._lease_etag = ""
+        self._renewed_at = 0.0  # monotonic
+        self._renewer: asyncio.Task[None] | None = None
+        self._by_key: dict[str, _Mirrored] = {}
+        self._by_local: dict[tuple[str, int, int], str] = {}  # local data version -> key mirroring it
+        # key -> the source's ETag as this writer knows it (or ABSENT), the most recent KNOWN_KEYS.
+        self._known: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._background: set[asyncio.Task[Any]] = set()
+        self.stats = {"records": 0, "data_bytes": 0, "failures": 0, "removed": 0}
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    async def open(self) -> list[str]:
+        """Before the local journal is replayed: find (or start) this writer's incarnation and take
+        its lease. Returns the reasons local records were set aside (a prefix taken over)."""
+        notes: list[str] = []
+        incarnation = self._load_incarnation()
+        if incarnation is not None:
+            prefix = writer_prefix(self.volume, self.node, incarnation)
+            lease = await read_lease(self.store, prefix)
+            if lease is not None and lease.role == WRITER and lease.owner == self._owner(incarnation):
+                self.prefix, self.owner = prefix, self._owner(incarnation)
+                await self._renew(lease.etag)
+                return notes
+            taken = f"taken over by {lease.owner} ({lease.role})" if lease is not None else "gone"
+            notes.append(f"the cluster journal {prefix} is {taken}: this node's local journal is set aside, "
+                         "not uploaded a second time")
+            self._set_aside_local()
+        incarnation = secrets.token_hex(6)
+        self.prefix = writer_prefix(self.volume, self.node, incarnation)
+        self.owner = self._owner(incarnation)
+        lease = Lease(self.owner, WRITER, self.lease_ttl_s, node=self.node, source=self.source)
+        info = await self.store.put_if(self.prefix + LEASE, lease.encode(), if_none_match=True)
+        self._lease_etag, self._renewed_at = info.etag, self.monotonic()
+        self._save_incarnation(incarnation)
+        return notes
+
+    async def adopt(self, records: Iterable[Record]) -> None:
+        """After the local replay: the cluster holds exactly the replayed records (mirrors missing
+        ones, drops ones the local journal no longer has: never acknowledged, or done)."""
+        listing = await self.store.list_dir(self.prefix + JOURNAL)
+        present: dict[int, ObjectInfo] = {}
+        for name, info in listing.files.items():
+            if name.isdigit():
+                present[int(name)] = info
+        wanted = {r.seq for r in records}
+        for record in sorted(records, key=lambda r: r.seq):
+            if record.seq in present:
+                found = await read_object(self.store, self.prefix + JOURNAL + _seq_name(record.seq))
+                if found is not None:
+                    cr = ClusterRecord.decode(found[0])
+                    self._set(record.key, _Mirrored(cr, None, _local_of(record)))
+                    continue
+            await self.mirror(record)
+        for seq in sorted(set(present) - wanted):
+            await self._delete_quietly(self.prefix + JOURNAL + _seq_name(seq))
+            await self._delete_quietly(self.prefix + DATA + _seq_name(seq))
+
+    def start(self) -> None:
+        self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+
+    async def close(self, *, drained: bool) -> None:
+        """Stop renewing; with nothing pending, remove the prefix (its lease last)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+        if drained and not self.taken_over and self.prefix:
+            try:
+                async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):
+                    for sub in (JOURNAL, DATA):
+                        for name in (await self.store.list_dir(self.prefix + sub)).files:
+                            await self.store.delete(self.prefix + sub + name)
+                    await self.store.delete_if(self.prefix + LEASE, self._lease_etag)
+            except (ObjectStoreError, TimeoutError) as exc:
+                log.warning("write-back: could not remove the cluster journal %s (%s); `cachefs recover` "
+                            "finds it empty", self.prefix, exc)
+
+    # -- what the write-back engine calls ------------------------------------------------------------
+    def note_base(self, key: str, etag: str) -> None:
+        """The source holds ``key`` at ``etag`` (a version this writer staged from, or uploaded)."""
+        self._known[key] = etag
+        self._known.move_to_end(key)
+        while len(self._known) > KNOWN_KEYS:
+            self._known.popitem(last=False)
+
+    def fresh(self) -> bool:
+        """May this writer upload to the source now (its lease renewed recently, not taken over)?"""
+        return not self.taken_over and self.monotonic() - self._renewed_at < self.lease_ttl_s / 2
+
+    def check_may_upload(self) -> None:
+        if self.taken_over:
+            raise TakenOverError(f"the cluster journal {self.prefix} was taken over by a recoverer: this "
+                                 "daemon no longer uploads it")
+        if not self.fresh():
+            raise TakenOverError(f"the lease on {self.prefix} was not renewed for {self.lease_ttl_s / 2:g} s "
+                                 "(cluster store unreachable?): uploads wait until it is")
+
+    def where(self, key: str) -> bool:
+        """Whether ``key``'s pending operation is in the cluster store."""
+        return key in self._by_key
+
+    async def mirror(self, record: Record) -> None:
+        """Make ``record`` durable in the cluster store (data, then journal object) or raise
+        ``DurabilityError``. Called before the record is written locally."""
+        if self.taken_over:
+            raise DurabilityError(f"the cluster journal {self.prefix} was taken over; nothing is acknowledged")
+        size = record.size if record.op == PUT and not record.is_marker else 0
+        try:
+            async with asyncio.timeout(durable_deadline_s(size)):
+                await self._mirror(record)
+        except TimeoutError:
+            self.stats["failures"] += 1
+            raise DurabilityError(f"the cluster store did not take {record.key!r} within "
+                                  f"{durable_deadline_s(size):g} s (--write-durability cluster): not "
+                                  "acknowledged") from None
+        except (ObjectStoreError, OSError) as exc:
+            self.stats["failures"] += 1
+            raise DurabilityError(f"the cluster store refused {record.key!r} ({exc}) (--write-durability "
+                                  "cluster): not acknowledged") from exc
+
+    async def _mirror(self, record: Record) -> None:
+        name = _seq_name(record.seq)
+        data_obj = data_etag = None
+        local = _local_of(record)
+        if local is not None:
+            data_obj = DATA + name
+            data_etag = await self._put_data(data_obj, local)
+        base: str | None
+        if record.is_marker:
+            base = None
+        elif record.key in self._known:
+            base = self._known[record.key]
+        elif record.op == PUT and not record.may_exist:
+            base = ABSENT
+        else:
+            base = None
+        cr = ClusterRecord(record.seq, record.key, record.op, size=record.size, crc32=record.crc32, data=data_obj,
+                           base=base, acked_at=self.wall(), mtime=record.mtime)
+        await self.store.put(self.prefix + JOURNAL + name, len(raw := cr.encode()), lambda s, e: raw[s:e])
+        self.stats["records"] += 1
+        old = self._by_key.get(record.key)
+        self._set(record.key, _Mirrored(cr, data_etag, local))
+        if old is not None and old.record.seq != cr.seq:
+            self._spawn(self._delete_record(old.record))
+
+    def _set(self, key: str, mirrored: _Mirrored) -> None:
+        old = self._by_key.get(key)
+        if old is not None and old.local is not None and self._by_local.get(old.local) == key:
+            del self._by_local[old.local]
+        self._by_key[key] = mirrored
+        if mirrored.local is not None:
+            self._by_local[mirrored.local] = key
+
+    def _pop(self, key: str) -> _Mirrored | None:
+        old = self._by_key.pop(key, None)
+        if old is not None and old.local is not None and self._by_local.get(old.local) == key:
+            del self._by_local[old.local]
+        return old
+
+    async def _put_data(self, obj: str, local: tuple[str, int, int]) -> str:
+        holder = self._by_local.get(local)
+        other = self._by_key.get(holder) if holder is not None else None
+        if other is not None and other.data_etag and other.record.data:  # a rename: the bytes are there
+            try:
+                return (await self.store.copy(self.prefix + other.record.data, other.data_etag,
+                                              self.prefix + obj)).etag
+            except ObjectStoreError:
+                pass  # gone meanwhile: upload it
+        name, size, _crc = local
+        fd = await asyncio.to_thread(os.open, self.data_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            info = await self.store.put(self.prefix + obj, size, lambda s, e: pread_exact(fd, e - s, s))
+        finally:
+            os.close(fd)
+        self.stats["data_bytes"] += size
+        return info.etag
+
+    async def forget(self, key: str, *, durable: bool) -> None:
+        """``key``'s record is being removed locally. ``durable``: the removal matters (a record left
+        behind would be replayed wrongly: an unlinked file never uploaded), so its journal object is
+        deleted before this returns, or ``DurabilityError``; otherwise (the upload of that very record
+        succeeded) in the background: a leftover is harmless, since its base no longer matches the
+        source. Data objects always go in the background."""
+        mirrored = self._pop(key)
+        if mirrored is None:
+            return
+        if not durable:
+            self._spawn(self._delete_record(mirrored.record))
+            self.stats["removed"] += 1
+            return
+        try:
+            async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):
+                await self.store.delete(self.prefix + JOURNAL + _seq_name(mirrored.record.seq))
+        except (ObjectStoreError, TimeoutError) as exc:
+            self.stats["failures"] += 1
+            self._set(key, mirrored)
+            raise DurabilityError(f"the cluster store did not drop the record of {key!r} "
+                                  f"({exc or 'timeout'}) (--write-durability cluster)") from exc
+        self.stats["removed"] += 1
+        if mirrored.record.data:
+            self._spawn(self._delete_quietly(self.prefix + mirrored.record.data))
+
+    async def uploaded(self, key: str, seq: int, etag: str | None) -> None:
+        """The source now holds operation ``seq`` of ``key`` (``etag``; None: deleted). A newer record
+        mirrored meanwhile is put again with this as its base (the module docstring)."""
+        if key.endswith("/"):
+            return
+        self.note_base(key, etag if etag is not None else ABSENT)
+        mirrored = self._by_key.get(key)
+        if mirrored is None or mirrored.record.seq <= seq or mirrored.record.base == self._known[key]:
+            return  # nothing newer pending (``forget`` follows), or its base is right already
+        cr = ClusterRecord(**{**asdict(mirrored.record), "base": self._known[key]})
+        raw = cr.encode()
+        try:
+            await self.store.put(self.prefix + JOURNAL + _seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
+            mirrored.record = cr
+        except ObjectStoreError as exc:
+            log.warning("write-back: could not update the base of %r in the cluster journal (%s); a recovery "
+                        "would leave this writer's own upload in place", key, exc)
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _owner(self, incarnation: str) -> str:
+        return f"writer:{self.node}:{incarnation}"
+
+    def _load_incarnation(self) -> str | None:
+        try:
+            body = json.loads((self.staging_root / INCARNATION_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        if body.get("volume") != self.volume or body.get("node") != self.node:
+            return None
+        value = body.get("incarnation")
+        return value if isinstance(value, str) and value.isalnum() else None
+
+    def _save_incarnation(self, incarnation: str) -> None:
+        path = self.staging_root / INCARNATION_FILE
+        tmp = path.with_name(".tmp-" + INCARNATION_FILE)
+        tmp.write_text(json.dumps({"incarnation": incarnation, "volume": self.volume, "node": self.node}))
+        os.replace(tmp, path)
+
+    def _set_aside_local(self) -> None:
+        records = self.staging_root / "records"
+        if records.is_dir() and any(records.iterdir()):
+            target = self.staging_root / f"taken-over-{int(self.wall())}"
+            os.replace(records, target)
+            records.mkdir()
+            log.error("write-back: local journal moved to %s: a recoverer finished it", target)
+
+    async def _renew(self, etag: str) -> None:
+        lease = Lease(self.owner, WRITER, self.lease_ttl_s, node=self.node, source=self.source)
+        try:
+            info = await self.store.put_if(self.prefix + LEASE, lease.encode(), if_match=etag)
+        except (ObjectChangedError, ObjectNotFoundError):
+            if not self.taken_over:
+                log.error("write-back: the cluster journal %s was taken over by a recoverer; this daemon stops "
+                          "uploading it", self.prefix)
+            self.taken_over = True
+            return
+        self._lease_etag, self._renewed_at = info.etag, self.monotonic()
+
+    async def _renew_loop(self) -> None:
+        step = self.lease_ttl_s * LEASE_RENEW_FRACTION
+        while not self.taken_over:
+            await asyncio.sleep(step)
+            try:
+                async with asyncio.timeout(step):
+                    await self._renew(self._lease_etag)
+            except (ObjectStoreError, TimeoutError) as exc:
+                log.warning("write-back: renewing the lease on %s failed (%s)", self.prefix, exc or "timeout")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _delete_record(self, record: ClusterRecord) -> None:
+        await self._delete_quietly(self.prefix + JOURNAL + _seq_name(record.seq))
+        if record.data:
+            await self._delete_quietly(self.prefix + record.data)
+
+    async def _delete_quietly(self, key: str) -> None:
+        try:
+            await self.store.delete(key)
+        except ObjectStoreError as exc:  # garbage only: recovery replays the latest record of each key
+            log.debug("write-back: could not delete %s from the cluster store: %s", key, exc)
+
+
+def _local_of(record: Record) -> tuple[str, int, int] | None:
+    if record.op == PUT and not record.is_marker and record.data:
+        return record.data, record.size, record.crc32
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- recovery
+@dataclass
+class RecoveryReport:
+    prefix: str
+    state: str = "recovered"  # recovered, held (lease live), taken (another recoverer), already, lost
+    detail: str = ""
+    uploaded: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    markers: int = 0
+    kept_newer: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # data object missing or corrupt
+
+
+async def list_writers(store: ObjectStore, volume: str) -> list[str]:
+    """Every writer prefix of ``volume`` in the cluster store."""
+    out: list[str] = []
+    base = f"{ROOT}{volume}/"
+    for node in sorted((await store.list_dir(base)).dirs):
+        for incarnation in sorted((await store.list_dir(f"{base}{node}/")).dirs):
+            out.append(f"{base}{node}/{incarnation}/")
+    return out
+
+
+async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, prefix: str, *, owner: str,
+                         wall: Callable[[], float] = time.time, wait_s: float = 0.0,
+                         assume_dead: bool = False) -> RecoveryReport:
+    """Finish the journal of a dead writer (the module docstring): lease, replay in order, clean up."""
+    report = RecoveryReport(prefix)
+    deadline = wall() + wait_s
+    while True:
+        lease = await read_lease(cluster, prefix)
+        if lease is not None and lease.role == RECOVERED:
+            report.state, report.detail = "already", f"recovered by {lease.owner}"
+            return report
+        if lease is None or assume_dead or lease.expires_in(wall()) <= 0:
+            break
+        left = lease.expires_in(wall())
+        if wall() + left > deadline:
+            report.state = "held"
+            report.detail = f"lease held by {lease.owner} ({lease.role}) for {left:.0f} more s"
+            return report
+        await asyncio.sleep(min(left + 0.5, max(0.1, deadline - wall())))
+    ttl = lease.ttl_s if lease is not None else DEFAULT_LEASE_TTL_S
+    mine = Lease(owner, RECOVERING, ttl, source=lease.source if lease else "")
+    try:
+        if lease is None:
+            info = await cluster.put_if(prefix + LEASE, mine.encode(), if_none_match=True)
+        else:
+            info = await cluster.put_if(prefix + LEASE, mine.encode(), if_match=lease.etag)
+    except (ObjectChangedError, ObjectNotFoundError):
+        report.state, report.detail = "taken", "another recoverer took the lease first"
+        return report
+    check = await read_lease(cluster, prefix)  # for a store that ignored the condition
+    if check is None or check.owner != owner:
+        report.state, report.detail = "taken", "another recoverer took the lease first (read-back)"
+        return report
+    lease_etag = info.etag
+
+    listing = await cluster.list_dir(prefix + JOURNAL)
+    latest: dict[str, ClusterRecord] = {}
+    for name in sorted(listing.files):
+        found = await read_object(cluster, prefix + JOURNAL + name)
+        if found is None:
+            continue
+        try:
+            record = ClusterRecord.decode(found[0])
+        except (ValueError, TypeError) as exc:
+            log.error("recover: journal object %s%s%s is unreadable (%s); skipped", prefix, JOURNAL, name, exc)
+            report.failed.append(name)
+            continue
+        if record.key not in latest or latest[record.key].seq < record.seq:
+            latest[record.key] = record
+    renewed = time.monotonic()
+    for record in sorted(latest.values(), key=lambda r: r.seq):
+        if time.monotonic() - renewed > ttl * LEASE_RENEW_FRACTION:
+            try:
+                lease_etag = (await cluster.put_if(prefix + LEASE, mine.encode(), if_match=lease_etag)).etag
+            except (ObjectChangedError, ObjectNotFoundError):
+                report.state, report.detail = "lost", "the lease was taken while recovering; stopped"
+                return report
+            renewed = time.monotonic()
+        await _replay(source, cluster, prefix, record, report)
+        await cluster.delete(prefix + JOURNAL + _seq_name(record.seq))
+        if record.data:
+            await cluster.delete(prefix + record.data)
+    for sub in (JOURNAL, DATA):  # superseded records and their data
+        for name in (await cluster.list_dir(prefix + sub)).files:
+            await cluster.delete(prefix + sub + name)
+    tomb = Lease(owner, RECOVERED, ttl, source=mine.source)
+    await cluster.put_if(prefix + LEASE, tomb.encode(), if_match=lease_etag)
+    return report
+
+
+async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, record: ClusterRecord,
+                  report: RecoveryReport) -> None:
+    key = record.key
+    if record.is_marker:
+        if record.op == PUT:
+            with contextlib.suppress(ObjectChangedError):
+                await source.put_if(key, b"", if_none_match=True)
+        else:
+            await source.delete(key)
+        report.markers += 1
+        return
+    if record.op == DELETE:
+        base = record.base if record.base is not None else await _unknown_base(source, record)
+        if base is None:
+            report.kept_newer.append(key)
+        elif base != ABSENT:
+            try:
+                await source.delete_if(key, base)
+                report.deleted.append(key)
+            except ObjectChangedError:
+                report.kept_newer.append(key)
+            except ObjectNotFoundError:
+                report.deleted.append(key)
+        return
+    with tempfile.TemporaryFile(prefix="cachefs-recover-") as spool:
+        if not await _fetch_data(cluster, prefix, record, spool.fileno()):
+            report.failed.append(key)
+            return
+        data = await asyncio.to_thread(pread_exact, spool.fileno(), record.size, 0)
+    base = record.base if record.base is not None else await _unknown_base(source, record)
+    try:
+        if base is None:
+            report.kept_newer.append(key)
+            return
+        if base == ABSENT:
+            await source.put_if(key, data, if_none_match=True)
+        else:
+            await source.put_if(key, data, if_match=base)
+        report.uploaded.append(key)
+    except (ObjectChangedError, ObjectNotFoundError):
+        report.kept_newer.append(key)
+
+
+async def _unknown_base(source: ObjectStore, record: ClusterRecord) -> str | None:
+    """For a record whose base this writer did not know: ABSENT if the source has no object, its
+    ETag if it was not modified after the acknowledgement, None (a newer version) otherwise."""
+    try:
+        info = await source.head(record.key)
+    except ObjectNotFoundError:
+        return ABSENT
+    return info.etag if info.mtime <= record.acked_at else None
+
+
+async def _fetch_data(cluster: ObjectStore, prefix: str, record: ClusterRecord, fd: int) -> bool:
+    """Copy the record's data object into ``fd``, checking its size and CRC-32; False if it fails."""
+    assert record.data is not None
+    try:
+        info = await cluster.head(prefix + record.data)
+        if info.size != record.size:
+            raise ValueError(f"{info.size} bytes, expected {record.size}")
+        crc = 0
+        for start in range(0, record.size, IO_CHUNK):
+            chunk = await cluster.get_range(prefix + record.data, info.etag, start, min(record.size, start + IO_CHUNK))
+            crc = crc32(chunk, crc)
+            await asyncio.to_thread(pwrite_all, fd, chunk, start)
+        if crc != record.crc32:
+            raise ValueError("CRC-32 mismatch")
+    except (ObjectStoreError, ValueError) as exc:
+        log.error("recover: the data of %r (%s%s) is unusable: %s; not uploaded", record.key, prefix, record.data, exc)
+        return False
+    return True
