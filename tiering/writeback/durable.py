@@ -42,7 +42,7 @@ object is absent or not modified after the record was acknowledged (clock skew b
 and the store counts here, see docs/durability.md).
 
 Leases. ``lease`` names the owner. The writer creates it (``If-None-Match: *``) and renews it every
-``LEASE_RENEW_S`` with ``If-Match`` on its last ETag. A recoverer takes a lease whose LastModified
+quarter of its TTL with ``If-Match`` on its last ETag. A recoverer takes a lease whose LastModified
 (the store's clock) is more than its TTL old by replacing it with ``If-Match`` on the ETag it read:
 of two recoverers, exactly one wins (the other gets 412), and a read-back confirms it. A writer
 fences itself: it sends nothing to the source while its last successful renewal is older than half
@@ -74,6 +74,7 @@ from tiering.checksum import crc32
 from tiering.errors import CacheError, ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.writeback.journal import DELETE, IO_CHUNK, PUT, Record, pread_exact, pwrite_all
+from tiering.writeback.settings import DEFAULT_LEASE_TTL_S
 
 log = logging.getLogger("tiering.writeback")
 
@@ -92,12 +93,12 @@ WRITER, RECOVERING, RECOVERED = "writer", "recovering", "recovered"
 # which recovery checks by modification time instead (see ``_unknown_base``).
 KNOWN_KEYS = 100_000
 
-# Lease lifetime. A writer renews every LEASE_RENEW_S; one minute without a renewal means the
-# daemon is gone (or cut off), which is soon enough for a node that will not come back, and long
-# enough that a store answering slowly for a few renewals does not hand a live writer's journal to
-# a recoverer. The writer stops uploading after half of it without a renewal, which leaves the
-# other half for clock skew between the recoverer and the store, and for an upload in flight.
-DEFAULT_LEASE_TTL_S = 60.0
+# Lease lifetime (DEFAULT_LEASE_TTL_S, a minute: ``--write-lease-ttl``). A writer renews it every
+# quarter of it; a minute without a renewal means the daemon is gone (or cut off), which is soon
+# enough for a node that will not come back, and long enough that a store answering slowly for a
+# few renewals does not hand a live writer's journal to a recoverer. The writer stops uploading
+# after half of it without a renewal, which leaves the other half for clock skew between the
+# recoverer and the store, and for an upload in flight.
 LEASE_RENEW_FRACTION = 0.25
 # The acknowledgement deadline: a floor for a small record (two PUTs inside the cluster take
 # milliseconds; 15 s rides out a store that is briefly slow or a botocore retry) plus the object's
@@ -343,6 +344,13 @@ class DurableJournal:
             except (ObjectStoreError, TimeoutError) as exc:
                 log.warning("write-back: could not remove the cluster journal %s (%s); `cachefs recover` "
                             "finds it empty", self.prefix, exc)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ``cluster_journal`` part of the write-back stats."""
+        return {"prefix": self.prefix, "pending_records": len(self._by_key), "taken_over": self.taken_over,
+                "lease_fresh": self.fresh(), "records_mirrored": self.stats["records"],
+                "data_bytes_mirrored": self.stats["data_bytes"], "records_removed": self.stats["removed"],
+                "failures": self.stats["failures"]}
 
     # -- what the write-back engine calls ------------------------------------------------------------
     def note_base(self, key: str, etag: str) -> None:

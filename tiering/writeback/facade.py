@@ -529,8 +529,12 @@ class WriteBack:
         return [s for k in sorted(self.index.keys()) if k.startswith(prefix) and (s := self.status(k)) is not None]
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader,
-                              wall_now=self.wall(), write_through=self.settings.write_through)
+        doc = stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader,
+                             wall_now=self.wall(), write_through=self.settings.write_through)
+        doc["durability"] = self.settings.durability
+        if self.durable is not None:
+            doc["cluster_journal"] = self.durable.snapshot()
+        return doc
 
     def _backlog(self) -> str:
         """For the ENOSPC message: what is waiting for the store."""
