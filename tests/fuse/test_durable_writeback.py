@@ -14,6 +14,7 @@ and leave the rewritten object as it is. Waits are bounded; no duration is asser
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -161,3 +162,31 @@ def test_write_durability_cluster_is_refused_in_one_line_without_a_cluster_tier_
                          str(tmp_path / "cache"), *extra, env=env)
         assert result.returncode != 0 and needle in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_close_fails_with_eio_while_the_cluster_store_is_down_and_nothing_falls_back_to_local(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], env: dict[str, str]) -> None:
+    source, cluster = servers
+    m = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), "--write-durability", "cluster",
+                      "--node-id", "node-b", "--upload-delay", "0", env=env)
+    cluster.stop_keep_data()
+    try:
+        f = open(m.path / "unsaved.bin", "wb")
+        f.write(b"not durable in the cluster store")
+        with pytest.raises(OSError) as info:
+            f.close()  # flush -> the acknowledgement, refused: the cluster store is unreachable
+        assert info.value.errno == errno.EIO
+    finally:
+        cluster.start()
+    assert "unsaved.bin" not in source_objects(source)  # never acknowledged, so never uploaded
+    (m.path / "saved.bin").write_bytes(b"acknowledged once the cluster store is back")
+    flushed = run_cli("flush", str(m.path), env=env)
+    assert flushed.returncode == 0, flushed.stderr
+    assert source_objects(source)["saved.bin"] == b"acknowledged once the cluster store is back"
+    assert m.unmount().returncode == 0
+    # The refused bytes were never made durable anywhere: not in the cluster journal either (the
+    # file itself reverts to empty, as on a local-durability mount whose close failed).
+    client = cluster.client()
+    stored = [client.get_object(Bucket=CLUSTER_BUCKET, Key=k)["Body"].read()
+              for k in cluster_keys(cluster) if "/node-b/" in k and "/data/" in k]
+    assert b"not durable in the cluster store" not in stored
