@@ -282,12 +282,14 @@ class DurableJournal:
         """Before the local journal is replayed: find (or start) this writer's incarnation and take
         its lease. Returns the reasons local records were set aside (a prefix taken over)."""
         notes: list[str] = []
-        incarnation = self._load_incarnation()
-        if incarnation is not None:
-            prefix = writer_prefix(self.volume, self.node, incarnation)
+        found = self._load_incarnation()
+        if found is not None:  # under the node id it was started with (a host name may change)
+            node, incarnation = found
+            prefix = writer_prefix(self.volume, node, incarnation)
             lease = await read_lease(self.store, prefix)
-            if lease is not None and lease.role == WRITER and lease.owner == self._owner(incarnation):
-                self.prefix, self.owner = prefix, self._owner(incarnation)
+            owner = f"writer:{node}:{incarnation}"
+            if lease is not None and lease.role == WRITER and lease.owner == owner:
+                self.prefix, self.owner = prefix, owner
                 await self._renew(lease.etag)
                 return notes
             taken = f"taken over by {lease.owner} ({lease.role})" if lease is not None else "gone"
@@ -499,15 +501,19 @@ class DurableJournal:
     def _owner(self, incarnation: str) -> str:
         return f"writer:{self.node}:{incarnation}"
 
-    def _load_incarnation(self) -> str | None:
+    def _load_incarnation(self) -> tuple[str, str] | None:
+        """``(node, incarnation)`` of the journal this staging directory belongs to, if any."""
         try:
             body = json.loads((self.staging_root / INCARNATION_FILE).read_text())
         except (OSError, ValueError):
             return None
-        if body.get("volume") != self.volume or body.get("node") != self.node:
+        node, value = body.get("node"), body.get("incarnation")
+        if body.get("volume") != self.volume or not isinstance(node, str) or not isinstance(value, str):
             return None
-        value = body.get("incarnation")
-        return value if isinstance(value, str) and value.isalnum() else None
+        try:
+            return (safe_node_id(node), value) if value.isalnum() else None
+        except ValueError:
+            return None
 
     def _save_incarnation(self, incarnation: str) -> None:
         path = self.staging_root / INCARNATION_FILE
