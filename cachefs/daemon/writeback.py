@@ -95,7 +95,7 @@ class WriteBackFeature:
             try:
                 await self.writeback.start()
             except ObjectStoreError as exc:
-                if self.writeback.durable is None:
+                if self.writeback.records.durable is None:
                     raise
                 raise SetupError(f"--write-durability cluster: the write-back journal in the cluster store is not "
                                  f"usable: {exc}") from exc

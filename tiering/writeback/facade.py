@@ -78,7 +78,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Iterator
+from typing import Any, Callable, Coroutine
 
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
@@ -94,7 +94,7 @@ from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, pread_exa
 from tiering.writeback.markers import Directories, MarkerOrder
 from tiering.writeback.pending import MISSING, STAGED_ETAG, Entry, PendingIndex, staged_info
 from tiering.writeback.records import Records
-from tiering.writeback.report import entry_status, stats_document
+from tiering.writeback.report import backlog_text, entry_status, stats_document
 from tiering.writeback.settings import WriteBackSettings
 from tiering.writeback.space import StagingSpace
 from tiering.writeback.staged import Acked, StagedFile
@@ -140,11 +140,9 @@ class WriteBack:
         wall: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         health: StoreHealth | None = None,
-        durable: DurableJournal | None = None,
+        durable: DurableJournal | None = None,  # --write-durability cluster (``records``, ``durable``)
     ) -> None:
         self.settings = settings
-        # --write-durability cluster (``tiering.writeback.durable``): records mirrored in the cluster store.
-        self.durable = durable
         self.staging = StagingDir(staging_root)
         self.store = store
         self.cache = cache
@@ -161,7 +159,8 @@ class WriteBack:
         self.order = MarkerOrder(self.index)
         self.space = StagingSpace(
             budget, self.stats, eager_fraction=eager_fraction, space_wait_s=lambda: self.settings.space_wait_s,
-            wake=lambda: self.uploader.wake(), on_full=lambda: self.files.unload_clean(), backlog=self._backlog)
+            wake=lambda: self.uploader.wake(), on_full=lambda: self.files.unload_clean(),
+            backlog=lambda: backlog_text(self.index, self.uploader))
         self.records = Records(self.staging, self.space, durable)
         self.datafiles = DataFiles(self.staging, self.space, cache, self.stats, self._spawn)
         self.files = StagedFiles(self.index, self.datafiles, cache, self.stats, lambda: self.space.waiters)
@@ -174,13 +173,7 @@ class WriteBack:
     # ================================================================== life cycle
     async def start(self) -> None:
         """Replay the journal (before the mount: what it finds is visible and queued) and start uploading."""
-        if self.durable is not None:
-            for note in await self.durable.open():  # before the scan: it may set the local journal aside
-                log.error("write-back: %s", note)
-        scan = await asyncio.to_thread(self.staging.scan)
-        if self.durable is not None:
-            await self.durable.adopt(scan.records)
-            self.durable.start()
+        scan = await self.records.replay()  # the scan (and the journal's copy in the cluster store, if any)
         now = self.clock.monotonic()
         files = deletes = markers = 0
         staged_bytes = 0
@@ -225,8 +218,7 @@ class WriteBack:
         await self.uploader.stop()
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
-        if self.durable is not None:
-            await self.durable.close(drained=not self.index.journaled())
+        await self.records.close_durable(drained=not self.index.journaled())
         self.datafiles.close_all()
         pending = self.index.journaled()
         if pending:
@@ -264,13 +256,11 @@ class WriteBack:
             return existing
         sf = StagedFile(key, size=base.size, mtime=self.wall(), may_exist=True, base=base)
         self.files.add(sf)
-        if self.durable is not None and base.etag:
-            self.durable.note_base(key, base.etag)
+        self.records.note_base(key, base.etag)
         return sf
 
     async def create(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> StagedFile:
-        """A new, empty staged file at ``key`` (creat, or O_TRUNC of a file in the store: ``base_etag``
-        is the store's version it replaces, for ``durable``'s base)."""
+        """A new, empty staged file at ``key`` (creat, or O_TRUNC of a file in the store)."""
         old = self.files.get(key)
         if old is not None:
             # Truncate rather than replace: its acknowledged version must outlive the journal record
@@ -281,8 +271,7 @@ class WriteBack:
             return old
         async with self._locks.hold(key):
             entry = self.index.get(key)
-            if self.durable is not None and base_etag and entry is None:
-                self.durable.note_base(key, base_etag)  # the store's version this replaces
+            self.records.note_base(key, base_etag if entry is None else None)
             may = (may_exist or self.uploader.busy(key)
                    or (entry is not None and (entry.op == DELETE or entry.may_exist)))
             df = await self.datafiles.new(0)
@@ -392,13 +381,11 @@ class WriteBack:
 
     # ================================================================== namespace operations
     async def remove(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> None:
-        """unlink: the key is deleted in the store (if it may be there) and its staged data dropped.
-        ``base_etag``: the store's version the caller saw (a clean file), for ``durable``'s base."""
+        """unlink: the key is deleted in the store (if it may be there) and its staged data dropped."""
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
             entry = self.index.get(key)
-            if self.durable is not None and base_etag and sf is None and entry is None:
-                self.durable.note_base(key, base_etag)
+            self.records.note_base(key, base_etag if sf is None and entry is None else None)
             # Nothing staged or pending: the file is clean, so the store has it (whatever the caller saw
             # before an upload landed). Otherwise: whether an upload may have started, ever.
             may = (may_exist or self.uploader.busy(key) or (sf is None and entry is None)
@@ -520,34 +507,19 @@ class WriteBack:
         entry = self.index.get(key)
         if entry is None:
             return None
-        out = entry_status(entry, self.uploader, wall_now=self.wall(), now=self.clock.monotonic())
-        if entry.seq is not None:  # acknowledged: where its durable copies are
-            out["durable_in"] = "cluster" if self.durable is not None and self.durable.where(key) else "local"
-        return out
+        return entry_status(entry, self.uploader, wall_now=self.wall(), now=self.clock.monotonic(),
+                            durable_in=self.records.durable_in(key))
 
     def pending(self, prefix: str = "") -> list[dict[str, Any]]:
         return [s for k in sorted(self.index.keys()) if k.startswith(prefix) and (s := self.status(k)) is not None]
 
     def stats_snapshot(self) -> dict[str, Any]:
-        doc = stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader,
-                             wall_now=self.wall(), write_through=self.settings.write_through)
-        doc["durability"] = self.settings.durability
-        if self.durable is not None:
-            doc["cluster_journal"] = self.durable.snapshot()
-        return doc
-
-    def _backlog(self) -> str:
-        """For the ENOSPC message: what is waiting for the store."""
-        down = ", the store is unreachable" if self.uploader.store_failures else ""
-        return f"{self.index.journaled()} operations pending{down}"
+        return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader, wall_now=self.wall(),
+                              write_through=self.settings.write_through, durable=self.records.durable_snapshot())
 
     def poke(self) -> None:
         """Re-evaluate what is due now (after a clock jump in tests, or a store known to be back)."""
         self.uploader.wake()
-
-    def entries(self) -> Iterator[Entry]:
-        """The pending operations (introspection for tests)."""
-        return iter(self.index)
 
     # ================================================================== entries of staged files
     def _put_entry(self, entry: Entry) -> None:
@@ -690,8 +662,7 @@ class WriteBack:
 
     # ================================================================== what the uploader calls back
     async def _perform(self, entry: Entry) -> ObjectInfo | None:
-        if self.durable is not None:
-            self.durable.check_may_upload()  # a writer whose journal was taken over uploads nothing
+        self.records.check_may_upload()  # a writer whose cluster journal was taken over uploads nothing
         if entry.op == DELETE:
             await self.store.delete(entry.key)
             return None
@@ -721,8 +692,7 @@ class WriteBack:
                 self.stats.bytes_uploaded += info.size if info is not None else 0
             if entry.attempts:
                 log.info("write-back: %s %r succeeded after %d failed attempts", entry.op, key, entry.attempts)
-            if self.durable is not None:
-                await self.durable.uploaded(key, seq, info.etag if info is not None else None)
+            await self.records.uploaded(key, seq, info)
             if self.index.get(key) is entry and entry.seq == seq:
                 # Durably: the data file it names may be modified in place or removed from now on.
                 await self.records.remove(key, durable=True)
