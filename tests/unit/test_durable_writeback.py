@@ -282,3 +282,59 @@ async def test_a_restart_on_the_same_cache_directory_continues_the_same_journal(
     finally:
         await again.wb.stop()
     assert cluster.keys() == []
+
+
+class GatedStore(InMemoryObjectStore):
+    """A source whose puts wait for ``opened`` (one release per put): an upload held in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: list[asyncio.Event] = []
+        self.started = asyncio.Event()
+
+    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        self.started.set()
+        await gate.wait()
+        return await super().put(key, size, read)
+
+
+async def test_an_upload_landing_after_a_newer_acknowledgement_becomes_that_records_base(tmp_path: Path) -> None:
+    source, cluster = GatedStore(), BreakableStore()
+    node = Node(tmp_path / "a", source, cluster, upload_delay_s=0)
+    await node.wb.start()
+    await write(node.wb, "f", b"v1")
+    await asyncio.wait_for(source.started.wait(), 5)  # v1's upload is in flight
+    await write(node.wb, "f", b"v2, acknowledged while v1 was uploading", may_exist=True)
+    source.started.clear()
+    source.gates[0].set()  # v1 lands after v2 was acknowledged
+    await asyncio.wait_for(source.started.wait(), 5)  # v2's upload starts, and never ends: the node goes
+    assert source._objects["f"].data == b"v1"
+    prefix = node.durable.prefix
+    node.lose()
+    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    assert report.uploaded == ["f"], report  # its base is v1's ETag: not taken for someone else's write
+    source.gates[-1].set()
+    assert source._objects["f"].data == b"v2, acknowledged while v1 was uploading"
+
+
+async def test_a_clean_stop_removes_the_journal_and_the_next_mount_starts_a_new_one_quietly(
+        tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore], caplog: pytest.LogCaptureFixture) -> None:
+    source, cluster = stores
+    node = Node(tmp_path / "a", source, cluster, upload_delay_s=0)
+    await node.wb.start()
+    await write(node.wb, "g", b"g")
+    assert (await node.wb.flush(5)).ok
+    first = node.durable.prefix
+    await node.wb.stop()
+    assert cluster.keys() == []
+    again = Node(tmp_path / "a", source, cluster, upload_delay_s=0)
+    await again.wb.start()
+    try:
+        assert again.durable.prefix != first and not again.durable.taken_over
+        assert "set aside" not in caplog.text
+        await write(again.wb, "h", b"h")
+        assert (await again.wb.flush(5)).ok and source._objects["h"].data == b"h"
+    finally:
+        await again.wb.stop()

@@ -292,10 +292,12 @@ class DurableJournal:
                 self.prefix, self.owner = prefix, owner
                 await self._renew(lease.etag)
                 return notes
-            taken = f"taken over by {lease.owner} ({lease.role})" if lease is not None else "gone"
-            notes.append(f"the cluster journal {prefix} is {taken}: this node's local journal is set aside, "
-                         "not uploaded a second time")
-            self._set_aside_local()
+            if lease is not None:  # a recoverer has (or had) it: what it holds is not ours to upload
+                notes.append(f"the cluster journal {prefix} was taken over by {lease.owner} ({lease.role}): this "
+                             "node's local journal is set aside, not uploaded a second time")
+                self._set_aside_local()
+            # No lease: that journal was closed with nothing pending. A new one starts; local records,
+            # if any are left, are copied into it by ``adopt``.
         incarnation = secrets.token_hex(6)
         self.prefix = writer_prefix(self.volume, self.node, incarnation)
         self.owner = self._owner(incarnation)
@@ -343,7 +345,8 @@ class DurableJournal:
                         for name in (await self.store.list_dir(self.prefix + sub)).files:
                             await self.store.delete(self.prefix + sub + name)
                     await self.store.delete_if(self.prefix + LEASE, self._lease_etag)
-            except (ObjectStoreError, TimeoutError) as exc:
+                (self.staging_root / INCARNATION_FILE).unlink(missing_ok=True)
+            except (ObjectStoreError, TimeoutError, OSError) as exc:
                 log.warning("write-back: could not remove the cluster journal %s (%s); `cachefs recover` "
                             "finds it empty", self.prefix, exc)
 
