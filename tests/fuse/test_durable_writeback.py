@@ -1,6 +1,6 @@
 """``--write-durability cluster`` on a real mount: the node is lost, ``cachefs recover`` finishes its writes.
 
-Two private SeaweedFS servers: the source, and the cluster store (``--cluster-cache``), whose
+Two SeaweedFS servers: the source (the session's), and the cluster store (a private one, stopped in one test) (``--cluster-cache``), whose
 credentials reach the daemon and the recoverer through a named profile, never argv. SeaweedFS 4.x
 evaluates ``If-Match``/``If-None-Match`` on PUT and DELETE, which the leases and the recovery use.
 
@@ -19,7 +19,7 @@ import json
 import os
 import random
 import shutil
-import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -31,7 +31,7 @@ from tests.support.s3servers import SeaweedS3
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
 
-SOURCE_BUCKET = "source"
+SOURCE_BUCKET = f"durable-{uuid.uuid4().hex[:10]}"  # in the session's SeaweedFS, shared with other tests
 CLUSTER_BUCKET = "shared"
 CLUSTER_PREFIX = "cache/"
 LEASE_TTL_S = 3  # short, so the recoverer's wait for the dead writer's lease is short
@@ -39,11 +39,12 @@ RECOVER_WAIT_S = 60  # bound of that wait (the lease runs out after LEASE_TTL_S)
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[SeaweedS3, SeaweedS3]]:
-    with SeaweedS3() as source, SeaweedS3() as cluster:
-        source.make_bucket(SOURCE_BUCKET)
+def servers(seaweed: SeaweedS3) -> Iterator[tuple[SeaweedS3, SeaweedS3]]:
+    """The session's SeaweedFS as the source; a private one as the cluster store (it is stopped)."""
+    seaweed.make_bucket(SOURCE_BUCKET)
+    with SeaweedS3() as cluster:
         cluster.make_bucket(CLUSTER_BUCKET)
-        yield source, cluster
+        yield seaweed, cluster
 
 
 @pytest.fixture
