@@ -1,7 +1,7 @@
 """``cachefs recover``: finish the uploads of a lost node's write-back journal (``--write-durability cluster``).
 
 A mount with ``--write-durability cluster`` keeps a copy of its pending writes in the cluster store
-under ``writeback/<volume>/<node>/<incarnation>/`` (``tiering.writeback.durable``). When the node is
+under ``writeback/<volume>/<node>/<incarnation>/`` (``tiering.writeback.durable``; the replay is ``tiering.writeback.recovery``). When the node is
 gone for good, this command, run anywhere with the source's and the cluster store's credentials (by
 hand, or as a Kubernetes Job), takes the lease on such a journal, replays it in order into the
 source (writes, renames as a put and a delete, deletes, directory markers), never overwriting an
@@ -114,7 +114,8 @@ async def _recover(args: argparse.Namespace, environ: dict[str, str], cluster_se
 
     from tiering.errors import CacheError
     from tiering.objectstore import open_object_store
-    from tiering.writeback.durable import conditional, list_writers, read_lease, recover_prefix
+    from tiering.writeback.durable import conditional, read_lease
+    from tiering.writeback.recovery import list_writers, recover_prefix
 
     logging.basicConfig(level=logging.WARNING, format="cachefs: %(message)s", stream=sys.stderr)
     try:

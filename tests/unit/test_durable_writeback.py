@@ -34,10 +34,9 @@ from tiering.writeback.durable import (
     ClusterRecord,
     DurabilityError,
     DurableJournal,
-    list_writers,
     read_lease,
-    recover_prefix,
 )
+from tiering.writeback.recovery import list_writers, recover_prefix
 
 BS = MIN_BLOCK_SIZE
 MiB = 1024 * 1024
@@ -59,9 +58,9 @@ class BreakableStore(InMemoryObjectStore):
         self._gate()
         return await super().put(key, size, read)
 
-    async def put_if(self, key, data, *, if_match=None, if_none_match=False):  # type: ignore[no-untyped-def]
+    async def put_if(self, key, size, read, *, if_match=None, if_none_match=False):  # type: ignore[no-untyped-def]
         self._gate()
-        return await super().put_if(key, data, if_match=if_match, if_none_match=if_none_match)
+        return await super().put_if(key, size, read, if_match=if_match, if_none_match=if_none_match)
 
     async def delete(self, key):  # type: ignore[no-untyped-def]
         self._gate()

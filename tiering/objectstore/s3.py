@@ -628,7 +628,8 @@ class S3ObjectStore:
         self.stats.bytes_written += size
         return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
 
-    async def _put_multipart(self, key: str, size: int, part_size: int, read: ReadRange) -> Any:
+    async def _put_multipart(self, key: str, size: int, part_size: int, read: ReadRange,
+                             conditions: dict[str, Any] | None = None) -> Any:
         where = self._where(key)
         full = self.prefix + key
         self.stats.put_requests += 1
@@ -663,7 +664,7 @@ class S3ObjectStore:
             parts.sort(key=lambda part: part["PartNumber"])
             self.stats.put_requests += 1
             return await self._call("complete_multipart_upload", op="PUT", where=where, Key=full,
-                                    UploadId=upload_id, MultipartUpload={"Parts": parts})
+                                    UploadId=upload_id, MultipartUpload={"Parts": parts}, **(conditions or {}))
         except BaseException as exc:
             await asyncio.shield(self._abort(full, upload_id, where))
             if isinstance(exc, BaseExceptionGroup):
@@ -687,14 +688,15 @@ class S3ObjectStore:
 
     # -- conditional writes (tiering.writeback.durable: leases and recovery) --------------------------
 
-    async def put_if(self, key: str, data: bytes, *, if_match: str | None = None,
+    async def put_if(self, key: str, size: int, read: ReadRange, *, if_match: str | None = None,
                      if_none_match: bool = False) -> ObjectInfo:
-        """One PutObject of ``data`` sent with ``If-Match: if_match`` or ``If-None-Match: *``.
+        """``put`` sent with ``If-Match: if_match`` or ``If-None-Match: *`` (on the PutObject, or on
+        the CompleteMultipartUpload of a large object, where S3 evaluates them).
 
         ``ObjectChangedError`` (412) when the condition fails, ``ObjectNotFoundError`` when
-        ``if_match`` names an object that is gone. AWS S3 and SeaweedFS (4.x) evaluate both headers
-        on PUT; a server that ignores them would make this an unconditional put (see
-        ``tiering.writeback.durable`` on the read-back check that narrows that case).
+        ``if_match`` names an object that is gone. AWS S3 and SeaweedFS (4.x, PUT and multipart
+        completion) evaluate both; a server that ignores them would make this an unconditional put
+        (see ``tiering.writeback.durable`` on the read-back check that narrows that case).
         """
         check_write_key(key)
         where = self._where(key)
@@ -703,12 +705,17 @@ class S3ObjectStore:
             conditions["IfMatch"] = if_match
         if if_none_match:
             conditions["IfNoneMatch"] = "*"
-        self.stats.put_requests += 1
-        async with self._upload_slots:
-            response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=bytes(data),
-                                        **conditions)
-        self.stats.bytes_written += len(data)
-        return ObjectInfo(key=key, size=len(data), etag=_quote_etag(response["ETag"]), mtime=time.time())
+        part_size = self._part_size_for(size)
+        if size <= part_size:
+            async with self._upload_slots:
+                data = await self._read(read, 0, size, where)
+                self.stats.put_requests += 1
+                response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=data,
+                                            **conditions)
+        else:
+            response = await self._put_multipart(key, size, part_size, read, conditions)
+        self.stats.bytes_written += size
+        return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
 
     async def delete_if(self, key: str, if_match: str) -> None:
         """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag."""

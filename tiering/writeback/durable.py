@@ -6,7 +6,7 @@ instance, a dead disk, a node pool scaled down). With ``cluster``, close() and f
 once the staged bytes and the journal record naming them are also in the cluster store (the
 S3-compatible store of ``--cluster-cache``, which brings its own replication). Anyone with the
 source's and the cluster store's credentials can then finish the uploads: ``cachefs recover``
-(``recover_prefix`` below).
+(``tiering.writeback.recovery``).
 
 Layout. Each writer (one daemon incarnation of one volume on one node) owns a prefix of the
 cluster store, relative to ``--cluster-cache``::
@@ -58,12 +58,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -72,8 +70,8 @@ from typing import Any, Protocol
 
 from tiering.checksum import crc32
 from tiering.errors import CacheError, ObjectChangedError, ObjectNotFoundError, ObjectStoreError
-from tiering.protocols import ObjectInfo, ObjectStore
-from tiering.writeback.journal import DELETE, IO_CHUNK, PUT, Record, pread_exact, pwrite_all
+from tiering.protocols import ObjectInfo, ObjectStore, ReadRange
+from tiering.writeback.journal import DELETE, PUT, Record, pread_exact
 from tiering.writeback.settings import DEFAULT_LEASE_TTL_S
 
 log = logging.getLogger("tiering.writeback")
@@ -123,7 +121,7 @@ class TakenOverError(ObjectStoreError):
 class ConditionalStore(ObjectStore, Protocol):
     """An ``ObjectStore`` with the conditional writes leases and recovery need (S3, in-memory)."""
 
-    async def put_if(self, key: str, data: bytes, *, if_match: str | None = None,
+    async def put_if(self, key: str, size: int, read: ReadRange, *, if_match: str | None = None,
                      if_none_match: bool = False) -> ObjectInfo: ...
 
     async def delete_if(self, key: str, if_match: str) -> None: ...
@@ -148,7 +146,7 @@ def safe_node_id(node: str) -> str:
     return text
 
 
-def _seq_name(seq: int) -> str:
+def seq_name(seq: int) -> str:
     return f"{seq:016d}"
 
 
@@ -302,7 +300,7 @@ class DurableJournal:
         self.prefix = writer_prefix(self.volume, self.node, incarnation)
         self.owner = self._owner(incarnation)
         lease = Lease(self.owner, WRITER, self.lease_ttl_s, node=self.node, source=self.source)
-        info = await self.store.put_if(self.prefix + LEASE, lease.encode(), if_none_match=True)
+        info = await self.store.put_if(self.prefix + LEASE, *small_body(lease.encode()), if_none_match=True)
         self._lease_etag, self._renewed_at = info.etag, self.monotonic()
         self._save_incarnation(incarnation)
         return notes
@@ -318,15 +316,15 @@ class DurableJournal:
         wanted = {r.seq for r in records}
         for record in sorted(records, key=lambda r: r.seq):
             if record.seq in present:
-                found = await read_object(self.store, self.prefix + JOURNAL + _seq_name(record.seq))
+                found = await read_object(self.store, self.prefix + JOURNAL + seq_name(record.seq))
                 if found is not None:
                     cr = ClusterRecord.decode(found[0])
                     self._set(record.key, _Mirrored(cr, None, _local_of(record)))
                     continue
             await self.mirror(record)
         for seq in sorted(set(present) - wanted):
-            await self._delete_quietly(self.prefix + JOURNAL + _seq_name(seq))
-            await self._delete_quietly(self.prefix + DATA + _seq_name(seq))
+            await self._delete_quietly(self.prefix + JOURNAL + seq_name(seq))
+            await self._delete_quietly(self.prefix + DATA + seq_name(seq))
 
     def start(self) -> None:
         self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
@@ -401,7 +399,7 @@ class DurableJournal:
                                   "cluster): not acknowledged") from exc
 
     async def _mirror(self, record: Record) -> None:
-        name = _seq_name(record.seq)
+        name = seq_name(record.seq)
         data_obj = data_etag = None
         local = _local_of(record)
         if local is not None:
@@ -472,7 +470,7 @@ class DurableJournal:
             return
         try:
             async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):
-                await self.store.delete(self.prefix + JOURNAL + _seq_name(mirrored.record.seq))
+                await self.store.delete(self.prefix + JOURNAL + seq_name(mirrored.record.seq))
         except (ObjectStoreError, TimeoutError) as exc:
             self.stats["failures"] += 1
             self._set(key, mirrored)
@@ -494,7 +492,7 @@ class DurableJournal:
         cr = ClusterRecord(**{**asdict(mirrored.record), "base": self._known[key]})
         raw = cr.encode()
         try:
-            await self.store.put(self.prefix + JOURNAL + _seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
+            await self.store.put(self.prefix + JOURNAL + seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
             mirrored.record = cr
         except ObjectStoreError as exc:
             log.warning("write-back: could not update the base of %r in the cluster journal (%s); a recovery "
@@ -535,7 +533,7 @@ class DurableJournal:
     async def _renew(self, etag: str) -> None:
         lease = Lease(self.owner, WRITER, self.lease_ttl_s, node=self.node, source=self.source)
         try:
-            info = await self.store.put_if(self.prefix + LEASE, lease.encode(), if_match=etag)
+            info = await self.store.put_if(self.prefix + LEASE, *small_body(lease.encode()), if_match=etag)
         except (ObjectChangedError, ObjectNotFoundError):
             if not self.taken_over:
                 log.error("write-back: the cluster journal %s was taken over by a recoverer; this daemon stops "
@@ -560,7 +558,7 @@ class DurableJournal:
         task.add_done_callback(self._background.discard)
 
     async def _delete_record(self, record: ClusterRecord) -> None:
-        await self._delete_quietly(self.prefix + JOURNAL + _seq_name(record.seq))
+        await self._delete_quietly(self.prefix + JOURNAL + seq_name(record.seq))
         if record.data:
             await self._delete_quietly(self.prefix + record.data)
 
@@ -571,173 +569,12 @@ class DurableJournal:
             log.debug("write-back: could not delete %s from the cluster store: %s", key, exc)
 
 
+def small_body(raw: bytes) -> tuple[int, ReadRange]:
+    """``size, read`` of a small object held in memory, as ``put``/``put_if`` take them."""
+    return len(raw), lambda start, end: raw[start:end]
+
+
 def _local_of(record: Record) -> tuple[str, int, int] | None:
     if record.op == PUT and not record.is_marker and record.data:
         return record.data, record.size, record.crc32
     return None
-
-
-# ---------------------------------------------------------------------------------------------- recovery
-@dataclass
-class RecoveryReport:
-    prefix: str
-    state: str = "recovered"  # recovered, held (lease live), taken (another recoverer), already, lost
-    detail: str = ""
-    uploaded: list[str] = field(default_factory=list)
-    deleted: list[str] = field(default_factory=list)
-    markers: int = 0
-    kept_newer: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)  # data object missing or corrupt
-
-
-async def list_writers(store: ObjectStore, volume: str) -> list[str]:
-    """Every writer prefix of ``volume`` in the cluster store."""
-    out: list[str] = []
-    base = f"{ROOT}{volume}/"
-    for node in sorted((await store.list_dir(base)).dirs):
-        for incarnation in sorted((await store.list_dir(f"{base}{node}/")).dirs):
-            out.append(f"{base}{node}/{incarnation}/")
-    return out
-
-
-async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, prefix: str, *, owner: str,
-                         wall: Callable[[], float] = time.time, wait_s: float = 0.0,
-                         assume_dead: bool = False) -> RecoveryReport:
-    """Finish the journal of a dead writer (the module docstring): lease, replay in order, clean up."""
-    report = RecoveryReport(prefix)
-    deadline = wall() + wait_s
-    while True:
-        lease = await read_lease(cluster, prefix)
-        if lease is not None and lease.role == RECOVERED:
-            report.state, report.detail = "already", f"recovered by {lease.owner}"
-            return report
-        if lease is None or assume_dead or lease.expires_in(wall()) <= 0:
-            break
-        left = lease.expires_in(wall())
-        if wall() + left > deadline:
-            report.state = "held"
-            report.detail = f"lease held by {lease.owner} ({lease.role}) for {left:.0f} more s"
-            return report
-        await asyncio.sleep(min(left + 0.5, max(0.1, deadline - wall())))
-    ttl = lease.ttl_s if lease is not None else DEFAULT_LEASE_TTL_S
-    mine = Lease(owner, RECOVERING, ttl, source=lease.source if lease else "")
-    try:
-        if lease is None:
-            info = await cluster.put_if(prefix + LEASE, mine.encode(), if_none_match=True)
-        else:
-            info = await cluster.put_if(prefix + LEASE, mine.encode(), if_match=lease.etag)
-    except (ObjectChangedError, ObjectNotFoundError):
-        report.state, report.detail = "taken", "another recoverer took the lease first"
-        return report
-    check = await read_lease(cluster, prefix)  # for a store that ignored the condition
-    if check is None or check.owner != owner:
-        report.state, report.detail = "taken", "another recoverer took the lease first (read-back)"
-        return report
-    lease_etag = info.etag
-
-    listing = await cluster.list_dir(prefix + JOURNAL)
-    latest: dict[str, ClusterRecord] = {}
-    for name in sorted(listing.files):
-        found = await read_object(cluster, prefix + JOURNAL + name)
-        if found is None:
-            continue
-        try:
-            record = ClusterRecord.decode(found[0])
-        except (ValueError, TypeError) as exc:
-            log.error("recover: journal object %s%s%s is unreadable (%s); skipped", prefix, JOURNAL, name, exc)
-            report.failed.append(name)
-            continue
-        if record.key not in latest or latest[record.key].seq < record.seq:
-            latest[record.key] = record
-    renewed = time.monotonic()
-    for record in sorted(latest.values(), key=lambda r: r.seq):
-        if time.monotonic() - renewed > ttl * LEASE_RENEW_FRACTION:
-            try:
-                lease_etag = (await cluster.put_if(prefix + LEASE, mine.encode(), if_match=lease_etag)).etag
-            except (ObjectChangedError, ObjectNotFoundError):
-                report.state, report.detail = "lost", "the lease was taken while recovering; stopped"
-                return report
-            renewed = time.monotonic()
-        await _replay(source, cluster, prefix, record, report)
-        await cluster.delete(prefix + JOURNAL + _seq_name(record.seq))
-        if record.data:
-            await cluster.delete(prefix + record.data)
-    for sub in (JOURNAL, DATA):  # superseded records and their data
-        for name in (await cluster.list_dir(prefix + sub)).files:
-            await cluster.delete(prefix + sub + name)
-    tomb = Lease(owner, RECOVERED, ttl, source=mine.source)
-    await cluster.put_if(prefix + LEASE, tomb.encode(), if_match=lease_etag)
-    return report
-
-
-async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, record: ClusterRecord,
-                  report: RecoveryReport) -> None:
-    key = record.key
-    if record.is_marker:
-        if record.op == PUT:
-            with contextlib.suppress(ObjectChangedError):
-                await source.put_if(key, b"", if_none_match=True)
-        else:
-            await source.delete(key)
-        report.markers += 1
-        return
-    if record.op == DELETE:
-        base = record.base if record.base is not None else await _unknown_base(source, record)
-        if base is None:
-            report.kept_newer.append(key)
-        elif base != ABSENT:
-            try:
-                await source.delete_if(key, base)
-                report.deleted.append(key)
-            except ObjectChangedError:
-                report.kept_newer.append(key)
-            except ObjectNotFoundError:
-                report.deleted.append(key)
-        return
-    with tempfile.TemporaryFile(prefix="cachefs-recover-") as spool:
-        if not await _fetch_data(cluster, prefix, record, spool.fileno()):
-            report.failed.append(key)
-            return
-        data = await asyncio.to_thread(pread_exact, spool.fileno(), record.size, 0)
-    base = record.base if record.base is not None else await _unknown_base(source, record)
-    try:
-        if base is None:
-            report.kept_newer.append(key)
-            return
-        if base == ABSENT:
-            await source.put_if(key, data, if_none_match=True)
-        else:
-            await source.put_if(key, data, if_match=base)
-        report.uploaded.append(key)
-    except (ObjectChangedError, ObjectNotFoundError):
-        report.kept_newer.append(key)
-
-
-async def _unknown_base(source: ObjectStore, record: ClusterRecord) -> str | None:
-    """For a record whose base this writer did not know: ABSENT if the source has no object, its
-    ETag if it was not modified after the acknowledgement, None (a newer version) otherwise."""
-    try:
-        info = await source.head(record.key)
-    except ObjectNotFoundError:
-        return ABSENT
-    return info.etag if info.mtime <= record.acked_at else None
-
-
-async def _fetch_data(cluster: ObjectStore, prefix: str, record: ClusterRecord, fd: int) -> bool:
-    """Copy the record's data object into ``fd``, checking its size and CRC-32; False if it fails."""
-    assert record.data is not None
-    try:
-        info = await cluster.head(prefix + record.data)
-        if info.size != record.size:
-            raise ValueError(f"{info.size} bytes, expected {record.size}")
-        crc = 0
-        for start in range(0, record.size, IO_CHUNK):
-            chunk = await cluster.get_range(prefix + record.data, info.etag, start, min(record.size, start + IO_CHUNK))
-            crc = crc32(chunk, crc)
-            await asyncio.to_thread(pwrite_all, fd, chunk, start)
-        if crc != record.crc32:
-            raise ValueError("CRC-32 mismatch")
-    except (ObjectStoreError, ValueError) as exc:
-        log.error("recover: the data of %r (%s%s) is unusable: %s; not uploaded", record.key, prefix, record.data, exc)
-        return False
-    return True
