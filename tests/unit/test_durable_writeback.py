@@ -124,7 +124,8 @@ async def test_close_returns_with_data_and_record_in_the_cluster_and_uploads_cle
         [journal] = cluster_names(cluster, prefix, JOURNAL)
         record = ClusterRecord.decode(cluster._objects[journal].data)
         assert (record.key, record.size, record.base) == ("ckpt/a.pt", 5000, ABSENT)
-        assert cluster._objects[prefix + record.data].data == b"A" * 5000
+        [(piece, length)] = record.segments
+        assert length == 5000 and cluster._objects[prefix + piece].data == b"A" * 5000
         assert node.wb.status("ckpt/a.pt")["durable_in"] == "cluster"
         node.wb.uploader.start()
         assert (await node.wb.flush(5)).ok
@@ -337,3 +338,34 @@ async def test_a_clean_stop_removes_the_journal_and_the_next_mount_starts_a_new_
         assert (await again.wb.flush(5)).ok and source._objects["h"].data == b"h"
     finally:
         await again.wb.stop()
+
+
+async def test_an_append_fsynced_again_sends_only_the_new_bytes_and_recovers_whole(
+        tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore]) -> None:
+    source, cluster = stores
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    sf = await node.wb.create("train.log", may_exist=False)
+    node.wb.hold(sf)
+    lines = [f"epoch {i}: loss {1 / (i + 1):.4f}\n".encode() * 50 for i in range(5)]
+    for i, line in enumerate(lines):
+        await node.wb.write(sf, sum(map(len, lines[:i])), line)
+        await node.wb.commit(sf)  # fsync after every epoch
+    prefix = node.durable.prefix
+    assert node.durable.stats["data_bytes"] == sum(map(len, lines))  # each byte sent once
+    for _ in range(100):  # superseded records go in the background; their pieces stay (shared)
+        if len(cluster_names(cluster, prefix, JOURNAL)) == 1:
+            break
+        await asyncio.sleep(0.01)
+    [journal] = cluster_names(cluster, prefix, JOURNAL)
+    assert len(ClusterRecord.decode(cluster._objects[journal].data).segments) == 5
+    assert len(cluster_names(cluster, prefix, DATA)) == 5
+    # Overwriting the start of the file copies it (copy-on-write): the next record is sent whole.
+    await node.wb.write(sf, 0, b"E")
+    await node.wb.commit(sf)
+    assert node.durable.stats["data_bytes"] == 2 * sum(map(len, lines))
+    node.lose()
+    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    assert report.uploaded == ["train.log"], report
+    assert source._objects["train.log"].data == b"E" + b"".join(lines)[1:]
+    assert cluster.keys() == [prefix + LEASE]

@@ -64,7 +64,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -160,7 +160,9 @@ class ClusterRecord:
     op: str  # PUT or DELETE
     size: int = 0
     crc32: int = 0
-    data: str | None = None  # data object (file puts only)
+    # The data: (object, length) pieces that, in order, make bytes [0, size). A file fsync'd again
+    # after an append shares the pieces of its previous record and adds one for the new bytes.
+    segments: tuple[tuple[str, int], ...] = ()
     base: str | None = None  # source ETag replaced, ABSENT, or None: unknown
     acked_at: float = 0.0  # wall clock of the acknowledgement
     mtime: float = 0.0
@@ -185,11 +187,12 @@ class ClusterRecord:
         body = json.loads(text)
         if body.pop("format", None) != FORMAT:
             raise ValueError("unknown journal object format")
+        body["segments"] = tuple((str(name), int(length)) for name, length in body.get("segments", ()))
         record = cls(**body)
         if record.op not in (PUT, DELETE) or not record.key:
             raise ValueError("invalid journal object fields")
-        if record.op == PUT and not record.is_marker and not record.data:
-            raise ValueError("a file put without a data object")
+        if sum(length for _, length in record.segments) != record.size:
+            raise ValueError("the data pieces do not make the recorded size")
         return record
 
 
@@ -243,7 +246,6 @@ async def read_lease(store: ObjectStore, prefix: str) -> Lease | None:
 @dataclass
 class _Mirrored:
     record: ClusterRecord
-    data_etag: str | None  # of the data object (for a rename's server-side copy)
     local: tuple[str, int, int] | None  # (local data file, size, crc32)
 
 
@@ -269,7 +271,8 @@ class DurableJournal:
         self._renewed_at = 0.0  # monotonic
         self._renewer: asyncio.Task[None] | None = None
         self._by_key: dict[str, _Mirrored] = {}
-        self._by_local: dict[tuple[str, int, int], str] = {}  # local data version -> key mirroring it
+        self._by_file: dict[str, str] = {}  # local data file -> the key whose live record names it
+        self._piece_refs: collections.Counter[str] = collections.Counter()  # data object -> live records
         # key -> the source's ETag as this writer knows it (or ABSENT), the most recent KNOWN_KEYS.
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
@@ -319,12 +322,14 @@ class DurableJournal:
                 found = await read_object(self.store, self.prefix + JOURNAL + seq_name(record.seq))
                 if found is not None:
                     cr = ClusterRecord.decode(found[0])
-                    self._set(record.key, _Mirrored(cr, None, _local_of(record)))
+                    self._set(record.key, _Mirrored(cr, _local_of(record)))
                     continue
             await self.mirror(record)
         for seq in sorted(set(present) - wanted):
             await self._delete_quietly(self.prefix + JOURNAL + seq_name(seq))
-            await self._delete_quietly(self.prefix + DATA + seq_name(seq))
+        for name in (await self.store.list_dir(self.prefix + DATA)).files:
+            if self._piece_refs[DATA + name] == 0:
+                await self._delete_quietly(self.prefix + DATA + name)
 
     def start(self) -> None:
         self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
@@ -400,11 +405,8 @@ class DurableJournal:
 
     async def _mirror(self, record: Record) -> None:
         name = seq_name(record.seq)
-        data_obj = data_etag = None
         local = _local_of(record)
-        if local is not None:
-            data_obj = DATA + name
-            data_etag = await self._put_data(data_obj, local)
+        segments = await self._put_data(DATA + name, local) if local is not None else ()
         base: str | None
         if record.is_marker:
             base = None
@@ -414,46 +416,61 @@ class DurableJournal:
             base = ABSENT
         else:
             base = None
-        cr = ClusterRecord(record.seq, record.key, record.op, size=record.size, crc32=record.crc32, data=data_obj,
-                           base=base, acked_at=self.wall(), mtime=record.mtime)
+        cr = ClusterRecord(record.seq, record.key, record.op, size=record.size, crc32=record.crc32,
+                           segments=segments, base=base, acked_at=self.wall(), mtime=record.mtime)
         await self.store.put(self.prefix + JOURNAL + name, len(raw := cr.encode()), lambda s, e: raw[s:e])
         self.stats["records"] += 1
-        old = self._by_key.get(record.key)
-        self._set(record.key, _Mirrored(cr, data_etag, local))
+        old = self._set(record.key, _Mirrored(cr, local))
         if old is not None and old.record.seq != cr.seq:
-            self._spawn(self._delete_record(old.record))
+            self._spawn(self._delete_quietly(self.prefix + JOURNAL + seq_name(old.record.seq)))
+            self._release(old.record)
 
-    def _set(self, key: str, mirrored: _Mirrored) -> None:
-        old = self._by_key.get(key)
-        if old is not None and old.local is not None and self._by_local.get(old.local) == key:
-            del self._by_local[old.local]
+    def _set(self, key: str, mirrored: _Mirrored) -> _Mirrored | None:
+        """Make ``mirrored`` the key's live record (its pieces referenced); the one it replaces."""
+        for piece, _ in mirrored.record.segments:
+            self._piece_refs[piece] += 1
+        old = self._pop(key)
         self._by_key[key] = mirrored
         if mirrored.local is not None:
-            self._by_local[mirrored.local] = key
-
-    def _pop(self, key: str) -> _Mirrored | None:
-        old = self._by_key.pop(key, None)
-        if old is not None and old.local is not None and self._by_local.get(old.local) == key:
-            del self._by_local[old.local]
+            self._by_file[mirrored.local[0]] = key
         return old
 
-    async def _put_data(self, obj: str, local: tuple[str, int, int]) -> str:
-        holder = self._by_local.get(local)
-        other = self._by_key.get(holder) if holder is not None else None
-        if other is not None and other.data_etag and other.record.data:  # a rename: the bytes are there
-            try:
-                return (await self.store.copy(self.prefix + other.record.data, other.data_etag,
-                                              self.prefix + obj)).etag
-            except ObjectStoreError:
-                pass  # gone meanwhile: upload it
+    def _pop(self, key: str) -> _Mirrored | None:
+        """Forget the key's live record; its pieces stay referenced until ``_release``."""
+        old = self._by_key.pop(key, None)
+        if old is not None and old.local is not None and self._by_file.get(old.local[0]) == key:
+            del self._by_file[old.local[0]]
+        return old
+
+    def _release(self, record: ClusterRecord) -> None:
+        """``record`` is no longer live: data objects no live record names are deleted (background)."""
+        for piece, _ in record.segments:
+            self._piece_refs[piece] -= 1
+            if self._piece_refs[piece] <= 0:
+                del self._piece_refs[piece]
+                self._spawn(self._delete_quietly(self.prefix + piece))
+
+    async def _put_data(self, obj: str, local: tuple[str, int, int]) -> tuple[tuple[str, int], ...]:
+        """The pieces of the staged version ``local``: those of a live record that names the same
+        local data file with a prefix of it (an append fsync'd again; a rename), plus ``obj`` for the
+        bytes past it. That prefix is intact: the acknowledged prefix of a data file is never
+        modified while a record names it (``tiering.writeback.staged``)."""
         name, size, _crc = local
+        pieces: tuple[tuple[str, int], ...] = ()
+        done = 0
+        holder = self._by_file.get(name)
+        other = self._by_key.get(holder) if holder is not None else None
+        if other is not None and other.local is not None and other.local[0] == name and other.local[1] <= size:
+            pieces, done = other.record.segments, other.local[1]
+        if done == size:
+            return pieces
         fd = await asyncio.to_thread(os.open, self.data_dir / name, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            info = await self.store.put(self.prefix + obj, size, lambda s, e: pread_exact(fd, e - s, s))
+            await self.store.put(self.prefix + obj, size - done, lambda s, e: pread_exact(fd, e - s, done + s))
         finally:
             os.close(fd)
-        self.stats["data_bytes"] += size
-        return info.etag
+        self.stats["data_bytes"] += size - done
+        return pieces + ((obj, size - done),)
 
     async def forget(self, key: str, *, durable: bool) -> None:
         """``key``'s record is being removed locally. ``durable``: the removal matters (a record left
@@ -465,7 +482,8 @@ class DurableJournal:
         if mirrored is None:
             return
         if not durable:
-            self._spawn(self._delete_record(mirrored.record))
+            self._spawn(self._delete_quietly(self.prefix + JOURNAL + seq_name(mirrored.record.seq)))
+            self._release(mirrored.record)
             self.stats["removed"] += 1
             return
         try:
@@ -473,12 +491,13 @@ class DurableJournal:
                 await self.store.delete(self.prefix + JOURNAL + seq_name(mirrored.record.seq))
         except (ObjectStoreError, TimeoutError) as exc:
             self.stats["failures"] += 1
-            self._set(key, mirrored)
+            self._by_key[key] = mirrored  # still live (its pieces were never released)
+            if mirrored.local is not None:
+                self._by_file[mirrored.local[0]] = key
             raise DurabilityError(f"the cluster store did not drop the record of {key!r} "
                                   f"({exc or 'timeout'}) (--write-durability cluster)") from exc
         self.stats["removed"] += 1
-        if mirrored.record.data:
-            self._spawn(self._delete_quietly(self.prefix + mirrored.record.data))
+        self._release(mirrored.record)
 
     async def uploaded(self, key: str, seq: int, etag: str | None) -> None:
         """The source now holds operation ``seq`` of ``key`` (``etag``; None: deleted). A newer record
@@ -489,7 +508,7 @@ class DurableJournal:
         mirrored = self._by_key.get(key)
         if mirrored is None or mirrored.record.seq <= seq or mirrored.record.base == self._known[key]:
             return  # nothing newer pending (``forget`` follows), or its base is right already
-        cr = ClusterRecord(**{**asdict(mirrored.record), "base": self._known[key]})
+        cr = replace(mirrored.record, base=self._known[key])
         raw = cr.encode()
         try:
             await self.store.put(self.prefix + JOURNAL + seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
@@ -556,11 +575,6 @@ class DurableJournal:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _delete_record(self, record: ClusterRecord) -> None:
-        await self._delete_quietly(self.prefix + JOURNAL + seq_name(record.seq))
-        if record.data:
-            await self._delete_quietly(self.prefix + record.data)
 
     async def _delete_quietly(self, key: str) -> None:
         try:

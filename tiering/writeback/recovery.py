@@ -127,9 +127,7 @@ async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, pr
                 return report
             renewed = time.monotonic()
         await _replay(source, cluster, prefix, record, report)
-        await cluster.delete(prefix + JOURNAL + seq_name(record.seq))
-        if record.data:
-            await cluster.delete(prefix + record.data)
+        await cluster.delete(prefix + JOURNAL + seq_name(record.seq))  # data pieces may be shared: swept below
     for sub in (JOURNAL, DATA):  # superseded records and their data
         for name in (await cluster.list_dir(prefix + sub)).files:
             await cluster.delete(prefix + sub + name)
@@ -190,20 +188,21 @@ async def _unknown_base(source: ObjectStore, record: ClusterRecord) -> str | Non
 
 
 async def _fetch_data(cluster: ObjectStore, prefix: str, record: ClusterRecord, fd: int) -> bool:
-    """Copy the record's data object into ``fd``, checking its size and CRC-32; False if it fails."""
-    assert record.data is not None
+    """Copy the record's data pieces into ``fd``, checking their sizes and the CRC-32; False if it fails."""
+    crc, offset, piece = 0, 0, ""
     try:
-        info = await cluster.head(prefix + record.data)
-        if info.size != record.size:
-            raise ValueError(f"{info.size} bytes, expected {record.size}")
-        crc = 0
-        for start in range(0, record.size, IO_CHUNK):
-            chunk = await cluster.get_range(prefix + record.data, info.etag, start, min(record.size, start + IO_CHUNK))
-            crc = crc32(chunk, crc)
-            await asyncio.to_thread(pwrite_all, fd, chunk, start)
+        for piece, length in record.segments:
+            info = await cluster.head(prefix + piece)
+            if info.size != length:
+                raise ValueError(f"{piece} is {info.size} bytes, expected {length}")
+            for start in range(0, length, IO_CHUNK):
+                chunk = await cluster.get_range(prefix + piece, info.etag, start, min(length, start + IO_CHUNK))
+                crc = crc32(chunk, crc)
+                await asyncio.to_thread(pwrite_all, fd, chunk, offset + start)
+            offset += length
         if crc != record.crc32:
             raise ValueError("CRC-32 mismatch")
     except (ObjectStoreError, ValueError) as exc:
-        log.error("recover: the data of %r (%s%s) is unusable: %s; not uploaded", record.key, prefix, record.data, exc)
+        log.error("recover: the data of %r (%s%s) is unusable: %s; not uploaded", record.key, prefix, piece, exc)
         return False
     return True
