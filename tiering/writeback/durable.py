@@ -14,7 +14,7 @@ cluster store, relative to ``--cluster-cache``::
     writeback/<volume>/<node>/<incarnation>/
         lease                       who may upload this journal to the source (JSON, see ``Lease``)
         journal/<seq, 16 digits>    one pending operation (JSON, see ``ClusterRecord``)
-        data/<seq, 16 digits>       the staged bytes a file put names (exactly ``size`` bytes)
+        data/<seq, 16 digits>       a piece of staged bytes (the bytes the record ``seq`` added)
 
 ``volume`` is the hash of the source's identity (the name of its cache directory), ``node`` the
 node id, ``incarnation`` a random token kept in the staging directory: a daemon restarted with its
@@ -22,12 +22,16 @@ cache directory continues its own journal; one whose cache directory is gone sta
 and leaves the old one to ``cachefs recover``.
 
 The writer's mirror (``DurableJournal``). It mirrors the local journal (``tiering.writeback.journal``,
-whose invariants stay as they are): before a record is written locally, its data object and then its
+whose invariants stay as they are): before a record is written locally, its data and then its
 journal object are put in the cluster store (so a journal object never names missing data); a
-record that replaces an older one of the same key makes the older objects garbage (deleted in the
-background: recovery replays only the latest record of each key); a record removed locally (the
-upload succeeded, or the key's pending operation was dropped) has its journal object deleted first.
-A rename's data object is a server-side copy of the source's. Every cluster operation on the
+record that replaces an older one of the same key makes the older journal object garbage (deleted
+in the background: recovery replays only the latest record of each key); a record removed locally
+(the upload succeeded, or the key's pending operation was dropped) has its journal object deleted
+first. A record's data is a list of pieces: a file appended to and fsync'd again names the pieces
+of its previous record plus one piece of the new bytes (the acknowledged prefix of a staged data
+file never changes while a record names it, ``tiering.writeback.staged``), and a rename names the
+same pieces as its source, so an fsync costs what was appended and a rename costs one small PUT.
+Pieces are reference-counted in memory and deleted once no live record names them. Every cluster operation on the
 acknowledgement path runs under ``durable_deadline_s(size)``; a failure or a timeout is a
 ``DurabilityError`` (EIO) for close()/fsync(), and nothing was acknowledged locally: there is no
 fallback to local durability.
