@@ -515,11 +515,13 @@ class DurableJournal:
         cr = replace(mirrored.record, base=self._known[key])
         raw = cr.encode()
         try:
-            await self.store.put(self.prefix + JOURNAL + seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
+            async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):  # the key's lock is held meanwhile
+                await self.store.put(self.prefix + JOURNAL + seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
             mirrored.record = cr
-        except ObjectStoreError as exc:
+        except (ObjectStoreError, TimeoutError) as exc:
             log.warning("write-back: could not update the base of %r in the cluster journal (%s); a recovery "
-                        "would leave this writer's own upload in place", key, exc)
+                        "would take this writer's own upload for a newer version and keep it", key,
+                        exc or "timeout")
 
     # -- internals ----------------------------------------------------------------------------------
     def _owner(self, incarnation: str) -> str:
