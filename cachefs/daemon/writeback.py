@@ -32,7 +32,7 @@ from cachefs.daemon.errors import SetupError
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import CacheFS
 from tiering.cluster import ClusterTier
-from tiering.errors import CacheError, ObjectStoreError
+from tiering.errors import CacheError
 from tiering.protocols import ObjectInfo
 from tiering.writeback import MISSING, WriteBack
 from tiering.writeback.durable import DurableJournal, conditional
@@ -94,7 +94,7 @@ class WriteBackFeature:
         if self.writeback is not None:
             try:
                 await self.writeback.start()
-            except ObjectStoreError as exc:
+            except CacheError as exc:  # the cluster store's errors; DurabilityError
                 if self.writeback.records.durable is None:
                     raise
                 raise SetupError(f"--write-durability cluster: the write-back journal in the cluster store is not "

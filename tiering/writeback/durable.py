@@ -67,7 +67,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -296,7 +296,10 @@ class DurableJournal:
             if lease is not None and lease.role == WRITER and lease.owner == owner:
                 self.prefix, self.owner = prefix, owner
                 await self._renew(lease.etag)
-                return notes
+                if not self.taken_over:
+                    return notes
+                self.taken_over = False  # taken between the read and the renewal: as below
+                lease = await read_lease(self.store, prefix)
             if lease is not None:  # a recoverer has (or had) it: what it holds is not ours to upload
                 notes.append(f"the cluster journal {prefix} was taken over by {lease.owner} ({lease.role}): this "
                              "node's local journal is set aside, not uploaded a second time")
@@ -312,7 +315,7 @@ class DurableJournal:
         self._save_incarnation(incarnation)
         return notes
 
-    async def adopt(self, records: Iterable[Record]) -> None:
+    async def adopt(self, records: Sequence[Record]) -> None:
         """After the local replay: the cluster holds exactly the replayed records (mirrors missing
         ones, drops ones the local journal no longer has: never acknowledged, or done)."""
         listing = await self.store.list_dir(self.prefix + JOURNAL)
@@ -324,10 +327,13 @@ class DurableJournal:
         for record in sorted(records, key=lambda r: r.seq):
             if record.seq in present:
                 found = await read_object(self.store, self.prefix + JOURNAL + seq_name(record.seq))
-                if found is not None:
-                    cr = ClusterRecord.decode(found[0])
-                    self._set(record.key, _Mirrored(cr, _local_of(record)))
-                    continue
+                try:
+                    if found is not None:
+                        self._set(record.key, _Mirrored(ClusterRecord.decode(found[0]), _local_of(record)))
+                        continue
+                except (ValueError, TypeError) as exc:
+                    log.warning("write-back: the cluster copy of %r is unreadable (%s); sending it again",
+                                record.key, exc)
             await self.mirror(record)
         for seq in sorted(set(present) - wanted):
             await self._delete_quietly(self.prefix + JOURNAL + seq_name(seq))
