@@ -19,6 +19,8 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -191,3 +193,81 @@ def test_close_fails_with_eio_while_the_cluster_store_is_down_and_nothing_falls_
     stored = [client.get_object(Bucket=CLUSTER_BUCKET, Key=k)["Body"].read()
               for k in cluster_keys(cluster) if "/node-b/" in k and "/data/" in k]
     assert b"not durable in the cluster store" not in stored
+
+
+# Kill trials: how many, and the writer's pace. One trial by default (the suite's time budget);
+# CACHEFS_DURABLE_TRIALS=N runs more.
+TRIALS = int(os.environ.get("CACHEFS_DURABLE_TRIALS", "1"))
+KEYS = 6
+
+
+def _writer(root: Path, rng: random.Random, acked: dict[str, bytes | None], inflight: dict[str, bytes | None],
+            stop: threading.Event, ops: list[int]) -> None:
+    """Rewrite, replace-by-rename and delete a few files until the mount dies; ``acked`` holds what each
+    key is once its operation returned, ``inflight`` the operation started and not seen returning."""
+    try:
+        while not stop.is_set():
+            key = f"k{rng.randrange(KEYS)}"
+            roll = rng.random()
+            if roll < 0.15 and acked.get(key) is not None:
+                inflight[key] = None
+                os.unlink(root / key)
+            else:
+                data = rng.randbytes(rng.choice([0, 100, 70_000, 300_000]))
+                inflight[key] = data
+                if roll < 0.4:
+                    (root / f"{key}.tmp").write_bytes(data)
+                    os.rename(root / f"{key}.tmp", root / key)
+                else:
+                    (root / key).write_bytes(data)
+            acked[key] = inflight.pop(key)
+            ops[0] += 1
+    except OSError:
+        return  # the daemon was killed
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_kill_9_while_writing_loses_nothing_acknowledged_once_recovered(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], env: dict[str, str], trial: int) -> None:
+    source, cluster = servers
+    rng = random.Random(f"durable-{trial}")
+    prefix_in_source = f"trial-{uuid.uuid4().hex[:8]}"
+    m = mounter.mount(f"s3://{SOURCE_BUCKET}/{prefix_in_source}", *cluster_args(cluster), "--write-durability",
+                      "cluster", "--write-lease-ttl", str(LEASE_TTL_S), "--node-id", f"trial-{trial}",
+                      "--upload-delay", "0.3", env=env)  # uploads run while writing: their races too
+    acked: dict[str, bytes | None] = {}
+    inflight: dict[str, bytes | None] = {}
+    stop = threading.Event()
+    ops = [0]
+    writer = threading.Thread(target=_writer, args=(m.path, rng, acked, inflight, stop, ops), daemon=True)
+    writer.start()
+    time.sleep(rng.uniform(1.5, 4.0))
+    kill9(m)
+    stop.set()
+    writer.join(30)
+    assert not writer.is_alive(), "the writer still blocks 30 s after the kill"
+    clear_dead_mount(m)
+    shutil.rmtree(m.cache_dir)
+
+    base = ["recover", f"s3://{SOURCE_BUCKET}/{prefix_in_source}", *cluster_args(cluster)]
+    listed = run_cli(*base, "--list", env=env)
+    prefixes = [line.split()[0] for line in listed.stdout.splitlines()]
+    assert listed.returncode == 0 and len(prefixes) == 1, listed.stdout + listed.stderr
+    done = run_cli(*base, "--prefix", prefixes[0], "--wait", str(RECOVER_WAIT_S), "--json", env=env,
+                   timeout=RECOVER_WAIT_S + 90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [report] = json.loads(done.stdout)
+    assert report["kept_newer"] == [] and report["failed"] == [], report  # nobody else wrote: all applied
+
+    stored = {k.removeprefix(prefix_in_source + "/"): v for k, v in source_objects(source).items()
+              if k.startswith(prefix_in_source + "/")}
+    lost = []
+    for key, data in acked.items():
+        allowed = [data] + ([inflight[key]] if key in inflight else [])
+        if stored.get(key) not in allowed:
+            lost.append(key)
+    assert not lost, f"acknowledged state lost for {lost} ({len(acked)} keys acknowledged)"
+    extra = set(stored) - set(acked) - set(inflight) - {f"{k}.tmp" for k in inflight}
+    assert not extra, f"objects nobody acknowledged: {extra}"
+    print(f"durable kill trial {trial}: {ops[0]} operations acknowledged on {len(acked)} keys, recovered {len(report['uploaded'])} "
+          f"uploads and {len(report['deleted'])} deletes")
