@@ -49,6 +49,7 @@ class BreakableStore(InMemoryObjectStore):
     def __init__(self) -> None:
         super().__init__()
         self.down = False
+        self.refuse_data = False  # data pieces fail, journal objects land (a writer dying mid-fsync)
 
     def _gate(self) -> None:
         if self.down:
@@ -56,6 +57,8 @@ class BreakableStore(InMemoryObjectStore):
 
     async def put(self, key, size, read):  # type: ignore[no-untyped-def]
         self._gate()
+        if self.refuse_data and "/data/" in key:
+            raise ObjectStoreUnavailableError("data piece lost (test)")
         return await super().put(key, size, read)
 
     async def put_if(self, key, size, read, *, if_match=None, if_none_match=False):  # type: ignore[no-untyped-def]
@@ -369,3 +372,21 @@ async def test_an_append_fsynced_again_sends_only_the_new_bytes_and_recovers_who
     assert report.uploaded == ["train.log"], report
     assert source._objects["train.log"].data == b"E" + b"".join(lines)[1:]
     assert cluster.keys() == [prefix + LEASE]
+
+
+async def test_a_record_whose_data_never_landed_falls_back_to_the_acknowledged_one(
+        tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore]) -> None:
+    source, cluster = stores
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    await write(node.wb, "ckpt", b"acknowledged version")
+    cluster.refuse_data = True  # the journal object of the next version lands, its data does not
+    with pytest.raises(DurabilityError):
+        await write(node.wb, "ckpt", b"never acknowledged, longer version", may_exist=True)
+    prefix = node.durable.prefix
+    assert len(cluster_names(cluster, prefix, JOURNAL)) == 2
+    node.lose()
+    cluster.refuse_data = False
+    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    assert report.uploaded == ["ckpt"] and report.failed == [], report
+    assert source._objects["ckpt"].data == b"acknowledged version"

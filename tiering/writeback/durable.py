@@ -416,7 +416,9 @@ class DurableJournal:
     async def _mirror(self, record: Record) -> None:
         name = seq_name(record.seq)
         local = _local_of(record)
-        segments = await self._put_data(DATA + name, local) if local is not None else ()
+        segments, new = self._plan(DATA + name, local) if local is not None else ((), None)
+        for piece, _ in segments:  # held from now: a piece shared with a record released meanwhile stays
+            self._piece_refs[piece] += 1
         base: str | None
         if record.is_marker:
             base = None
@@ -428,17 +430,32 @@ class DurableJournal:
             base = None
         cr = ClusterRecord(record.seq, record.key, record.op, size=record.size, crc32=record.crc32,
                            segments=segments, base=base, acked_at=self.wall(), mtime=record.mtime)
-        await self.store.put(self.prefix + JOURNAL + name, len(raw := cr.encode()), lambda s, e: raw[s:e])
+        raw = cr.encode()
+        try:
+            # The new piece and the journal object go in parallel (one round trip for an fsync): a
+            # journal object whose piece never landed was never acknowledged, and the key's previous
+            # record stays until this returns, so recovery falls back to it (``recovery``).
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.store.put(self.prefix + JOURNAL + name, len(raw), lambda s, e: raw[s:e]))
+                if new is not None and local is not None:
+                    group.create_task(self._upload_piece(new[0], local[0], new[1], new[2]))
+        except BaseException as exc:  # a failure, or the deadline (cancelled)
+            self._release(cr)
+            if isinstance(exc, BaseExceptionGroup) and isinstance(exc.exceptions[0], Exception):
+                raise exc.exceptions[0] from None
+            raise
         self.stats["records"] += 1
-        old = self._set(record.key, _Mirrored(cr, local))
+        old = self._set(record.key, _Mirrored(cr, local), counted=True)
         if old is not None and old.record.seq != cr.seq:
             self._spawn(self._delete_quietly(self.prefix + JOURNAL + seq_name(old.record.seq)))
             self._release(old.record)
 
-    def _set(self, key: str, mirrored: _Mirrored) -> _Mirrored | None:
-        """Make ``mirrored`` the key's live record (its pieces referenced); the one it replaces."""
-        for piece, _ in mirrored.record.segments:
-            self._piece_refs[piece] += 1
+    def _set(self, key: str, mirrored: _Mirrored, *, counted: bool = False) -> _Mirrored | None:
+        """Make ``mirrored`` the key's live record (its pieces referenced, unless ``counted`` already);
+        the one it replaces."""
+        if not counted:
+            for piece, _ in mirrored.record.segments:
+                self._piece_refs[piece] += 1
         old = self._pop(key)
         self._by_key[key] = mirrored
         if mirrored.local is not None:
@@ -460,11 +477,13 @@ class DurableJournal:
                 del self._piece_refs[piece]
                 self._spawn(self._delete_quietly(self.prefix + piece))
 
-    async def _put_data(self, obj: str, local: tuple[str, int, int]) -> tuple[tuple[str, int], ...]:
+    def _plan(self, obj: str, local: tuple[str, int, int]) -> tuple[tuple[tuple[str, int], ...],
+                                                                     tuple[str, int, int] | None]:
         """The pieces of the staged version ``local``: those of a live record that names the same
         local data file with a prefix of it (an append fsync'd again; a rename), plus ``obj`` for the
-        bytes past it. That prefix is intact: the acknowledged prefix of a data file is never
-        modified while a record names it (``tiering.writeback.staged``)."""
+        bytes past it; and ``(obj, start, length)`` to upload, if any. That prefix is intact: the
+        acknowledged prefix of a data file is never modified while a record names it
+        (``tiering.writeback.staged``)."""
         name, size, _crc = local
         pieces: tuple[tuple[str, int], ...] = ()
         done = 0
@@ -473,14 +492,16 @@ class DurableJournal:
         if other is not None and other.local is not None and other.local[0] == name and other.local[1] <= size:
             pieces, done = other.record.segments, other.local[1]
         if done == size:
-            return pieces
+            return pieces, None
+        return pieces + ((obj, size - done),), (obj, done, size - done)
+
+    async def _upload_piece(self, obj: str, name: str, start: int, length: int) -> None:
         fd = await asyncio.to_thread(os.open, self.data_dir / name, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            await self.store.put(self.prefix + obj, size - done, lambda s, e: pread_exact(fd, e - s, done + s))
+            await self.store.put(self.prefix + obj, length, lambda s, e: pread_exact(fd, e - s, start + s))
         finally:
             os.close(fd)
-        self.stats["data_bytes"] += size - done
-        return pieces + ((obj, size - done),)
+        self.stats["data_bytes"] += length
 
     async def forget(self, key: str, *, durable: bool) -> None:
         """``key``'s record is being removed locally. ``durable``: the removal matters (a record left

@@ -2,7 +2,7 @@
 
 See ``tiering.writeback.durable`` for the journal's layout, its records and the lease protocol. A
 recovery (``recover_prefix``) takes the lease of one writer prefix (a conditional replace of the
-expired lease: one recoverer wins), replays the latest record of each key in sequence order into the
+expired lease: one recoverer wins), replays the latest complete record of each key in sequence order into the
 source with conditional writes (``If-Match`` on the base ETag the record carries, ``If-None-Match``
 for a key the source did not have; an object rewritten since is kept, never overwritten), deletes
 the cluster copies as it goes, and leaves the lease as a ``recovered`` tombstone. A data object is
@@ -104,7 +104,7 @@ async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, pr
     lease_etag = info.etag
 
     listing = await cluster.list_dir(prefix + JOURNAL)
-    latest: dict[str, ClusterRecord] = {}
+    by_key: dict[str, list[ClusterRecord]] = {}
     for name in sorted(listing.files):
         found = await read_object(cluster, prefix + JOURNAL + name)
         if found is None:
@@ -115,8 +115,20 @@ async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, pr
             log.error("recover: journal object %s%s%s is unreadable (%s); skipped", prefix, JOURNAL, name, exc)
             report.failed.append(name)
             continue
-        if record.key not in latest or latest[record.key].seq < record.seq:
-            latest[record.key] = record
+        by_key.setdefault(record.key, []).append(record)
+    latest: dict[str, ClusterRecord] = {}
+    for key, records in by_key.items():
+        # The newest record whose pieces are all there: one whose piece never landed was being
+        # written when the writer died (its journal object and its piece go up in parallel), so it
+        # was never acknowledged, and the key's previous record was still kept for it.
+        for record in sorted(records, key=lambda r: -r.seq):
+            if await _pieces_present(cluster, prefix, record):
+                latest[key] = record
+                break
+            log.warning("recover: record %d of %r has a data piece missing (never acknowledged); the one "
+                        "before it is used", record.seq, key)
+        else:
+            report.failed.append(key)
     renewed = time.monotonic()
     for record in sorted(latest.values(), key=lambda r: r.seq):
         if time.monotonic() - renewed > ttl * LEASE_RENEW_FRACTION:
@@ -185,6 +197,17 @@ async def _unknown_base(source: ObjectStore, record: ClusterRecord) -> str | Non
     except ObjectNotFoundError:
         return ABSENT
     return info.etag if info.mtime <= record.acked_at else None
+
+
+async def _pieces_present(cluster: ObjectStore, prefix: str, record: ClusterRecord) -> bool:
+    """Whether every data piece of ``record`` is in the cluster store with its length."""
+    for piece, length in record.segments:
+        try:
+            if (await cluster.head(prefix + piece)).size != length:
+                return False
+        except ObjectNotFoundError:
+            return False
+    return True
 
 
 async def _fetch_data(cluster: ObjectStore, prefix: str, record: ClusterRecord, fd: int) -> bool:
