@@ -22,8 +22,10 @@ cache directory continues its own journal; one whose cache directory is gone sta
 and leaves the old one to ``cachefs recover``.
 
 The writer's mirror (``DurableJournal``). It mirrors the local journal (``tiering.writeback.journal``,
-whose invariants stay as they are): before a record is written locally, its data and then its
-journal object are put in the cluster store (so a journal object never names missing data); a
+whose invariants stay as they are): before a record is written locally, its new data piece and its
+journal object are put in the cluster store, in parallel (one round trip); a journal object whose
+piece did not land was never acknowledged, and the key's previous record is only dropped once the
+new one is complete, so a recovery falls back to that one (``tiering.writeback.recovery``); a
 record that replaces an older one of the same key makes the older journal object garbage (deleted
 in the background: recovery replays only the latest record of each key); a record removed locally
 (the upload succeeded, or the key's pending operation was dropped) has its journal object deleted
