@@ -16,7 +16,7 @@ from tiering.settings import (
     MAX_CONCURRENT_FETCHES,
     CacheSettings,
 )
-from tiering.writeback.settings import WriteBackSettings
+from tiering.writeback.settings import DURABILITY_CLUSTER, WriteBackSettings
 # Re-exported for the CSI driver's mount pods (their grace period), which may not import tiering.
 from tiering.writeback.settings import DEFAULT_STOP_TIMEOUT_S as DEFAULT_STOP_TIMEOUT_S
 from tiering.writeback.settings import STOP_MARGIN_S as STOP_MARGIN_S
@@ -185,8 +185,18 @@ class MountSettings:
     # (fetched at mount; the CSI volume attribute ``manifest``). Read-only.
     manifest: Path | None = None
     manifest_key: str | None = None
+    # This node's name in the cluster store's write-back journals (--write-durability cluster).
+    node_id: str = "node"
 
     def __post_init__(self) -> None:
+        if self.writeback.durability == DURABILITY_CLUSTER:
+            if self.fs.read_only:
+                raise ValueError("--write-durability cluster applies to writable mounts only")
+            if self.cluster is None:
+                raise ValueError("--write-durability cluster needs a cluster tier: give --cluster-cache "
+                                 "s3://BUCKET[/PREFIX]")
+        if not self.node_id or any(not (c.isalnum() or c in "-_.") for c in self.node_id) or len(self.node_id) > 128:
+            raise ValueError(f"--node-id must be 1-128 letters, digits, '-', '_' or '.', got {self.node_id!r}")
         if self.manifest is not None and self.manifest_key is not None:
             raise ValueError("give --manifest or --manifest-key, not both")
         if (self.manifest is not None or self.manifest_key is not None) and not self.fs.read_only:
@@ -200,14 +210,24 @@ class MountSettings:
 
     def source_identity(self) -> str:
         """What names this source in the shared cluster tier: its URL and endpoint."""
-        return json.dumps({"source": self.source, "endpoint": self.endpoint_url or ""}, sort_keys=True)
+        return source_identity(self.source, self.endpoint_url)
 
     def source_label(self) -> str:
         """A short name of this source (16 hex digits of a hash of its identity): the ``volume`` label
         of the per-volume metrics and the name of its cache directory. Every node mounting the same
         source gets the same value, so series sum across nodes; a daemon has exactly one."""
-        return hashlib.sha256(self.source_identity().encode()).hexdigest()[:16]
+        return source_hash(self.source, self.endpoint_url)
 
     def source_cache_dir(self) -> Path:
         """This source's own directory inside ``cache_dir`` (mounts of other sources may share it)."""
         return self.cache_dir / self.source_label()
+
+
+def source_identity(source: str, endpoint_url: str | None) -> str:
+    return json.dumps({"source": source, "endpoint": endpoint_url or ""}, sort_keys=True)
+
+
+def source_hash(source: str, endpoint_url: str | None) -> str:
+    """The short name of a source: its cache directory, the ``volume`` label of its metrics, and its
+    volume in the cluster store's write-back journals (``cachefs recover`` finds them by it)."""
+    return hashlib.sha256(source_identity(source, endpoint_url).encode()).hexdigest()[:16]

@@ -73,6 +73,9 @@ ATTR_CLUSTER_TIMEOUT = "clusterTimeout"  # --cluster-timeout (seconds)
 ATTR_UPLOAD_DELAY = "uploadDelay"  # --upload-delay (seconds): the coalescing delay after a close
 ATTR_UPLOAD_MAX_DELAY = "uploadMaxDelay"  # --upload-max-delay (seconds)
 ATTR_STOP_TIMEOUT = "stopTimeout"  # --stop-timeout (seconds)
+# --write-durability local|cluster (docs/durability.md): "cluster" needs clusterCache.
+ATTR_WRITE_DURABILITY = "writeDurability"
+WRITE_DURABILITIES = ("local", "cluster")
 # The mount pod's resources (``--mount-mode pod``): Kubernetes quantities, e.g. "500m", "2Gi".
 ATTR_MOUNT_POD_CPU_REQUEST = "mountPodCPURequest"
 ATTR_MOUNT_POD_CPU_LIMIT = "mountPodCPULimit"
@@ -128,7 +131,7 @@ MOUNT_GROUP_FILE_MODE, MOUNT_GROUP_DIR_MODE = 0o664, 0o775
 
 CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
               ATTR_ATTR_TTL, ATTR_DIR_TTL, ATTR_CLUSTER_CACHE, ATTR_CLUSTER_ENDPOINT_URL, ATTR_CLUSTER_TIMEOUT,
-              ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT)
+              ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT, ATTR_WRITE_DURABILITY)
 OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
 MOUNT_POD_KEYS = (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT, ATTR_MOUNT_POD_MEMORY_REQUEST,
                   ATTR_MOUNT_POD_MEMORY_LIMIT)
@@ -184,6 +187,7 @@ class CacheOptions:
     upload_delay_s: float | None = None
     upload_max_delay_s: float | None = None
     stop_timeout_s: float | None = None
+    write_durability: str | None = None
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
@@ -194,7 +198,8 @@ class CacheOptions:
                             ("--dir-ttl", self.dir_ttl_s), ("--cluster-cache", self.cluster_cache),
                             ("--cluster-endpoint-url", self.cluster_endpoint_url),
                             ("--cluster-timeout", self.cluster_timeout_s), ("--manifest-key", self.manifest_key),
-                            ("--upload-delay", self.upload_delay_s), ("--upload-max-delay", self.upload_max_delay_s), ("--stop-timeout", self.stop_timeout_s)):
+                            ("--upload-delay", self.upload_delay_s), ("--upload-max-delay", self.upload_max_delay_s),
+                            ("--stop-timeout", self.stop_timeout_s), ("--write-durability", self.write_durability)):
             if value is not None:
                 out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return out
@@ -396,7 +401,13 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
         upload_max_delay_s=(_parse_seconds(ATTR_UPLOAD_MAX_DELAY, v)
                             if (v := get(ATTR_UPLOAD_MAX_DELAY)) is not None else None),
         stop_timeout_s=_parse_seconds(ATTR_STOP_TIMEOUT, v) if (v := get(ATTR_STOP_TIMEOUT)) is not None else None,
+        write_durability=v if (v := get(ATTR_WRITE_DURABILITY)) is not None else None,
     )
+    if options.write_durability is not None and options.write_durability not in WRITE_DURABILITIES:
+        raise invalid(f"volume attribute {ATTR_WRITE_DURABILITY!r} must be one of {', '.join(WRITE_DURABILITIES)}, "
+                      f"got {_quote(options.write_durability)}")
+    if options.write_durability == "cluster" and options.cluster_cache is None:
+        raise invalid(f"volume attribute {ATTR_WRITE_DURABILITY!r} 'cluster' needs {ATTR_CLUSTER_CACHE!r}")
     if options.cluster_cache is None and (options.cluster_endpoint_url or options.cluster_timeout_s is not None):
         raise invalid(f"volume attributes {ATTR_CLUSTER_ENDPOINT_URL!r} and {ATTR_CLUSTER_TIMEOUT!r} need "
                       f"{ATTR_CLUSTER_CACHE!r}")

@@ -8,7 +8,7 @@ is the one command that runs the daemon itself (``cachefs.cli.mount``).
 
 Commands: ``mount`` and ``unmount`` (``cachefs.cli.mount``), ``stats`` (``cachefs.cli.stats``),
 ``prefetch``/``snapshot``/``unpin``/``evict`` (``cachefs.cli.prefetch``), ``flush``/``status``
-(``cachefs.cli.writeback``), ``cluster gc`` (``cachefs.cli.cluster``). Each module's
+(``cachefs.cli.writeback``), ``recover`` (``cachefs.cli.recover``), ``cluster gc`` (``cachefs.cli.cluster``). Each module's
 ``register(subparsers)`` adds its parsers.
 
 Conventions: ``cachefs --version``; a bare ``cachefs`` prints the help on stderr and exits 2, as
@@ -25,7 +25,7 @@ import sys
 from typing import Sequence
 
 from cachefs import package_version
-from cachefs.cli import cluster, mount, prefetch, stats, writeback
+from cachefs.cli import cluster, mount, prefetch, recover, stats, writeback
 from cachefs.cli.environment import apply_environment, defer_defaults, unknown_variables
 from cachefs.cli.parsing import CliParser
 from cachefs.client import UsageError
@@ -33,7 +33,7 @@ from cachefs.client import UsageError
 # Modules that add subcommands, in the order ``cachefs --help`` lists them: each has
 # ``register(subparsers)``. ``prefetch`` and ``writeback`` set ``handler=fn`` with
 # ``fn(args, environ) -> int``; ``mount``, ``unmount`` and ``stats`` are dispatched below.
-COMMANDS = (mount, stats, prefetch, writeback, cluster)
+COMMANDS = (mount, stats, prefetch, writeback, recover, cluster)
 
 
 EPILOG = """\

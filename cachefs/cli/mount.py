@@ -33,6 +33,7 @@ import logging.handlers
 import os
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -69,12 +70,15 @@ from tiering.settings import (
 )
 from tiering.units import format_size
 from tiering.writeback.settings import (
+    DEFAULT_LEASE_TTL_S,
     DEFAULT_MAX_UPLOADS,
     DEFAULT_SPACE_WAIT_S,
     DEFAULT_STOP_TIMEOUT_S,
     DEFAULT_UPLOAD_DELAY_S,
     DEFAULT_UPLOAD_MAX_DELAY_S,
     STOP_MARGIN_S,
+    DURABILITIES,
+    DURABILITY_LOCAL,
     WriteBackSettings,
 )
 
@@ -169,6 +173,16 @@ def register(sub: Any) -> None:
                    help="read-only mount: every change answers EROFS (default: writable, with write-back)")
     m.add_argument("--write-through", action="store_true", default=False,
                    help="close() and fsync() return only once the upload succeeded, and report its failure")
+    m.add_argument("--write-durability", choices=list(DURABILITIES), default=DURABILITY_LOCAL,
+                   help="when close() and fsync() return: 'local' once the data is on this node's disk (default), "
+                        "'cluster' once it is also in the cluster store (--cluster-cache), so that 'cachefs "
+                        "recover' can finish the uploads if the node is lost (see docs/durability.md)")
+    m.add_argument("--write-lease-ttl", type=seconds, default=DEFAULT_LEASE_TTL_S, metavar="S",
+                   help=f"with --write-durability cluster: how long this mount's journal in the cluster store stays "
+                        f"its own without a renewal; after it, 'cachefs recover' may take it "
+                        f"(default {DEFAULT_LEASE_TTL_S:g})")
+    m.add_argument("--node-id", default=None, metavar="NAME",
+                   help="this node's name in the cluster store's write-back journals (default: the host name)")
     m.add_argument("--upload-delay", type=seconds, default=DEFAULT_UPLOAD_DELAY_S, metavar="S",
                    help=f"wait this long after a file is closed before uploading it, so quick rewrites and "
                         f"renames are uploaded once (default {DEFAULT_UPLOAD_DELAY_S:g})")
@@ -257,7 +271,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
                         rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through,
-                                      upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout)
+                                      upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout,
+                                      durability=args.write_durability, lease_ttl_s=args.write_lease_ttl)
         cluster = _cluster_settings(args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -325,6 +340,7 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
         cluster=cluster,
         manifest=Path(os.path.abspath(args.manifest)) if args.manifest is not None else None,
         manifest_key=args.manifest_key,
+        node_id=args.node_id or socket.gethostname(),
     )
 
 

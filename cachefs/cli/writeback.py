@@ -59,7 +59,8 @@ def register(sub: Any) -> None:
     f.add_argument("--json", action="store_true", help="machine-readable output")
     f.set_defaults(handler=cmd_flush)
 
-    s = sub.add_parser("status", help="durability stage of files: writing, dirty on local disk, uploading or clean")
+    s = sub.add_parser("status", help="durability stage of files: writing, dirty (on local disk, and in the cluster store with "
+                                            "--write-durability cluster), uploading or clean (in the source)")
     s.add_argument("paths", nargs="+", metavar="PATH", help="files or directories inside cachefs mounts")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(handler=cmd_status)
@@ -78,6 +79,10 @@ def pending_line(entry: dict[str, Any]) -> str:
     size_text = format_size(size) if isinstance(size, int) else "-"
     kind = "/" if entry.get("kind") == "directory" else ""
     details = []
+    if entry.get("durable_in") == "cluster":
+        details.append("on local disk and in the cluster store")
+    elif entry.get("durable_in") == "local" and entry.get("stage") != "uploading":
+        details.append("on local disk only")
     if entry.get("stage") == "uploading":
         details.append("dirty on local disk, upload in progress")
     if isinstance(entry.get("unuploaded_for_s"), (int, float)):

@@ -36,9 +36,12 @@ from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.errors import SetupError
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import CacheFS
+from tiering.cluster import ClusterTier
 from tiering.errors import CacheError
 from tiering.protocols import ObjectInfo
 from tiering.writeback import MISSING, FlushReport, WriteBack
+from tiering.writeback.durable import DurableJournal, conditional
+from tiering.writeback.settings import DURABILITY_CLUSTER
 from tiering.writeback.journal import RECORD_SUFFIX, RECORDS_DIR, StagingFormatError
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ class WriteBackFeature:
             if disk is None:
                 raise SetupError("a writable mount stages writes in the disk cache: give --disk-cache a size, "
                                  "or mount with --read-only")
+            durable = self._durable_journal(ctx) if ctx.settings.writeback.durability == DURABILITY_CLUSTER else None
             try:
                 self.writeback = WriteBack(
                     ctx.settings.writeback,
@@ -75,6 +79,7 @@ class WriteBackFeature:
                     disk,
                     eager_fraction=ctx.settings.cache.high_watermark,
                     health=ctx.cache.health,
+                    durable=durable,
                 )
             except (OSError, StagingFormatError) as exc:
                 raise SetupError(f"cannot use the staging area {self.staging_dir}: {exc}") from exc
@@ -82,9 +87,25 @@ class WriteBackFeature:
         ctx.control.add_json_route("POST", "/writeback/flush", self._flush)
         ctx.control.add_json_route("POST", "/writeback/status", self._status)
 
+    def _durable_journal(self, ctx: DaemonContext) -> DurableJournal:
+        """--write-durability cluster: the journal's copy in the cluster tier's store."""
+        tier = ctx.cache.cluster
+        store = conditional(tier.store) if isinstance(tier, ClusterTier) else None
+        if store is None:
+            raise SetupError("--write-durability cluster needs an S3 cluster tier (--cluster-cache s3://BUCKET[/PREFIX])")
+        return DurableJournal(store, volume=ctx.cache_dir.name, node=ctx.settings.node_id, source=ctx.settings.source,
+                              data_dir=self.staging_dir / "data", staging_root=self.staging_dir,
+                              lease_ttl_s=ctx.settings.writeback.lease_ttl_s)
+
     async def start(self) -> None:
         if self.writeback is not None:
-            await self.writeback.start()
+            try:
+                await self.writeback.start()
+            except CacheError as exc:  # the cluster store's errors; DurabilityError
+                if self.writeback.records.durable is None:
+                    raise
+                raise SetupError(f"--write-durability cluster: the write-back journal in the cluster store is not "
+                                 f"usable: {exc}") from exc
             self.ctx.stopping.on_drain(self._drain_while_serving)
             return
         records = self.staging_dir / RECORDS_DIR
@@ -204,7 +225,7 @@ async def path_status(fs: CacheFS, path: str) -> dict[str, Any]:
     status = wb.status(path) if wb is not None else None
     if status is None:
         assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
-        out.update({"kind": "file", "stage": "clean", "size": value.size, "etag": value.etag})
+        out.update({"kind": "file", "stage": "clean", "size": value.size, "etag": value.etag, "durable_in": "source"})
     else:
         out.update(status)
         out["path"] = path

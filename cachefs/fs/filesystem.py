@@ -467,7 +467,8 @@ class CacheFS:
         wb = self._writer()
         sf = self._staged(node)
         if sf is None and size == 0 and not node.deleted:
-            sf = await wb.create(node.path, may_exist=True)  # nothing to copy in
+            base = node.info.etag if node.info is not None and node.info.etag != STAGED_ETAG else None
+            sf = await wb.create(node.path, may_exist=True, base_etag=base)  # nothing to copy in
             self._set_staged(node, sf)
             return sf
         sf = await self._stage_for_write(node)
@@ -604,7 +605,7 @@ class CacheFS:
         assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
         staged = value.etag == STAGED_ETAG
         await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes
-        await wb.remove(path, may_exist=not staged)
+        await wb.remove(path, may_exist=not staged, base_etag=None if staged else value.etag)
         self.stats.unlinks += 1
         if node is not None:
             self.inodes.unlink(node)

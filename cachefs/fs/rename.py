@@ -99,7 +99,7 @@ class Renamer:
         async with wb.quiesce(dst):
             copied = await self.store.copy(src, info.etag, dst)
             await wb.forget(dst)
-        await wb.remove(src, may_exist=True)
+        await wb.remove(src, may_exist=True, base_etag=info.etag)
         self.listings.applied(dst, copied)
         node = self.inodes.at(src)
         if node is not None:

@@ -665,3 +665,30 @@ async def test_a_read_only_source_refuses_every_write(backend: Backend, store: O
             await attempt
         assert refused.value.errno == errno.EROFS and "read-only" in str(refused.value)
     assert await content(store, "ro/x") == b"data"
+
+
+# -- conditional writes (the leases and recovery of --write-durability cluster) -----------------------
+
+@pytest.mark.writes
+@pytest.mark.parametrize("size", [3000, 12 * 1024 * 1024 + 7], ids=["single", "multipart"])
+async def test_conditional_put_and_delete(backend: Backend, store: ObjectStore, size: int) -> None:
+    if not callable(getattr(store, "put_if", None)):
+        pytest.skip(f"{backend.name} has no conditional writes (only the S3 and in-memory stores need them)")
+    if backend.name == "moto" and size > PART_SIZE:
+        pytest.skip("moto's server ignores If-Match/If-None-Match on CompleteMultipartUpload (S3 and SeaweedFS "
+                    "evaluate them)")
+    put_if, delete_if = store.put_if, store.delete_if  # type: ignore[attr-defined]
+    first, second = os.urandom(size), os.urandom(size)
+    made = await put_if("c/obj", size, reader(first), if_none_match=True)
+    with pytest.raises(ObjectChangedError):  # 412: it exists now
+        await put_if("c/obj", size, reader(second), if_none_match=True)
+    with pytest.raises(ObjectChangedError):  # 412: another version than the one named
+        await put_if("c/obj", size, reader(second), if_match='"0123456789abcdef0123456789abcdef"')
+    assert await content(store, "c/obj") == first
+    replaced = await put_if("c/obj", size, reader(second), if_match=made.etag)
+    assert replaced.etag != made.etag and await content(store, "c/obj") == second
+    with pytest.raises(ObjectChangedError):
+        await delete_if("c/obj", made.etag)
+    await delete_if("c/obj", replaced.etag)
+    with pytest.raises(ObjectNotFoundError):
+        await store.head("c/obj")

@@ -84,6 +84,8 @@ def test_every_key_kubernetes_adds_is_accepted_and_a_misspelt_attribute_still_re
      "'clusterEndpointUrl'"),
     ({"source": "s3://b12/x", "clusterTimeout": "2"}, "'clusterCache'"),
     ({"source": "s3://b12/x", "clusterCache": "s3://shared", "clusterTimeout": "0"}, "'clusterCache'"),
+    ({"source": "s3://b12/x", "writeDurability": "cluster"}, "'clusterCache'"),
+    ({"source": "s3://b12/x", "clusterCache": "s3://shared", "writeDurability": "nearby"}, "'writeDurability'"),
 ])
 def test_bad_volume_attributes_are_refused_naming_the_key(values, key) -> None:
     code, message = code_of(attrs.parse_volume_attributes, values)
@@ -98,6 +100,13 @@ def test_cluster_tier_attributes_become_mount_options() -> None:
                                          "http://seaweedfs.cachefs:8333", "--cluster-timeout", "3"]
     params = attrs.parse_provision_parameters({"bucket": "datasets", "clusterCache": "s3://shared/cache"})
     assert params.cache_attributes.get("clusterCache") == "s3://shared/cache"
+
+
+def test_write_durability_attribute_becomes_the_mount_option() -> None:
+    settings = attrs.parse_volume_attributes({"source": "s3://bucket/data", "clusterCache": "s3://shared/cache",
+                                              "writeDurability": "cluster"})
+    assert settings.cache.cli_args()[-2:] == ["--write-durability", "cluster"]
+    assert "--write-durability" not in attrs.parse_volume_attributes({"source": "s3://bucket/data"}).cache.cli_args()
 
 
 def test_endpoint_with_credentials_is_refused_without_echoing_them() -> None:

@@ -162,6 +162,38 @@ class InMemoryObjectStore:
         await asyncio.sleep(0)
         self._objects.pop(key, None)
 
+    async def put_if(self, key: str, size: int, read: ReadRange, *, if_match: str | None = None,
+                     if_none_match: bool = False) -> ObjectInfo:
+        """A put refused as S3 refuses it: 412 (``ObjectChangedError``) when the object exists under
+        ``If-None-Match: *`` or has another ETag than ``if_match``; 404 when ``if_match`` names an
+        absent object."""
+        check_write_key(key)
+        self.stats.requests += 1
+        self.stats.put_requests += 1
+        data = await asyncio.to_thread(read, 0, size) if size else b""
+        current = self._objects.get(key)
+        if if_none_match and current is not None:
+            raise ObjectChangedError(f"put {key!r}: the object exists (If-None-Match)")
+        if if_match is not None:
+            if current is None:
+                raise ObjectNotFoundError(f"put {key!r}: no such object (If-Match)")
+            if current.info.etag != if_match:
+                raise ObjectChangedError(f"put {key!r}: ETag is {current.info.etag}, not {if_match}")
+        self.stats.bytes_written += len(data)
+        return self.put_object(key, data)
+
+    async def delete_if(self, key: str, if_match: str) -> None:
+        check_write_key(key)
+        self.stats.requests += 1
+        self.stats.delete_requests += 1
+        await asyncio.sleep(0)
+        current = self._objects.get(key)
+        if current is None:
+            raise ObjectNotFoundError(f"delete {key!r}: no such object (If-Match)")
+        if current.info.etag != if_match:
+            raise ObjectChangedError(f"delete {key!r}: ETag is {current.info.etag}, not {if_match}")
+        self._objects.pop(key, None)
+
     async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
         check_write_key(dst)
         self.stats.requests += 1

@@ -630,7 +630,8 @@ class S3ObjectStore:
         self.stats.bytes_written += size
         return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
 
-    async def _put_multipart(self, key: str, size: int, part_size: int, read: ReadRange) -> Any:
+    async def _put_multipart(self, key: str, size: int, part_size: int, read: ReadRange,
+                             conditions: dict[str, Any] | None = None) -> Any:
         where = self._where(key)
         full = self.prefix + key
         self.stats.put_requests += 1
@@ -665,7 +666,7 @@ class S3ObjectStore:
             parts.sort(key=lambda part: part["PartNumber"])
             self.stats.put_requests += 1
             return await self._call("complete_multipart_upload", op="PUT", where=where, Key=full,
-                                    UploadId=upload_id, MultipartUpload={"Parts": parts})
+                                    UploadId=upload_id, MultipartUpload={"Parts": parts}, **(conditions or {}))
         except BaseException as exc:
             await asyncio.shield(self._abort(full, upload_id, where))
             if isinstance(exc, BaseExceptionGroup):
@@ -686,6 +687,43 @@ class S3ObjectStore:
         check_write_key(key)
         self.stats.delete_requests += 1
         await self._call("delete_object", op="DELETE", where=self._where(key), Key=self.prefix + key)
+
+    # -- conditional writes (tiering.writeback.durable: leases and recovery) --------------------------
+
+    async def put_if(self, key: str, size: int, read: ReadRange, *, if_match: str | None = None,
+                     if_none_match: bool = False) -> ObjectInfo:
+        """``put`` sent with ``If-Match: if_match`` or ``If-None-Match: *`` (on the PutObject, or on
+        the CompleteMultipartUpload of a large object, where S3 evaluates them).
+
+        ``ObjectChangedError`` (412) when the condition fails, ``ObjectNotFoundError`` when
+        ``if_match`` names an object that is gone. AWS S3 and SeaweedFS (4.x, PUT and multipart
+        completion) evaluate both; a server that ignores them would make this an unconditional put
+        (see ``tiering.writeback.durable`` on the read-back check that narrows that case).
+        """
+        check_write_key(key)
+        where = self._where(key)
+        conditions: dict[str, Any] = {}
+        if if_match is not None:
+            conditions["IfMatch"] = if_match
+        if if_none_match:
+            conditions["IfNoneMatch"] = "*"
+        part_size = self._part_size_for(size)
+        if size <= part_size:
+            async with self._upload_slots:
+                data = await self._read(read, 0, size, where)
+                self.stats.put_requests += 1
+                response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=data,
+                                            **conditions)
+        else:
+            response = await self._put_multipart(key, size, part_size, read, conditions)
+        self.stats.bytes_written += size
+        return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
+
+    async def delete_if(self, key: str, if_match: str) -> None:
+        """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag."""
+        check_write_key(key)
+        self.stats.delete_requests += 1
+        await self._call("delete_object", op="DELETE", where=self._where(key), Key=self.prefix + key, IfMatch=if_match)
 
     async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
         check_write_key(dst)

@@ -5,6 +5,8 @@
 ``markers``    directory semantics: mkdir/rmdir/ensure_dir markers and their ordering rules.
 ``uploader``   ``Uploader`` and ``Barriers``: scheduling, per-key order, retries, flush barriers.
 ``records``    ``Records``: the journal's acknowledgements on disk (``journal`` is their format).
+``durable``    ``DurableJournal``: with --write-durability cluster, the journal's copy in the cluster store.
+``recovery``   ``recover_prefix``: a lost writer's copy replayed into the source (``cachefs recover``).
 ``datafiles``  ``DataFiles``: staged data files, their space, copy-in and copy-on-write.
 ``files``      ``StagedFiles``: the live staged files by key, disposal, unloading, promotion.
 ``space``      ``StagingSpace``: reservations in the budget and writers' back-pressure.

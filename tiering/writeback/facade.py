@@ -87,13 +87,14 @@ from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth
 from tiering.writeback.datafiles import DataFiles
+from tiering.writeback.durable import DurableJournal
 from tiering.writeback.files import StagedFiles, read_range
 from tiering.writeback.events import KeyLocks, describe, wait_event
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, pread_exact
 from tiering.writeback.markers import Directories, MarkerOrder
 from tiering.writeback.pending import MISSING, STAGED_ETAG, Entry, PendingIndex, staged_info
 from tiering.writeback.records import Records
-from tiering.writeback.report import entry_status, stats_document
+from tiering.writeback.report import backlog_text, entry_status, stats_document
 from tiering.writeback.settings import WriteBackSettings
 from tiering.writeback.space import StagingSpace
 from tiering.writeback.staged import Acked, StagedFile
@@ -139,6 +140,7 @@ class WriteBack:
         wall: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         health: StoreHealth | None = None,
+        durable: DurableJournal | None = None,  # --write-durability cluster (``records``, ``durable``)
     ) -> None:
         self.settings = settings
         self.staging = StagingDir(staging_root)
@@ -157,8 +159,9 @@ class WriteBack:
         self.order = MarkerOrder(self.index)
         self.space = StagingSpace(
             budget, self.stats, eager_fraction=eager_fraction, space_wait_s=lambda: self.settings.space_wait_s,
-            wake=lambda: self.uploader.wake(), on_full=lambda: self.files.unload_clean(), backlog=self._backlog)
-        self.records = Records(self.staging, self.space)
+            wake=lambda: self.uploader.wake(), on_full=lambda: self.files.unload_clean(),
+            backlog=lambda: backlog_text(self.index, self.uploader))
+        self.records = Records(self.staging, self.space, durable)
         self.datafiles = DataFiles(self.staging, self.space, cache, self.stats, self._spawn)
         self.files = StagedFiles(self.index, self.datafiles, cache, self.stats, lambda: self.space.waiters)
         self.uploader = Uploader(
@@ -170,7 +173,7 @@ class WriteBack:
     # ================================================================== life cycle
     async def start(self) -> None:
         """Replay the journal (before the mount: what it finds is visible and queued) and start uploading."""
-        scan = await asyncio.to_thread(self.staging.scan)
+        scan = await self.records.replay()  # the scan (and the journal's copy in the cluster store, if any)
         now = self.clock.monotonic()
         files = deletes = markers = 0
         staged_bytes = 0
@@ -219,6 +222,7 @@ class WriteBack:
         await self.uploader.stop()
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self.records.close_durable(drained=not self.index.journaled())
         self.datafiles.close_all()
         pending = self.index.journaled()
         if pending:
@@ -256,9 +260,10 @@ class WriteBack:
             return existing
         sf = StagedFile(key, size=base.size, mtime=self.wall(), may_exist=True, base=base)
         self.files.add(sf)
+        self.records.note_base(key, base.etag)
         return sf
 
-    async def create(self, key: str, *, may_exist: bool) -> StagedFile:
+    async def create(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> StagedFile:
         """A new, empty staged file at ``key`` (creat, or O_TRUNC of a file in the store)."""
         old = self.files.get(key)
         if old is not None:
@@ -270,6 +275,7 @@ class WriteBack:
             return old
         async with self._locks.hold(key):
             entry = self.index.get(key)
+            self.records.note_base(key, base_etag if entry is None else None)
             may = (may_exist or self.uploader.busy(key)
                    or (entry is not None and (entry.op == DELETE or entry.may_exist)))
             df = await self.datafiles.new(0)
@@ -378,11 +384,12 @@ class WriteBack:
                 self.files.maybe_dispose(sf)
 
     # ================================================================== namespace operations
-    async def remove(self, key: str, *, may_exist: bool) -> None:
+    async def remove(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> None:
         """unlink: the key is deleted in the store (if it may be there) and its staged data dropped."""
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
             entry = self.index.get(key)
+            self.records.note_base(key, base_etag if sf is None and entry is None else None)
             # Nothing staged or pending: the file is clean, so the store has it (whatever the caller saw
             # before an upload landed). Otherwise: whether an upload may have started, ever.
             may = (may_exist or self.uploader.busy(key) or (sf is None and entry is None)
@@ -505,19 +512,16 @@ class WriteBack:
         entry = self.index.get(key)
         if entry is None:
             return None
-        return entry_status(entry, self.uploader, wall_now=self.wall(), now=self.clock.monotonic())
+        return entry_status(entry, self.uploader, wall_now=self.wall(), now=self.clock.monotonic(),
+                            durable_in=self.records.durable_in(key))
 
     def pending(self, prefix: str = "") -> list[dict[str, Any]]:
         return [s for k in sorted(self.index.keys()) if k.startswith(prefix) and (s := self.status(k)) is not None]
 
     def stats_snapshot(self) -> dict[str, Any]:
         return stats_document(self.stats, self.index.values(), self.files, self.space, self.uploader, wall_now=self.wall(),
-                              now=self.clock.monotonic(), write_through=self.settings.write_through)
-
-    def _backlog(self) -> str:
-        """For the ENOSPC message: what is waiting for the store."""
-        down = ", the store is unreachable" if self.uploader.store_failures else ""
-        return f"{self.index.journaled()} operations pending{down}"
+                              now=self.clock.monotonic(), write_through=self.settings.write_through,
+                              durable=self.records.durable_snapshot())
 
     def poke(self) -> None:
         """Re-evaluate what is due now (after a clock jump in tests, or a store known to be back)."""
@@ -664,6 +668,7 @@ class WriteBack:
 
     # ================================================================== what the uploader calls back
     async def _perform(self, entry: Entry) -> ObjectInfo | None:
+        self.records.check_may_upload()  # a writer whose cluster journal was taken over uploads nothing
         if entry.op == DELETE:
             await self.store.delete(entry.key)
             return None
@@ -684,15 +689,11 @@ class WriteBack:
     async def _applied(self, entry: Entry, seq: int, info: ObjectInfo | None) -> None:
         key = entry.key
         async with self._locks.hold(key):
-            if entry.op == DELETE:
-                self.stats.deletes += 1
-            elif entry.sf is None:
-                self.stats.markers += 1
-            else:
-                self.stats.uploads += 1
-                self.stats.bytes_uploaded += info.size if info is not None else 0
+            self.stats.count_applied(deleted=entry.op == DELETE, marker=entry.sf is None,
+                                     uploaded_bytes=info.size if info is not None else 0)
             if entry.attempts:
                 log.info("write-back: %s %r succeeded after %d failed attempts", entry.op, key, entry.attempts)
+            await self.records.uploaded(key, seq, info)
             if self.index.get(key) is entry and entry.seq == seq:
                 # Durably: the data file it names may be modified in place or removed from now on.
                 await self.records.remove(key, durable=True)

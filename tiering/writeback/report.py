@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from tiering.writeback.journal import DELETE, PUT
-from tiering.writeback.pending import Entry
+from tiering.writeback.pending import Entry, PendingIndex
 from tiering.writeback.space import StagingSpace
 from tiering.writeback.staged import StagedFile
 from tiering.writeback.stats import WriteBackStats
@@ -19,7 +19,8 @@ STORE_OK, STORE_UNREACHABLE = "ok", "unreachable"
 STORE_STATES = (STORE_OK, STORE_UNREACHABLE)
 
 
-def entry_status(entry: Entry, uploader: Uploader, *, wall_now: float, now: float) -> dict[str, Any]:
+def entry_status(entry: Entry, uploader: Uploader, *, wall_now: float, now: float,
+                 durable_in: str = "local") -> dict[str, Any]:
     """The durability stage of one pending operation, with its attempts, error and next attempt."""
     if entry.in_flight:
         stage = DELETING if entry.op == DELETE else UPLOADING
@@ -40,6 +41,8 @@ def entry_status(entry: Entry, uploader: Uploader, *, wall_now: float, now: floa
     }
     if entry.last_error is None and uploader.store_failures and entry.seq is not None:
         out["last_error"] = f"waiting: the object store is unreachable ({uploader.store_error})"
+    if entry.seq is not None:  # acknowledged: where it is durable (local disk; also the cluster store)
+        out["durable_in"] = durable_in
     if entry.sf is not None:
         out["size"] = entry.sf.size
         out["unsynced"] = entry.sf.unacked
@@ -52,7 +55,8 @@ def entry_status(entry: Entry, uploader: Uploader, *, wall_now: float, now: floa
 
 
 def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[StagedFile], space: StagingSpace,
-                   uploader: Uploader, *, wall_now: float, now: float, write_through: bool) -> dict[str, Any]:
+                   uploader: Uploader, *, wall_now: float, now: float, write_through: bool,
+                   durable: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``writeback`` section of ``/stats``."""
     staged = [e for e in entries if e.op == PUT and e.sf is not None]
     oldest = min((e.since for e in entries), default=None)
@@ -89,4 +93,12 @@ def stats_document(s: WriteBackStats, entries: list[Entry], files: Iterable[Stag
         "quarantined": s.quarantined,
         "reverted_files": s.reverted,
         "write_through": write_through,
+        "durability": "cluster" if durable is not None else "local",
+        **({"cluster_journal": durable} if durable is not None else {}),
     }
+
+
+def backlog_text(index: PendingIndex, uploader: Uploader) -> str:
+    """For the ENOSPC message: what is waiting for the store."""
+    down = ", the store is unreachable" if uploader.store_failures else ""
+    return f"{index.journaled()} operations pending{down}"

@@ -85,6 +85,18 @@ WRITE_BEHIND_BYTES = 16 * MiB
 MATERIALIZE_WINDOW = 4
 
 
+# Write durability (``tiering.writeback.durable``): ``local`` acknowledges a write once it is on the
+# node's disk; ``cluster`` also once it is in the cluster store, so that the loss of the node loses
+# nothing acknowledged.
+DURABILITY_LOCAL, DURABILITY_CLUSTER = "local", "cluster"
+DURABILITIES = (DURABILITY_LOCAL, DURABILITY_CLUSTER)
+# Lease of a writer's journal in the cluster store: see ``tiering.writeback.durable`` for the reason
+# of a minute. Bounds: a lease renewed more than once a second would be most of the store traffic of
+# an idle mount; one over an hour leaves a lost node's writes unrecovered for too long.
+DEFAULT_LEASE_TTL_S = 60.0
+MIN_LEASE_TTL_S, MAX_LEASE_TTL_S = 2.0, 3600.0
+
+
 @dataclass(frozen=True)
 class WriteBackSettings:
     upload_delay_s: float = DEFAULT_UPLOAD_DELAY_S
@@ -97,6 +109,8 @@ class WriteBackSettings:
     upload_max_delay_s: float | None = None
     # How long stopping goes on uploading before the daemon exits (see DEFAULT_STOP_TIMEOUT_S).
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    durability: str = DURABILITY_LOCAL
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
 
     def __post_init__(self) -> None:
         if not 0 <= self.upload_delay_s <= 3600:
@@ -113,6 +127,10 @@ class WriteBackSettings:
                                  f"upload delay ({self.upload_delay_s:g} s)")
         if not 0 <= self.stop_timeout_s <= 86400:
             raise ValueError("stop timeout must be between 0 and 86400 seconds")
+        if self.durability not in DURABILITIES:
+            raise ValueError(f"write durability must be one of {', '.join(DURABILITIES)}, got {self.durability!r}")
+        if not MIN_LEASE_TTL_S <= self.lease_ttl_s <= MAX_LEASE_TTL_S:
+            raise ValueError(f"write-lease-ttl must be between {MIN_LEASE_TTL_S:g} and {MAX_LEASE_TTL_S:g} seconds")
 
     @property
     def max_delay_s(self) -> float:

@@ -20,3 +20,13 @@ class WriteBackStats:
     replayed: int = 0
     quarantined: int = 0
     reverted: int = 0  # files whose writer left after acknowledging failed: back to their last acknowledged state
+
+    def count_applied(self, *, deleted: bool, marker: bool, uploaded_bytes: int) -> None:
+        """One operation reached the store: a delete, a directory marker, or an upload of this size."""
+        if deleted:
+            self.deletes += 1
+        elif marker:
+            self.markers += 1
+        else:
+            self.uploads += 1
+            self.bytes_uploaded += uploaded_bytes
