@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.checksum import crc32
 
 MAGIC = b"CFSB"
@@ -49,12 +49,12 @@ def encode_token(key: BlockKey) -> bytes:
     return key.token().encode("utf-8", "surrogateescape")
 
 
-def encode_header(key: BlockKey, data: bytes) -> bytes:
+def encode_header(key: BlockKey, data: BlockData) -> bytes:
     """The header of the block file holding ``data`` for ``key`` (see the module docstring)."""
     return frame_header(encode_token(key), data)
 
 
-def frame_header(token: bytes, data: bytes | memoryview) -> bytes:
+def frame_header(token: bytes, data: BlockData | memoryview) -> bytes:
     """The header framing ``data`` under the identity ``token`` (format in the module docstring)."""
     fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(token), len(data), crc32(data))
     return fixed + token + _HEADER_CRC.pack(crc32(token, crc32(fixed)))

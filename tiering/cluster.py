@@ -50,7 +50,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
@@ -111,14 +111,14 @@ class ClusterTier:
     async def _call(self, make: Callable[[], Awaitable[Any]], what: str) -> Any:
         return await self.health.call(make, self.timeout_s, f"cluster tier: {what}")
 
-    async def get(self, key: BlockKey, length: int) -> bytes | None:
+    async def get(self, key: BlockKey, length: int) -> BlockData | None:
         token, name = self._locate(key)
         if not self.health.reachable:
             self.stats.skipped += 1
             self.health.maybe_probe()
             return None
         try:
-            async def fetch() -> bytes | None:
+            async def fetch() -> BlockData | None:
                 info = await self.store.head(name)
                 if info.size != header_size(token) + length:
                     raise CorruptBlockError(f"object is {info.size} bytes, expected {header_size(token) + length}")
@@ -145,7 +145,7 @@ class ClusterTier:
         self.stats.hit_bytes += len(data)
         return data
 
-    async def put(self, key: BlockKey, data: bytes) -> bool:
+    async def put(self, key: BlockKey, data: BlockData) -> bool:
         if not self.health.reachable:
             self.health.maybe_probe()
             return False
@@ -206,7 +206,7 @@ class InMemoryClusterTier:
         self.blocks: dict[BlockKey, bytes] = {}
         self.failing = False
 
-    async def get(self, key: BlockKey, length: int) -> bytes | None:
+    async def get(self, key: BlockKey, length: int) -> BlockData | None:
         await asyncio.sleep(0)
         if self.failing:
             self.stats.errors += 1
@@ -220,7 +220,7 @@ class InMemoryClusterTier:
         self.stats.hit_bytes += len(data)
         return data
 
-    async def put(self, key: BlockKey, data: bytes) -> bool:
+    async def put(self, key: BlockKey, data: BlockData) -> bool:
         await asyncio.sleep(0)
         if self.failing:
             self.stats.errors += 1
@@ -265,7 +265,7 @@ class WriteBehind:
         self.max_bytes = max_bytes
         self.workers = workers
         self.stats = WriteBehindStats()
-        self._queue: collections.deque[tuple[BlockKey, bytes]] = collections.deque()
+        self._queue: collections.deque[tuple[BlockKey, BlockData]] = collections.deque()
         self._pending = set[BlockKey]()
         self._bytes = 0  # queued and uploading
         self._uploading = 0
@@ -280,7 +280,7 @@ class WriteBehind:
     def queued_bytes(self) -> int:
         return self._bytes
 
-    def offer(self, key: BlockKey, data: bytes) -> bool:
+    def offer(self, key: BlockKey, data: BlockData) -> bool:
         """Queue ``data`` for upload; False (counted as dropped) when the queue is full."""
         if key in self._pending:
             return True

@@ -131,7 +131,7 @@ from tiering.blockformat import (
     header_size,
     object_footprint,
 )
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.protocols import TierStats, VictimOrder
@@ -251,7 +251,7 @@ class DiskTier:
 
     # -- BlockTier ------------------------------------------------------------------------------
 
-    def get(self, key: BlockKey) -> bytes | None:
+    def get(self, key: BlockKey) -> BlockData | None:
         digest = key.digest()
         with self._lock:
             entry = self._index.get(digest)
@@ -313,7 +313,7 @@ class DiskTier:
             self.stats.misses += 1
             return True
 
-    def put(self, key: BlockKey, data: bytes) -> bool:
+    def put(self, key: BlockKey, data: BlockData) -> bool:
         digest = key.digest()
         header = encode_header(key, data)
         size = len(header) + len(data)
@@ -625,16 +625,28 @@ class DiskTier:
             self.health.record_failure(exc)
 
     @staticmethod
-    def _write_file(tmp: Path, final: Path, header: bytes, data: bytes) -> None:
+    def _write_file(tmp: Path, final: Path, header: bytes, data: BlockData) -> None:
+        """Header and data in one ``writev`` from the block's own buffer: one copy (into the page
+        cache), no Python-level buffering, called from a worker thread (the GIL is released in the
+        system call)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            f = open(tmp, "xb")
+            fd = os.open(tmp, flags, 0o600)
         except FileNotFoundError:
             # Prefix directories are made on first use (and again if someone removed them).
             os.makedirs(tmp.parent, exist_ok=True)
-            f = open(tmp, "xb")
-        with f:
-            f.write(header)
-            f.write(data)
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            parts = [memoryview(header), memoryview(data)]
+            while parts:
+                written = os.writev(fd, parts)
+                while parts and written >= len(parts[0]):
+                    written -= len(parts[0])
+                    parts.pop(0)
+                if parts and written:
+                    parts[0] = parts[0][written:]
+        finally:
+            os.close(fd)
         os.replace(tmp, final)
 
     @staticmethod

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.health import TierHealth
 
 
@@ -99,7 +99,7 @@ class BlockTier(Protocol):
     capacity_bytes: int
     stats: TierStats
 
-    def get(self, key: BlockKey) -> bytes | None:
+    def get(self, key: BlockKey) -> BlockData | None:
         """The block's bytes, or None on a miss. Counts a hit or a miss and refreshes recency."""
 
     def contains(self, key: BlockKey) -> bool:
@@ -111,7 +111,7 @@ class BlockTier(Protocol):
         No I/O: the engine asks on the event loop, so a miss costs no trip to a worker thread.
         """
 
-    def put(self, key: BlockKey, data: bytes) -> bool:
+    def put(self, key: BlockKey, data: BlockData) -> bool:
         """Store a block, evicting least-recently-used clean blocks to make room.
 
         Returns False (and stores nothing) when the block cannot fit even after eviction.
@@ -197,10 +197,10 @@ class ClusterBlockTier(Protocol):
     name: str
     stats: ClusterTierStats
 
-    async def get(self, key: BlockKey, length: int) -> bytes | None:
+    async def get(self, key: BlockKey, length: int) -> BlockData | None:
         """The block's ``length`` bytes, or None (a miss: absent, corrupt, foreign, failing store)."""
 
-    async def put(self, key: BlockKey, data: bytes) -> bool:
+    async def put(self, key: BlockKey, data: BlockData) -> bool:
         """Store the block (replacing whatever was there); False if the store failed."""
 
     async def contains(self, key: BlockKey) -> bool:
@@ -277,8 +277,11 @@ class ObjectStore(Protocol):
     async def head(self, key: str) -> ObjectInfo:
         """Metadata of one object; ``ObjectNotFoundError`` if absent."""
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
         """Bytes ``[start, end)`` of the object, only if its ETag is still ``etag``.
+
+        A ``bytearray`` where the store received the range in place (S3): the caller may keep it
+        and must not write to it.
 
         Raises ``ObjectChangedError`` if the object now has another ETag, ``ObjectNotFoundError`` if
         it is gone, ``ObjectStoreUnavailableError`` on timeouts and connection failures.

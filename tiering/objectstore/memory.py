@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from tiering.blocks import BlockData
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError
 from tiering.objectstore.keys import (
     MAX_KEY_BYTES,
@@ -260,7 +261,7 @@ class FailingObjectStore:
         await self._before(self.fail_heads, f"head {key!r}")
         return await self.inner.head(key)
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
         if self.on_get is not None:
             self.on_get(key, start, end)
         await self._before(self.fail_gets, f"get {key!r} [{start}, {end})")

@@ -1,0 +1,278 @@
+"""Ranged GETs received off the event loop, straight into one buffer per block.
+
+Why. A cold read used to receive every block on the event loop that also answers FUSE: aiohttp
+reads the socket in 64-256 KiB pieces, one loop callback and one ``bytes`` copy each, then joins the
+pieces (a second copy). Profiled on a cold read of 256 MiB from SeaweedFS on 127.0.0.1
+(``benchmarks/dataplane.py``), that receiving was most of the loop thread's samples, and the loop
+thread was the daemon's busiest at 1.3-3.5 CPU-s per GiB, while eight plain boto3 threads fetched the
+same object at 0.45-0.5 CPU-s/GiB. docs/dataplane.md has the figures.
+
+How. ``RangedGetter.get`` hands one request to a worker thread of its own pool and awaits it. The
+thread sends the GET on a keep-alive ``http.client`` connection it owns (one per thread and origin:
+the pool of threads is the pool of connections, nothing is shared, no lock), maps one buffer of
+exactly the range's length (``allocate_block``) and reads the body into it with ``readinto``, which
+goes from the socket to that buffer through ``recv_into`` with the GIL released. That is one copy
+per byte (kernel to the block's buffer) and no Python work per piece beyond one call; the loop does
+one hop to the pool and one back per block. The buffer is handed to the caller, as a read-only
+``memoryview``, only when it is full: a request that fails or is cancelled drops it, so nothing can
+see a partial block.
+
+Why a fresh anonymous mapping per block (``mmap`` with ``MAP_POPULATE``) and not ``bytearray``: a
+cold read keeps every block it fetches (the RAM tier), so each one is new memory, and new memory
+costs page faults whatever allocates it. ``bytearray(n)`` takes those faults and zero-fills under
+the GIL: measured on this 2-core VM, 3.4 ms per 8 MiB block that is kept (0.43 CPU-s/GiB, the
+heaviest line of the GIL profile of a cold read, 23% of its samples). ``MAP_POPULATE`` makes the
+kernel fault the whole mapping in one ``mmap`` call, which CPython makes with the GIL released:
+2.6 ms per block, in the worker thread, off the GIL. And a mapping goes back to the system the moment
+its last view is dropped (an eviction), so the daemon's RSS follows the RAM tier, with none of the
+heap fragmentation that freed 8 MiB ``bytearray``s leave behind.
+
+Why ``http.client`` under a thread pool, not urllib3, aiohttp or obstore: urllib3's ``readinto`` reads
+into a temporary ``bytes`` and copies it over (a second copy per byte, with the GIL held); aiohttp
+receives on the loop (the cost above); obstore (Rust, GIL released) measured 716-924 MB/s against
+901-1,061 for threaded boto3 on the same server (issue 25), needs its own credential plumbing and
+would replace the error classification this store already has. The request is a presigned URL the
+S3 store signs (``tiering.objectstore.s3presign``), so nothing here knows about credentials.
+
+What it refuses. Redirects are never followed (``http.client`` does not, and a 3xx is returned as a
+status for the store to fall back on): a presigned URL carries a signature, and following a
+redirect would hand it, or the request, to another origin. Only the exact status, length and ETag
+the caller can use are taken; anything else is an answer the caller repeats through botocore.
+URLs (they hold the signature and any session token) are never logged or put in a message.
+
+Deadlines. Each connection has the connect timeout for connecting and the read timeout for every
+socket read after, as botocore's; a caller that stops waiting (its deadline, a cancelled read) sets
+the request's ``cancelled`` flag, and the thread stops at its next read and closes the connection,
+so an abandoned request holds neither a thread nor a buffer for longer than one socket read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import logging
+import mmap
+import socket
+import ssl
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Mapping
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+# A private anonymous mapping, populated by the mmap call itself (Linux); elsewhere faulted on use.
+_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+# Bodies above this are received with MSG_WAITALL (_receive_waitall); smaller ones arrive in one or
+# two socket reads anyway. Above http.client's 8 KiB read buffer, so readinto1 never leaves bytes in it.
+WAITALL_MIN_BYTES = 256 * 1024
+# Bytes of an error answer's body read (and dropped) to keep its connection for the next request; a
+# longer (or unknown-length) body closes the connection instead. S3 error documents are < 1 KiB.
+MAX_DRAIN_BYTES = 64 * 1024
+# A request on a kept-alive connection that the server closed meanwhile fails before any answer
+# (RemoteDisconnected, a reset): it is sent once more, on a new connection, as botocore does.
+STALE_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
+)
+
+
+@dataclass
+class RangeAnswer:
+    """What the server answered: its status and ETag header, and the body when it was the range asked
+    for (200/206 with exactly ``length`` bytes), else None."""
+
+    status: int
+    etag: str | None
+    data: memoryview | None
+
+
+@dataclass
+class _Request:
+    url: str
+    headers: Mapping[str, str]
+    length: int
+    cancelled: bool = False  # set by the awaiting caller when it stops waiting
+
+
+@dataclass
+class _Connections:
+    """The connections of one worker thread, by origin."""
+
+    by_origin: dict[tuple[str, str, int], http.client.HTTPConnection] = field(default_factory=dict)
+
+
+def allocate_block(length: int) -> memoryview:
+    """A writable buffer of ``length`` bytes, faulted in at once, off the GIL (module docstring)."""
+    if length == 0:
+        return memoryview(bytearray())
+    return memoryview(mmap.mmap(-1, length, flags=_MAP_FLAGS))
+
+
+class RequestAbandoned(Exception):
+    """The caller stopped waiting; the thread dropped the request (internal)."""
+
+
+class RangedGetter:
+    """A pool of ``threads`` worker threads, each with its own keep-alive connections."""
+
+    def __init__(self, *, threads: int, connect_timeout_s: float, read_timeout_s: float,
+                 ca_bundle: str | None = None, name: str = "cachefs-get") -> None:
+        if threads < 1:
+            raise ValueError("a ranged GET pool needs at least one thread")
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._ca_bundle = ca_bundle
+        self._tls: ssl.SSLContext | None = None
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[_Connections] = []  # every thread's, for close()
+        self._closed = False
+
+    async def get(self, url: str, headers: Mapping[str, str], length: int) -> RangeAnswer:
+        """GET ``url`` with ``headers`` in a worker thread; raises ``OSError``/``http.client`` errors."""
+        request = _Request(url, headers, length)
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._run, request)
+        try:
+            return await future
+        except BaseException:
+            request.cancelled = True  # the thread stops at its next read and drops the buffer
+            raise
+
+    def close(self) -> None:
+        """Stop taking requests and close every idle connection (running requests end by themselves)."""
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            groups, self._all = self._all, []
+        for group in groups:
+            for conn in list(group.by_origin.values()):
+                conn.close()
+            group.by_origin.clear()
+
+    # -- in a worker thread -------------------------------------------------------------------------
+
+    def _connections(self) -> _Connections:
+        mine = getattr(self._local, "connections", None)
+        if mine is None:
+            mine = self._local.connections = _Connections()
+            with self._lock:
+                self._all.append(mine)
+        return mine
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context(cafile=self._ca_bundle)
+        return self._tls
+
+    def _connect(self, scheme: str, host: str, port: int) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection
+        if scheme == "https":
+            conn = http.client.HTTPSConnection(host, port, timeout=self.connect_timeout_s,
+                                               context=self._tls_context())
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=self.connect_timeout_s)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(self.read_timeout_s)
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # For the blocking MSG_WAITALL receive (_receive_waitall): the kernel's own read timeout.
+        seconds = int(self.read_timeout_s)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                             struct.pack("ll", seconds, int((self.read_timeout_s - seconds) * 1e6)))
+        return conn
+
+    def _run(self, request: _Request) -> RangeAnswer:
+        if self._closed or request.cancelled:
+            raise RequestAbandoned()
+        parts = urlsplit(request.url)
+        scheme = parts.scheme
+        host = parts.hostname or ""
+        port = parts.port or (443 if scheme == "https" else 80)
+        origin = (scheme, host, port)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        group = self._connections()
+        for attempt in range(2):
+            conn = group.by_origin.pop(origin, None)
+            reused = conn is not None
+            if conn is None:
+                conn = self._connect(scheme, host, port)
+            try:
+                conn.request("GET", target, headers=dict(request.headers))
+                response = conn.getresponse()
+            except STALE_CONNECTION_ERRORS:
+                conn.close()
+                if reused and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            try:
+                answer, keep = self._receive(response, conn.sock, request)
+            except BaseException:
+                conn.close()
+                raise
+            if keep and not self._closed:
+                group.by_origin[origin] = conn
+            else:
+                conn.close()
+            return answer
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _receive(self, response: http.client.HTTPResponse, sock: socket.socket | None,
+                 request: _Request) -> tuple[RangeAnswer, bool]:
+        """The answer, and whether the connection can carry the next request."""
+        status = response.status
+        etag = response.getheader("ETag")
+        length = response.length  # None: no Content-Length (chunked or until close)
+        if status in (200, 206) and length == request.length:
+            view = allocate_block(request.length)
+            got = 0
+            if request.length > WAITALL_MIN_BYTES and sock is not None and not isinstance(sock, ssl.SSLSocket):
+                got = self._receive_waitall(response, sock, view, request)
+            while got < request.length:
+                if request.cancelled:
+                    raise RequestAbandoned()
+                n = response.readinto(view[got:])
+                if not n:
+                    raise http.client.IncompleteRead(b"", request.length - got)
+                got += n
+            return RangeAnswer(status, etag, view.toreadonly()), not response.will_close
+        if length is not None and length <= MAX_DRAIN_BYTES:
+            response.read()
+            return RangeAnswer(status, etag, None), not response.will_close
+        return RangeAnswer(status, etag, None), False
+
+    def _receive_waitall(self, response: http.client.HTTPResponse, sock: socket.socket, view: memoryview,
+                         request: _Request) -> int:
+        """Receive the whole body into ``view`` in as few ``recv`` calls as the kernel allows.
+
+        What ``http.client`` buffered with the headers comes first (``readinto1`` copies it and reads
+        nothing more, or, with nothing buffered, makes one read straight into ``view``); the rest
+        comes from the socket with ``MSG_WAITALL`` on a blocking socket, so one call (one release
+        and one re-take of the GIL) receives what would otherwise take one call per socket buffer,
+        a hundred or more per 8 MiB. ``SO_RCVTIMEO`` (set at connect) bounds each call by the read
+        timeout, as the socket timeout bounds ``http.client``'s own reads. The response is then
+        complete and closed, and the connection goes on to the next request.
+        """
+        assert response.fp is not None
+        got = response.fp.readinto1(view)
+        if not got:
+            raise http.client.IncompleteRead(b"", request.length)
+        sock.settimeout(None)
+        try:
+            while got < request.length:
+                if request.cancelled:
+                    raise RequestAbandoned()
+                n = sock.recv_into(view[got:], request.length - got, socket.MSG_WAITALL)
+                if not n:
+                    raise http.client.IncompleteRead(b"", request.length - got)
+                got += n
+        finally:
+            sock.settimeout(self.read_timeout_s)
+        response.length = 0
+        response.close()  # the file object only: the connection's socket stays open
+        return got
