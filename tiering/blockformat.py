@@ -94,22 +94,24 @@ def check_header_token(fixed: bytes, rest: bytes, token: bytes) -> None:
         raise CorruptBlockError("block belongs to another key")
 
 
-def check_data(data: bytes, data_len: int, data_crc: int) -> None:
+def check_data(data: BlockData, data_len: int, data_crc: int) -> None:
     if len(data) != data_len:
         raise CorruptBlockError("truncated data")
     if crc32(data) != data_crc:
         raise CorruptBlockError("data checksum mismatch")
 
 
-def decode_block(blob: bytes, token: bytes) -> bytes:
+def decode_block(blob: BlockData, token: bytes) -> BlockData:
     """The data of a framed block held whole in memory (an object of the cluster tier), checked as a
-    block file is; ``CorruptBlockError`` on any failed check."""
-    data_len, data_crc = check_fixed_header(blob[: _FIXED.size], token)
+    block file is; ``CorruptBlockError`` on any failed check. The data is a view of ``blob``, not a
+    copy."""
     head = header_size(token)
-    check_header_token(blob[: _FIXED.size], blob[_FIXED.size : head], token)
+    fixed = bytes(blob[: _FIXED.size])
+    data_len, data_crc = check_fixed_header(fixed, token)
+    check_header_token(fixed, bytes(blob[_FIXED.size : head]), token)
     if len(blob) != head + data_len:
         raise CorruptBlockError(f"block is {len(blob)} bytes, header says {head + data_len}")
-    data = blob[head:]
+    data = memoryview(blob)[head:].toreadonly()
     check_data(data, data_len, data_crc)
     return data
 

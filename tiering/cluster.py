@@ -19,10 +19,14 @@ foreign writer's object, a truncated or bit-flipped one is a *miss* (counted in
 ``stats.corrupt_blocks``, the object deleted before the miss is answered), never data. The block is then
 fetched from the source and the write-behind replaces the object.
 
-Reads cost a HEAD (the object's size and ETag; a 404 is the cheap miss) and a GET of the whole
-object under ``If-Match`` (the presigned fast path of the S3 store). Both run under one deadline,
-the cluster timeout, which is shorter than the source's fetch timeout: a slow cluster store must
-leave the reader time to go to the source.
+A read is one request: a GET of the framed block's exact length (the header's size is known from
+the token, the data's from the block's range) on whatever version of the object is current
+(``ANY_VERSION``: the object carries its own identity and checksums, so there is no ETag to learn
+first, and one GET sees one version, never a mix). A 404 is the cheap miss; an object shorter than
+the frame is a corrupt one. Bytes past the frame, if a foreign writer left any, are not read: the
+frame's token and checksums decide. It runs under the cluster timeout, which is shorter than the
+source's fetch timeout: a slow cluster store must leave the reader time to go to the source. It
+was a HEAD then a GET under ``If-Match``: two round trips per hit.
 
 Health. The tier has its own ``StoreHealth`` circuit (the one the source uses, a second instance,
 probing with the cluster store's ``check()``): a timeout or connection failure opens it, and while
@@ -54,7 +58,7 @@ from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
-from tiering.protocols import ClusterBlockTier, ClusterTierStats, ObjectStore
+from tiering.protocols import ANY_VERSION, ClusterBlockTier, ClusterTierStats, ObjectStore
 from tiering.settings import (
     DEFAULT_CLUSTER_TIMEOUT_S,
     DEFAULT_WRITE_BEHIND_BLOCKS,
@@ -118,16 +122,13 @@ class ClusterTier:
             self.health.maybe_probe()
             return None
         try:
-            async def fetch() -> BlockData | None:
-                info = await self.store.head(name)
-                if info.size != header_size(token) + length:
-                    raise CorruptBlockError(f"object is {info.size} bytes, expected {header_size(token) + length}")
-                return await self.store.get_range(name, info.etag, 0, info.size)
-
-            blob = await self._call(fetch, f"reading {name}")
+            framed = header_size(token) + length
+            blob = await self._call(lambda: self.store.get_range(name, ANY_VERSION, 0, framed), f"reading {name}")
+            if len(blob) != framed:
+                raise CorruptBlockError(f"object is {len(blob)} bytes, expected {framed}")
             data = decode_block(blob, token)
         except (ObjectNotFoundError, ObjectChangedError):
-            self.stats.misses += 1  # absent, or replaced between the HEAD and the GET
+            self.stats.misses += 1  # absent
             return None
         except CorruptBlockError as exc:
             self.stats.corrupt_blocks += 1

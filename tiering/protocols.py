@@ -26,7 +26,7 @@ feature that silently turns itself off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Final, Iterable, Protocol, runtime_checkable
 
 from tiering.blocks import BlockData, BlockKey
 from tiering.health import TierHealth
@@ -210,6 +210,13 @@ class ClusterBlockTier(Protocol):
         """What ``/stats`` shows beside the counters: ``state`` (healthy or down) and details."""
 
 
+# ``get_range``'s ``etag`` for "whatever version is current": one request, no version check. For
+# readers whose objects carry their own identity and checksum (the cluster tier's framed blocks),
+# which would otherwise pay a HEAD to learn an ETag only to pass it back. ``*`` as in HTTP's
+# ``If-Match: *``; the stores implement it by not sending or checking a version at all.
+ANY_VERSION: Final = "*"
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     """What the store says about one object. ``key`` is relative to the store's root prefix."""
@@ -280,8 +287,8 @@ class ObjectStore(Protocol):
     async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
         """Bytes ``[start, end)`` of the object, only if its ETag is still ``etag``.
 
-        A ``bytearray`` where the store received the range in place (S3): the caller may keep it
-        and must not write to it.
+        A read-only ``memoryview`` where the store received the range in place (S3): the caller
+        may keep it. ``etag`` may be ``ANY_VERSION``: the bytes of the current version, unchecked.
 
         Raises ``ObjectChangedError`` if the object now has another ETag, ``ObjectNotFoundError`` if
         it is gone, ``ObjectStoreUnavailableError`` on timeouts and connection failures.

@@ -52,6 +52,7 @@ import asyncio
 import http.client
 import logging
 import mmap
+import re
 import socket
 import ssl
 import struct
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 
 # A private anonymous mapping, populated by the mmap call itself (Linux); elsewhere faulted on use.
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+# The error code of an S3 error document (<Error><Code>NoSuchKey</Code>...): a code, never the message.
+_ERROR_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 # Bodies above this are received with MSG_WAITALL (_receive_waitall); smaller ones arrive in one or
 # two socket reads anyway. Above http.client's 8 KiB read buffer, so readinto1 never leaves bytes in it.
 WAITALL_MIN_BYTES = 256 * 1024
@@ -86,6 +89,7 @@ class RangeAnswer:
     status: int
     etag: str | None
     data: memoryview | None
+    error_code: str | None = None  # the S3 error document's <Code>, where the body was one
 
 
 @dataclass
@@ -242,8 +246,9 @@ class RangedGetter:
                 got += n
             return RangeAnswer(status, etag, view.toreadonly()), not response.will_close
         if length is not None and length <= MAX_DRAIN_BYTES:
-            response.read()
-            return RangeAnswer(status, etag, None), not response.will_close
+            code = _ERROR_CODE.search(response.read())
+            return (RangeAnswer(status, etag, None, code.group(1).decode("ascii") if code else None),
+                    not response.will_close)
         return RangeAnswer(status, etag, None), False
 
     def _receive_waitall(self, response: http.client.HTTPResponse, sock: socket.socket, view: memoryview,
