@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -185,6 +187,31 @@ def top(path: Path, n: int = 25, thread_name: str = "") -> None:
             print(f"{100 * c / total:5.1f}%  {name}")
 
 
+@contextlib.contextmanager
+def profiled(args: argparse.Namespace, pid: int, phase: str) -> Iterator[None]:
+    """py-spy (``--profile DIR``: ``DIR/<phase>.txt``) and perf (``--perf DIR``: ``DIR/<phase>.data``,
+    kernel and user stacks of every thread) around one phase."""
+    procs = []
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        procs.append(subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-r", "200",
+                                       "--threads", "--gil", "-f", "raw", "-o", str(args.profile / f"{phase}.txt"),
+                                       "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    if args.perf:
+        args.perf.mkdir(parents=True, exist_ok=True)
+        procs.append(subprocess.Popen(["perf", "record", "-q", "-g", "-p", str(pid), "-o",
+                                       str(args.perf / f"{phase}.data")],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    if procs:
+        time.sleep(1.0)
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.send_signal(2)
+            proc.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mib", type=int, default=256)
@@ -194,7 +221,7 @@ def main() -> None:
     parser.add_argument("--file-kib", type=int, default=100)
     parser.add_argument("--ram-cache", default="512MiB")
     parser.add_argument("--profile", type=Path)
-    parser.add_argument("--perf", type=Path, help="perf record (kernel and user) of the loop thread into this file")
+    parser.add_argument("--perf", type=Path, help="perf record (kernel and user stacks) of each phase into this directory")
     parser.add_argument("--top", type=Path)
     parser.add_argument("--thread", default="", help="with --top: only threads whose name contains this")
     args = parser.parse_args()
@@ -217,25 +244,8 @@ def main() -> None:
         results["loadavg cold"] = loadavg()
         mount = Mount("s3://bench", work / "mnt", work / "cache", env, "--ram-cache", args.ram_cache)
         try:
-            spy = None
-            if args.profile:
-                args.profile.mkdir(parents=True, exist_ok=True)
-                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-r", "200",
-                                        "--threads", "--gil", "-f", "raw", "-o", str(args.profile / "cold.txt"),
-                                        "-p", str(mount.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                time.sleep(1.0)
-            perf = None
-            if args.perf:
-                perf = subprocess.Popen(["perf", "record", "-q", "-g", "-t", str(mount.pid), "-o", str(args.perf)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                time.sleep(1.0)
-            cold = measured(mount.pid, lambda: read_seconds(mount.mnt / "big" / "big.bin"), size, mount.mnt)
-            if perf is not None:
-                perf.send_signal(2)
-                perf.wait(30)
-            if spy is not None:
-                spy.send_signal(2)
-                spy.wait(30)
+            with profiled(args, mount.pid, "cold"):
+                cold = measured(mount.pid, lambda: read_seconds(mount.mnt / "big" / "big.bin"), size, mount.mnt)
             cold["peak RSS MiB"] = rss_mib(mount.pid)
             cold["RAM tier"] = args.ram_cache
             results["cold"] = cold
@@ -255,10 +265,12 @@ def main() -> None:
                         f.read()
 
             nbytes = args.files * len(small)
-            c = measured(mount.pid, read_all, nbytes, mount.mnt)
+            with profiled(args, mount.pid, "small-cold"):
+                c = measured(mount.pid, read_all, nbytes, mount.mnt)
             results["small cold"] = {"ms CPU/file": 1000 * c["CPU-s"] / args.files,  # type: ignore[operator]
                                      "files/s": args.files / c["seconds"], "requests": c["requests"], "threads": c["threads"]}  # type: ignore[operator]
-            w = measured(mount.pid, read_all, nbytes, mount.mnt)
+            with profiled(args, mount.pid, "small-warm"):
+                w = measured(mount.pid, read_all, nbytes, mount.mnt)
             results["small warm"] = {"ms CPU/file": 1000 * w["CPU-s"] / args.files,  # type: ignore[operator]
                                      "files/s": args.files / w["seconds"], "requests": w["requests"], "threads": w["threads"]}  # type: ignore[operator]
         finally:
