@@ -163,13 +163,13 @@ async def test_a_failing_store_is_a_miss_and_opens_the_circuit() -> None:
     clock = FakeClock()
     tier = ClusterTier(failing, source_id=SOURCE_ID, block_size=BLOCK_SIZE, timeout_s=1.0, clock=clock)
     assert await tier.put(KEY, DATA)
-    failing.fail_heads = True
+    failing.fail_gets = True  # a lookup is one GET (no HEAD)
     assert await tier.get(KEY, len(DATA)) is None
     assert tier.stats.errors == 1 and not tier.health.reachable
     assert await tier.get(KEY, len(DATA)) is None  # no request while the circuit is open
     assert tier.stats.skipped == 1 and tier.stats.errors == 1
     assert not await tier.put(KEY, DATA)
-    failing.fail_heads = False
+    failing.fail_gets = False
     clock.advance(10)
     tier.health.maybe_probe()
     for _ in range(100):
