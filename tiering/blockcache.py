@@ -54,6 +54,18 @@ offered to the write-behind queue (``WriteBehind``), which uploads it in the bac
 delays the reader. The tier never raises: a failing or slow cluster store is a miss. Warm loads ask
 it too.
 
+Threads and copies (docs/dataplane.md has the measurements)
+-----------------------------------------------------------
+Everything above runs on the event loop that answers FUSE, and it only decides: lookups, the
+single-flight table, fetch slots, futures. Bytes travel elsewhere. A GET is received by a worker
+thread of the S3 store straight into one buffer per block (``tiering.objectstore.rangedget``); that
+buffer, as a read-only view, is what the RAM tier holds, what a FUSE reply slices (no copy, no
+join for a read inside one block) and what the disk tier writes, from a worker thread of asyncio's
+default pool, in one ``writev`` with its CRC-32 computed in C. A byte is copied three times on the
+way: socket to buffer, buffer to the reader's page (the reply), buffer to the disk tier's page
+cache. Blocks are ``bytes`` or read-only ``memoryview``s (``tiering.blocks.BlockData``): futures
+are told apart from blocks by type, never by ``isinstance(x, bytes)``.
+
 Latency: every GET the engine issues is timed with the injected clock into ``latency["get"]``, a
 fixed-bucket ``LatencyHistogram`` that the metrics endpoint exports.
 """
