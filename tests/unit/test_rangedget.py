@@ -204,3 +204,26 @@ async def test_a_caller_that_stops_waiting_frees_the_thread(server: Server, gett
     # Both threads serve new requests: the abandoned one finished (its connection closed, not kept).
     answers = await asyncio.gather(*(getter.get(f"{server.url}/k", ranged(0, 10), 10) for _ in range(4)))
     assert all(a.data == BODY[:10] for a in answers)
+
+
+def test_a_block_buffer_is_used_again_only_when_no_view_of_it_is_alive() -> None:
+    """A reused buffer must never be one a reader, the RAM tier or a disk write still holds."""
+    from tiering.objectstore.rangedget import MAP_MIN_BYTES, BufferPool
+
+    pool = BufferPool(keep_free=1)
+    size = MAP_MIN_BYTES * 2
+    first = pool.take(size)
+    first[:4] = b"AAAA"
+    held = first.toreadonly()[0:4]  # a slice handed out (a FUSE reply, a RAM-tier entry)
+    del first
+    second = pool.take(size)  # the first is still viewed: a new mapping
+    assert pool.mapped == 2 and pool.reused == 0
+    assert held == b"AAAA"
+    del held
+    third = pool.take(size)  # the first is free now: used again
+    assert pool.reused == 1 and pool.mapped == 2
+    third[:4] = b"BBBB"
+    del second, third
+    # Idle buffers beyond keep_free are let go: two idle now, one kept.
+    pool.take(MAP_MIN_BYTES * 3)
+    assert len(pool._mappings) == 2  # the new one and one idle
