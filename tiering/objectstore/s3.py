@@ -102,6 +102,8 @@ log = logging.getLogger(__name__)
 
 # Connection pool: 16 concurrent block fetches (DEFAULT_MAX_CONCURRENT_FETCHES) plus listing and
 # HEAD traffic without queueing behind the pool; botocore's default of 10 would cap the fetches.
+# Ranged GETs go through their own threads (tiering.objectstore.rangedget), half of this: one thread
+# and one connection per block fetch in flight; botocore keeps the other half for everything else.
 DEFAULT_MAX_POOL_CONNECTIONS = 32
 # Attempts per request in botocore's standard mode (first try included): one retry rides out a
 # dropped keep-alive connection, a second a short 503/SlowDown burst; more only delays the error a
@@ -503,7 +505,8 @@ class S3ObjectStore:
 
     def _getter(self) -> RangedGetter:
         if self._ranged is None:
-            self._ranged = RangedGetter(threads=self.max_pool_connections, connect_timeout_s=self.connect_timeout_s,
+            self._ranged = RangedGetter(threads=max(1, self.max_pool_connections // 2),
+                                        connect_timeout_s=self.connect_timeout_s,
                                         read_timeout_s=self.read_timeout_s,
                                         ca_bundle=self._environ.get("AWS_CA_BUNDLE") or None)
         return self._ranged
