@@ -220,6 +220,7 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=200)
     parser.add_argument("--file-kib", type=int, default=100)
     parser.add_argument("--ram-cache", default="512MiB")
+    parser.add_argument("--disk-cache", default=None, help="the mount's --disk-cache (0: no disk tier); the mount is then read-only")
     parser.add_argument("--profile", type=Path)
     parser.add_argument("--perf", type=Path, help="perf record (kernel and user stacks) of each phase into this directory")
     parser.add_argument("--top", type=Path)
@@ -242,7 +243,8 @@ def main() -> None:
         results["limit (boto3 threads)"] = threaded_get(server, "bench", "big/big.bin", size, args.threads,
                                                         args.part_mib * MiB)
         results["loadavg cold"] = loadavg()
-        mount = Mount("s3://bench", work / "mnt", work / "cache", env, "--ram-cache", args.ram_cache)
+        extra = ["--disk-cache", args.disk_cache, "--read-only"] if args.disk_cache is not None else []
+        mount = Mount("s3://bench", work / "mnt", work / "cache", env, "--ram-cache", args.ram_cache, *extra)
         try:
             with profiled(args, mount.pid, "cold"):
                 cold = measured(mount.pid, lambda: read_seconds(mount.mnt / "big" / "big.bin"), size, mount.mnt)
