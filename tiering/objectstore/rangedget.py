@@ -142,6 +142,16 @@ def _unused(mapping: mmap.mmap) -> bool:
     return True
 
 
+def _can_probe() -> bool:
+    """Whether this platform resizes anonymous mappings (Linux's ``mremap``): without it no buffer
+    can be proven free, so the pool would only grow; it then maps a new buffer every time."""
+    try:
+        _unused(mmap.mmap(-1, mmap.PAGESIZE))
+    except (OSError, ValueError, SystemError):
+        return False
+    return True
+
+
 class BufferPool:
     """Block buffers allocated once and used again once nothing holds a view of them.
 
@@ -160,11 +170,12 @@ class BufferPool:
         self.keep_free = keep_free
         self._lock = threading.Lock()
         self._mappings: collections.deque[mmap.mmap] = collections.deque()  # oldest handed out first
+        self.enabled = _can_probe()
         self.reused = 0  # buffers handed out again (tests, benchmarks)
         self.mapped = 0  # new mappings made
 
     def take(self, length: int) -> memoryview:
-        if length < MAP_MIN_BYTES:
+        if length < MAP_MIN_BYTES or not self.enabled:
             return allocate_block(length)
         with self._lock:
             found: mmap.mmap | None = None
