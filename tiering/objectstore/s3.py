@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import http.client
 import logging
 import time
 import urllib.request
@@ -92,7 +91,7 @@ from tiering.objectstore.keys import (
     key_room,
     split_listing_key,
 )
-from tiering.objectstore.rangedget import RangedGetter, RequestAbandoned
+from tiering.objectstore.rangedget import RangedGetter
 from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
 from tiering.blocks import BlockData
 from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
@@ -545,8 +544,9 @@ class S3ObjectStore:
                 return answer.data
         except ObjectStoreError:
             raise
-        except (http.client.HTTPException, OSError, RequestAbandoned) as exc:
-            # The URL is not in the message: it carries the signature (and any session token).
+        except Exception as exc:  # noqa: BLE001 - any failure of the fast path: botocore repeats the GET
+            # Neither the URL nor the exception's text is logged or kept: they can carry the
+            # signature (and any session token). botocore's own attempt gives the reader its error.
             log.debug("presigned GET of %s failed (%s); retrying through botocore", where, type(exc).__name__)
         else:
             log.debug("presigned GET of %s answered %d; retrying through botocore", where, status)
