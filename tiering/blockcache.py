@@ -54,6 +54,18 @@ offered to the write-behind queue (``WriteBehind``), which uploads it in the bac
 delays the reader. The tier never raises: a failing or slow cluster store is a miss. Warm loads ask
 it too.
 
+Threads and copies (docs/dataplane.md has the measurements)
+-----------------------------------------------------------
+Everything above runs on the event loop that answers FUSE, and it only decides: lookups, the
+single-flight table, fetch slots, futures. Bytes travel elsewhere. A GET is received by a worker
+thread of the S3 store straight into one buffer per block (``tiering.objectstore.rangedget``); that
+buffer, as a read-only view, is what the RAM tier holds, what a FUSE reply slices (no copy, no
+join for a read inside one block) and what the disk tier writes, from a worker thread of asyncio's
+default pool, in one ``writev`` with its CRC-32 computed in C. A byte is copied three times on the
+way: socket to buffer, buffer to the reader's page (the reply), buffer to the disk tier's page
+cache. Blocks are ``bytes`` or read-only ``memoryview``s (``tiering.blocks.BlockData``): futures
+are told apart from blocks by type, never by ``isinstance(x, bytes)``.
+
 Latency: every GET the engine issues is timed with the injected clock into ``latency["get"]``, a
 fixed-bucket ``LatencyHistogram`` that the metrics endpoint exports.
 """
@@ -66,7 +78,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
 
-from tiering.blocks import BlockKey, ObjectRef, block_count, block_range, spans
+from tiering.blocks import BlockData, BlockKey, ObjectRef, block_count, block_range, spans
 from tiering.clock import Clock, SystemClock
 from tiering.cluster import WriteBehind
 from tiering.blockformat import object_footprint
@@ -134,9 +146,9 @@ class EngineStats:
         return served / total if total else 0.0
 
 
-def _hand_over(joined: asyncio.Future[bytes]) -> Callable[[asyncio.Future[bytes]], None]:
+def _hand_over(joined: asyncio.Future[BlockData]) -> Callable[[asyncio.Future[BlockData]], None]:
     """A done-callback that gives ``joined`` the outcome of the load it is attached to."""
-    def done(load: asyncio.Future[bytes]) -> None:
+    def done(load: asyncio.Future[BlockData]) -> None:
         if joined.done():
             return
         if load.cancelled():
@@ -188,7 +200,7 @@ class BlockCache:
         self.traffic = ReadTraffic()  # bytes of reads by the place that answered them
         self.latency: dict[str, LatencyHistogram] = {"get": LatencyHistogram()}
         self.pins = PinTable(lambda ref: object_footprint(ref.key, ref.etag, ref.size, self.block_size))
-        self._inflight: dict[BlockKey, asyncio.Future[bytes]] = {}
+        self._inflight: dict[BlockKey, asyncio.Future[BlockData]] = {}
         # Every load task until it is completely done (its disk write included), by block.
         self._load_tasks: dict[BlockKey, asyncio.Task[WarmOutcome | None]] = {}
         self._tasks: set[asyncio.Task[WarmOutcome | None]] = set()
@@ -206,9 +218,9 @@ class BlockCache:
     async def read(self, ref: ObjectRef, offset: int, length: int, readahead_bytes: int = 0) -> bytes | memoryview:
         """Bytes ``[offset, offset+length)`` of ``ref``, clipped to its size, as a read-only buffer.
 
-        A range inside one block is a view of the cached block, not a copy: a FUSE read of 1 MiB
-        is handed to the kernel straight from the block (pyfuse3 takes any buffer). A range across
-        blocks is joined into new bytes.
+        A range inside one block is a read-only view of the cached block, not a copy: a FUSE read
+        of 1 MiB is handed to the kernel straight from the buffer the block was received into
+        (pyfuse3 takes any buffer). A range across blocks is joined into new bytes.
 
         ``readahead_bytes`` past the end of the read are read ahead (``read_ahead``); the loads this read needs are
         started first, so they get fetch slots before read-ahead does.
@@ -223,29 +235,31 @@ class BlockCache:
         if len(parts) == 1:
             span = parts[0]
             block = blocks[0]
-            return block if span.start == 0 and span.end == len(block) else memoryview(block)[span.start : span.end]
+            if isinstance(block, bytes) and span.start == 0 and span.end == len(block):
+                return block
+            return memoryview(block).toreadonly()[span.start : span.end]
         return b"".join(memoryview(b)[s.start : s.end] for b, s in zip(blocks, parts))
 
-    async def get_block(self, ref: ObjectRef, index: int) -> bytes:
+    async def get_block(self, ref: ObjectRef, index: int) -> BlockData:
         """One whole block, from the fastest tier that has it."""
         return (await self._gather(ref, [self._block(ref, index, None)]))[0]
 
-    async def _gather(self, ref: ObjectRef, pending: list[bytes | asyncio.Future[bytes]]) -> list[bytes]:
+    async def _gather(self, ref: ObjectRef, pending: list[BlockData | asyncio.Future[BlockData]]) -> list[BlockData]:
         """The blocks, waiting at most ``fetch_timeout_s`` in all for those being loaded (the loads
         go on for other readers: they are shielded)."""
-        if all(isinstance(b, bytes) for b in pending):
+        if not any(isinstance(b, asyncio.Future) for b in pending):
             return pending  # type: ignore[return-value]
         timeout = self.settings.fetch_timeout_s
         try:
             # Each load fails by itself at its deadline (started no later than this read); this
             # bound is the backstop for what has none (a disk-tier read that hangs).
             async with asyncio.timeout(timeout + READ_WAIT_GRACE_S):
-                return [b if isinstance(b, bytes) else await asyncio.shield(b) for b in pending]
+                return [await asyncio.shield(b) if isinstance(b, asyncio.Future) else b for b in pending]
         except TimeoutError as exc:
             raise ObjectStoreUnavailableError(
                 f"object store did not answer within {timeout:g} s reading {ref.key!r}") from exc
 
-    def _block(self, ref: ObjectRef, index: int, wanted: int | None) -> bytes | asyncio.Future[bytes]:
+    def _block(self, ref: ObjectRef, index: int, wanted: int | None) -> BlockData | asyncio.Future[BlockData]:
         """The block's bytes if in RAM, else the future of its (possibly already running) load.
 
         ``wanted``: the bytes of the block the reader uses (None: all of it), which a tier that
@@ -403,7 +417,7 @@ class BlockCache:
 
     def _start_warm_load(self, ref: ObjectRef, key: BlockKey) -> asyncio.Task[WarmOutcome | None]:
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bytes] = loop.create_future()
+        fut: asyncio.Future[BlockData] = loop.create_future()
         fut.add_done_callback(self.traffic.dropper(key))
         self._inflight[key] = fut
         task = loop.create_task(self._warm_load(ref, key, fut, loop.time()))
@@ -412,7 +426,7 @@ class BlockCache:
         self._track(key, task)
         return task
 
-    async def _warm_load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes],
+    async def _warm_load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[BlockData],
                          started_at: float) -> WarmOutcome:
         assert self.disk is not None
         # Unlike a read load, the future stays in the single-flight table until the block is on
@@ -475,7 +489,7 @@ class BlockCache:
             if key in self._inflight or key in self._load_tasks:
                 continue
             start, end = block_range(index, ref.size, self.block_size)
-            fut: asyncio.Future[bytes] = loop.create_future()
+            fut: asyncio.Future[BlockData] = loop.create_future()
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._inflight[key] = fut
             try:
@@ -611,9 +625,9 @@ class BlockCache:
 
     # ------------------------------------------------------------------ loading
     def _start_load(self, ref: ObjectRef, key: BlockKey, readahead: bool = False,
-                    wanted: int | None = 0) -> asyncio.Future[bytes]:
+                    wanted: int | None = 0) -> asyncio.Future[BlockData]:
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bytes] = loop.create_future()
+        fut: asyncio.Future[BlockData] = loop.create_future()
         # A future nobody awaits (read-ahead) must not log "exception was never retrieved"; a failed
         # load served its readers nothing.
         fut.add_done_callback(self.traffic.dropper(key))
@@ -633,7 +647,7 @@ class BlockCache:
 
         task.add_done_callback(done)
 
-    async def _load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[bytes], readahead: bool,
+    async def _load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[BlockData], readahead: bool,
                     started_at: float, wanted: int | None = 0) -> None:
         try:
             # The index lookup needs no I/O: a block the disk tier does not hold costs no thread hop
@@ -684,7 +698,7 @@ class BlockCache:
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
 
-    async def _from_cluster(self, ref: ObjectRef, key: BlockKey, *, warm: bool = False) -> bytes | None:
+    async def _from_cluster(self, ref: ObjectRef, key: BlockKey, *, warm: bool = False) -> BlockData | None:
         """The block from the cluster tier, or None (no tier, a miss, or a failure: never raises).
 
         A warm's hit is counted in ``warm_from_cluster_blocks``, not as a block served to a read."""
@@ -700,7 +714,7 @@ class BlockCache:
                 self.stats.cluster_served_bytes += len(data)
         return data
 
-    def _offer_cluster(self, key: BlockKey, data: bytes) -> None:
+    def _offer_cluster(self, key: BlockKey, data: BlockData) -> None:
         """Hand a block fetched from the source to the write-behind queue (never waits)."""
         if self.write_behind is not None:
             self.write_behind.offer(key, data)
@@ -725,7 +739,7 @@ class BlockCache:
                 log.debug("disk tier %s failed", what, exc_info=True)
             return None
 
-    async def _fetch(self, ref: ObjectRef, key: BlockKey, started_at: float) -> bytes:
+    async def _fetch(self, ref: ObjectRef, key: BlockKey, started_at: float) -> BlockData:
         """One GET, under the fetch timeout counted from ``started_at`` (loop time: when the load
         was started, so a wait for a fetch slot counts too)."""
         start, end = block_range(key.index, ref.size, self.block_size)

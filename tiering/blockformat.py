@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import struct
 
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.checksum import crc32
 
 MAGIC = b"CFSB"
@@ -49,12 +49,12 @@ def encode_token(key: BlockKey) -> bytes:
     return key.token().encode("utf-8", "surrogateescape")
 
 
-def encode_header(key: BlockKey, data: bytes) -> bytes:
+def encode_header(key: BlockKey, data: BlockData) -> bytes:
     """The header of the block file holding ``data`` for ``key`` (see the module docstring)."""
     return frame_header(encode_token(key), data)
 
 
-def frame_header(token: bytes, data: bytes | memoryview) -> bytes:
+def frame_header(token: bytes, data: BlockData | memoryview) -> bytes:
     """The header framing ``data`` under the identity ``token`` (format in the module docstring)."""
     fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, len(token), len(data), crc32(data))
     return fixed + token + _HEADER_CRC.pack(crc32(token, crc32(fixed)))
@@ -94,22 +94,24 @@ def check_header_token(fixed: bytes, rest: bytes, token: bytes) -> None:
         raise CorruptBlockError("block belongs to another key")
 
 
-def check_data(data: bytes, data_len: int, data_crc: int) -> None:
+def check_data(data: BlockData, data_len: int, data_crc: int) -> None:
     if len(data) != data_len:
         raise CorruptBlockError("truncated data")
     if crc32(data) != data_crc:
         raise CorruptBlockError("data checksum mismatch")
 
 
-def decode_block(blob: bytes, token: bytes) -> bytes:
+def decode_block(blob: BlockData, token: bytes) -> BlockData:
     """The data of a framed block held whole in memory (an object of the cluster tier), checked as a
-    block file is; ``CorruptBlockError`` on any failed check."""
-    data_len, data_crc = check_fixed_header(blob[: _FIXED.size], token)
+    block file is; ``CorruptBlockError`` on any failed check. The data is a view of ``blob``, not a
+    copy."""
     head = header_size(token)
-    check_header_token(blob[: _FIXED.size], blob[_FIXED.size : head], token)
+    fixed = bytes(blob[: _FIXED.size])
+    data_len, data_crc = check_fixed_header(fixed, token)
+    check_header_token(fixed, bytes(blob[_FIXED.size : head]), token)
     if len(blob) != head + data_len:
         raise CorruptBlockError(f"block is {len(blob)} bytes, header says {head + data_len}")
-    data = blob[head:]
+    data = memoryview(blob)[head:].toreadonly()
     check_data(data, data_len, data_crc)
     return data
 

@@ -24,6 +24,12 @@ DEFAULT_BLOCK_SIZE = 8 * MiB
 MIN_BLOCK_SIZE = 64 * 1024  # below this, per-request overhead dominates everything
 MAX_BLOCK_SIZE = 256 * MiB  # a block is held whole in RAM while in flight
 
+# The bytes of one block as the tiers and stores hand them around: ``bytes``, or the read-only
+# ``memoryview`` of the buffer a ranged GET received the block into (``tiering.objectstore.rangedget``;
+# a copy into ``bytes`` would cost a second copy of every byte fetched). Both compare equal to the
+# same ``bytes``, slice, and go to ``crc32``, ``os.write`` and a FUSE reply as they are.
+BlockData = bytes | memoryview
+
 
 @dataclass(frozen=True, slots=True)
 class ObjectRef:

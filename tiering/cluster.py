@@ -19,10 +19,14 @@ foreign writer's object, a truncated or bit-flipped one is a *miss* (counted in
 ``stats.corrupt_blocks``, the object deleted before the miss is answered), never data. The block is then
 fetched from the source and the write-behind replaces the object.
 
-Reads cost a HEAD (the object's size and ETag; a 404 is the cheap miss) and a GET of the whole
-object under ``If-Match`` (the presigned fast path of the S3 store). Both run under one deadline,
-the cluster timeout, which is shorter than the source's fetch timeout: a slow cluster store must
-leave the reader time to go to the source.
+A read is one request: a GET of the framed block's exact length (the header's size is known from
+the token, the data's from the block's range) on whatever version of the object is current
+(``ANY_VERSION``: the object carries its own identity and checksums, so there is no ETag to learn
+first, and one GET sees one version, never a mix). A 404 is the cheap miss; an object shorter than
+the frame is a corrupt one. Bytes past the frame, if a foreign writer left any, are not read: the
+frame's token and checksums decide. It runs under the cluster timeout, which is shorter than the
+source's fetch timeout: a slow cluster store must leave the reader time to go to the source. It
+was a HEAD then a GET under ``If-Match``: two round trips per hit.
 
 Health. The tier has its own ``StoreHealth`` circuit (the one the source uses, a second instance,
 probing with the cluster store's ``check()``): a timeout or connection failure opens it, and while
@@ -53,11 +57,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
-from tiering.protocols import ClusterBlockTier, ClusterTierStats, ObjectStore, ObjectStoreStats
+from tiering.protocols import ANY_VERSION, ClusterBlockTier, ClusterTierStats, ObjectStore, ObjectStoreStats
 from tiering.settings import (
     DEFAULT_CLUSTER_TIMEOUT_S,
     DEFAULT_WRITE_BEHIND_BLOCKS,
@@ -118,23 +122,20 @@ class ClusterTier:
     async def _call(self, make: Callable[[], Awaitable[Any]], what: str) -> Any:
         return await self.health.call(make, self.timeout_s, f"cluster tier: {what}")
 
-    async def get(self, key: BlockKey, length: int) -> bytes | None:
+    async def get(self, key: BlockKey, length: int) -> BlockData | None:
         token, name = self._locate(key)
         if not self.health.reachable:
             self.stats.skipped += 1
             self.health.maybe_probe()
             return None
         try:
-            async def fetch() -> bytes | None:
-                info = await self.store.head(name)
-                if info.size != header_size(token) + length:
-                    raise CorruptBlockError(f"object is {info.size} bytes, expected {header_size(token) + length}")
-                return await self.store.get_range(name, info.etag, 0, info.size)
-
-            blob = await self._call(fetch, f"reading {name}")
+            framed = header_size(token) + length
+            blob = await self._call(lambda: self.store.get_range(name, ANY_VERSION, 0, framed), f"reading {name}")
+            if len(blob) != framed:
+                raise CorruptBlockError(f"object is {len(blob)} bytes, expected {framed}")
             data = decode_block(blob, token)
         except (ObjectNotFoundError, ObjectChangedError):
-            self.stats.misses += 1  # absent, or replaced between the HEAD and the GET
+            self.stats.misses += 1  # absent
             return None
         except CorruptBlockError as exc:
             self.stats.corrupt_blocks += 1
@@ -152,7 +153,7 @@ class ClusterTier:
         self.stats.hit_bytes += len(data)
         return data
 
-    async def put(self, key: BlockKey, data: bytes) -> bool:
+    async def put(self, key: BlockKey, data: BlockData) -> bool:
         if not self.health.reachable:
             self.health.maybe_probe()
             return False
@@ -215,7 +216,7 @@ class InMemoryClusterTier:
         self.blocks: dict[BlockKey, bytes] = {}
         self.failing = False
 
-    async def get(self, key: BlockKey, length: int) -> bytes | None:
+    async def get(self, key: BlockKey, length: int) -> BlockData | None:
         await asyncio.sleep(0)
         if self.failing:
             self.stats.errors += 1
@@ -232,7 +233,7 @@ class InMemoryClusterTier:
         self.stats.hit_bytes += len(data)
         return data
 
-    async def put(self, key: BlockKey, data: bytes) -> bool:
+    async def put(self, key: BlockKey, data: BlockData) -> bool:
         await asyncio.sleep(0)
         if self.failing:
             self.stats.errors += 1
@@ -280,7 +281,7 @@ class WriteBehind:
         self.max_bytes = max_bytes
         self.workers = workers
         self.stats = WriteBehindStats()
-        self._queue: collections.deque[tuple[BlockKey, bytes]] = collections.deque()
+        self._queue: collections.deque[tuple[BlockKey, BlockData]] = collections.deque()
         self._pending = set[BlockKey]()
         self._bytes = 0  # queued and uploading
         self._uploading = 0
@@ -295,7 +296,7 @@ class WriteBehind:
     def queued_bytes(self) -> int:
         return self._bytes
 
-    def offer(self, key: BlockKey, data: bytes) -> bool:
+    def offer(self, key: BlockKey, data: BlockData) -> bool:
         """Queue ``data`` for upload; False (counted as dropped) when the queue is full."""
         if key in self._pending:
             return True

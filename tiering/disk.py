@@ -133,7 +133,7 @@ from tiering.blockformat import (
     header_size,
     object_footprint,
 )
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
@@ -257,7 +257,7 @@ class DiskTier:
 
     # -- BlockTier ------------------------------------------------------------------------------
 
-    def get(self, key: BlockKey) -> bytes | None:
+    def get(self, key: BlockKey) -> BlockData | None:
         digest = key.digest()
         with self._lock:
             entry = self._index.get(digest)
@@ -319,7 +319,7 @@ class DiskTier:
             self.stats.misses += 1
             return True
 
-    def put(self, key: BlockKey, data: bytes) -> bool:
+    def put(self, key: BlockKey, data: BlockData) -> bool:
         digest = key.digest()
         header = encode_header(key, data)
         size = len(header) + len(data)
@@ -631,16 +631,27 @@ class DiskTier:
             self.health.record_failure(exc)
 
     @staticmethod
-    def _write_file(tmp: Path, final: Path, header: bytes, data: bytes) -> None:
+    def _write_file(tmp: Path, final: Path, header: bytes, data: BlockData) -> None:
+        """Header and data in one ``writev`` from the block's own buffer: one copy (into the page
+        cache), no Python-level buffering, called from a worker thread (the GIL is released in the
+        system call). Opened private (0600) without following a link (``tiering.private``)."""
         try:
             fd = open_private(tmp, _BLOCK_WRITE_FLAGS)
         except FileNotFoundError:
             # Prefix directories are made on first use (and again if someone removed them).
             os.makedirs(tmp.parent, mode=PRIVATE_DIR_MODE, exist_ok=True)
             fd = open_private(tmp, _BLOCK_WRITE_FLAGS)
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(data)
+        try:
+            parts = [memoryview(header), memoryview(data)]
+            while parts:
+                written = os.writev(fd, parts)
+                while parts and written >= len(parts[0]):
+                    written -= len(parts[0])
+                    parts.pop(0)
+                if parts and written:
+                    parts[0] = parts[0][written:]
+        finally:
+            os.close(fd)
         os.replace(tmp, final)
 
     @staticmethod

@@ -26,9 +26,9 @@ feature that silently turns itself off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Final, Iterable, Protocol, runtime_checkable
 
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.health import TierHealth
 
 
@@ -99,7 +99,7 @@ class BlockTier(Protocol):
     capacity_bytes: int
     stats: TierStats
 
-    def get(self, key: BlockKey) -> bytes | None:
+    def get(self, key: BlockKey) -> BlockData | None:
         """The block's bytes, or None on a miss. Counts a hit or a miss and refreshes recency."""
 
     def contains(self, key: BlockKey) -> bool:
@@ -111,7 +111,7 @@ class BlockTier(Protocol):
         No I/O: the engine asks on the event loop, so a miss costs no trip to a worker thread.
         """
 
-    def put(self, key: BlockKey, data: bytes) -> bool:
+    def put(self, key: BlockKey, data: BlockData) -> bool:
         """Store a block, evicting least-recently-used clean blocks to make room.
 
         Returns False (and stores nothing) when the block cannot fit even after eviction.
@@ -201,10 +201,10 @@ class ClusterBlockTier(Protocol):
     def store_stats(self) -> ObjectStoreStats:
         """The requests and bytes sent to and read from the cluster store (what the tier costs)."""
 
-    async def get(self, key: BlockKey, length: int) -> bytes | None:
+    async def get(self, key: BlockKey, length: int) -> BlockData | None:
         """The block's ``length`` bytes, or None (a miss: absent, corrupt, foreign, failing store)."""
 
-    async def put(self, key: BlockKey, data: bytes) -> bool:
+    async def put(self, key: BlockKey, data: BlockData) -> bool:
         """Store the block (replacing whatever was there); False if the store failed."""
 
     async def contains(self, key: BlockKey) -> bool:
@@ -212,6 +212,13 @@ class ClusterBlockTier(Protocol):
 
     def snapshot(self) -> dict[str, Any]:
         """What ``/stats`` shows beside the counters: ``state`` (healthy or down) and details."""
+
+
+# ``get_range``'s ``etag`` for "whatever version is current": one request, no version check. For
+# readers whose objects carry their own identity and checksum (the cluster tier's framed blocks),
+# which would otherwise pay a HEAD to learn an ETag only to pass it back. ``*`` as in HTTP's
+# ``If-Match: *``; the stores implement it by not sending or checking a version at all.
+ANY_VERSION: Final = "*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,8 +288,11 @@ class ObjectStore(Protocol):
     async def head(self, key: str) -> ObjectInfo:
         """Metadata of one object; ``ObjectNotFoundError`` if absent."""
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
         """Bytes ``[start, end)`` of the object, only if its ETag is still ``etag``.
+
+        A read-only ``memoryview`` where the store received the range in place (S3): the caller
+        may keep it. ``etag`` may be ``ANY_VERSION``: the bytes of the current version, unchecked.
 
         Raises ``ObjectChangedError`` if the object now has another ETag, ``ObjectNotFoundError`` if
         it is gone, ``ObjectStoreUnavailableError`` on timeouts and connection failures.

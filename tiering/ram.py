@@ -8,8 +8,10 @@ front. That gives O(1) hits, inserts and evictions, and an exact LRU, which is w
 front of a disk tier wants: the RAM tier holds the working set of the current epoch's read-ahead
 windows, and its misses are cheap (the disk tier or a fetch answers them).
 
-The tier is called only from the asyncio event loop, so it takes no lock. ``bytes`` are immutable,
-so a block handed out by ``get`` can never be changed under a reader, and nothing is copied.
+The tier is called only from the asyncio event loop, so it takes no lock. A block is ``bytes`` or
+the read-only view of the buffer a ranged GET received it into (``tiering.blocks.BlockData``); nothing writes to
+one once it is handed out, so a block handed out by ``get`` never changes under a reader, and
+nothing is copied.
 
 Capacity is counted in payload bytes (``len(data)``); the Python object overhead (~33 bytes per
 ``bytes`` plus the dict slot) is negligible next to blocks of 64 KiB and more.
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from tiering.blocks import BlockKey
+from tiering.blocks import BlockData, BlockKey
 from tiering.protocols import TierStats, VictimOrder
 from tiering.victims import rank_victims
 
@@ -43,12 +45,12 @@ class RamTier:
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
         self.victim_order = victim_order
-        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._blocks: OrderedDict[BlockKey, BlockData] = OrderedDict()
         self._used = 0
 
     # -- BlockTier ------------------------------------------------------------------------------
 
-    def get(self, key: BlockKey) -> bytes | None:
+    def get(self, key: BlockKey) -> BlockData | None:
         data = self._blocks.get(key)
         if data is None:
             self.stats.misses += 1
@@ -66,7 +68,7 @@ class RamTier:
         self.stats.misses += 1
         return True
 
-    def put(self, key: BlockKey, data: bytes) -> bool:
+    def put(self, key: BlockKey, data: BlockData) -> bool:
         # The old version (if any) goes first, even when the new one is refused: a tier never keeps
         # bytes that differ from the last ones offered for a key.
         self._remove(key)
@@ -117,7 +119,7 @@ class RamTier:
             return
         victims: list[BlockKey] = []
         remaining = self._used
-        candidates: Sequence[BlockKey] | OrderedDict[BlockKey, bytes] = self._blocks
+        candidates: Sequence[BlockKey] | OrderedDict[BlockKey, BlockData] = self._blocks
         ordered = False
         if self.victim_order is not None and self.victim_order.active():
             candidates, ordered = rank_victims(list(self._blocks), self.victim_order, lambda k: k)

@@ -97,13 +97,23 @@ async def test_empty_block(backend: Backend) -> None:
     assert await backend.tier.get(key, 0) == b""
 
 
+async def test_a_hit_or_a_miss_is_one_request(backend: Backend) -> None:
+    """A lookup is one GET (no HEAD first): a hit on node 2..N costs one round trip, and so does a miss."""
+    store = needs_store(backend)
+    assert await backend.tier.put(KEY, DATA)
+    before = store.stats.requests, store.stats.head_requests
+    assert await backend.tier.get(KEY, len(DATA)) == DATA
+    assert await backend.tier.get(KEY._replace(index=9), len(DATA)) is None
+    assert (store.stats.requests - before[0], store.stats.head_requests - before[1]) == (2, 0)
+
+
 async def test_objects_are_framed_under_the_hashed_key(backend: Backend) -> None:
     store = needs_store(backend)
     assert await backend.tier.put(KEY, DATA)
     name = cluster_object_key(cluster_token(SOURCE_ID, BLOCK_SIZE, KEY))
     assert name.startswith("blocks/") and name.split("/")[1] == name.split("/")[2][:2]
     info = await store.head(name)
-    blob = await store.get_range(name, info.etag, 0, info.size)
+    blob = bytes(await store.get_range(name, info.etag, 0, info.size))  # a view, from the S3 store
     assert blob[:4] == b"CFSB" and blob.endswith(DATA)
     assert cluster_token(SOURCE_ID, BLOCK_SIZE, KEY) in blob
 
@@ -153,13 +163,13 @@ async def test_a_failing_store_is_a_miss_and_opens_the_circuit() -> None:
     clock = FakeClock()
     tier = ClusterTier(failing, source_id=SOURCE_ID, block_size=BLOCK_SIZE, timeout_s=1.0, clock=clock)
     assert await tier.put(KEY, DATA)
-    failing.fail_heads = True
+    failing.fail_gets = True  # a lookup is one GET (no HEAD)
     assert await tier.get(KEY, len(DATA)) is None
     assert tier.stats.errors == 1 and not tier.health.reachable
     assert await tier.get(KEY, len(DATA)) is None  # no request while the circuit is open
     assert tier.stats.skipped == 1 and tier.stats.errors == 1
     assert not await tier.put(KEY, DATA)
-    failing.fail_heads = False
+    failing.fail_gets = False
     clock.advance(10)
     tier.health.maybe_probe()
     for _ in range(100):

@@ -34,7 +34,7 @@ import pytest
 
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ReadOnlySourceError
 from tiering.objectstore import FsspecObjectStore, InMemoryObjectStore, LocalObjectStore, S3ObjectStore, parse_source
-from tiering.protocols import ObjectStore
+from tiering.protocols import ANY_VERSION, ObjectStore
 from tests.support.httpserver import StaticHttpServer, write_file
 
 ROOT = "ds/"  # the prefix the local and S3 stores are opened on
@@ -407,6 +407,18 @@ async def test_get_range_of_missing_or_deleted_key(backend: Backend, store: Obje
     backend.delete("gone")
     with pytest.raises(ObjectNotFoundError):
         await store.get_range("gone", etag, 0, 5)
+
+
+async def test_get_range_of_any_version(backend: Backend, store: ObjectStore) -> None:
+    """``ANY_VERSION`` reads the current version in one request, whatever its ETag; absent is absent."""
+    backend.put("obj", b"A" * 4096)
+    before = store.stats.get_requests + store.stats.head_requests
+    assert await store.get_range("obj", ANY_VERSION, 0, 4096) == b"A" * 4096
+    backend.put("obj", b"B" * 4096)
+    assert await store.get_range("obj", ANY_VERSION, 100, 200) == b"B" * 100
+    assert store.stats.get_requests + store.stats.head_requests - before == 2  # no HEAD beside the GETs
+    with pytest.raises(ObjectNotFoundError):
+        await store.get_range("never-existed", ANY_VERSION, 0, 5)
 
 
 async def test_concurrent_ranges(backend: Backend, store: ObjectStore) -> None:

@@ -60,7 +60,7 @@ async def test_source_fetches_are_written_behind_and_a_second_node_reads_from_th
 async def test_a_failing_cluster_tier_falls_through_to_the_source(tmp_path: Path) -> None:
     source, ref = _source()
     cluster_store = FailingObjectStore(InMemoryObjectStore())
-    cluster_store.fail_heads = cluster_store.fail_writes = True
+    cluster_store.fail_heads = cluster_store.fail_gets = cluster_store.fail_writes = True
     cluster = ClusterTier(cluster_store, source_id="s3://b/", block_size=BS, timeout_s=1)
     engine = _engine(tmp_path, source, cluster)
     assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE

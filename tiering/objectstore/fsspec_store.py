@@ -85,7 +85,7 @@ from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_
 from tiering.objectstore.fsspec_sources import FSSPEC_PROTOCOLS
 from tiering.objectstore.keys import check_key, check_list_prefix, check_range, check_write_key, key_room
 from tiering.objectstore.memory import md5_etag
-from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
+from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
@@ -466,10 +466,13 @@ class FsspecObjectStore:
         async with self._guard(where):
             if self._http:
                 data = await self._http_get(path, etag, start, end, where)
-            elif self._read == "generation":
+            elif self._read == "generation" and etag != ANY_VERSION:
                 data = await self._generation_get(key, path, etag, start, end)
             else:
                 data = bytes(await self._call("cat_file", path, start=start, end=end))
+                if etag == ANY_VERSION:
+                    self.stats.bytes_read += len(data)
+                    return data
                 self.stats.requests += 1
                 self.stats.head_requests += 1
                 now = _version(self.protocol, await self._info(path))
@@ -489,14 +492,16 @@ class FsspecObjectStore:
     async def _http_get(self, url: str, etag: str, start: int, end: int, where: str) -> bytes:
         await self._filesystem()
         assert self._session is not None
-        headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag, "Accept-Encoding": "identity"}
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        if etag != ANY_VERSION:
+            headers["If-Match"] = etag
         async with self._session.get(yarl.URL(url, encoded=True), headers=headers, allow_redirects=False) as r:
             if r.status == 416:
                 return b""  # the range starts at or past the end: clamped, as every store
             if r.status not in (200, 206):
                 raise _status_error(r.status, where)
             returned = r.headers.get("ETag")
-            if returned != etag:  # a server that ignores If-Match, or answers without a tag
+            if etag != ANY_VERSION and returned != etag:  # a server that ignores If-Match, or answers without a tag
                 raise ObjectChangedError(f"object {where} changed: ETag is now {returned}, not {etag}")
             body = await r.read()
         if r.status == 200:

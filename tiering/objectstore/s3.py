@@ -23,8 +23,11 @@ validation, event hooks, signing, response parsing): measured on SeaweedFS over 
 presigning itself 0.4 ms (0.16 ms since ``tiering.objectstore.s3presign`` signs every key after the
 first without the client's per-call machinery). So ``get_range`` presigns ``GetObject`` for a key once
 (``PRESIGN_TTL_S``, reused for ``PRESIGN_REUSE_S``, at most ``PRESIGN_CACHE_KEYS`` keys) and sends
-each ``Range`` + ``If-Match`` GET on its own aiohttp session. Only answers it can read without
-botocore are taken from that path: 206/200 with the exact length, 412 (changed), 416 (past the end).
+each ``Range`` + ``If-Match`` GET from a worker thread of its own (``tiering.objectstore.rangedget``:
+the body is received off the event loop, straight into the block's buffer, and no redirect is ever
+followed). Only answers it can read without
+botocore are taken from that path: 206/200 with the exact length, 412 (changed), 416 (past the end),
+404 with the error code ``NoSuchKey`` (absent: the cluster tier's miss costs one request, not two).
 Anything else (403, 404, 5xx, a connection error or timeout, a store without credentials to
 presign with) drops the URL and repeats the request through botocore, so retries, error
 classification and messages are those of every other request. A presigned URL carries the access key
@@ -59,7 +62,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import ssl
 import time
 import urllib.request
 from collections import OrderedDict
@@ -90,14 +92,18 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
+from tiering.objectstore.rangedget import RangedGetter
 from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
-from tiering.protocols import Listing, ObjectInfo, ObjectStoreStats, ReadRange
+from tiering.blocks import BlockData
+from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
 
 # Connection pool: 16 concurrent block fetches (DEFAULT_MAX_CONCURRENT_FETCHES) plus listing and
 # HEAD traffic without queueing behind the pool; botocore's default of 10 would cap the fetches.
+# Ranged GETs go through their own threads (tiering.objectstore.rangedget), half of this: one thread
+# and one connection per block fetch in flight; botocore keeps the other half for everything else.
 DEFAULT_MAX_POOL_CONNECTIONS = 32
 # Attempts per request in botocore's standard mode (first try included): one retry rides out a
 # dropped keep-alive connection, a second a short 503/SlowDown burst; more only delays the error a
@@ -119,9 +125,6 @@ PRESIGN_MAX_FALLBACKS = 8
 LIST_PAGE_SIZE = 1000
 
 MiB = 1024 * 1024
-# Bytes aiohttp buffers per response before it stops reading the socket until the body is consumed
-# (its default, 64 KiB, pauses and resumes the socket every 128 KiB of an 8 MiB block).
-READ_BUFFER_BYTES = 4 * MiB
 # Multipart part size (and the size above which an upload is multipart): 16 MiB. S3 wants at least
 # 5 MiB per part; per-request costs flatten out around 8-16 MiB (benchmarks/blocksize.py measured
 # GETs, which pay the same fixed costs), and 10,000 parts of 16 MiB cover objects up to 156 GiB
@@ -336,7 +339,7 @@ class S3ObjectStore:
         self._environ = dict(environ)
         self._fs: s3fs.S3FileSystem | None = None
         self._client: Any = None
-        self._http: aiohttp.ClientSession | None = None
+        self._ranged: RangedGetter | None = None
         self._presigned: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._signer: UrlSigner | None = None
         self._presign_ok = True  # False once presigning failed (e.g. anonymous access): botocore only
@@ -501,51 +504,51 @@ class S3ObjectStore:
             self._signer = UrlSigner(client, credentials, self.bucket, PRESIGN_TTL_S)
         return self._signer
 
-    def _http_session(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            tls: ssl.SSLContext | bool = False
-            if (self.endpoint_url or "https:").startswith("https:"):
-                tls = ssl.create_default_context(cafile=self._environ.get("AWS_CA_BUNDLE") or None)
-            self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_pool_connections, ssl=tls),
-                timeout=aiohttp.ClientTimeout(sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s),
-                auto_decompress=False,  # the bytes of the object, as botocore returns them
-                read_bufsize=READ_BUFFER_BYTES,
-                skip_auto_headers=("Accept-Encoding",),
-                trust_env=False,  # proxied endpoints never get here (see _presign)
-            )
-        return self._http
+    def _getter(self) -> RangedGetter:
+        if self._ranged is None:
+            self._ranged = RangedGetter(threads=max(1, self.max_pool_connections // 2),
+                                        connect_timeout_s=self.connect_timeout_s,
+                                        read_timeout_s=self.read_timeout_s,
+                                        ca_bundle=self._environ.get("AWS_CA_BUNDLE") or None)
+        return self._ranged
 
-    async def _presigned_get(self, key: str, etag: str, start: int, end: int, where: str) -> bytes | None:
+    async def _presigned_get(self, key: str, etag: str, start: int, end: int, where: str) -> BlockData | None:
         """Bytes ``[start, end)`` by a GET on a presigned URL; None to have botocore do the request.
 
+        Received in a worker thread straight into the block's buffer (``tiering.objectstore.rangedget``).
         Raises only ``ObjectChangedError`` (412, or another ETag answered); returns b"" for 416.
         """
         url = await self._presign(key)
         if url is None:
             return None
         self.stats.requests += 1
-        headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": etag}
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if etag != ANY_VERSION:
+            headers["If-Match"] = etag
+        status = 0
         try:
-            async with self._http_session().get(url, headers=headers, allow_redirects=False) as response:
-                status = response.status
-                if status == 412:
-                    self.stats.errors += 1
-                    raise _changed(where)
-                if status == 416:
-                    return b""
-                if status in (200, 206):
-                    self._check_returned_etag(response.headers.get("ETag"), etag, where)
-                    if response.content_length == end - start:
-                        data = await response.read()
-                        if len(data) == end - start:
-                            self.stats.presigned_gets += 1
-                            self._fallbacks_in_a_row = 0
-                            return data
+            answer = await self._getter().get(url, headers, end - start)
+            status = answer.status
+            if status == 412:
+                self.stats.errors += 1
+                raise _changed(where)
+            if status == 416:
+                return b""
+            if status == 404 and answer.error_code in _NOT_FOUND_CODES:
+                # Absent: final, and the cheap miss of the cluster tier (one request, not two).
+                self.stats.errors += 1
+                raise ObjectNotFoundError(f"GET {where}: not found")
+            if answer.data is not None:
+                if etag != ANY_VERSION:
+                    self._check_returned_etag(answer.etag, etag, where)
+                self.stats.presigned_gets += 1
+                self._fallbacks_in_a_row = 0
+                return answer.data
         except ObjectStoreError:
             raise
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            # The URL is not in the message: it carries the signature (and any session token).
+        except Exception as exc:  # noqa: BLE001 - any failure of the fast path: botocore repeats the GET
+            # Neither the URL nor the exception's text is logged or kept: they can carry the
+            # signature (and any session token). botocore's own attempt gives the reader its error.
             log.debug("presigned GET of %s failed (%s); retrying through botocore", where, type(exc).__name__)
         else:
             log.debug("presigned GET of %s answered %d; retrying through botocore", where, status)
@@ -569,7 +572,7 @@ class S3ObjectStore:
             mtime=response["LastModified"].timestamp(),
         )
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
         check_range(start, end)
         if start == end:
             return b""
@@ -580,9 +583,10 @@ class S3ObjectStore:
         if fast is not None:
             self.stats.bytes_read += len(fast)
             return fast
+        condition = {} if etag == ANY_VERSION else {"IfMatch": etag}
         response = await self._call(
             "get_object", op="GET", where=where, tolerate=_INVALID_RANGE_CODES,
-            Key=self.prefix + key, Range=f"bytes={start}-{end - 1}", IfMatch=etag,
+            Key=self.prefix + key, Range=f"bytes={start}-{end - 1}", **condition,
         )
         if response is None:
             # 416: the range starts at or past the end. If-Match is evaluated before the range (412
@@ -590,7 +594,8 @@ class S3ObjectStore:
             return b""
         body = response["Body"]
         try:
-            self._check_returned_etag(response.get("ETag"), etag, where)
+            if etag != ANY_VERSION:
+                self._check_returned_etag(response.get("ETag"), etag, where)
             data = await body.read()
         except ObjectStoreError:
             raise
@@ -614,6 +619,8 @@ class S3ObjectStore:
         data = await asyncio.to_thread(read, start, end) if end > start else b""
         if len(data) != end - start:
             raise ObjectStoreError(f"PUT {where}: the staged source gave {len(data)} bytes for [{start}, {end})")
+        if not isinstance(data, (bytes, bytearray)):
+            data = bytes(data)  # a view of a block (botocore takes bytes, bytearray or a file)
         return data
 
     async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
@@ -775,10 +782,10 @@ class S3ObjectStore:
             raise
 
     async def close(self) -> None:
-        http, self._http = self._http, None
+        ranged, self._ranged = self._ranged, None
         self._presigned.clear()
-        if http is not None:
-            await http.close()
+        if ranged is not None:
+            ranged.close()
         client, self._client, self._fs = self._client, None, None
         if client is not None:
             try:

@@ -232,7 +232,7 @@ async def read_object(store: ObjectStore, key: str) -> tuple[bytes, ObjectInfo] 
     """The whole (small) object and its info, or None if absent (or replaced between HEAD and GET)."""
     try:
         info = await store.head(key)
-        return await store.get_range(key, info.etag, 0, info.size) if info.size else b"", info
+        return bytes(await store.get_range(key, info.etag, 0, info.size)) if info.size else b"", info
     except (ObjectNotFoundError, ObjectChangedError):
         return None
 
