@@ -96,9 +96,10 @@ def test_the_checker_finds_the_ten_places_the_api_server_named_in_the_old_datase
             for child in node["properties"].values():
                 yield from close(child)
 
-    assert len(list(close(broken_spec))) == 10 and spec is not broken_spec
+    closed = len(list(close(broken_spec)))  # 10 in a115150's CRD, the ten the API server named; more since
+    assert closed >= 10 and spec is not broken_spec
     problems = structural_problems(broken)
-    assert len(problems) == 10 and all("mutual exclusive" in p for p in problems)
+    assert len(problems) == closed and all("mutual exclusive" in p for p in problems)
 
 
 def test_pruning_drops_what_is_not_declared() -> None:
