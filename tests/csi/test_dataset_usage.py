@@ -204,8 +204,12 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
         # While the operator is down, B's daemon ends with its counters (its stats unreachable). A new
         # operator must keep what B served: the totals live in the status only, and B's last-seen
         # counters stay there for when it answers again.
-        b_address = f"{stats_pod(k, 'node-b')['status']['podIP']}:{mountpods.STATS_PORT}"
-        await asyncio.to_thread(detach, requests.pop("node-b").target)
+        b_pod = stats_pod(k, "node-b")
+        b_address = f"{b_pod['status']['podIP']}:{mountpods.STATS_PORT}"
+        # The mount pod's container dies (SIGKILL): a lazy unmount of the target would not end the
+        # daemon, since the stand-in runs it in a mount namespace of its own (as a runtime does) that
+        # still holds the mount.
+        kubelets[nodes.index("node-b")].kill(b_pod["metadata"]["name"])
         await eventually(lambda: read_stats(b_address) is None, "B's daemon gone", WAIT_S)
         assert await read_all(requests["node-a"].target) == FILES  # served by A's page cache or RAM
         a2 = daemon_counters(k, "node-a")
