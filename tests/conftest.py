@@ -97,3 +97,16 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[S3Server], dict[str, s
         return env
 
     return apply
+
+
+@pytest.fixture(autouse=True)
+def _process_umask_restored() -> Iterator[None]:
+    """`cachefs mount` sets umask 077 for its whole process (tiering.private): a test that runs the CLI
+    in-process must not leave it on the test worker, where later tests' directories would come out
+    0700 (tests/csi/test_node_owner.py's pods directory did, failing as EACCES for uid 65534)."""
+    import os
+
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)

@@ -51,7 +51,8 @@ def pods(csi) -> Iterator[Path]:
 
 def target_in(csi, pods: Path) -> Path:
     target = pods / uuid.uuid4().hex[:8] / "mount"
-    target.parent.mkdir(mode=0o755)
+    target.parent.mkdir()
+    target.parent.chmod(0o755)  # whatever the umask: every pod uid traverses it
     csi.targets.append(target)
     return target
 
