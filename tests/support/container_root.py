@@ -8,6 +8,10 @@ It does what a container runtime does for ``readOnlyRootFilesystem: true``:
 - every source is opened first (``O_PATH``), so a volume mounted over an ancestor of another's
   source (an ``emptyDir`` at ``/tmp`` over a hostPath under ``/tmp``) still finds it;
 - the volumes are bind-mounted, shallowest target first (runc's order), each writable;
+- the image's own files stay visible: here the "image" is this interpreter, its virtualenv and the
+  checkout the project is installed from (editable), and where a volume covers one of them (a test
+  run from a clone under ``/tmp``, where the mount pod's ``/tmp`` emptyDir goes) it is bound back at
+  its own path, read-only, as a container's image files are never hidden by a ``/tmp`` volume;
 - ``/`` is remounted read-only; then COMMAND is exec'd (``setpriv`` drops uid and capabilities).
 
 ``slave`` propagation: mounts made later on the host (a FUSE mount the plugin makes) still appear
@@ -33,14 +37,31 @@ def _mount(source: str, target: str, flags: int) -> None:
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
+def _image_paths() -> list[str]:
+    """What the stand-in's "image" holds: the interpreter's installation, the virtualenv, the checkout."""
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, checkout)})
+
+
+def _covered(path: str, targets: list[str]) -> bool:
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets)
+
+
 def main(argv: list[str]) -> None:
     spec, separator, *command = argv
     assert separator == "--" and command, "usage: container_root.py SPEC -- COMMAND..."
     binds = json.loads(spec)
     fds = [(os.open(source, os.O_PATH | os.O_DIRECTORY), target) for source, target in binds]
+    targets = [target for _, target in binds]
+    image = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in _image_paths() if _covered(path, targets)]
     for fd, target in sorted(fds, key=lambda pair: pair[1].count("/")):
         os.makedirs(target, exist_ok=True)
         _mount(f"/proc/self/fd/{fd}", target, MS_BIND)
+        os.close(fd)
+    for fd, path in image:
+        os.makedirs(path, exist_ok=True)
+        _mount(f"/proc/self/fd/{fd}", path, MS_BIND)
+        _mount("none", path, MS_REMOUNT | MS_BIND | MS_RDONLY)
         os.close(fd)
     _mount("none", "/", MS_REMOUNT | MS_BIND | MS_RDONLY)
     os.execvp(command[0], command)
