@@ -13,6 +13,7 @@ from typing import Any
 from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
+from benchmarks.procstat import peak_rss_mib as peak_rss_mib  # one reader of VmHWM for every benchmark
 from tests.support.s3servers import SeaweedS3
 from tiering.objectstore.s3 import S3ObjectStore
 from tiering.settings import DEFAULT_MAX_CONCURRENT_FETCHES
@@ -129,16 +130,6 @@ def drop_page_cache() -> bool:
         return False
 
 
-def peak_rss_mib(pid: int) -> float:
-    """Peak resident memory (VmHWM, MiB) of the live process ``pid``; ``ProcessLookupError`` if gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError as exc:
-        raise ProcessLookupError(pid) from exc
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise ProcessLookupError(pid)  # a zombie has no memory lines
 
 
 def raw_multipart_upload(server: SeaweedS3, bucket: str, key: str, data: bytes, *,

@@ -596,7 +596,43 @@ class WorkloadPod:
     uid: str = ""
 
 
-class BrokenMountReporter:
+class _OncePerPod:
+    """What both reporters share: each ended mount pod (by uid) is checked once, in a thread of its own,
+    so a check that waits (a mount slow to answer, a daemon still holding its cache) never holds the
+    watch. Subclasses say which events concern them (``_wants``) and what the check does (``_check``)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()  # uids checked or being checked
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _wants(self, event_type: str, state: PodState) -> bool:
+        raise NotImplementedError
+
+    def _check(self, event_type: str, state: PodState) -> None:
+        raise NotImplementedError
+
+    def observe(self, event_type: str, state: PodState) -> None:
+        if not self._wants(event_type, state):
+            return
+        with self._lock:
+            if state.uid in self._seen:
+                return
+            self._seen.add(state.uid)
+            thread = threading.Thread(target=self._check, args=(event_type, state), daemon=True,
+                                      name=f"{type(self).__name__} {state.name}")
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the checks in flight (tests)."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout_s)
+
+
+class BrokenMountReporter(_OncePerPod):
     """Turns a dead mount pod into a log line and Events, once per pod (by uid).
 
     ``is_mounted(target)``/``is_broken(target)``: the pod's mount in the mount table, and whether it
@@ -615,28 +651,10 @@ class BrokenMountReporter:
         self.workloads_of = workloads_of
         self.on_broken = on_broken
         self.settle_s = SETTLE_S if settle_s is None else settle_s
-        self._seen: set[str] = set()  # uids checked or being checked
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        super().__init__()
 
-    def observe(self, event_type: str, state: PodState) -> None:
-        if not (event_type == "DELETED" or state.dead) or not state.target:
-            return
-        with self._lock:
-            if state.uid in self._seen:
-                return
-            self._seen.add(state.uid)
-            thread = threading.Thread(target=self._check, args=(event_type, state), name=f"check {state.name}",
-                                      daemon=True)
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
-
-    def join(self, timeout_s: float) -> None:
-        """Wait for the checks in flight (tests)."""
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(timeout_s)
+    def _wants(self, event_type: str, state: PodState) -> bool:
+        return (event_type == "DELETED" or state.dead) and bool(state.target)
 
     def _check(self, event_type: str, state: PodState) -> None:
         target = Path(state.target)
@@ -662,7 +680,7 @@ class BrokenMountReporter:
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsMountBroken", message)
 
 
-class StagedWritesReporter:
+class StagedWritesReporter(_OncePerPod):
     """Says when a mount pod ended leaving writes on this node: an Event on every workload pod bound to
     the volume here (and on the mount pod while it exists), a log line, and the counter of
     ``csi_driver.metrics``.
@@ -680,27 +698,10 @@ class StagedWritesReporter:
         self.workloads_of = workloads_of
         self.on_left = on_left
         self.wait_s = wait_s
-        self._seen: set[str] = set()
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        super().__init__()
 
-    def observe(self, event_type: str, state: PodState) -> None:
-        if not (event_type == "DELETED" or state.dead or state.deleting) or not state.cache_dir:
-            return
-        with self._lock:
-            if state.uid in self._seen:
-                return
-            self._seen.add(state.uid)
-            thread = threading.Thread(target=self._check, args=(event_type, state), daemon=True,
-                                      name=f"staged {state.name}")
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-        thread.start()
-
-    def join(self, timeout_s: float) -> None:
-        with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(timeout_s)
+    def _wants(self, event_type: str, state: PodState) -> bool:
+        return (event_type == "DELETED" or state.dead or state.deleting) and bool(state.cache_dir)
 
     def _check(self, event_type: str, state: PodState) -> None:
         from cachefs.admin import staged_changes
