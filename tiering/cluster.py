@@ -129,7 +129,7 @@ class ClusterTier:
             self.health.maybe_probe()
             return None
         try:
-            framed = header_size(token) + length
+            framed = header_size(token, length) + length
             blob = await self._call(lambda: self.store.get_range(name, ANY_VERSION, 0, framed), f"reading {name}")
             if len(blob) != framed:
                 raise CorruptBlockError(f"object is {len(blob)} bytes, expected {framed}")

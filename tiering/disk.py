@@ -21,6 +21,11 @@ zero-filled block simply fails its checksum on the next read and is fetched agai
 4 MiB block would cost a flush of the device queue on every miss. Temp files left by a crash are
 removed by the start-up scan.
 
+Blocks of 1 MiB and more are written and read with ``O_DIRECT``, from and into the block's own
+page-aligned buffer, without a copy into the page cache: ``tiering.blockfile`` does the file I/O of
+one block and gives the figures (buffered writes of new files cost this VM 2.1 CPU-s/GiB, direct
+ones 0.08).
+
 Capacity and eviction
 ---------------------
 ``used_bytes()`` counts whole file sizes (header included) of indexed blocks plus the bytes reserved
@@ -120,23 +125,18 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from tiering.blockfile import BlockFiles
 from tiering.blockformat import (
-    FIXED_HEADER_SIZE,
-    HEADER_CRC_SIZE,
     CorruptBlockError,
     block_file_size,
-    check_data,
-    check_fixed_header,
-    check_header_token,
     encode_header,
     encode_token,
-    header_size,
     object_footprint,
 )
 from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
-from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
+from tiering.private import PRIVATE_DIR_MODE
 from tiering.protocols import TierStats, VictimOrder
 from tiering.victims import rank_victims
 from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
@@ -153,9 +153,6 @@ TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
 _DIGEST_LEN = 64  # hex SHA-256
 _HEX = frozenset("0123456789abcdef")
-# A block file: created, never reused (O_EXCL also refuses a symlink at the temp name), 0600 and
-# opened without following symlinks (tiering.private).
-_BLOCK_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
 
 def check_cache_dir(path: Path) -> None:
@@ -193,6 +190,8 @@ def filesystem_free_bytes(path: Path) -> int:
 
 def _is_hex(text: str) -> bool:
     return all(c in _HEX for c in text)
+
+
 
 
 class DiskTier:
@@ -233,6 +232,7 @@ class DiskTier:
         self.min_free_bytes = min_free_bytes
         self._free_space = free_space
         self.victim_order = victim_order
+        self.files = BlockFiles(name)  # the file I/O of one block (O_DIRECT for large ones)
 
         self._lock = threading.Lock()
         # digest -> (file size, generation), least recently used first. The generation tells a
@@ -270,7 +270,7 @@ class DiskTier:
         size, gen = entry
         path = self._path(digest)
         try:
-            data = self._read_block(path, encode_token(key), size)
+            data = self.files.read(path, encode_token(key), size)
         except FileNotFoundError:
             # Removed behind our back (or evicted by another thread in between): a plain miss.
             self._drop(digest, gen)
@@ -358,7 +358,7 @@ class DiskTier:
             return False
         tmp = path.with_name(f"{TMP_PREFIX}{digest}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
         try:
-            self._write_file(tmp, path, header, data)
+            self.files.write(tmp, path, header, data)
         except OSError as exc:
             self._unlink_quiet(tmp)
             if old is not None:
@@ -629,52 +629,6 @@ class DiskTier:
             # The file stays as an orphan until the next start-up scan indexes it again.
             self._count_error()
             self.health.record_failure(exc)
-
-    @staticmethod
-    def _write_file(tmp: Path, final: Path, header: bytes, data: BlockData) -> None:
-        """Header and data in one ``writev`` from the block's own buffer: one copy (into the page
-        cache), no Python-level buffering, called from a worker thread (the GIL is released in the
-        system call). Opened private (0600) without following a link (``tiering.private``)."""
-        try:
-            fd = open_private(tmp, _BLOCK_WRITE_FLAGS)
-        except FileNotFoundError:
-            # Prefix directories are made on first use (and again if someone removed them).
-            os.makedirs(tmp.parent, mode=PRIVATE_DIR_MODE, exist_ok=True)
-            fd = open_private(tmp, _BLOCK_WRITE_FLAGS)
-        try:
-            parts = [memoryview(header), memoryview(data)]
-            while parts:
-                written = os.writev(fd, parts)
-                while parts and written >= len(parts[0]):
-                    written -= len(parts[0])
-                    parts.pop(0)
-                if parts and written:
-                    parts[0] = parts[0][written:]
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-
-    @staticmethod
-    def _read_block(path: Path, token: bytes, indexed_size: int) -> bytes:
-        """Read and verify one block file; raise ``CorruptBlockError`` or ``OSError``."""
-        try:
-            fd = open_private(path, os.O_RDONLY)
-        except UnsafePathError as exc:  # a symlink where a block file should be: not ours
-            raise CorruptBlockError(str(exc)) from exc
-        with os.fdopen(fd, "rb") as f:
-            fixed = f.read(FIXED_HEADER_SIZE)
-            data_len, data_crc = check_fixed_header(fixed, token)
-            check_header_token(fixed, f.read(len(token) + HEADER_CRC_SIZE), token)
-            head = header_size(token)
-            if head + data_len != indexed_size:
-                raise CorruptBlockError(f"file is {indexed_size} bytes, header says {head + data_len}")
-            data = f.read(data_len)
-            if len(data) != data_len:
-                raise CorruptBlockError("truncated data")
-            if f.read(1):
-                raise CorruptBlockError("trailing bytes after the data")
-        check_data(data, data_len, data_crc)
-        return data
 
     # -- start-up -------------------------------------------------------------------------------
 

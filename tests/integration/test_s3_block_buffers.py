@@ -1,4 +1,4 @@
-"""Block buffers used again (``tiering.objectstore.rangedget.BufferPool``) never serve the wrong bytes.
+"""Block buffers used again (``tiering.buffers.BufferPool``) never serve the wrong bytes.
 
 A cold read of an object many times the RAM tier, through ``BlockCache`` on the S3 store against
 SeaweedFS, with blocks large enough to be pooled mappings: every block fetched after the RAM tier is
@@ -15,7 +15,7 @@ from tests.support.s3servers import SeaweedS3
 from tiering.blockcache import BlockCache
 from tiering.blocks import ObjectRef
 from tiering.objectstore import S3ObjectStore
-from tiering.objectstore.rangedget import MAP_MIN_BYTES
+from tiering.buffers import MAP_MIN_BYTES
 from tiering.ram import RamTier
 from tiering.settings import CacheSettings
 

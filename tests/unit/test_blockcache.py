@@ -522,8 +522,8 @@ async def test_a_failing_disk_tier_is_a_miss(tmp_path: Path, monkeypatch) -> Non
     warm = make_cache(store, disk=disk)
     await warm.read(ref, 0, 2 * BS)
     await warm.close()
-    monkeypatch.setattr(DiskTier, "_read_block", staticmethod(broken))
-    monkeypatch.setattr(DiskTier, "_write_file", staticmethod(broken))
+    monkeypatch.setattr(disk.files, "read", broken)
+    monkeypatch.setattr(disk.files, "write", broken)
     cache = make_cache(store, disk=disk)
     assert await cache.read(ref, 0, SIZE) == SOURCE
     await cache.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import tiering.blockfile as blockfile_module
 import tiering.disk as disk_module
 from tiering.blocks import BlockKey
 from tiering.clock import FakeClock
@@ -256,14 +257,14 @@ def test_failed_write_degrades_and_leaves_nothing_behind(tmp_path: Path, monkeyp
 def test_failed_read_is_a_miss_and_drops_the_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = DiskTier(tmp_path, 10 * FOOT)
     assert tier.put(key(1), data_of(1))
-    real_open = disk_module.open_private
+    real_open = blockfile_module.open_private
 
     def failing_open(path: Path, flags: int) -> int:
-        if flags == os.O_RDONLY:
+        if not flags & (os.O_WRONLY | os.O_RDWR):
             raise OSError(errno.EIO, "Input/output error")
         return real_open(path, flags)
 
-    monkeypatch.setattr(disk_module, "open_private", failing_open)
+    monkeypatch.setattr(blockfile_module, "open_private", failing_open)
     assert tier.get(key(1)) is None
     assert tier.stats.errors == 1 and tier.stats.misses == 1
     assert tier.health.consecutive_failures == 1

@@ -208,7 +208,7 @@ async def test_a_caller_that_stops_waiting_frees_the_thread(server: Server, gett
 
 def test_a_block_buffer_is_used_again_only_when_no_view_of_it_is_alive() -> None:
     """A reused buffer must never be one a reader, the RAM tier or a disk write still holds."""
-    from tiering.objectstore.rangedget import MAP_MIN_BYTES, BufferPool
+    from tiering.buffers import MAP_MIN_BYTES, BufferPool
 
     pool = BufferPool(keep_free=1)
     size = MAP_MIN_BYTES * 2

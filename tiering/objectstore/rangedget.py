@@ -18,20 +18,9 @@ buffer; the loop does one hop to the pool and one back per block. The buffer is 
 ``memoryview``, only when it is full: a request that fails or is cancelled drops it, so nothing can
 see a partial block.
 
-Why an anonymous mapping per block (``mmap`` with ``MAP_POPULATE``), and used again
-(``BufferPool``), not ``bytearray``: a cold read keeps every block it fetches (the RAM tier), so
-until the RAM tier is full each one is new memory, and new memory costs page faults whatever
-allocates it. ``bytearray(n)`` takes those faults and zero-fills under
-the GIL: measured on this 2-core VM, 3.4 ms per 8 MiB block that is kept (0.43 CPU-s/GiB, the
-heaviest line of the GIL profile of a cold read, 23% of its samples). ``MAP_POPULATE`` makes the
-kernel fault the whole mapping in one ``mmap`` call, which CPython makes with the GIL released:
-2.6 ms per block, in the worker thread, off the GIL. And a mapping goes back to the system the moment
-its last view is dropped, so the daemon's RSS follows the RAM tier, with none of the heap
-fragmentation that freed 8 MiB ``bytearray``s leave behind. Once the RAM tier is full, every block
-fetched evicts one: ``BufferPool`` hands the evicted block's mapping out again as soon as no view of
-it is alive, so a long cold read pays no page faults at all (measured, 256 MiB through a 64 MiB RAM
-tier, engine only: 0.72 CPU-s/GiB with a new mapping per block, 0.36-0.44 with the pool, which is
-what threaded boto3 spends).
+The buffer is an anonymous mapping from the process's one pool (``tiering.buffers``, which says
+why a mapping and not ``bytearray``): page-aligned, so the disk tier can write it with ``O_DIRECT``,
+and used again once the RAM tier has dropped every view of it.
 
 Why ``http.client`` under a thread pool, not urllib3, aiohttp or obstore: urllib3's ``readinto`` reads
 into a temporary ``bytes`` and copies it over (a second copy per byte, with the GIL held); aiohttp
@@ -56,10 +45,8 @@ so an abandoned request holds neither a thread nor a buffer for longer than one 
 from __future__ import annotations
 
 import asyncio
-import collections
 import http.client
 import logging
-import mmap
 import re
 import socket
 import ssl
@@ -70,17 +57,10 @@ from dataclasses import dataclass, field
 from typing import Mapping
 from urllib.parse import urlsplit
 
+from tiering.buffers import BLOCK_BUFFERS, BufferPool
+
 log = logging.getLogger(__name__)
 
-# Ranges below this get a bytearray: an mmap call costs ~14 us, a 100 KiB bytearray ~3 us (measured
-# on this VM), and a small file's block is too small for its page faults to matter.
-MAP_MIN_BYTES = 1024 * 1024
-# Idle block buffers the pool keeps for the next fetches (BufferPool): a cold read past a full RAM
-# tier frees one block per block it fetches, so two cover the reuse (the engine measured the same
-# reuse with 2 as with 4), and 2 x 8 MiB is all the memory idle buffers add to the RAM tier's.
-IDLE_BUFFERS = 2
-# A private anonymous mapping, populated by the mmap call itself (Linux); elsewhere faulted on use.
-_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 # The error code of an S3 error document (<Error><Code>NoSuchKey</Code>...): a code, never the message.
 _ERROR_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 # Bodies above this are received with MSG_WAITALL (_receive_waitall); smaller ones arrive in one or
@@ -122,87 +102,6 @@ class _Connections:
     by_origin: dict[tuple[str, str, int], http.client.HTTPConnection] = field(default_factory=dict)
 
 
-def allocate_block(length: int) -> memoryview:
-    """A new writable buffer of ``length`` bytes, faulted in at once, off the GIL (module docstring)."""
-    if length < MAP_MIN_BYTES:
-        return memoryview(bytearray(length))
-    return memoryview(mmap.mmap(-1, length, flags=_MAP_FLAGS))
-
-
-def _unused(mapping: mmap.mmap) -> bool:
-    """Whether no view of ``mapping`` is alive anywhere (a RAM-tier entry, a reply, a disk write).
-
-    CPython refuses to resize a mapping while any buffer is exported from it, and every view or
-    slice of a block keeps that export; resizing to its own size changes nothing else (0.3 us).
-    """
-    try:
-        mapping.resize(len(mapping))
-    except BufferError:
-        return False
-    return True
-
-
-def _can_probe() -> bool:
-    """Whether this platform resizes anonymous mappings (Linux's ``mremap``): without it no buffer
-    can be proven free, so the pool would only grow; it then maps a new buffer every time."""
-    try:
-        _unused(mmap.mmap(-1, mmap.PAGESIZE))
-    except (OSError, ValueError, SystemError):
-        return False
-    return True
-
-
-class BufferPool:
-    """Block buffers allocated once and used again once nothing holds a view of them.
-
-    Why: a new mapping per block costs its page faults (2.6 ms per 8 MiB, 0.33 CPU-s/GiB) every
-    time, while a cold read that evicts from a full RAM tier frees a block for every one it
-    fetches. Each mapping of ``MAP_MIN_BYTES`` or more that this pool hands out is remembered by
-    the pool; ``take`` first looks, oldest first, for one of the length asked that no view is alive of
-    any more (``_unused``), and only maps a new one when none is. So the pool holds the blocks that
-    are alive anyway (the RAM tier's, those in flight) plus at most ``keep_free`` idle ones of any
-    size: memory stays bounded by the RAM tier and the fetch slots, and an idle mapping beyond that
-    is dropped (unmapped). A scan probes every mapping held (~0.3 us each, ~40 us for a 1 GiB RAM
-    tier of 8 MiB blocks), against 2.6 ms for a new mapping.
-    """
-
-    def __init__(self, keep_free: int) -> None:
-        self.keep_free = keep_free
-        self._lock = threading.Lock()
-        self._mappings: collections.deque[mmap.mmap] = collections.deque()  # oldest handed out first
-        self.enabled = _can_probe()
-        self.reused = 0  # buffers handed out again (tests, benchmarks)
-        self.mapped = 0  # new mappings made
-
-    def take(self, length: int) -> memoryview:
-        if length < MAP_MIN_BYTES or not self.enabled:
-            return allocate_block(length)
-        with self._lock:
-            found: mmap.mmap | None = None
-            kept: collections.deque[mmap.mmap] = collections.deque()
-            idle = 0
-            for mapping in self._mappings:  # the oldest first: the most likely to be evicted by now
-                if not _unused(mapping):
-                    kept.append(mapping)
-                elif found is None and len(mapping) == length:
-                    found = mapping
-                elif idle < self.keep_free:
-                    idle += 1
-                    kept.append(mapping)
-                # else: one idle mapping too many (any size), dropped: unmapped when this reference goes
-            self._mappings = kept
-            if found is not None:
-                kept.append(found)  # now the most recently handed out
-                self.reused += 1
-                return memoryview(found)  # the view exists before the lock is let go
-        mapping = mmap.mmap(-1, length, flags=_MAP_FLAGS)  # outside the lock: the slow part
-        view = memoryview(mapping)  # before the pool knows it, so no other thread can take it
-        with self._lock:
-            self._mappings.append(mapping)
-            self.mapped += 1
-        return view
-
-
 class RequestAbandoned(Exception):
     """The caller stopped waiting; the thread dropped the request (internal)."""
 
@@ -222,7 +121,7 @@ class RangedGetter:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[_Connections] = []  # every thread's, for close()
-        self.buffers = BufferPool(keep_free=IDLE_BUFFERS)
+        self.buffers: BufferPool = BLOCK_BUFFERS  # shared with the disk tier (tiering.buffers)
         self._closed = False
 
     async def get(self, url: str, headers: Mapping[str, str], length: int) -> RangeAnswer:
