@@ -101,6 +101,9 @@ class FsSettings:
     file_mode: int | None = None
     dir_mode: int | None = None
     read_only: bool = False
+    # Every open answers FUSE with direct_io: reads and writes bypass the mount's page cache, and every
+    # read reaches the daemon (``--direct-io``; docs/configuration.md says when that pays).
+    direct_io: bool = False
     rename_dir_limit: int = DEFAULT_RENAME_DIR_LIMIT
     metadata_timeout_s: float = DEFAULT_METADATA_TIMEOUT_S
 

@@ -171,6 +171,9 @@ def register(sub: Any) -> None:
                    help="permission bits of every directory, in octal (default 0755; 0555 with --read-only)")
     m.add_argument("--read-only", action="store_true", default=False,
                    help="read-only mount: every change answers EROFS (default: writable, with write-back)")
+    m.add_argument("--direct-io", action="store_true", default=False,
+                   help="bypass the mount's page cache: faster cold streaming reads, but every re-read costs the "
+                        "daemon CPU and shared mmap fails with ENODEV (default: off, see docs/configuration.md)")
     m.add_argument("--write-through", action="store_true", default=False,
                    help="close() and fsync() return only once the upload succeeded, and report its failure")
     m.add_argument("--write-durability", choices=list(DURABILITIES), default=DURABILITY_LOCAL,
@@ -268,7 +271,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         owner = {name: getattr(args, name) for name in ("uid", "gid", "file_mode", "dir_mode")
                  if getattr(args, name) is not None}
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
-                        rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout, **owner)
+                        direct_io=args.direct_io, rename_dir_limit=args.rename_dir_limit,
+                        metadata_timeout_s=args.metadata_timeout, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through,
                                       upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout,

@@ -263,7 +263,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 # libfuse takes "/dev/fd/N" as a session already mounted by someone else: it neither
                 # mounts nor, at the end, unmounts (the privileged process that mounted does).
                 device = f"/dev/fd/{settings.fuse_fd}" if handed_over else str(settings.mountpoint)
-                session = FuseSession(fs, device, read_only=settings.fs.read_only, allow_other=settings.allow_other)
+                session = FuseSession(fs, device, read_only=settings.fs.read_only, allow_other=settings.allow_other,
+                                      direct_io=settings.fs.direct_io)
                 try:
                     session.mount()
                 except OSError as exc:

@@ -85,9 +85,12 @@ class FuseOperations(pyfuse3.Operations):
 
     enable_writeback_cache = False
 
-    def __init__(self, fs: CacheFS) -> None:
+    def __init__(self, fs: CacheFS, *, direct_io: bool = False) -> None:
         super().__init__()
         self.fs = fs
+        # ``--direct-io``: every open of a regular file answers with FOPEN_DIRECT_IO, so the kernel
+        # neither fills nor serves the mount's page cache for it (mmap aside, see docs).
+        self.direct_io = direct_io
 
     @_translate
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
@@ -105,7 +108,7 @@ class FuseOperations(pyfuse3.Operations):
     @_translate
     async def open(self, inode: int, flags: int, ctx: Any = None) -> pyfuse3.FileInfo:
         fh, keep_cache = await self.fs.open(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=self.direct_io)
 
     # pyfuse3 declares ``bytes`` but accepts any buffer (it copies from the buffer protocol), and a
     # memoryview of a cached block saves that copy here.
@@ -211,7 +214,7 @@ class FuseOperations(pyfuse3.Operations):
     @_translate
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any = None) -> Any:
         fh, keep_cache, attrs = await self.fs.create(parent_inode, name, mode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=False), entry_attributes(attrs)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=self.direct_io), entry_attributes(attrs)
 
     @_translate
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -276,9 +279,11 @@ def fuse_failure_reason(text: str) -> str | None:
 class FuseSession:
     """The FUSE session of one mount: the only place that calls pyfuse3's module-level functions."""
 
-    def __init__(self, fs: CacheFS, mountpoint: str, *, read_only: bool, allow_other: bool) -> None:
+    def __init__(self, fs: CacheFS, mountpoint: str, *, read_only: bool, allow_other: bool,
+                 direct_io: bool = False) -> None:
         self.fs = fs
         self.mountpoint = mountpoint
+        self.direct_io = direct_io
         self.options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs"}
         if read_only:
             self.options.add("ro")
@@ -302,7 +307,7 @@ class FuseSession:
         failure: RuntimeError | None = None
         with captured_stderr() as captured:
             try:
-                pyfuse3.init(FuseOperations(self.fs), self.mountpoint, self.options)
+                pyfuse3.init(FuseOperations(self.fs, direct_io=self.direct_io), self.mountpoint, self.options)
             except RuntimeError as exc:
                 failure = exc
         if captured.text:

@@ -269,6 +269,14 @@ def test_read_only_mount_settings(mnt: Path, cache_dir: Path) -> None:
     assert settings.fs.read_only and settings.fs.file_mode == 0o444 and settings.fs.dir_mode == 0o555
 
 
+def test_direct_io_is_off_unless_asked_and_works_on_both_kinds_of_mount(mnt: Path, cache_dir: Path) -> None:
+    default = mount_settings(build_parser().parse_args(mount_args("s3://my-bucket", mnt, cache_dir)), {})
+    assert default.fs.direct_io is False
+    for extra in (["--direct-io"], ["--direct-io", "--read-only"]):
+        settings = mount_settings(build_parser().parse_args(mount_args("s3://my-bucket", mnt, cache_dir, *extra)), {})
+        assert settings.fs.direct_io is True and settings.fs.read_only is ("--read-only" in extra)
+
+
 def test_flush_and_status_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) -> None:
     code, err = run(["flush", str(tmp_path)], capsys)
     assert_one_line_error(code, err, "not a mountpoint")

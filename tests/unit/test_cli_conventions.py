@@ -83,8 +83,19 @@ def test_environment_sets_options_and_flags_win() -> None:
     assert defaults.cache_dir is None and defaults.foreground is False
 
 
+def test_direct_io_from_the_environment_and_from_fstab() -> None:
+    assert mount_args([], {}).direct_io is False
+    assert mount_args([], {"CACHEFS_DIRECT_IO": "true"}).direct_io is True
+    assert mount_args([], {"CACHEFS_DIRECT_IO": "0"}).direct_io is False
+    assert mount_args(["--direct-io"], {"CACHEFS_DIRECT_IO": "off"}).direct_io is True  # the flag wins
+    # s3fs-fuse spells it -o direct_io; so does mount.cachefs.
+    assert fstab.translate("s3://b/p", "/mnt/x", ["ro", "direct_io"]) == [
+        "mount", "s3://b/p", "/mnt/x", "--read-only", "--direct-io"]
+
+
 @pytest.mark.parametrize(("name", "value", "needle"), [
     ("CACHEFS_RAM_CACHE", "lots", "CACHEFS_RAM_CACHE: invalid size 'lots'"),
+    ("CACHEFS_DIRECT_IO", "maybe", "CACHEFS_DIRECT_IO='maybe': expected 1, true"),
     ("CACHEFS_READ_ONLY", "maybe", "CACHEFS_READ_ONLY='maybe': expected 1, true"),
     ("CACHEFS_LOG_LEVEL", "loud", "CACHEFS_LOG_LEVEL='loud': expected one of DEBUG"),
     ("CACHEFS_FETCH_TIMEOUT", "-1", "CACHEFS_FETCH_TIMEOUT: invalid duration '-1'"),

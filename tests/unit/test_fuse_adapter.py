@@ -245,6 +245,23 @@ async def writable(tmp_path):
         await wb.stop()
 
 
+async def test_direct_io_is_answered_on_every_open_and_create_only_when_asked(writable) -> None:
+    ops, _store, _wb = writable
+    for direct_io in (False, True):
+        ops.direct_io = direct_io
+        d = await ops.lookup(ROOT_INODE, b"dir", None)
+        f = await ops.lookup(d.st_ino, b"file.bin", None)
+        for flags in (os.O_RDONLY, os.O_RDWR):
+            fi = await ops.open(f.st_ino, flags, None)
+            assert fi.direct_io is direct_io
+            await ops.release(fi.fh)
+        fi, _entry = await ops.create(ROOT_INODE, f"new-{direct_io}".encode(), 0o644, os.O_WRONLY | os.O_CREAT, None)
+        assert fi.direct_io is direct_io
+        await ops.release(fi.fh)
+    assert FuseOperations(ops.fs).direct_io is False
+    assert FuseOperations(ops.fs, direct_io=True).direct_io is True
+
+
 def _fields(**updates: bool) -> object:
     import types
 
