@@ -4,7 +4,7 @@ Three sources of keys:
 
 - **Volume attributes** (``PersistentVolume.spec.csi.volumeAttributes``, an inline volume's
   ``volumeAttributes``, and the ``volume_context`` that CreateVolume returns): what to mount and how
-  (``source``, ``endpointUrl``, cache sizes, ``readOnly``). Parsed by ``parse_volume_attributes``.
+  (``source``, ``endpointUrl``, cache sizes, ``readOnly``, ``directIo``). Parsed by ``parse_volume_attributes``.
 - **StorageClass parameters** (CreateVolume): where dynamically provisioned volumes live
   (``bucket``, ``prefix``), what DeleteVolume does (``onDelete``), and the same endpoint and cache
   keys, which are copied into each new volume's context. Parsed by ``parse_provision_parameters``.
@@ -58,6 +58,7 @@ ATTR_MAX_FETCHES = "maxFetches"  # --max-fetches
 ATTR_ATTR_TTL = "attrTtl"  # --attr-ttl (seconds)
 ATTR_DIR_TTL = "dirTtl"  # --dir-ttl (seconds)
 ATTR_READ_ONLY = "readOnly"  # "true": always mount read-only, whatever the pod asks
+ATTR_DIRECT_IO = "directIo"  # "true": --direct-io, reads and writes bypass the mount's page cache
 ATTR_UID = "uid"  # --uid: owner of every file and directory (default: root, the node plugin)
 ATTR_GID = "gid"  # --gid (a pod's fsGroup, when it has one, takes its place)
 ATTR_FILE_MODE = "fileMode"  # --file-mode, octal
@@ -131,7 +132,7 @@ MOUNT_GROUP_FILE_MODE, MOUNT_GROUP_DIR_MODE = 0o664, 0o775
 
 CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
               ATTR_ATTR_TTL, ATTR_DIR_TTL, ATTR_CLUSTER_CACHE, ATTR_CLUSTER_ENDPOINT_URL, ATTR_CLUSTER_TIMEOUT,
-              ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT, ATTR_WRITE_DURABILITY)
+              ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT, ATTR_WRITE_DURABILITY, ATTR_DIRECT_IO)
 OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
 MOUNT_POD_KEYS = (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT, ATTR_MOUNT_POD_MEMORY_REQUEST,
                   ATTR_MOUNT_POD_MEMORY_LIMIT)
@@ -188,10 +189,11 @@ class CacheOptions:
     upload_max_delay_s: float | None = None
     stop_timeout_s: float | None = None
     write_durability: str | None = None
+    direct_io: bool = False
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
-        out: list[str] = []
+        out: list[str] = ["--direct-io"] if self.direct_io else []
         for flag, value in (("--ram-cache", self.ram_bytes), ("--disk-cache", self.disk_bytes),
                             ("--block-size", self.block_size), ("--readahead", self.readahead_bytes),
                             ("--max-fetches", self.max_fetches), ("--attr-ttl", self.attr_ttl_s),
@@ -402,6 +404,7 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
                             if (v := get(ATTR_UPLOAD_MAX_DELAY)) is not None else None),
         stop_timeout_s=_parse_seconds(ATTR_STOP_TIMEOUT, v) if (v := get(ATTR_STOP_TIMEOUT)) is not None else None,
         write_durability=v if (v := get(ATTR_WRITE_DURABILITY)) is not None else None,
+        direct_io=parse_bool(ATTR_DIRECT_IO, v) if (v := get(ATTR_DIRECT_IO)) is not None else False,
     )
     if options.write_durability is not None and options.write_durability not in WRITE_DURABILITIES:
         raise invalid(f"volume attribute {ATTR_WRITE_DURABILITY!r} must be one of {', '.join(WRITE_DURABILITIES)}, "

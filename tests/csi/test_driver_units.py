@@ -109,6 +109,29 @@ def test_write_durability_attribute_becomes_the_mount_option() -> None:
     assert "--write-durability" not in attrs.parse_volume_attributes({"source": "s3://bucket/data"}).cache.cli_args()
 
 
+def test_direct_io_attribute_becomes_the_mount_option_and_anything_but_true_or_false_is_refused(
+        tmp_path: Path) -> None:
+    for value, on in (("true", True), ("True", True), ("false", False), (" FALSE ", False)):
+        settings = attrs.parse_volume_attributes({"source": "s3://bucket/data", "directIo": value})
+        assert settings.cache.direct_io is on
+        assert ("--direct-io" in settings.cache.cli_args()) is on
+    plain = attrs.parse_volume_attributes({"source": "s3://bucket/data"})
+    assert plain.cache.direct_io is False and "--direct-io" not in plain.cache.cli_args()
+    on = attrs.parse_volume_attributes({"source": "s3://bucket/data", "directIo": "true", "ramCache": "1GiB"})
+    argv = CachefsMounter(command=["cachefs"], environ={}).mount_argv(
+        MountRequest("s3://bucket/data", tmp_path / "t", tmp_path / "c", cache=on.cache))
+    assert "--direct-io" in argv and argv[argv.index("--ram-cache") + 1] == str(1 << 30)
+    # A StorageClass parameter: checked at CreateVolume and copied into every new volume's attributes.
+    params = attrs.parse_provision_parameters({"bucket": "datasets", "directIo": "true"})
+    assert params.cache_attributes == {"directIo": "true"}
+    for bad in ("yes", "1", "on", "", "truee"):
+        for parse, values in ((attrs.parse_volume_attributes, {"source": "s3://bucket/data", "directIo": bad}),
+                              (attrs.parse_provision_parameters, {"bucket": "datasets", "directIo": bad})):
+            code, message = code_of(parse, values)
+            assert code is Code.INVALID_ARGUMENT and "\n" not in message
+            assert message == f"volume attribute 'directIo' must be 'true' or 'false', got {bad!r}"
+
+
 def test_endpoint_with_credentials_is_refused_without_echoing_them() -> None:
     code, message = code_of(attrs.parse_volume_attributes,
                             {"source": "s3://b12/x", "endpointUrl": f"https://{KEY_ID}:{SECRET}@s3.example.com"})
