@@ -110,8 +110,15 @@ _FIELD_OF_ATTRIBUTE = {
     **{f"'{key}'": f"'cache.{key}'" for key in (attributes.ATTR_RAM_CACHE, attributes.ATTR_DISK_CACHE,
                                                 attributes.ATTR_BLOCK_SIZE, attributes.ATTR_READAHEAD,
                                                 attributes.ATTR_MAX_FETCHES, attributes.ATTR_ATTR_TTL,
-                                                attributes.ATTR_DIR_TTL)},
+                                                attributes.ATTR_DIR_TTL, attributes.ATTR_DIRECT_IO)},
 }
+
+
+# The keys of spec.cache: the CSI driver's cache attributes a read-only Dataset volume can use (no
+# write-back keys; the cluster tier has spec.clusterTier). The CRD declares exactly these (a test checks).
+DATASET_CACHE_KEYS = (attributes.ATTR_RAM_CACHE, attributes.ATTR_DISK_CACHE, attributes.ATTR_BLOCK_SIZE,
+                      attributes.ATTR_READAHEAD, attributes.ATTR_MAX_FETCHES, attributes.ATTR_ATTR_TTL,
+                      attributes.ATTR_DIR_TTL, attributes.ATTR_DIRECT_IO)
 
 
 def _spec_names(message: str) -> str:
@@ -128,7 +135,7 @@ def volume_attributes(spec: Mapping[str, Any]) -> dict[str, str]:
         if spec.get(key):
             attrs[attr] = str(spec[key])
     for key, value in _mapping(spec, "cache", "spec.").items():
-        attrs[str(key)] = str(value)
+        attrs[str(key)] = str(value).lower() if isinstance(value, bool) else str(value)
     cluster = _mapping(spec, "clusterTier", "spec.")
     for key, attr in (("cache", attributes.ATTR_CLUSTER_CACHE), ("endpointUrl", attributes.ATTR_CLUSTER_ENDPOINT_URL),
                       ("timeout", attributes.ATTR_CLUSTER_TIMEOUT)):
@@ -142,12 +149,10 @@ def parse_spec(spec: Mapping[str, Any]) -> DatasetSettings:
     if not isinstance(spec, Mapping) or not spec.get("source"):
         raise SpecError("spec.source is required (s3://bucket[/prefix])")
     cache = _mapping(spec, "cache", "spec.")
-    unknown = sorted(set(cache) - set(attributes.CACHE_KEYS) - {"clusterCache"})
-    cluster_keys = {attributes.ATTR_CLUSTER_CACHE, attributes.ATTR_CLUSTER_ENDPOINT_URL, attributes.ATTR_CLUSTER_TIMEOUT}
-    if unknown or cluster_keys & set(cache):
-        bad = unknown or sorted(cluster_keys & set(cache))
-        raise SpecError(f"spec.cache: unknown key {bad[0]!r} (known: ramCache, diskCache, blockSize, readahead, "
-                        "maxFetches, attrTtl, dirTtl; the cluster tier goes in spec.clusterTier)")
+    unknown = sorted(set(cache) - set(DATASET_CACHE_KEYS))
+    if unknown:
+        raise SpecError(f"spec.cache: unknown key {unknown[0]!r} (known: {', '.join(DATASET_CACHE_KEYS)}; "
+                        "the cluster tier goes in spec.clusterTier)")
     attrs = volume_attributes(spec)
     try:
         volume = attributes.parse_volume_attributes(attrs)

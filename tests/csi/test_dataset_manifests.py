@@ -24,7 +24,7 @@ import pytest
 
 from csi_driver.operator import manifests as m
 from csi_driver.operator.handlers import DEFAULT_IMAGE
-from csi_driver.operator.spec import parse_spec
+from csi_driver.operator.spec import SpecError, parse_spec
 from tests.csi.kustomize import kustomize_build
 from tests.csi.test_manifests import CLUSTER_SCOPED, DEPLOY, VERSIONS, by_kind, load_documents, manifest_files
 from tests.support.crd_schema import prune
@@ -79,6 +79,24 @@ def test_a_misspelt_field_is_unknown_to_the_schema() -> None:
     doc = copy.deepcopy(example())
     doc["spec"]["cache"] = {"ramcache": "1GiB"}
     assert prune(doc, schema())[1] == ["spec.cache.ramcache"]
+
+
+def test_spec_cache_declares_exactly_the_keys_the_operator_takes() -> None:
+    """A key the operator takes but the CRD does not declare would be pruned by the API server before
+    the operator ever saw it (what issue 23 found for status fields)."""
+    from csi_driver.operator.spec import DATASET_CACHE_KEYS, volume_attributes
+
+    declared = schema()["properties"]["spec"]["properties"]["cache"]["properties"]
+    assert set(declared) == set(DATASET_CACHE_KEYS)
+    doc = copy.deepcopy(example())
+    doc["spec"]["cache"] = {"directIo": True, "ramCache": "1GiB"}
+    assert not list(jsonschema.Draft7Validator(schema()).iter_errors(doc))
+    assert prune(doc, schema())[1] == []
+    assert volume_attributes(doc["spec"])["directIo"] == "true"
+    assert parse_spec(doc["spec"])  # the driver's parser takes the value
+    doc["spec"]["cache"] = {"uploadDelay": 5}  # a write-back key: a Dataset volume is read-only
+    with pytest.raises(SpecError, match="unknown key 'uploadDelay'"):
+        parse_spec(doc["spec"])
 
 
 @pytest.mark.parametrize("change, where", [
