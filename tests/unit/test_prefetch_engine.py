@@ -10,13 +10,13 @@ import pytest
 
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
 from tiering.clock import FakeClock
-from tiering.disk import DiskTier, block_file_size, object_footprint
-from tiering.blockcache import BlockCache, WarmOutcome
+from tiering.tiers.disk import DiskTier, block_file_size, object_footprint
+from tiering.engine.blockcache import BlockCache, WarmOutcome
 from tiering.errors import ObjectChangedError
 from tiering.latency import LatencyHistogram
 from tiering.objectstore.memory import InMemoryObjectStore
-from tiering.pins import PinError, PinLimitError, load_pin_file, pinned_block_keys, save_pin_file
-from tiering.ram import RamTier
+from tiering.policy.pins import PinError, PinLimitError, load_pin_file, pinned_block_keys, save_pin_file
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 BS = MIN_BLOCK_SIZE

@@ -44,7 +44,7 @@ object version from RAM and/or disk, keeping pinned ones; ``evict_all`` does it 
 The block cache holds clean data only (write-back stages dirty data outside it), so anything it
 drops can be fetched again.
 
-Cluster tier (``tiering.cluster``)
+Cluster tier (``tiering.tiers.cluster``)
 ----------------------------------
 With a cluster tier, a load that misses RAM and disk asks it (in the load's fetch slot, under the
 tier's own shorter timeout) before the source: a hit goes to RAM and disk like a fetched block, and
@@ -80,11 +80,11 @@ from typing import Callable, Iterable, TypeVar
 
 from tiering.blocks import BlockData, BlockKey, ObjectRef, block_count, block_range, spans
 from tiering.clock import Clock, SystemClock
-from tiering.cluster import WriteBehind
-from tiering.blockformat import object_footprint
+from tiering.tiers.cluster import WriteBehind
+from tiering.tiers.blockformat import object_footprint
 from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
 from tiering.latency import LatencyHistogram
-from tiering.pins import PinError, PinLimitError, PinTable, block_keys
+from tiering.policy.pins import PinError, PinLimitError, PinTable, block_keys
 from tiering.protocols import BlockTier, ClusterBlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth, bounded
@@ -302,7 +302,7 @@ class BlockCache:
 
     async def load_ahead(self, ref: ObjectRef, index: int) -> bool:
         """Load one block into RAM (and the disk tier) as read-ahead does, and wait for it, without
-        counting a read: for announced read orders (``tiering.orderprefetch``). Returns whether a
+        counting a read: for announced read orders (``tiering.engine.orderprefetch``). Returns whether a
         load was needed (False: already in RAM). Raises the load's error."""
         key = BlockKey(ref.key, ref.etag, index)
         if self.ram.contains(key):

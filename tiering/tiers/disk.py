@@ -120,7 +120,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tiering.blockformat import (
+from tiering.tiers.blockformat import (
     FIXED_HEADER_SIZE,
     HEADER_CRC_SIZE,
     CorruptBlockError,
@@ -138,7 +138,7 @@ from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
 from tiering.protocols import TierStats, VictimOrder
-from tiering.victims import rank_victims
+from tiering.policy.victims import rank_victims
 from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
 
 log = logging.getLogger("tiering.disk")
