@@ -80,7 +80,8 @@ from cachefs.manifest import MAX_SIZE, PREFETCH_TIERS, ManifestEntry, same_etag,
 from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
 from tiering.clock import Clock, SystemClock
-from tiering.engine.blockcache import BlockCache, WarmOutcome
+from tiering.engine.blockcache import BlockCache
+from tiering.engine.loads import WarmOutcome
 from tiering.errors import CacheError, ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.health import TierState
 from tiering.policy.pins import PIN_FILENAME, PinError, PinFileError, load_pin_file, save_pin_file

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tiering.engine.blockcache import BlockCache, WarmOutcome
+from tiering.engine.blockcache import BlockCache
+from tiering.engine.loads import WarmOutcome
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
 from tiering.clock import FakeClock
 from tiering.tiers.cluster import ClusterTier, InMemoryClusterTier, WriteBehind
