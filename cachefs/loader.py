@@ -2,7 +2,7 @@
 
 A training epoch reads a shuffled permutation of files. When the loader announces that order, the
 daemon fetches ahead of the reader (many small GETs in parallel, within a bounded window) and ranks
-eviction by the order (``tiering.readorder``), so the first epoch runs at the store's parallel GET
+eviction by the order (``tiering.policy.readorder``), so the first epoch runs at the store's parallel GET
 rate and a dataset larger than the cache is not thrashed by LRU.
 
 ``announce(mountpoint, paths, stream=...)`` sends an order to the daemon of the mount, in pages

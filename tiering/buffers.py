@@ -2,7 +2,7 @@
 
 Every block the engine holds in RAM is one buffer from here, whoever filled it: the ranged-GET
 workers receive a fetched block straight into one (``tiering.objectstore.rangedget``), the disk
-tier reads a block file into one with ``O_DIRECT`` (``tiering.disk``). One pool for the process
+tier reads a block file into one with ``O_DIRECT`` (``tiering.tiers.disk``). One pool for the process
 (``BLOCK_BUFFERS``), so a block evicted from RAM frees its buffer for the next block whichever
 path fills it, and the memory of the daemon stays the RAM tier's plus the blocks in flight plus
 ``IDLE_BUFFERS`` idle ones.
@@ -23,7 +23,7 @@ mapping per block, 0.36-0.44 with the pool, which is what threaded boto3 spends)
 
 A mapping starts on a page boundary, which is what ``O_DIRECT`` needs of the memory it transfers
 to or from: the disk tier writes and reads blocks of ``MAP_MIN_BYTES`` and more without the page
-cache, straight from and into these buffers (``DIRECT_ALIGN``; ``tiering.disk`` has the figures).
+cache, straight from and into these buffers (``DIRECT_ALIGN``; ``tiering.tiers.blockfile`` has the figures).
 ``aligned_page`` gives each thread one small aligned scratch buffer for the block header that
 travels with such a transfer.
 """

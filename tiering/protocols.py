@@ -11,9 +11,9 @@
 ``ClusterBlockTier`` a tier of blocks shared by every node (objects in an in-cluster S3 store),
                    below the disk tier and above the source. Asynchronous (``get``/``put``); no pins,
                    no capacity, no recency: what it holds is bounded by ``cachefs cluster gc`` or a
-                   lifecycle rule, and a failure is always a miss (``tiering.cluster``).
+                   lifecycle rule, and a failure is always a miss (``tiering.tiers.cluster``).
 ``VictimOrder``    the order in which a tier takes its eviction victims, when something knows better
-                   than recency (an announced read order, ``tiering.readorder``).
+                   than recency (an announced read order, ``tiering.policy.readorder``).
 ``SpaceBudget``    bytes of local disk that staged (dirty) data may take; the disk tier implements
                    it, so staged bytes and cached blocks share one capacity and only clean blocks
                    are evicted.
@@ -34,7 +34,7 @@ from tiering.health import TierHealth
 
 @runtime_checkable
 class VictimOrder(Protocol):
-    """How soon each block will be read again, for a tier choosing what to evict (``tiering.victims``).
+    """How soon each block will be read again, for a tier choosing what to evict (``tiering.policy.victims``).
 
     ``next_use`` is a distance (blocks read before it; ``inf``: not known to be needed); a tier
     evicts the farthest first and keeps LRU order among equals. While ``active()`` is False the

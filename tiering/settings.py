@@ -34,7 +34,7 @@ DEFAULT_FETCH_TIMEOUT_S = 30.0
 # buffer for everything else. ``--max-pinned`` changes it (up to the low watermark, see below).
 DEFAULT_MAX_PINNED_FRACTION = 0.5
 
-# The shared cluster tier (tiering.cluster), defined here so the CLI reads them without the tier.
+# The shared cluster tier (tiering.tiers.cluster), defined here so the CLI reads them without the tier.
 # A cluster GET of one 8 MiB block inside the cluster takes tens of milliseconds; 5 s tolerates a
 # loaded store and still leaves the source's 30 s fetch timeout most of its time.
 DEFAULT_CLUSTER_TIMEOUT_S = 5.0

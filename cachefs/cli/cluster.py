@@ -1,6 +1,6 @@
 """``cachefs cluster gc``: keep the shared cluster tier under a size.
 
-The cluster tier (``--cluster-cache``, ``tiering.cluster``) enforces no size itself: every node
+The cluster tier (``--cluster-cache``, ``tiering.tiers.cluster``) enforces no size itself: every node
 writes to it, none owns it. This command, run anywhere with access to the cluster store (a
 Kubernetes CronJob, say), lists the blocks under the cluster prefix and deletes the least recently
 *written* ones (S3 LastModified) until the total is at most ``--max-size``. It needs no mount and
@@ -63,7 +63,7 @@ def cmd_cluster_gc(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 
 async def _gc(settings: ClusterSettings, max_bytes: int, dry_run: bool, environ: dict[str, str]) -> dict[str, Any]:
-    from tiering.cluster import collect_garbage
+    from tiering.tiers.cluster import collect_garbage
     from tiering.errors import CacheError
     from tiering.objectstore import open_object_store
 

@@ -353,7 +353,7 @@ def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None
 
     ``check_mountpoint=False`` for a handed-over mount: its mountpoint is already mounted (and
     answers nothing until this daemon serves it), or not even visible to the daemon."""
-    from tiering.disk import check_cache_dir
+    from tiering.tiers.disk import check_cache_dir
     from tiering.private import check_cache_dirs
     from tiering.objectstore import parse_source
 

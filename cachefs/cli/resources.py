@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from cachefs.settings import MountSettings
-from tiering.disk import filesystem_free_bytes
+from tiering.tiers.disk import filesystem_free_bytes
 from tiering.units import format_size
 
 MEMINFO = Path("/proc/meminfo")

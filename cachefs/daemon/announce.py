@@ -6,7 +6,7 @@ stream's order (a new epoch); with it, the list extends it (an order sent in pag
 without ``append`` ends the stream. The paths are resolved against the store the way prefetch jobs
 resolve them (``cachefs.daemon.resolver``: one LIST per directory, the mount's naming rules), to the
 object versions the engine keys its blocks by, and handed to the mount's ``ReadOrder``
-(``tiering.readorder``); the ``OrderPrefetcher`` (``tiering.orderprefetch``) then fetches ahead of
+(``tiering.policy.readorder``); the ``OrderPrefetcher`` (``tiering.engine.orderprefetch``) then fetches ahead of
 each stream's reader.
 
 Bad entries are reported, not fatal: paths that name nothing, directories, and paths that are not
@@ -30,9 +30,9 @@ from cachefs.daemon.resolver import Resolver
 from cachefs.paths import PathError, check_path
 from tiering.blocks import ObjectRef
 from tiering.errors import ObjectStoreError
-from tiering.orderprefetch import OrderPrefetcher
+from tiering.engine.orderprefetch import OrderPrefetcher
 from tiering.protocols import ObjectInfo, ObjectStore
-from tiering.readorder import ReadOrder, ReadOrderLimitError
+from tiering.policy.readorder import ReadOrder, ReadOrderLimitError
 
 # How many bad paths of each kind an answer names (the counts are always complete).
 NAMES_IN_ANSWER = 20

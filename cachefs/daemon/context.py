@@ -17,7 +17,7 @@ from cachefs.daemon.control import ControlServer
 from cachefs.daemon.stopping import Stopping
 from cachefs.fs.filesystem import CacheFS
 from cachefs.settings import MountSettings
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.protocols import ObjectStore
 
 

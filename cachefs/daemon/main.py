@@ -15,8 +15,8 @@ write, and opens its own files there without following symlinks (``tiering.priva
     CACHE_DIR/<sha256(source, endpoint)[:16]>/
         source.json   what this directory caches (for humans and tools)
         lock          flock'd by the daemon using it: two daemons never share a disk tier
-        blocks/       the disk tier (see tiering.disk)
-        pins.json     pinned objects (see tiering.pins, cachefs.daemon.prefetch)
+        blocks/       the disk tier (see tiering.tiers.disk)
+        pins.json     pinned objects (see tiering.policy.pins, cachefs.daemon.prefetch)
         metadata.db   listings that outlive the mount (see cachefs.fs.metaindex, cachefs.daemon.metadata)
         manifest-<sha256>.db   the namespace of a --manifest mount (see cachefs.fs.pinned)
         staging/      staged writes and their journal, on a writable mount (see tiering.writeback)
@@ -47,16 +47,16 @@ from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
-from tiering.cluster import ClusterTier, WriteBehind
-from tiering.disk import DiskTier, filesystem_free_bytes
-from tiering.blockcache import BlockCache
+from tiering.tiers.cluster import ClusterTier, WriteBehind
+from tiering.tiers.disk import DiskTier, filesystem_free_bytes
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import CacheError, ObjectStoreUnavailableError
 from tiering.objectstore import CHECK_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, open_object_store
 from tiering.protocols import ObjectStore
-from tiering.pins import PIN_FILENAME, pinned_block_keys
+from tiering.policy.pins import PIN_FILENAME, pinned_block_keys
 from tiering.private import PRIVATE_DIR_MODE, check_cache_dirs, open_private, write_private_file
-from tiering.ram import RamTier
-from tiering.readorder import ReadOrder
+from tiering.tiers.ram import RamTier
+from tiering.policy.readorder import ReadOrder
 from tiering.storehealth import StoreHealth
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         ).encode())
         index, pinned = await metadata.open_index(settings, store, cache_dir)
         cs = settings.cache
-        # Announced read orders rank both tiers' eviction victims (tiering.readorder, cachefs.daemon.announce).
+        # Announced read orders rank both tiers' eviction victims (tiering.policy.readorder, cachefs.daemon.announce).
         read_order = ReadOrder(cs.block_size)
         disk = None
         if cs.disk_bytes > 0:

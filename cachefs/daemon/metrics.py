@@ -61,7 +61,7 @@ TIER_WRITE_BEHIND_DROPPED_TOTAL = "cachefs_tier_write_behind_dropped_total"  # r
 TIER_INSERTED_BYTES_TOTAL = "cachefs_tier_inserted_bytes_total"
 # Object store (label "operation" on requests and latency).
 # Evictions by the policy that chose the victims: "lru", or "announced" (farthest next use in an
-# announced read order, tiering.victims).
+# announced read order, tiering.policy.victims).
 TIER_EVICTIONS_BY_POLICY_TOTAL = "cachefs_tier_evictions_by_policy_total"  # labels tier, policy
 # Announced read orders (cachefs.daemon.announce).
 ANNOUNCED_FILES_TOTAL = "cachefs_announced_files_total"

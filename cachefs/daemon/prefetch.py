@@ -47,7 +47,7 @@ Pins
 ``--pin`` pins the files' current versions before fetching (``BlockCache.pin``: the pin limit is
 checked first, and a rejected job changes nothing). A pin is a declaration: it stays if the job is
 cancelled, so a rerun completes it. Pins live in ``pins.json`` in the source's cache directory
-(``tiering.pins``), rewritten atomically on every change and restored at start-up (the daemon hands
+(``tiering.policy.pins``), rewritten atomically on every change and restored at start-up (the daemon hands
 them to the disk tier before its start-up scan, so a restart never evicts pinned blocks). A pin
 restored above a since-lowered limit is kept, with a warning: pins are only dropped by ``unpin``.
 
@@ -80,10 +80,11 @@ from cachefs.manifest import MAX_SIZE, PREFETCH_TIERS, ManifestEntry, same_etag,
 from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
 from tiering.clock import Clock, SystemClock
-from tiering.blockcache import BlockCache, WarmOutcome
+from tiering.engine.blockcache import BlockCache
+from tiering.engine.loads import WarmOutcome
 from tiering.errors import CacheError, ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.health import TierState
-from tiering.pins import PIN_FILENAME, PinError, PinFileError, load_pin_file, save_pin_file
+from tiering.policy.pins import PIN_FILENAME, PinError, PinFileError, load_pin_file, save_pin_file
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.units import format_size
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachefs.fs.filesystem import CacheFS
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.protocols import ObjectStoreStats
 
 
@@ -168,9 +168,9 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "truncates": fs.stats.truncates,
             "fsyncs": fs.stats.fsyncs,
         },
-        # The shared cluster tier (tiering.cluster) and its write-behind queue; absent without one.
+        # The shared cluster tier (tiering.tiers.cluster) and its write-behind queue; absent without one.
         **({"cluster": cluster_section(cache)} if cache.cluster is not None else {}),
-        # Announced read orders (tiering.readorder): files, stalls, the window fetched ahead.
+        # Announced read orders (tiering.policy.readorder): files, stalls, the window fetched ahead.
         # Evictions ranked by the order are each tier's "ordered_evictions".
         **({"announce": fs.read_order.snapshot()} if fs.read_order is not None else {}),
         # Staged writes and their uploads (tiering.writeback); absent on a read-only mount.

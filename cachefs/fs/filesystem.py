@@ -53,11 +53,11 @@ from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo, ObjectStore
-from tiering.readahead import ReadAhead
-from tiering.readorder import ReadOrder
+from tiering.policy.readahead import ReadAhead
+from tiering.policy.readorder import ReadOrder
 from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
 from tiering.writeback.staged import StagedFile
 

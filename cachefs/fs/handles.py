@@ -17,7 +17,7 @@ from cachefs.fs.errors import FsError
 from cachefs.fs.inodes import Node
 from tiering.blocks import ObjectRef
 from tiering.protocols import ObjectInfo
-from tiering.readahead import ReadAhead
+from tiering.policy.readahead import ReadAhead
 
 FileHandle = NewType("FileHandle", int)
 

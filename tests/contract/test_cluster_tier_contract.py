@@ -18,7 +18,7 @@ import pytest
 
 from tiering.blocks import BlockKey
 from tiering.clock import FakeClock
-from tiering.cluster import ClusterTier, InMemoryClusterTier, WriteBehind, cluster_object_key, cluster_token, collect_garbage
+from tiering.tiers.cluster import ClusterTier, InMemoryClusterTier, WriteBehind, cluster_object_key, cluster_token, collect_garbage
 from tiering.objectstore import FailingObjectStore, InMemoryObjectStore, S3ObjectStore
 from tiering.protocols import ClusterBlockTier, ObjectStore
 

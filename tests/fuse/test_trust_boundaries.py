@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 
 from tests.fuse.conftest import Mounter, MountFailed, run_cli
-from tiering.blockformat import encode_header
+from tiering.tiers.blockformat import encode_header
 from tiering.blocks import BlockKey
 from tiering.objectstore.local import stat_etag
 

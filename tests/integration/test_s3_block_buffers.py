@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 
 from tests.support.s3servers import SeaweedS3
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.blocks import ObjectRef
 from tiering.objectstore import S3ObjectStore
 from tiering.buffers import MAP_MIN_BYTES
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 BLOCK = MAP_MIN_BYTES  # the smallest pooled size: blocks are mappings, and the test stays small

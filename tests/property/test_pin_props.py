@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tiering.blocks import BlockKey
-from tiering.disk import DiskTier, block_file_size
+from tiering.tiers.disk import DiskTier, block_file_size
 
 KEYS = st.builds(BlockKey, st.sampled_from(["a", "d/b", "é"]), st.sampled_from(["e1", '"e2"']), st.integers(0, 3))
 SIZES = st.integers(0, 2500)

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
-from tiering.ram import RamTier
-from tiering.readorder import ReadOrder
+from tiering.tiers.ram import RamTier
+from tiering.policy.readorder import ReadOrder
 
 BS = MIN_BLOCK_SIZE
 FILES = [ObjectRef(f"f{i}", "e", (i % 3) * BS + 100) for i in range(12)]  # 1 to 3 blocks each

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tiering.blocks import BlockKey
-from tiering.disk import DiskTier, block_file_size
-from tiering.ram import RamTier
+from tiering.tiers.disk import DiskTier, block_file_size
+from tiering.tiers.ram import RamTier
 
 SETTINGS = settings(
     max_examples=50,

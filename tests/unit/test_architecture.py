@@ -1,5 +1,5 @@
-"""Imports flow csi_driver -> cachefs -> tiering, cachefs keeps its floors, and third-party clients
-stay in their modules.
+"""Imports flow csi_driver -> cachefs -> tiering, cachefs and tiering keep their floors, and
+third-party clients stay in their modules.
 
 The contracts live in pyproject.toml ([tool.importlinter]); this runs them in the test suite, and
 checks what import-linter cannot: that the client contracts name whole packages (so a new module is
@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["tiering", "cachefs", "csi_driver"]
@@ -48,8 +50,9 @@ def test_third_party_contracts_name_whole_packages() -> None:
         assert contract["source_modules"] == PACKAGES, contract["name"]
 
 
-def test_cachefs_floors_are_exhaustive() -> None:
-    floors = [c for c in _contracts() if c.get("containers") == ["cachefs"]]
+@pytest.mark.parametrize("package", ["cachefs", "tiering"])
+def test_floors_are_exhaustive(package: str) -> None:
+    floors = [c for c in _contracts() if c.get("containers") == [package]]
     assert len(floors) == 1 and floors[0]["type"] == "layers" and floors[0]["exhaustive"] is True
 
 

@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 from tiering.blocks import DEFAULT_BLOCK_SIZE, MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
 from tiering.clock import SystemClock
-from tiering.disk import DiskTier
-from tiering.blockcache import BlockCache
+from tiering.tiers.disk import DiskTier
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import ObjectChangedError, ObjectStoreError, ObjectStoreUnavailableError
 from tiering.health import TierHealth
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.protocols import DiskBlockTier, Listing, ObjectInfo, TierStats
-from tiering.ram import RamTier
-from tiering.readahead import ReadAhead
+from tiering.tiers.ram import RamTier
+from tiering.policy.readahead import ReadAhead
 from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK, CacheSettings
 
 BS = MIN_BLOCK_SIZE  # 64 KiB: the smallest block the settings allow
@@ -546,7 +546,7 @@ async def test_a_disk_tier_that_raises_is_a_miss(exc: Exception, caplog: pytest.
     assert cache.stats.disk_errors == 12
     assert len(store.gets) == 6
     assert cache.ram.contains(bkey(ref, 0))
-    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "tiering.blockcache"]
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "tiering.engine.diskguard"]
     assert len(warnings) == 1  # logged once, with the traceback
     assert warnings[0].exc_info is not None and warnings[0].exc_info[1] is exc
 
@@ -725,7 +725,7 @@ async def test_promote_hands_a_joined_reader_to_a_load_when_the_local_copy_fails
         raise OSError(errno.EIO, "staged data file unreadable")
 
     promoting = asyncio.ensure_future(cache.promote(ref, read))
-    await until(lambda: bool(cache._inflight), "the promotion registers its first block")
+    await until(lambda: len(cache.loads) > 0, "the promotion registers its first block")
     joined = asyncio.ensure_future(cache.read(ref, 0, 10))
     await asyncio.sleep(0)
     gate.set()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tiering.blockcache import BlockCache, WarmOutcome
+from tiering.engine.blockcache import BlockCache
+from tiering.engine.loads import WarmOutcome
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
 from tiering.clock import FakeClock
-from tiering.cluster import ClusterTier, InMemoryClusterTier, WriteBehind
-from tiering.disk import DiskTier
+from tiering.tiers.cluster import ClusterTier, InMemoryClusterTier, WriteBehind
+from tiering.tiers.disk import DiskTier
 from tiering.errors import ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth
 

@@ -24,7 +24,7 @@ from cachefs.cli.stats import plain_line, rates, watch_plain
 from cachefs.client import UsageError
 from cachefs.mounts import LOCK_FILENAME, cache_dir_holder
 from tiering.blocks import BlockKey
-from tiering.disk import DiskTier
+from tiering.tiers.disk import DiskTier
 
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

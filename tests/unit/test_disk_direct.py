@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-import tiering.blockfile as blockfile_module
-from tiering.blockformat import ALIGNED_MIN_BYTES, ALIGNED_VERSION, FORMAT_VERSION, block_file_size, object_footprint
+import tiering.tiers.blockfile as blockfile_module
+from tiering.tiers.blockformat import ALIGNED_MIN_BYTES, ALIGNED_VERSION, FORMAT_VERSION, block_file_size, object_footprint
 from tiering.blocks import BlockKey
 from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN
-from tiering.disk import DiskTier
+from tiering.tiers.disk import DiskTier
 
 MiB = 1024 * 1024
 KEY = BlockKey("datasets/train-00001.tar", '"0123456789abcdef0123456789abcdef"', 3)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import tiering.blockfile as blockfile_module
-import tiering.disk as disk_module
+import tiering.tiers.blockfile as blockfile_module
+import tiering.tiers.disk as disk_module
 from tiering.blocks import BlockKey
 from tiering.clock import FakeClock
-from tiering.disk import DiskTier, block_file_size, check_cache_dir
+from tiering.tiers.disk import DiskTier, block_file_size, check_cache_dir
 from tiering.health import TierState
 
 GOLDEN_KEY = BlockKey("datasets/imagenet/train-00042.tar", '"9b2cf535f27731c974343645a3985328"', 7)

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.clock import FakeClock
 from tiering.errors import ObjectStoreUnavailableError
 from tiering.objectstore.memory import InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.writeback import InMemoryBudget, WriteBack, WriteBackSettings
 from tiering.writeback.durable import (

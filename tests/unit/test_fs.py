@@ -20,11 +20,11 @@ from cachefs.mounts import CONTROL_XATTR
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey
 from tiering.clock import FakeClock
-from tiering.disk import DiskTier
-from tiering.blockcache import BlockCache
+from tiering.tiers.disk import DiskTier
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import ObjectChangedError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore, md5_etag
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 BS = MIN_BLOCK_SIZE

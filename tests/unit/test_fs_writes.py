@@ -21,10 +21,10 @@ from cachefs.fs.rename import RENAME_EXCHANGE, RENAME_NOREPLACE
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE
 from tiering.clock import FakeClock
-from tiering.disk import DiskTier
-from tiering.blockcache import BlockCache
+from tiering.tiers.disk import DiskTier
+from tiering.engine.blockcache import BlockCache
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.writeback import WriteBack, WriteBackSettings
 

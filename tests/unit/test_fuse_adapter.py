@@ -18,10 +18,10 @@ from cachefs.mounts import CONTROL_XATTR
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE
 from tiering.clock import FakeClock
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import ObjectChangedError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 BS = MIN_BLOCK_SIZE
@@ -228,7 +228,7 @@ async def test_flush_and_fsync_of_a_read_only_file(ops: FuseOperations) -> None:
 # ------------------------------------------------------------------------------------------ writable
 @pytest.fixture
 async def writable(tmp_path):
-    from tiering.disk import DiskTier
+    from tiering.tiers.disk import DiskTier
     from tiering.writeback import WriteBack, WriteBackSettings
 
     store = InMemoryObjectStore()

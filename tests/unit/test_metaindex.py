@@ -12,12 +12,12 @@ from cachefs.fs.metaindex import INDEX_FILENAME, MetadataIndex
 from tests.unit.test_fs import BS, RAM_BYTES, listdir, lookup_path
 from cachefs.fs.filesystem import CacheFS
 from cachefs.settings import FsSettings
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.clock import FakeClock
 from tiering.errors import ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.protocols import ObjectInfo
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.writeback import MISSING
 

@@ -17,10 +17,10 @@ from cachefs.fs.filesystem import CacheFS
 from cachefs.fs.inodes import ROOT_INODE
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
-from tiering.disk import DiskTier
-from tiering.blockcache import BlockCache
+from tiering.tiers.disk import DiskTier
+from tiering.engine.blockcache import BlockCache
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.writeback import WriteBack, WriteBackSettings
 
@@ -168,7 +168,7 @@ async def test_metrics_route_is_public(fs: CacheFS, tmp_path: Path) -> None:
 
 
 async def test_the_cluster_tier_is_reported_with_tier_cluster(tmp_path: Path) -> None:
-    from tiering.cluster import InMemoryClusterTier, WriteBehind
+    from tiering.tiers.cluster import InMemoryClusterTier, WriteBehind
 
     store = InMemoryObjectStore()
     info = store.put_object("d/f.bin", b"z" * (3 * BS))

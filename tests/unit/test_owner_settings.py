@@ -15,9 +15,9 @@ from cachefs.fs.filesystem import CacheFS
 from cachefs.fs.inodes import ROOT_INODE
 from cachefs.settings import MAX_ID, FsSettings, parse_id, parse_mode
 from tiering.blocks import MIN_BLOCK_SIZE
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.objectstore.memory import InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 

@@ -14,11 +14,11 @@ from cachefs.fs.pinned import open_manifest_index
 from cachefs.manifest import ManifestError, format_manifest
 from cachefs.settings import FsSettings
 from tests.unit.test_fs import BS, RAM_BYTES, listdir, lookup_path
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.clock import FakeClock
 from tiering.errors import ObjectChangedError
 from tiering.objectstore.memory import InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 FILES = {"train/0001.jpg": b"one", "train/0002.jpg": b"two!", "val/deep/x.bin": b"x" * 100, "README": b"r"}

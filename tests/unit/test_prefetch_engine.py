@@ -10,13 +10,14 @@ import pytest
 
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef, block_count
 from tiering.clock import FakeClock
-from tiering.disk import DiskTier, block_file_size, object_footprint
-from tiering.blockcache import BlockCache, WarmOutcome
+from tiering.tiers.disk import DiskTier, block_file_size, object_footprint
+from tiering.engine.blockcache import BlockCache
+from tiering.engine.loads import WarmOutcome
 from tiering.errors import ObjectChangedError
 from tiering.latency import LatencyHistogram
 from tiering.objectstore.memory import InMemoryObjectStore
-from tiering.pins import PinError, PinLimitError, load_pin_file, pinned_block_keys, save_pin_file
-from tiering.ram import RamTier
+from tiering.policy.pins import PinError, PinLimitError, load_pin_file, pinned_block_keys, save_pin_file
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 BS = MIN_BLOCK_SIZE
@@ -65,12 +66,14 @@ async def test_warm_fills_disk_not_ram_and_skips_cached_blocks_without_io(tmp_pa
 async def test_warm_writes_ram_blocks_to_disk_without_a_get(tmp_path: Path) -> None:
     store = CountingStore()
     ref = put(store, "f", 2 * BS)
-    cache = make_cache(tmp_path, store)
-    cache.disk = None  # read with RAM only first
-    await cache.read(ref, 0, ref.size)
-    await cache.close()
+    settings = CacheSettings(block_size=BS, ram_bytes=16 * BS, disk_bytes=64 * BS)
+    ram = RamTier(16 * BS)
+    ram_only = BlockCache(settings, store, ram)  # read with RAM only first
+    await ram_only.read(ref, 0, ref.size)
+    await ram_only.close()
     gets = len(store.gets)
-    cache.disk = DiskTier(tmp_path / "cache", 64 * BS)
+    # Then the same RAM tier under an engine with a disk tier (an engine's tiers are wired once).
+    cache = BlockCache(settings, store, ram, DiskTier(tmp_path / "cache", 64 * BS))
     assert await cache.warm(ref) == {WarmOutcome.FROM_RAM: 2}
     assert len(store.gets) == gets and cache.cached_blocks(ref) == 2
 

@@ -17,11 +17,11 @@ from cachefs.manifest import ManifestEntry, ManifestError, format_manifest, pars
 from cachefs.paths import PathError, check_path, mount_relative
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
-from tiering.disk import DiskTier
-from tiering.blockcache import BlockCache
+from tiering.tiers.disk import DiskTier
+from tiering.engine.blockcache import BlockCache
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.pins import load_pin_file
-from tiering.ram import RamTier
+from tiering.policy.pins import load_pin_file
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 
 BS = MIN_BLOCK_SIZE
@@ -325,7 +325,7 @@ async def test_store_failure_during_fetch_is_a_per_file_failure(tmp_path: Path, 
 # ------------------------------------------------------------------------------------ the cluster tier
 async def test_prefetch_tier_cluster_fills_only_the_cluster_tier_and_check_reports_it(
         tmp_path: Path, store: InMemoryObjectStore) -> None:
-    from tiering.cluster import InMemoryClusterTier
+    from tiering.tiers.cluster import InMemoryClusterTier
 
     cluster = InMemoryClusterTier()
     settings = CacheSettings(block_size=BS, ram_bytes=16 * BS, disk_bytes=256 * BS, max_concurrent_fetches=4)

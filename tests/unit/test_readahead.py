@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiering.readahead import ReadAhead
+from tiering.policy.readahead import ReadAhead
 
 BS = 1024
 READ = 256  # a read smaller than a block, as the kernel sends (128 KiB of a 4 MiB block)

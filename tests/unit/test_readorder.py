@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef
 from tiering.clock import FakeClock
-from tiering.disk import DiskTier
+from tiering.tiers.disk import DiskTier
 from tiering.objectstore.memory import InMemoryObjectStore
-from tiering.orderprefetch import OrderPrefetcher, window_limit
-from tiering.ram import RamTier
-from tiering.readorder import SLACK, ReadOrder, ReadOrderLimitError, ReadOrderSettings
+from tiering.engine.orderprefetch import OrderPrefetcher, window_limit
+from tiering.tiers.ram import RamTier
+from tiering.policy.readorder import SLACK, ReadOrder, ReadOrderLimitError, ReadOrderSettings
 from tiering.settings import CacheSettings
 
 BS = MIN_BLOCK_SIZE

@@ -24,10 +24,10 @@ from cachefs.fs.inodes import ROOT_INODE
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.clock import FakeClock
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import ObjectNotFoundError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth, StoreState, bounded
 from tiering.writeback import InMemoryBudget, WriteBack, WriteBackSettings

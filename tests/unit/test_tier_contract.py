@@ -22,10 +22,10 @@ from typing import Callable
 import pytest
 
 from tiering.blocks import BlockKey
-from tiering.disk import DiskTier
+from tiering.tiers.disk import DiskTier
 from tiering.health import TierState
 from tiering.protocols import BlockTier, DiskBlockTier, SpaceBudget
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 
 BLOCK_LEN = 1000
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef, block_count
-from tiering.cluster import InMemoryClusterTier
-from tiering.disk import DiskTier
+from tiering.tiers.cluster import InMemoryClusterTier
+from tiering.tiers.disk import DiskTier
 from tiering.errors import ObjectStoreError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.traffic import ReadTraffic
 

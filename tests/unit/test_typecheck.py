@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SNIPPET = textwrap.dedent(
     """\
-    from tiering.blockcache import BlockCache
+    from tiering.engine.blockcache import BlockCache
 
 
     def report(cache: BlockCache) -> dict[str, object]:

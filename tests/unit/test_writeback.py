@@ -17,10 +17,10 @@ import pytest
 
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.clock import FakeClock
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import AccessDeniedError, ObjectStoreUnavailableError
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
-from tiering.ram import RamTier
+from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.writeback import InMemoryBudget, UploadError, WriteBack, WriteBackSettings
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, decode_record, encode_record, record_name

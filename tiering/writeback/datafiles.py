@@ -24,7 +24,7 @@ import os
 from typing import Any, Callable
 
 from tiering.checksum import crc32
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import ObjectStoreError
 from tiering.writeback.journal import StagingDir, copy_range, crc_range, pwrite_all
 from tiering.writeback.settings import FS_BLOCK, MATERIALIZE_WINDOW

@@ -82,7 +82,7 @@ from typing import Any, Callable, Coroutine
 
 from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth

@@ -17,7 +17,7 @@ import logging
 from typing import Callable, Iterator
 
 from tiering.blocks import ObjectRef
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.protocols import ObjectInfo
 from tiering.writeback.datafiles import DataFiles
 from tiering.writeback.journal import pread_exact

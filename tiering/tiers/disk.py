@@ -6,7 +6,7 @@ Layout
 of the key token). 256 prefix directories keep every directory small enough for fast lookups even
 with millions of blocks; they are created on first use.
 
-File format: ``tiering.blockformat`` (a header with the block's identity and checksums, then the
+File format: ``tiering.tiers.blockformat`` (a header with the block's identity and checksums, then the
 data), shared with the cluster tier. A block failing any check is deleted, counted in
 ``stats.corrupt_blocks`` and answered as a miss; the engine re-fetches it. Block files are 0600 in
 0700 directories and are opened without following symlinks; the daemon refuses a cache directory
@@ -22,7 +22,7 @@ zero-filled block simply fails its checksum on the next read and is fetched agai
 removed by the start-up scan.
 
 Blocks of 1 MiB and more are written and read with ``O_DIRECT``, from and into the block's own
-page-aligned buffer, without a copy into the page cache: ``tiering.blockfile`` does the file I/O of
+page-aligned buffer, without a copy into the page cache: ``tiering.tiers.blockfile`` does the file I/O of
 one block and gives the figures (buffered writes of new files cost this VM 2.1 CPU-s/GiB, direct
 ones 0.08).
 
@@ -36,7 +36,7 @@ fits under ``low_watermark * capacity``: eviction runs in batches (one pass free
 with the defaults) instead of one unlink per insert.
 
 A ``VictimOrder`` passed in (an announced read order) reorders the eviction candidates while it is
-active: farthest next use first, LRU among equals (``tiering.victims``); blocks found at start-up and
+active: farthest next use first, LRU among equals (``tiering.policy.victims``); blocks found at start-up and
 not touched since have no known key and rank as never needed.
 
 Recency is an in-memory ``OrderedDict`` keyed by digest, in LRU order. To survive a restart, recency
@@ -74,7 +74,7 @@ Pinning
 -------
 ``pin(keys)`` marks blocks that eviction must never take (``_evictable`` skips them), present or not:
 a block pinned before it is written is protected from the moment it lands. ``pinned_bytes()`` counts
-the pinned blocks on disk; the engine bounds the total pinned (``tiering.pins``), so eviction always
+the pinned blocks on disk; the engine bounds the total pinned (``tiering.policy.pins``), so eviction always
 has unpinned blocks to work with. Pins are in memory: the daemon restores them at start-up (the
 ``pinned`` argument, applied before the start-up scan may evict) from the pin file it keeps. The one
 case that overrides a pin is a capacity lowered below the pinned bytes: the capacity is a hard limit,
@@ -125,8 +125,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tiering.blockfile import BlockFiles
-from tiering.blockformat import (
+from tiering.tiers.blockfile import BlockFiles
+from tiering.tiers.blockformat import (
     CorruptBlockError,
     block_file_size,
     encode_header,
@@ -138,10 +138,10 @@ from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.private import PRIVATE_DIR_MODE
 from tiering.protocols import TierStats, VictimOrder
-from tiering.victims import rank_victims
+from tiering.policy.victims import rank_victims
 from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
 
-log = logging.getLogger("tiering.disk")
+log = logging.getLogger("tiering.tiers.disk")
 
 # Re-exported: what the disk tier's callers (the engine, tests) used to import from here.
 __all__ = ["DiskTier", "CorruptBlockError", "block_file_size", "check_cache_dir", "encode_header",

@@ -1,7 +1,7 @@
 """Block files: how the disk tier writes and reads one block, with or without the page cache.
 
-``tiering.disk`` owns the index, capacity and eviction of the tier; this module owns the bytes of
-one file: ``BlockFiles.write`` writes a framed block (``tiering.blockformat``) to a new file,
+``tiering.tiers.disk`` owns the index, capacity and eviction of the tier; this module owns the bytes of
+one file: ``BlockFiles.write`` writes a framed block (``tiering.tiers.blockformat``) to a new file,
 ``BlockFiles.read`` reads one back into a buffer of the block pool and checks it. Both are called
 from worker threads and hold no lock of the tier; every system call releases the GIL.
 
@@ -39,7 +39,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiering.blockformat import (
+from tiering.tiers.blockformat import (
     ALIGNED_MIN_BYTES,
     FIXED_HEADER_SIZE,
     CorruptBlockError,
@@ -51,7 +51,7 @@ from tiering.blocks import BlockData
 from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN, aligned_page
 from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
 
-log = logging.getLogger("tiering.disk")
+log = logging.getLogger("tiering.tiers.disk")
 
 # Linux; 0 where the platform has none (then every block goes through the page cache).
 _O_DIRECT = getattr(os, "O_DIRECT", 0)

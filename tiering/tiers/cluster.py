@@ -12,7 +12,7 @@ index): a changed object has another ETag, so its old blocks are never asked for
 *token*, is hashed (SHA-256) into ``blocks/<digest[:2]>/<digest>`` under the cluster prefix: fixed
 length whatever the source key, and spread over 256 prefixes (S3 partitions by key prefix).
 
-Format. Each object is framed exactly as a block file of the disk tier (``tiering.disk``: magic,
+Format. Each object is framed exactly as a block file of the disk tier (``tiering.tiers.disk``: magic,
 format version, token, data length, data CRC-32, header CRC-32, then the data), by the same code.
 A read checks everything a disk read checks, the full token included, so a hash collision, a
 foreign writer's object, a truncated or bit-flipped one is a *miss* (counted in
@@ -59,7 +59,7 @@ from typing import Any, Awaitable, Callable
 
 from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
-from tiering.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
+from tiering.tiers.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ANY_VERSION, ClusterBlockTier, ClusterTierStats, ObjectStore, ObjectStoreStats
 from tiering.settings import (
@@ -70,7 +70,7 @@ from tiering.settings import (
 )
 from tiering.storehealth import StoreHealth
 
-log = logging.getLogger("tiering.cluster")
+log = logging.getLogger("tiering.tiers.cluster")
 
 BLOCKS_PREFIX = "blocks/"
 

@@ -5,21 +5,17 @@ block is looked up in the RAM tier (on the loop: a dict access), then in the dis
 thread), then fetched from the store with one ranged GET. A fetched block goes to both tiers; a disk
 hit is promoted to RAM.
 
-Single flight: the first miss on a block starts one *load task* and records its future; every other
-reader of the same block awaits that future, so concurrent misses cause one GET. The load runs as
-its own task, so a reader that is interrupted does not cancel the fetch others wait on.
-
-Memory bound: a load holds one of ``max_concurrent_fetches`` slots from before its GET until its
-block is written to disk, so at most that many blocks are in flight beyond the RAM tier. Read-ahead
-loads take the same slots.
+Single flight: concurrent misses on one block cause one GET; the first starts a *load*, the others
+join it. Memory bound: a load holds one of ``max_concurrent_fetches`` fetch slots from before its
+GET until its block is written to disk, so at most that many blocks are in flight beyond the RAM
+tier; read-ahead loads take the same slots. Both are kept by ``Loads`` (below).
 
 A failing disk tier is a miss, never an error: the tier itself turns ``OSError`` into a miss and
-tracks its health. The engine does not rely on that alone: whatever a disk-tier call raises is
-counted in ``disk_errors``, logged (with its traceback the first time) and taken as a miss or a
-skipped write, so a broken or buggy tier costs speed, never a read. A failing store is an error for
-the reader: ``ObjectStoreError`` with its errno, after at most ``fetch_timeout_s``, counted from the
-``read`` call (a reader waiting for a fetch slot or joining another reader's load included). With a
-store-health circuit (``tiering.storehealth``), every GET runs through it: while the store is
+tracks its health, and the engine calls it through ``GuardedDisk``, which takes whatever it raises
+as a miss or a skipped write, so a broken or buggy tier costs speed, never a read. A failing store
+is an error for the reader: ``ObjectStoreError`` with its errno, after at most ``fetch_timeout_s``,
+counted from the ``read`` call (a reader waiting for a fetch slot or joining another reader's load
+included). With a store-health circuit (``tiering.storehealth``), every GET runs through it: while the store is
 unreachable, blocks on a tier are served as ever and a block that would need a GET fails at once.
 
 Warming (fetching into the disk tier)
@@ -37,15 +33,15 @@ the block still lands on disk and a second run skips it.
 
 Pins and evict
 --------------
-``pin(refs)`` records pinned object versions in a ``PinTable`` and marks their blocks in the disk
+``pin(refs)`` records pinned object versions in a ``PinTable`` (``PinnedBlocks``) and marks their blocks in the disk
 tier, which then never evicts them. The table's footprint is bounded by ``pin_limit_bytes``
 (``PinLimitError`` beyond, nothing changed). ``evict(ref, ...)`` drops the cached blocks of one
 object version from RAM and/or disk, keeping pinned ones; ``evict_all`` does it for every block.
 The block cache holds clean data only (write-back stages dirty data outside it), so anything it
 drops can be fetched again.
 
-Cluster tier (``tiering.cluster``)
-----------------------------------
+Cluster tier (``tiering.tiers.cluster``)
+----------------------------------------
 With a cluster tier, a load that misses RAM and disk asks it (in the load's fetch slot, under the
 tier's own shorter timeout) before the source: a hit goes to RAM and disk like a fetched block, and
 needs no source at all (the source's circuit is only consulted after a cluster miss, so blocks in
@@ -53,6 +49,23 @@ the cluster tier are served while the source is unreachable). A block fetched fr
 offered to the write-behind queue (``WriteBehind``), which uploads it in the background and never
 delays the reader. The tier never raises: a failing or slow cluster store is a miss. Warm loads ask
 it too.
+
+Composition: each piece owns its state, BlockCache holds them
+-------------------------------------------------------------
+``BlockCache`` is the facade the filesystem, write-back and the daemon use. It decides (RAM lookup,
+join or start a load, what a warm, a promotion or an evict does) and owns no table of its own; the
+state lives in the pieces it composes, each in its module with a small interface:
+
+``Loads``         (``loads``)     the single-flight table, the load tasks until their disk writes are
+                                  done, the fetch slots; runs the loads down the tiers
+``PinnedBlocks``  (``pinning``)   the pin table and its limit, mirrored on the disk tier's marks
+``SourceFetch``   (``source``)    one GET under the timeout and the circuit; the GET latency histogram
+``GuardedDisk``   (``diskguard``) disk-tier calls in a worker thread, a failure taken as a miss
+``EngineStats``   (``stats``)     the counters, shared by the pieces, read by /stats and /metrics
+``ReadTraffic``   (``tiering.traffic``) the bytes of reads by the place that answered them
+
+All of it is touched on the event loop thread only; worker threads run disk-tier calls and receive
+GETs, and hand their result back to the loop.
 
 Threads and copies (docs/dataplane.md has the measurements)
 -----------------------------------------------------------
@@ -73,23 +86,24 @@ fixed-bucket ``LatencyHistogram`` that the metrics endpoint exports.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable
 
 from tiering.blocks import BlockData, BlockKey, ObjectRef, block_count, block_range, spans
 from tiering.clock import Clock, SystemClock
-from tiering.cluster import WriteBehind
-from tiering.blockformat import object_footprint
-from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
+from tiering.engine.diskguard import GuardedDisk
+from tiering.engine.loads import Loads, WarmOutcome, hand_over
+from tiering.engine.pinning import PinnedBlocks
+from tiering.engine.source import SourceFetch
+from tiering.engine.stats import EngineStats
+from tiering.errors import ObjectStoreUnavailableError
 from tiering.latency import LatencyHistogram
-from tiering.pins import PinError, PinLimitError, PinTable, block_keys
+from tiering.policy.pins import block_keys
 from tiering.protocols import BlockTier, ClusterBlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
-from tiering.storehealth import StoreHealth, bounded
-from tiering.traffic import CLUSTER, DISK, RAM, SOURCE, ReadTraffic
-from tiering.units import format_size
+from tiering.storehealth import StoreHealth
+from tiering.tiers.cluster import WriteBehind
+from tiering.traffic import DISK, RAM, ReadTraffic
 
 log = logging.getLogger(__name__)
 
@@ -103,75 +117,6 @@ READAHEAD_RAM_FRACTION = 4
 # fail by themselves at the fetch timeout (counted from when they started, no later than the read),
 # so this only bounds what has no deadline of its own, and lets the load's own error reach the reader.
 READ_WAIT_GRACE_S = 1.0
-
-T = TypeVar("T")
-
-
-@dataclass
-class EngineStats:
-    """Block requests and where they were served from (one count per block a read touched)."""
-
-    block_requests: int = 0
-    ram_served: int = 0
-    disk_served: int = 0
-    cluster_served: int = 0  # loads of reads (and read-ahead) answered by the cluster tier
-    cluster_served_bytes: int = 0
-    store_fetches: int = 0
-    store_fetch_bytes: int = 0
-    fetch_errors: int = 0
-    readahead_blocks: int = 0
-    readahead_bytes: int = 0
-    singleflight_joins: int = 0
-    disk_errors: int = 0  # disk-tier calls that raised instead of answering (each one a miss)
-    # Bytes a read had to load from below a tier because that tier missed (once per load, however
-    # many readers joined it): RAM misses are served by disk or a fetch, disk misses by a fetch.
-    ram_miss_bytes: int = 0
-    disk_miss_bytes: int = 0
-    # warm_block (fetching into the disk tier, for cachefs prefetch jobs)
-    warm_blocks: int = 0  # fetched from the store by a warm
-    warm_bytes: int = 0
-    warm_from_ram_blocks: int = 0  # written to disk from RAM, no GET
-    warm_from_cluster_blocks: int = 0  # written to disk from the cluster tier, no source GET
-    warm_skipped_blocks: int = 0  # already on disk
-    warm_skipped_bytes: int = 0
-    warm_not_stored: int = 0  # the disk tier refused the block (full of pinned data, or failing)
-    # evict / evict_all: blocks dropped on request (not capacity evictions)
-    dropped_blocks: int = 0
-    dropped_bytes: int = 0
-
-    def hit_ratio(self) -> float:
-        """Share of the blocks reads asked for that a tier served; warming fetches are not reads."""
-        served = self.ram_served + self.disk_served + self.cluster_served
-        total = served + self.store_fetches - self.warm_blocks
-        return served / total if total else 0.0
-
-
-def _hand_over(joined: asyncio.Future[BlockData]) -> Callable[[asyncio.Future[BlockData]], None]:
-    """A done-callback that gives ``joined`` the outcome of the load it is attached to."""
-    def done(load: asyncio.Future[BlockData]) -> None:
-        if joined.done():
-            return
-        if load.cancelled():
-            joined.cancel()
-        elif (error := load.exception()) is not None:
-            joined.set_exception(error)
-        else:
-            joined.set_result(load.result())
-    return done
-
-
-class WarmOutcome(enum.Enum):
-    """What ``warm_block`` did for one block."""
-
-    SKIPPED = "skipped"  # already on disk
-    FETCHED = "fetched"  # fetched from the store and written to disk
-    FROM_RAM = "from_ram"  # written to disk from the RAM tier
-    JOINED = "joined"  # another load (a read or another warm) put it on disk
-    NOT_STORED = "not_stored"  # the disk tier did not store it (full of pinned data, failing, absent)
-
-    @property
-    def cached(self) -> bool:
-        return self is not WarmOutcome.NOT_STORED
 
 
 class BlockCache:
@@ -198,13 +143,14 @@ class BlockCache:
         self.clock = clock or SystemClock()
         self.stats = EngineStats()
         self.traffic = ReadTraffic()  # bytes of reads by the place that answered them
-        self.latency: dict[str, LatencyHistogram] = {"get": LatencyHistogram()}
-        self.pins = PinTable(lambda ref: object_footprint(ref.key, ref.etag, ref.size, self.block_size))
-        self._inflight: dict[BlockKey, asyncio.Future[BlockData]] = {}
-        # Every load task until it is completely done (its disk write included), by block.
-        self._load_tasks: dict[BlockKey, asyncio.Task[WarmOutcome | None]] = {}
-        self._tasks: set[asyncio.Task[WarmOutcome | None]] = set()
-        self._slots = asyncio.Semaphore(settings.max_concurrent_fetches)
+        self.source = SourceFetch(store, block_size=self.block_size, timeout_s=settings.fetch_timeout_s,
+                                  clock=self.clock, health=health, stats=self.stats)
+        self.latency: dict[str, LatencyHistogram] = {"get": self.source.latency}
+        self._guarded_disk = GuardedDisk(disk, self.stats) if disk is not None else None
+        self.loads = Loads(settings, ram, self._guarded_disk, self.source, cluster=cluster,
+                           write_behind=self.write_behind, health=health, stats=self.stats, traffic=self.traffic)
+        self._pinned = PinnedBlocks(disk, block_size=self.block_size, limit_bytes=settings.pin_limit_bytes)
+        self.pins = self._pinned.table
 
     @property
     def readahead_limit(self) -> int:
@@ -274,9 +220,9 @@ class BlockCache:
             self.ram.stats.hit_bytes += asked
             self.traffic.served(RAM, asked)
             return data
-        fut = self._inflight.get(key)
+        fut = self.loads.future(key)
         if fut is None:
-            fut = self._start_load(ref, key, wanted=wanted)
+            fut = self.loads.start(ref, key, wanted=wanted)
         else:
             self.stats.singleflight_joins += 1
         self.traffic.waiting(key, asked, ready=fut.done())  # credited when the load settles
@@ -294,22 +240,22 @@ class BlockCache:
         started = 0
         for index in range(first, last):
             key = BlockKey(ref.key, ref.etag, index)
-            if key in self._inflight or self.ram.contains(key):
+            if key in self.loads or self.ram.contains(key):
                 continue
-            self._start_load(ref, key, readahead=True)
+            self.loads.start(ref, key, readahead=True)
             started += 1
         return started
 
     async def load_ahead(self, ref: ObjectRef, index: int) -> bool:
         """Load one block into RAM (and the disk tier) as read-ahead does, and wait for it, without
-        counting a read: for announced read orders (``tiering.orderprefetch``). Returns whether a
+        counting a read: for announced read orders (``tiering.engine.orderprefetch``). Returns whether a
         load was needed (False: already in RAM). Raises the load's error."""
         key = BlockKey(ref.key, ref.etag, index)
         if self.ram.contains(key):
             return False
-        fut = self._inflight.get(key)
+        fut = self.loads.future(key)
         if fut is None:
-            fut = self._start_load(ref, key, readahead=True)
+            fut = self.loads.start(ref, key, readahead=True)
         await asyncio.shield(fut)
         return True
 
@@ -339,10 +285,10 @@ class BlockCache:
                 self.stats.warm_skipped_blocks += 1
                 self.stats.warm_skipped_bytes += length
                 return WarmOutcome.SKIPPED, length
-            fut = self._inflight.get(key)
-            task = self._load_tasks.get(key)
+            fut = self.loads.future(key)
+            task = self.loads.task(key)
             if fut is None and task is None:
-                own = self._start_warm_load(ref, key)
+                own = self.loads.start_warm(ref, key)
                 outcome = await asyncio.shield(own)
                 assert outcome is not None
                 return outcome, length
@@ -386,8 +332,8 @@ class BlockCache:
             self.stats.warm_skipped_blocks += 1
             self.stats.warm_skipped_bytes += length
             return WarmOutcome.SKIPPED, length
-        async with self._slots:
-            data = await self._fetch(ref, key, asyncio.get_running_loop().time())
+        async with self.loads.slots:
+            data = await self.source.get(ref, key, asyncio.get_running_loop().time())
             self.stats.warm_blocks += 1
             self.stats.warm_bytes += len(data)
             stored = await cluster.put(key, data)
@@ -415,58 +361,6 @@ class BlockCache:
             return 0
         return sum(1 for key in block_keys(ref, self.block_size) if self.disk.contains(key))
 
-    def _start_warm_load(self, ref: ObjectRef, key: BlockKey) -> asyncio.Task[WarmOutcome | None]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[BlockData] = loop.create_future()
-        fut.add_done_callback(self.traffic.dropper(key))
-        self._inflight[key] = fut
-        task = loop.create_task(self._warm_load(ref, key, fut, loop.time()))
-        # The warm that started it may be cancelled and never look at the outcome.
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self._track(key, task)
-        return task
-
-    async def _warm_load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[BlockData],
-                         started_at: float) -> WarmOutcome:
-        assert self.disk is not None
-        # Unlike a read load, the future stays in the single-flight table until the block is on
-        # disk: the block is not in RAM, so a reader arriving in between must join, not refetch.
-        try:
-            data = self.ram.get(key) if self.ram.contains(key) else None
-            if data is not None:
-                self.traffic.settle(key, RAM)
-                fut.set_result(data)
-                stored = await self._disk_call("put", self.disk.put, key, data)
-                outcome = WarmOutcome.FROM_RAM if stored else WarmOutcome.NOT_STORED
-                if stored:
-                    self.stats.warm_from_ram_blocks += 1
-            else:
-                async with self._slots:
-                    data = await self._from_cluster(ref, key, warm=True)
-                    place = CLUSTER if data is not None else SOURCE
-                    if data is None:
-                        data = await self._fetch(ref, key, started_at)
-                        self._offer_cluster(key, data)
-                        self.stats.warm_blocks += 1
-                        self.stats.warm_bytes += len(data)
-                    self.traffic.settle(key, place)
-                    fut.set_result(data)
-                    stored = await self._disk_call("put", self.disk.put, key, data)
-                outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED
-            if not stored:
-                self.stats.warm_not_stored += 1
-            return outcome
-        except BaseException as exc:
-            if not fut.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    fut.cancel()
-                else:
-                    fut.set_exception(exc)
-            raise
-        finally:
-            if self._inflight.get(key) is fut:
-                del self._inflight[key]
-
     # ------------------------------------------------------------------ promotion (after an upload)
     async def promote(self, ref: ObjectRef, read: Callable[[int, int], bytes]) -> int:
         """Put a version the caller holds locally (an upload just made) into the disk tier as clean
@@ -478,20 +372,17 @@ class BlockCache:
         then joins it instead of fetching, and written with the same guarded disk call as loads (a
         failing tier stores nothing and raises nothing). Stops at the first block not stored.
         """
-        disk = self.disk
+        disk = self._guarded_disk
         if disk is None:
             return 0
 
         stored = 0
-        loop = asyncio.get_running_loop()
         for index in range(block_count(ref.size, self.block_size)):
             key = BlockKey(ref.key, ref.etag, index)
-            if key in self._inflight or key in self._load_tasks:
+            if self.loads.busy(key):
                 continue
             start, end = block_range(index, ref.size, self.block_size)
-            fut: asyncio.Future[BlockData] = loop.create_future()
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._inflight[key] = fut
+            fut = self.loads.register(key)
             try:
                 data = await asyncio.to_thread(read, start, end)
                 if len(data) != end - start:
@@ -499,18 +390,16 @@ class BlockCache:
                 self.traffic.settle(key, DISK)  # written here, read back locally: no GET
                 fut.set_result(data)
             except BaseException as exc:
-                if self._inflight.get(key) is fut:
-                    del self._inflight[key]
+                self.loads.release(key, fut)
                 if not fut.done():  # whoever joined gets a load of their own
-                    self._start_load(ref, key).add_done_callback(_hand_over(fut))
+                    self.loads.start(ref, key).add_done_callback(hand_over(fut))
                 if not isinstance(exc, Exception):
                     raise
                 log.debug("promoting %r into the disk tier stopped at block %d: %s", ref.key, index, exc)
                 break
             finally:
-                if self._inflight.get(key) is fut:
-                    del self._inflight[key]
-            if not await self._disk_call("put", disk.put, key, data):
+                self.loads.release(key, fut)
+            if not await disk.put(key, data):
                 break
             stored += len(data)
         return stored
@@ -518,45 +407,19 @@ class BlockCache:
     # ------------------------------------------------------------------ pins and evict
     @property
     def pin_limit_bytes(self) -> int:
-        return self.settings.pin_limit_bytes if self.disk is not None else 0
+        return self._pinned.limit_bytes
 
     def pin(self, refs: Iterable[ObjectRef], *, enforce_limit: bool = True) -> None:
-        """Pin these object versions (replacing pins of other versions of the same keys).
-
-        ``PinLimitError`` (and nothing changed) if that takes the pinned footprint above the limit;
-        ``enforce_limit=False`` is for restoring pins saved under an older, larger limit.
-        """
-        refs = list(refs)
-        if not refs:
-            return
-        disk = self.disk
-        if disk is None:
-            raise PinError("this mount has no disk tier to pin blocks in (--disk-cache 0)")
-        if enforce_limit:
-            before, after, limit = self.pins.bytes, self.pins.bytes_after(refs), self.pin_limit_bytes
-            if after > limit and after > before:
-                if limit == 0:
-                    raise PinLimitError("pinning is disabled on this mount (--max-pinned 0)")
-                raise PinLimitError(
-                    f"pin limit exceeded: pinning {format_size(after - before)} more would take pinned data to "
-                    f"{format_size(after)}, above the limit of {format_size(limit)} (--max-pinned); "
-                    f"{format_size(before)} is pinned now"
-                )
-        for old in self.pins.add(refs):
-            disk.unpin(block_keys(old, self.block_size))
-        for ref in refs:
-            disk.pin(block_keys(ref, self.block_size))
+        """Pin these object versions (``PinnedBlocks.pin``: ``PinLimitError`` and nothing changed
+        above the limit; ``enforce_limit=False`` restores pins saved under an older, larger limit)."""
+        self._pinned.pin(refs, enforce_limit=enforce_limit)
 
     def unpin(self, keys: Iterable[str]) -> list[ObjectRef]:
         """Unpin the objects with these keys; returns the refs that were pinned."""
-        removed = self.pins.remove(keys)
-        if self.disk is not None:
-            for ref in removed:
-                self.disk.unpin(block_keys(ref, self.block_size))
-        return removed
+        return self._pinned.unpin(keys)
 
     def is_pinned(self, key: BlockKey) -> bool:
-        return self.disk is not None and self.disk.is_pinned(key)
+        return self._pinned.is_pinned(key)
 
     async def evict(self, ref: ObjectRef, *, ram: bool = True, disk: bool = True) -> tuple[int, int, int]:
         """Drop the cached blocks of one object version, except pinned ones on disk.
@@ -582,14 +445,14 @@ class BlockCache:
                 dropped += 1
                 dropped_bytes += end - start
         if on_disk:
-            assert self.disk is not None
-            tier = self.disk
+            assert self._guarded_disk is not None
+            tier = self._guarded_disk.tier
 
             def discard_all() -> None:
                 for k in on_disk:
                     tier.discard(k)
 
-            await self._disk_call("discard", discard_all)
+            await self._guarded_disk.run("discard", discard_all)
         self.stats.dropped_blocks += dropped
         self.stats.dropped_bytes += dropped_bytes
         return dropped, dropped_bytes, kept
@@ -606,8 +469,8 @@ class BlockCache:
                 self.ram.discard(key)
                 blocks += 1
                 freed += before - self.ram.used_bytes()
-        if disk and self.disk is not None:
-            result = await self._disk_call("evict", self.disk.evict_unpinned)
+        if disk and self._guarded_disk is not None:
+            result = await self._guarded_disk.run("evict", self._guarded_disk.tier.evict_unpinned)
             if result is not None:
                 blocks += result[0]
                 freed += result[1]
@@ -616,158 +479,10 @@ class BlockCache:
         return blocks, freed
 
     def pin_stats(self) -> dict[str, int]:
-        return {
-            "objects": len(self.pins),
-            "bytes": self.pins.bytes,
-            "cached_bytes": self.disk.pinned_bytes() if self.disk is not None else 0,
-            "limit_bytes": self.pin_limit_bytes,
-        }
-
-    # ------------------------------------------------------------------ loading
-    def _start_load(self, ref: ObjectRef, key: BlockKey, readahead: bool = False,
-                    wanted: int | None = 0) -> asyncio.Future[BlockData]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[BlockData] = loop.create_future()
-        # A future nobody awaits (read-ahead) must not log "exception was never retrieved"; a failed
-        # load served its readers nothing.
-        fut.add_done_callback(self.traffic.dropper(key))
-        self._inflight[key] = fut
-        task = loop.create_task(self._load(ref, key, fut, readahead, loop.time(), wanted))
-        self._track(key, task)
-        return fut
-
-    def _track(self, key: BlockKey, task: asyncio.Task[WarmOutcome | None]) -> None:
-        self._tasks.add(task)
-        self._load_tasks[key] = task
-
-        def done(t: asyncio.Task[WarmOutcome | None]) -> None:
-            self._tasks.discard(t)
-            if self._load_tasks.get(key) is t:
-                del self._load_tasks[key]
-
-        task.add_done_callback(done)
-
-    async def _load(self, ref: ObjectRef, key: BlockKey, fut: asyncio.Future[BlockData], readahead: bool,
-                    started_at: float, wanted: int | None = 0) -> None:
-        try:
-            # The index lookup needs no I/O: a block the disk tier does not hold costs no thread hop
-            # (measured: a cold read of a 100 KiB file, 8.4 -> 5.9 ms).
-            if self.disk is not None and not self._disk_absent(key):
-                data = await self._disk_call("get", self.disk.get, key)
-                if data is not None:
-                    self.stats.disk_served += 1
-                    self.disk.stats.hit_bytes += len(data) if wanted is None else wanted
-                    self.stats.ram_miss_bytes += len(data)
-                    self.ram.put(key, data)
-                    self.traffic.settle(key, DISK)
-                    fut.set_result(data)
-                    return
-            if self.health is not None and self.cluster is None:
-                self.health.check_reachable(f"reading {ref.key!r}")  # not even a wait for a fetch slot
-            async with self._slots:
-                data = await self._from_cluster(ref, key)
-                place = CLUSTER if data is not None else SOURCE
-                if data is None:
-                    if self.health is not None:
-                        self.health.check_reachable(f"reading {ref.key!r}")
-                    data = await self._fetch(ref, key, started_at)
-                    self._offer_cluster(key, data)
-                self.stats.ram_miss_bytes += len(data)
-                if self.disk is not None:
-                    self.stats.disk_miss_bytes += len(data)
-                if readahead:
-                    self.stats.readahead_blocks += 1
-                    self.stats.readahead_bytes += len(data)
-                self.ram.put(key, data)
-                self.traffic.settle(key, place)
-                fut.set_result(data)
-                # Readers are served; the block stays in a fetch slot until it is on disk, which is
-                # what bounds memory in flight.
-                self._inflight.pop(key, None)
-                if self.disk is not None:
-                    await self._disk_call("put", self.disk.put, key, data)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting readers
-            if not fut.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    fut.cancel()
-                else:
-                    fut.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            if self._inflight.get(key) is fut:
-                del self._inflight[key]
-
-    async def _from_cluster(self, ref: ObjectRef, key: BlockKey, *, warm: bool = False) -> BlockData | None:
-        """The block from the cluster tier, or None (no tier, a miss, or a failure: never raises).
-
-        A warm's hit is counted in ``warm_from_cluster_blocks``, not as a block served to a read."""
-        if self.cluster is None:
-            return None
-        start, end = block_range(key.index, ref.size, self.block_size)
-        data = await self.cluster.get(key, end - start)
-        if data is not None:
-            if warm:
-                self.stats.warm_from_cluster_blocks += 1
-            else:
-                self.stats.cluster_served += 1
-                self.stats.cluster_served_bytes += len(data)
-        return data
-
-    def _offer_cluster(self, key: BlockKey, data: BlockData) -> None:
-        """Hand a block fetched from the source to the write-behind queue (never waits)."""
-        if self.write_behind is not None:
-            self.write_behind.offer(key, data)
-
-    def _disk_absent(self, key: BlockKey) -> bool:
-        """Whether the disk tier surely lacks the block; on any doubt (it raised) ask ``get``, which is guarded."""
-        assert self.disk is not None
-        try:
-            return self.disk.absent(key)
-        except Exception:  # noqa: BLE001 - the guarded get path logs and counts the failure
-            return False
-
-    async def _disk_call(self, what: str, call: Callable[..., T], *args: object) -> T | None:
-        """Run one disk-tier call in a worker thread; a tier that raises is a miss, never an error."""
-        try:
-            return await asyncio.to_thread(call, *args)
-        except Exception:  # noqa: BLE001 - a cache tier must never fail a read
-            self.stats.disk_errors += 1
-            if self.stats.disk_errors == 1:
-                log.warning("disk tier %s failed; treating it as a miss", what, exc_info=True)
-            else:
-                log.debug("disk tier %s failed", what, exc_info=True)
-            return None
-
-    async def _fetch(self, ref: ObjectRef, key: BlockKey, started_at: float) -> BlockData:
-        """One GET, under the fetch timeout counted from ``started_at`` (loop time: when the load
-        was started, so a wait for a fetch slot counts too)."""
-        start, end = block_range(key.index, ref.size, self.block_size)
-        timeout = self.settings.fetch_timeout_s
-        began = self.clock.monotonic()
-        try:
-            data = await bounded(self.health, lambda: self.store.get_range(ref.key, ref.etag, start, end),
-                                 timeout, f"reading {ref.key!r}", started_at=started_at)
-        except ObjectStoreError:
-            self.latency["get"].observe(self.clock.monotonic() - began)
-            self.stats.fetch_errors += 1
-            raise
-        # Failed requests are timed too (a slow 503 is as interesting as a slow 200); a cancelled
-        # one is not: it did not finish.
-        self.latency["get"].observe(self.clock.monotonic() - began)
-        if len(data) != end - start:
-            self.stats.fetch_errors += 1
-            raise ObjectStoreError(f"short read of {ref.key!r}: got {len(data)} of {end - start} bytes")
-        self.stats.store_fetches += 1
-        self.stats.store_fetch_bytes += len(data)
-        return data
+        return self._pinned.stats()
 
     async def close(self) -> None:
         """Wait for loads in progress (so their disk writes complete), bounded by the fetch timeout."""
-        tasks = list(self._tasks)
-        if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=self.settings.fetch_timeout_s)
-            for task in pending:
-                task.cancel()
+        await self.loads.close(self.settings.fetch_timeout_s)
         if self.write_behind is not None:
             await self.write_behind.close(self.settings.fetch_timeout_s)

@@ -7,11 +7,11 @@ versions (``ObjectRef``), in one call or in pages (``append``). This module hold
 answers two questions, with no I/O and no knowledge of FUSE:
 
 - **What to fetch next** (``ReadOrder.ahead``): the entries from the stream's *position* onwards
-  that fit in the stream's share of a bounded window of bytes. ``tiering.orderprefetch`` fetches
+  that fit in the stream's share of a bounded window of bytes. ``tiering.engine.orderprefetch`` fetches
   them with the engine's fetch slots.
 - **How soon a block is needed** (``ReadOrder.next_use``): the number of blocks the nearest stream
   reads before it, if it reads in its announced order; infinity for a block no stream announced
-  ahead. The tiers order their eviction victims by it (``tiering.victims``): farthest next use
+  ahead. The tiers order their eviction victims by it (``tiering.policy.victims``): farthest next use
   first, which is Belady's optimal policy for a known future, and blocks nobody will read first,
   in LRU order among themselves. So announced-but-unread blocks are never evicted before blocks
   that nobody announced, and when the announced data exceeds the cache the blocks needed last go.

@@ -1,4 +1,4 @@
-"""Fetching ahead of announced read orders (``tiering.readorder``) with the engine's fetch slots.
+"""Fetching ahead of announced read orders (``tiering.policy.readorder``) with the engine's fetch slots.
 
 One task for the mount. Each round it asks every stream for the entries that fit in its share of
 the window (``ReadOrder.ahead``: the window is split evenly between the streams, so several
@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tiering.blockcache import BlockCache
+from tiering.engine.blockcache import BlockCache
 from tiering.blocks import ObjectRef, block_count
-from tiering.readorder import ReadOrder
+from tiering.policy.readorder import ReadOrder
 
 log = logging.getLogger(__name__)
 

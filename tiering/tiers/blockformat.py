@@ -20,7 +20,7 @@ Version 2 (aligned) is written for blocks of ``ALIGNED_MIN_BYTES`` (1 MiB) and m
 (packed) below that; readers take both. The padding puts the data on a 4 KiB boundary of the file
 (and of a buffer the whole object is received into), which is what lets the disk tier write and read
 large blocks with ``O_DIRECT``, straight between the block's page-aligned buffer and the device, with
-no copy into the page cache (``tiering.disk`` has the figures). 4 KiB per 8 MiB block is 0.05%; a
+no copy into the page cache (``tiering.tiers.blockfile`` has the figures). 4 KiB per 8 MiB block is 0.05%; a
 small block keeps the packed layout, where the padding would be a visible share.
 
 The fixed part is ``HEADER_FORMAT`` below; a golden-bytes test (tests/unit/test_disk_tier.py) pins

@@ -18,7 +18,7 @@ Capacity is counted in payload bytes (``len(data)``); the Python object overhead
 
 Eviction goes through one method, ``_evict_until``, which walks the LRU order and takes only blocks
 that ``_evictable`` allows. A ``VictimOrder`` passed in (an announced read order) reorders the
-candidates while it is active: farthest next use first (``tiering.victims``). Today every held block is evictable (the tier holds clean, re-fetchable
+candidates while it is active: farthest next use first (``tiering.policy.victims``). Today every held block is evictable (the tier holds clean, re-fetchable
 data only); pinning and dirty blocks will plug in there without touching ``put``.
 """
 
@@ -29,7 +29,7 @@ from typing import Sequence
 
 from tiering.blocks import BlockData, BlockKey
 from tiering.protocols import TierStats, VictimOrder
-from tiering.victims import rank_victims
+from tiering.policy.victims import rank_victims
 
 
 class RamTier:

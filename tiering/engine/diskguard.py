@@ -1,0 +1,57 @@
+"""The disk tier as the engine calls it: in a worker thread, and a failure is a miss, never an error.
+
+The tier guards itself (it turns ``OSError`` into a miss and tracks its health), but the engine does
+not rely on that alone: whatever a disk-tier call raises is counted in ``EngineStats.disk_errors``,
+logged (with its traceback the first time, at debug level after) and answered as a miss or a write
+that did not happen, so a broken or buggy tier costs speed, never a read.
+
+``GuardedDisk`` owns no state of its own beyond the tier it wraps and the counter it adds to. Its
+``get``, ``put`` and ``run`` are called on the event loop and run the tier's call in asyncio's default
+thread pool (blocking disk calls never run on the loop); ``absent`` is an index lookup in memory,
+answered on the loop with no I/O. The loads, promotion and evict of the block cache share one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, TypeVar
+
+from tiering.blocks import BlockData, BlockKey
+from tiering.engine.stats import EngineStats
+from tiering.protocols import DiskBlockTier
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class GuardedDisk:
+    def __init__(self, tier: DiskBlockTier, stats: EngineStats) -> None:
+        self.tier = tier
+        self._stats = stats
+
+    def absent(self, key: BlockKey) -> bool:
+        """Whether the disk tier surely lacks the block; on any doubt (it raised) ask ``get``, which is guarded."""
+        try:
+            return self.tier.absent(key)
+        except Exception:  # noqa: BLE001 - the guarded get path logs and counts the failure
+            return False
+
+    async def get(self, key: BlockKey) -> BlockData | None:
+        return await self.run("get", self.tier.get, key)
+
+    async def put(self, key: BlockKey, data: BlockData) -> bool | None:
+        return await self.run("put", self.tier.put, key, data)
+
+    async def run(self, what: str, call: Callable[..., T], *args: object) -> T | None:
+        """Run one disk-tier call in a worker thread; a tier that raises is a miss, never an error."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except Exception:  # noqa: BLE001 - a cache tier must never fail a read
+            self._stats.disk_errors += 1
+            if self._stats.disk_errors == 1:
+                log.warning("disk tier %s failed; treating it as a miss", what, exc_info=True)
+            else:
+                log.debug("disk tier %s failed", what, exc_info=True)
+            return None
