@@ -1,5 +1,8 @@
 """The side-by-side benchmark: cachefs, rclone mount and s3fs-fuse on one SeaweedFS, next to true limits.
 
+The tools: cachefs, cachefs with ``--direct-io`` (the large file's figures only), rclone mount and
+s3fs-fuse (``benchmarks.peers``).
+
 One run starts SeaweedFS on 127.0.0.1 (and a second one as the cluster tier's store), uploads the
 datasets (one large object, ``--files`` small ones in one directory), then runs ``--rounds``
 rounds. Each round:
@@ -550,12 +553,13 @@ class Bench:
             self.measure_limits(run)
             order = analysis.rotation(live, run)
             self.rounds[-1]["order"] = [t.name for t in order]
+            every = [t for t in order if not t.big_file_only]
             scenarios: list[tuple[str, Any, list[Tool]]] = [("big file", self.big_file, order),
-                                                            ("epoch", self.epoch_1r, order)]
+                                                            ("epoch", self.epoch_1r, every)]
             if cachefs is not None and self.cluster_keys:
                 scenarios.append(("cluster node", lambda _t, r: self.cluster_read(r), [cachefs]))
             if self.full:
-                scenarios += [("small files by name", self.small_by_name, order), ("write", self.write, order)]
+                scenarios += [("small files by name", self.small_by_name, every), ("write", self.write, every)]
                 if cachefs is not None:
                     scenarios.append(("hit ratio", self.hit_ratio, [cachefs]))
             for what, step, who in scenarios:
@@ -585,7 +589,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"small files (default {QUICK_DEFAULTS['files']}; --set full: {FULL_DEFAULTS['files']})")
     parser.add_argument("--file-size", type=parse_size, default=parse_size("100KiB"), help="size of each small file")
     parser.add_argument("--rounds", "--runs", dest="rounds", type=int, default=3, help="rounds; each figure is the median")
-    parser.add_argument("--tools", default="cachefs,rclone,s3fs", help="comma-separated, from: " + ",".join(TOOLS))
+    parser.add_argument("--tools", default="cachefs,cachefs-direct-io,rclone,s3fs", help="comma-separated, from: " + ",".join(TOOLS))
     parser.add_argument("--engines", default=",".join(engines.ENGINES),
                         help="raw GET engines for the limits, from: " + ",".join(engines.ENGINES))
     parser.add_argument("--threads", type=int, default=engines.DEFAULT_THREADS,

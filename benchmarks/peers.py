@@ -137,6 +137,7 @@ class Tool:
     """What the harness needs from a mount tool (see the module docstring)."""
 
     name = "tool"
+    big_file_only = False  # a variant measured on the large file's figures only
 
     def __init__(self, server: SeaweedS3, bucket: str, workdir: Path, *, ram_bytes: int, disk_bytes: int) -> None:
         self.server = server
@@ -219,6 +220,18 @@ class CachefsTool(Tool):
 
     def settle(self, mounted: Mounted, timeout_s: float) -> None:
         self._cli("flush", str(mounted.path), "--timeout", f"{timeout_s:g}", timeout_s=timeout_s + 30)
+
+
+class CachefsDirectIoTool(CachefsTool):
+    """cachefs mounted with ``--direct-io``: the mount's page cache is neither filled nor read, so a
+    cold read costs the daemon's loop only the reply into the reader's buffer. Measured on the large
+    file only (cold, warm, disk tier): a small file's reads are the same either way."""
+
+    name = "cachefs-direct-io"
+    big_file_only = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, extra_args=("--direct-io",), **kwargs)
 
 
 class ForegroundPeer(Tool):
@@ -340,4 +353,5 @@ class S3fsTool(ForegroundPeer):
         return [self.exe, self.bucket, str(path), "-f", *[a for o in options for a in ("-o", o)]]
 
 
-TOOLS: dict[str, type[Tool]] = {"cachefs": CachefsTool, "rclone": RcloneTool, "s3fs": S3fsTool}
+TOOLS: dict[str, type[Tool]] = {"cachefs": CachefsTool, "cachefs-direct-io": CachefsDirectIoTool,
+                                 "rclone": RcloneTool, "s3fs": S3fsTool}

@@ -250,11 +250,11 @@ def safe_version(tool: Any) -> str:
 
 def targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 25's targets for cachefs (and those of the full set's figures), each PASS, MISS or n/a."""
-    def tool(fig: str) -> dict[str, Any]:
-        return figures.get(fig, {}).get("tools", {}).get("cachefs", {})
+    def tool(fig: str, name: str = "cachefs") -> dict[str, Any]:
+        return figures.get(fig, {}).get("tools", {}).get(name, {})
 
-    def value(fig: str) -> float | None:
-        return tool(fig).get("median")
+    def value(fig: str, name: str = "cachefs") -> float | None:
+        return tool(fig, name).get("median")
 
     def limit(fig: str) -> float | None:
         return figures.get(fig, {}).get("limit_median")
@@ -278,6 +278,17 @@ def targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
           "CPU-s/GiB", at_most=True)
     check("disk-tier read >= 0.8x local-disk read", ratio(value("disk_tier_read"), limit("disk_tier_read")), 0.8,
           "local_disk_read")
+    # The same large-file targets for a mount with --direct-io (no page cache of the mount filled).
+    dio = "cachefs-direct-io"
+    if tool("cold_read", dio):
+        check("--direct-io: cold read >= 0.8x the fastest raw GET engine",
+              ratio(value("cold_read", dio), limit("cold_read")), 0.8, "raw_get")
+        check("--direct-io: daemon CPU, cold read <= 1.0 CPU-s/GiB", tool("cold_read", dio).get("cpu"), 1.0,
+              "CPU-s/GiB", at_most=True)
+        check("--direct-io: busiest daemon thread, cold read <= 0.25 CPU-s/GiB",
+              tool("cold_read", dio).get("busiest_thread"), 0.25, "CPU-s/GiB", at_most=True)
+        check("--direct-io: disk-tier read >= 0.8x local-disk read",
+              ratio(value("disk_tier_read", dio), limit("disk_tier_read")), 0.8, "local_disk_read")
     check("announced epoch, 1 reader >= 0.8x raw small GET",
           ratio(value("epoch_1r_announced"), limit("epoch_1r_announced")), 0.8, "raw_small_get")
     check("announced epoch, 1 reader >= 3x not announced", ratio(value("epoch_1r_announced"), value("epoch_1r")), 3.0,

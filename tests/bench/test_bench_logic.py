@@ -233,3 +233,24 @@ def test_a_failing_job_is_its_error_text_and_the_others_still_run() -> None:
     assert isinstance(first, str) and first.startswith("obstore: ValueError") and "threads (0)" in first
     assert creds.secret_key not in first
     assert isinstance(second, engines.EngineRun) and second.bytes == 0 and second.requests == 0
+
+
+def test_the_direct_io_variant_runs_the_large_file_only_and_has_targets_of_its_own(tmp_path: Path) -> None:
+    from benchmarks.peers import TOOLS
+
+    assert TOOLS["cachefs-direct-io"].big_file_only and not TOOLS["cachefs"].big_file_only
+    b, tools = make_bench(tmp_path, ["--rounds", "1"])
+    assert [t.name for t in tools] == ["cachefs", "cachefs-direct-io", "rclone", "s3fs"]  # the default set
+    b.engine_runs = {"big": {"obstore": [engine_sample(1, 1000.0, 0.6, 0.1)]}}
+    b.add("cachefs", "cold_read", 0, 400.0, procstat.Span(2.0, 1.2), 1.0)
+    b.add("cachefs-direct-io", "cold_read", 0, 850.0, procstat.Span(0.9, 0.2), 1.0)
+    b.rounds = [{"round": 1, "loadavg": [0.1, 0.1, 0.1], "foreign_busy": 0.01, "quiet": True, "warnings": []}]
+    result = report.summarise(b, tools, b.args, "now")  # type: ignore[arg-type]
+    targets = {t["target"]: t["status"] for t in result["targets"]}
+    assert targets["cold read >= 0.8x the fastest raw GET engine"] == "MISS"
+    assert targets["--direct-io: cold read >= 0.8x the fastest raw GET engine"] == "PASS"
+    assert targets["--direct-io: daemon CPU, cold read <= 1.0 CPU-s/GiB"] == "PASS"
+    assert targets["--direct-io: busiest daemon thread, cold read <= 0.25 CPU-s/GiB"] == "PASS"
+    assert targets["--direct-io: disk-tier read >= 0.8x local-disk read"] == "n/a"
+    md = report.markdown(result)
+    assert "cachefs-direct-io" in md
