@@ -97,12 +97,14 @@ def threaded_get(server: SeaweedS3, bucket: str, key: str, size: int, threads: i
             n += len(chunk)
         return n
 
+    server_before = cpu_s(f"/proc/{server.pid}/stat") if server.pid else 0.0
     began, cpu = time.perf_counter(), time.process_time()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(one, range(0, size, part)))
     elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
+    server_cpu = (cpu_s(f"/proc/{server.pid}/stat") - server_before) if server.pid else float("nan")
     assert total == size
-    return {"MB/s": size / elapsed / 1e6, "CPU-s/GiB": cpu / (size / GiB)}
+    return {"MB/s": size / elapsed / 1e6, "CPU-s/GiB": cpu / (size / GiB), "S3 server CPU-s/GiB": server_cpu / (size / GiB)}
 
 
 class Mount:
@@ -125,7 +127,11 @@ def counters(mnt: Path) -> dict[str, int]:
             "HEAD": store["head_requests"], "LIST": store["list_requests"]}
 
 
-def measured(pid: int, work: "callable", nbytes: int, mnt: Path) -> dict[str, object]:
+def measured(pid: int, work: "callable", nbytes: int, mnt: Path, others: dict[str, int] | None = None) -> dict[str, object]:
+    """Time ``work`` and charge it the daemon's CPU; ``others`` (name -> pid: the S3 server, this
+    process, which is the reader) are charged too, so that the whole machine's CPU per GiB shows."""
+    others = others or {}
+    before_o = {name: cpu_s(f"/proc/{p}/stat") for name, p in others.items()}
     before_c = counters(mnt)
     before_main = user_system_s(f"/proc/{pid}/task/{pid}/stat")
     before_t, before = threads_cpu(pid), cpu_s(f"/proc/{pid}/stat")
@@ -135,6 +141,7 @@ def measured(pid: int, work: "callable", nbytes: int, mnt: Path) -> dict[str, ob
     after_t, after = threads_cpu(pid), cpu_s(f"/proc/{pid}/stat")
     after_c = counters(mnt)
     after_main = user_system_s(f"/proc/{pid}/task/{pid}/stat")
+    others_cpu = {name: (cpu_s(f"/proc/{p}/stat") - before_o[name]) / (nbytes / GiB) for name, p in others.items()}
     per_thread = {t: after_t[t] - before_t.get(t, 0.0) for t in after_t}
     busiest = max(per_thread.items(), key=lambda kv: kv[1])
     gib = nbytes / GiB
@@ -146,6 +153,7 @@ def measured(pid: int, work: "callable", nbytes: int, mnt: Path) -> dict[str, ob
         # The loop thread (pyfuse3 and asyncio run on the main thread): user and system CPU-s/GiB.
         "loop user/system CPU-s/GiB": [round((after_main[i] - before_main[i]) / (nbytes / GiB), 3) for i in (0, 1)],
         "threads": {t: round(v, 3) for t, v in sorted(per_thread.items(), key=lambda kv: -kv[1]) if v > 0.005},
+        "others CPU-s/GiB": {name: round(v, 3) for name, v in others_cpu.items()},
     }
 
 
@@ -249,7 +257,8 @@ def main() -> None:
         mount = Mount("s3://bench", work / "mnt", work / "cache", env, "--ram-cache", args.ram_cache, *extra)
         try:
             with profiled(args, mount.pid, "cold"):
-                cold = measured(mount.pid, lambda: read_seconds(mount.mnt / "big" / "big.bin"), size, mount.mnt)
+                cold = measured(mount.pid, lambda: read_seconds(mount.mnt / "big" / "big.bin"), size, mount.mnt,
+                                {"S3 server": server.pid, "reader": os.getpid()})
             cold["peak RSS MiB"] = rss_mib(mount.pid)
             cold["RAM tier"] = args.ram_cache
             results["cold"] = cold
@@ -259,10 +268,12 @@ def main() -> None:
             # pages. The difference in the loop's system time is what filling the mount's page cache
             # costs the reply (docs/dataplane.md).
             with profiled(args, mount.pid, "cold-direct"):
-                direct = measured(mount.pid, lambda: read_direct(mount.mnt / "big" / "direct.bin"), size, mount.mnt)
+                direct = measured(mount.pid, lambda: read_direct(mount.mnt / "big" / "direct.bin"), size, mount.mnt,
+                                  {"S3 server": server.pid, "reader": os.getpid()})
             results["cold, O_DIRECT reader"] = {k: direct[k] for k in ("MB/s", "CPU-s/GiB", "busiest thread",
                                                                        "busiest CPU-s/GiB", "requests",
-                                                                       "loop user/system CPU-s/GiB")}
+                                                                       "loop user/system CPU-s/GiB",
+                                                                       "others CPU-s/GiB")}
             # The same bytes again from the RAM tier, with O_DIRECT so that every read reaches the
             # daemon: what the loop thread spends per GiB only to answer FUSE (dispatch and reply).
             ram = measured(mount.pid, lambda: read_direct(mount.mnt / "big" / "big.bin"), size, mount.mnt)
