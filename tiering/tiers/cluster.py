@@ -85,6 +85,11 @@ def cluster_object_key(token: bytes) -> str:
     return f"{BLOCKS_PREFIX}{digest[:2]}/{digest}"
 
 
+def _framed(token: bytes, data: BlockData) -> bytes:
+    """The cluster object of a block: its header, then its data (one copy, in a worker thread)."""
+    return frame_header(token, data) + data
+
+
 class ClusterTier:
     """A ``ClusterBlockTier`` over an ``ObjectStore`` (the module docstring)."""
 
@@ -158,7 +163,10 @@ class ClusterTier:
             self.health.maybe_probe()
             return False
         token, name = self._locate(key)
-        blob = frame_header(token, data) + data
+        # The CRC-32 and the one copy into the framed object (8 MiB per block) run in a worker thread:
+        # this is the write-behind of every block a node fetches from the source, and the loop
+        # answers FUSE.
+        blob = await asyncio.to_thread(_framed, token, data)
         try:
             await self._call(lambda: self.store.put(name, len(blob), lambda s, e: blob[s:e]), f"writing {name}")
         except Exception as exc:  # noqa: BLE001 - a write not made is only a later miss
