@@ -164,3 +164,29 @@ def test_the_pin_footprint_counts_the_padding_of_aligned_blocks() -> None:
     expected = sum(block_file_size(BlockKey("a/b", "e", i), min(block, size - i * block)) for i in range(blocks))
     assert object_footprint("a/b", "e", size, block) == expected
     assert expected >= size + blocks * DIRECT_ALIGN
+
+
+def test_a_filesystem_that_refuses_direct_reads_is_not_a_failing_disk(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened with O_DIRECT, then EINVAL on the read itself: the block is still a hit (read through
+    the page cache), the tier stays healthy and keeps the block, and stops asking for O_DIRECT."""
+    import fcntl
+
+    data = pattern(3 * MiB)
+    tier = DiskTier(tmp_path, CAPACITY)
+    assert tier.put(KEY, pooled(data))
+    real = os.preadv
+    refused: list[int] = []
+
+    def no_direct_reads(fd: int, buffers, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", no_direct_reads)
+    for _ in range(2):
+        got = tier.get(KEY)
+        assert got is not None and bytes(got) == data
+    assert len(refused) == 1 and not tier.files.direct
+    assert tier.stats.errors == 0 and tier.stats.hits == 2 and tier.health.consecutive_failures == 0

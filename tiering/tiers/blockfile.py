@@ -150,8 +150,20 @@ class BlockFiles:
     def read(self, path: Path, token: bytes, indexed_size: int) -> BlockData:
         """Read and check the block file ``path`` of ``indexed_size`` bytes for ``token``: a read-only
         view of a pool buffer. Raises ``CorruptBlockError`` (any failed check, or a symlink) or
-        ``OSError``."""
+        ``OSError``.
+
+        A filesystem that opens with ``O_DIRECT`` but refuses the read itself (``EINVAL``) is not a
+        failing disk: the block is read again through the page cache and the tier stops asking."""
         direct = self.direct and indexed_size >= ALIGNED_MIN_BYTES
+        try:
+            return self._read(path, token, indexed_size, direct)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self._refused(path)
+            return self._read(path, token, indexed_size, False)
+
+    def _read(self, path: Path, token: bytes, indexed_size: int, direct: bool) -> BlockData:
         try:
             fd = self._open(path, os.O_RDONLY, direct)
         except UnsafePathError as exc:  # a symlink where a block file should be: not ours
@@ -193,10 +205,15 @@ class BlockFiles:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self.direct = False
-                log.info("%s tier: the filesystem of %s does not take O_DIRECT; blocks go through the page cache",
-                         self.name, path.parent)
+                self._refused(path)
         return _BlockFd(self._open_dirs(path, flags), False)
+
+    def _refused(self, path: Path) -> None:
+        """The filesystem refused O_DIRECT: every later block goes through the page cache (logged once)."""
+        if self.direct:
+            self.direct = False
+            log.info("%s tier: the filesystem of %s does not take O_DIRECT; blocks go through the page cache",
+                     self.name, path.parent)
 
     @staticmethod
     def _open_dirs(path: Path, flags: int) -> int:
