@@ -678,6 +678,27 @@ async def test_unlink_of_an_open_file_keeps_its_data_for_the_handle(rig: Rig) ->
     assert rig.budget.reserved_space() == 0
 
 
+async def test_an_open_file_unlinked_before_its_first_change_keeps_the_stored_version(rig: Rig) -> None:
+    """open(O_RDWR) of a stored file, unlink, then write and read through the handle (found by the
+    write-back model test, eager uploads): the staged copy was only to be copied in on the first
+    change, and with an upload delay of 0 the unlink's DELETE landed first, so the write's copy-in
+    found no object (ENOENT through the mount). The unlink now copies it in before the delete."""
+    base = os.urandom(2 * BS + 7)
+    info = rig.inner.put_object("kept", base)
+    sf = rig.wb.stage("kept", ObjectRef("kept", info.etag, info.size))
+    rig.wb.hold(sf)  # the open handle
+    await rig.wb.remove("kept", may_exist=True, base_etag=info.etag)
+    await settle(rig.wb)
+    assert rig.keys() == []  # the DELETE landed before any write
+    await rig.wb.write(sf, 3, b"NEW")
+    assert await rig.wb.read(sf, 0, len(base)) == base[:3] + b"NEW" + base[6:]
+    await rig.wb.commit(sf)
+    await settle(rig.wb)
+    assert rig.keys() == []  # an unlinked file uploads nothing
+    rig.wb.unhold(sf)
+    await eventually(lambda: sf.disposed, timeout=10)
+
+
 async def test_a_failing_store_never_blocks_a_delete_behind_a_put(rig: Rig) -> None:
     rig.store.fail_writes = True
     await write_file(rig.wb, "p", b"1")

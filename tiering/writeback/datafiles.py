@@ -174,6 +174,19 @@ class DataFiles:
             sf.crc_upto = size
         return sf.crc_value
 
+    async def copy_in(self, sf: StagedFile) -> None:
+        """The store's version into staging now, if it was only staged to be copied on first change:
+        the handles of a file being unlinked keep its data, and the object is about to be deleted (with
+        an upload delay of 0 the delete can land before the next write would have copied it). Best
+        effort: a store that cannot be read now leaves the copy to the first write, as before."""
+        async with sf.lock:
+            if sf.current is None and sf.base is not None:
+                try:
+                    await self.materialize(sf, sf.size)
+                except ObjectStoreError as exc:
+                    log.warning("could not keep the data of %r for its open handles before deleting it: %s",
+                                sf.key, exc)
+
     async def materialize(self, sf: StagedFile, upto: int) -> None:
         """Copy the first ``upto`` bytes of the store version into a new data file (first modification)."""
         base = sf.base

@@ -144,11 +144,8 @@ class WriteBack:
     ) -> None:
         self.settings = settings
         self.staging = StagingDir(staging_root)
-        self.store = store
-        self.cache = cache
-        self.budget = budget
-        self.clock = clock or SystemClock()
-        self.wall = wall
+        self.store, self.cache, self.budget = store, cache, budget
+        self.clock, self.wall = clock or SystemClock(), wall
         self.stats = WriteBackStats()
         # Called as on_applied(key, info) when an operation reached the store (info None: deleted).
         self.on_applied: Callable[[str, ObjectInfo | None], None] | None = None
@@ -388,6 +385,8 @@ class WriteBack:
         """unlink: the key is deleted in the store (if it may be there) and its staged data dropped."""
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
+            if sf is not None and sf.holders:
+                await self.datafiles.copy_in(sf)  # open handles keep the data: before the delete lands
             entry = self.index.get(key)
             self.records.note_base(key, base_etag if sf is None and entry is None else None)
             # Nothing staged or pending: the file is clean, so the store has it (whatever the caller saw
