@@ -167,6 +167,7 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "renames": fs.stats.renames,
             "truncates": fs.stats.truncates,
             "fsyncs": fs.stats.fsyncs,
+            "flushes": fs.stats.flushes,
         },
         # The shared cluster tier (tiering.tiers.cluster) and its write-behind queue; absent without one.
         **({"cluster": cluster_section(cache)} if cache.cluster is not None else {}),

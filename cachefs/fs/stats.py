@@ -31,3 +31,4 @@ class FsStats:
     renames: int = 0
     truncates: int = 0
     fsyncs: int = 0
+    flushes: int = 0  # FLUSH requests (close); a read-only mount gets one, then the kernel stops
