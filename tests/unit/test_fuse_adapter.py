@@ -213,10 +213,15 @@ async def test_write_handlers_are_erofs(ops: FuseOperations, handler: str, args:
 
 
 async def test_flush_and_fsync_of_a_read_only_file(ops: FuseOperations) -> None:
+    """On a read-only mount FLUSH answers ENOSYS (the kernel then answers close() itself and sends no
+    more FLUSH: tests/fuse/test_close_requests.py); fsync has nothing to do and succeeds."""
+    assert ops.fs.settings.read_only
     d = await ops.lookup(ROOT_INODE, b"dir", None)
     f = await ops.lookup(d.st_ino, b"file.bin", None)
     fi = await ops.open(f.st_ino, os.O_RDONLY, None)
-    assert await ops.flush(fi.fh) is None
+    with pytest.raises(pyfuse3.FUSEError) as flushed:
+        await ops.flush(fi.fh)
+    assert flushed.value.errno == errno.ENOSYS
     assert await ops.fsync(fi.fh, True) is None
     await ops.release(fi.fh)
     for call in (ops.flush(999), ops.fsync(999, False)):
