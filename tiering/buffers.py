@@ -137,15 +137,18 @@ DIRECT_ALIGN = 4096
 _scratch = threading.local()
 
 
+def align_up(length: int) -> int:
+    """``length`` rounded up to a multiple of ``DIRECT_ALIGN``."""
+    return -(-length // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
 def aligned_page(length: int) -> memoryview:
-    """This thread's page-aligned scratch buffer of at least ``length`` bytes (a multiple of
-    ``DIRECT_ALIGN``), zero-filled; used again by the thread's next call, so the caller must not keep
-    it."""
-    size = -(-max(length, 1) // DIRECT_ALIGN) * DIRECT_ALIGN
+    """This thread's page-aligned scratch buffer of ``align_up(length)`` bytes (at least one page).
+    It holds whatever the thread's last call left: the caller uses only what it wrote or read into
+    it, and must not keep it (the thread's next call hands it out again)."""
+    size = align_up(max(length, 1))
     page: mmap.mmap | None = getattr(_scratch, "page", None)
     if page is None or len(page) < size:
         page = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         _scratch.page = page
-    view = memoryview(page)[:size]
-    view[:] = bytes(size)
-    return view
+    return memoryview(page)[:size]

@@ -48,7 +48,7 @@ from tiering.tiers.blockformat import (
     check_header_token,
 )
 from tiering.blocks import BlockData
-from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN, aligned_page
+from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN, align_up, aligned_page
 from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
 
 log = logging.getLogger("tiering.tiers.disk")
@@ -139,7 +139,8 @@ class BlockFiles:
                     if exc.errno != errno.EINVAL:
                         raise
                     self._count_unaligned()
-                _clear_direct(fd.fd)
+                if done < total:
+                    _clear_direct(fd.fd)  # the tail (or an unaligned buffer) goes through the page cache
             if done < total:
                 parts = _skip([memoryview(header), memoryview(data)], done)
                 _pwrite_all(fd.fd, parts, done)
@@ -171,7 +172,7 @@ class BlockFiles:
         try:
             page = aligned_page(DIRECT_ALIGN)
             got = _pread_into(fd, page, 0, DIRECT_ALIGN)
-            fixed = bytes(page[:FIXED_HEADER_SIZE]) if got >= FIXED_HEADER_SIZE else bytes(page[:got])
+            fixed = bytes(page[:min(got, FIXED_HEADER_SIZE)])
             data_len, data_crc, offset = check_fixed_header(fixed, token)
             if offset + data_len != indexed_size:
                 raise CorruptBlockError(f"file is {indexed_size} bytes, header says {offset + data_len}")
@@ -184,7 +185,7 @@ class BlockFiles:
             if fd.direct and offset % DIRECT_ALIGN:
                 _clear_direct(fd.fd)  # a packed block: its data is not aligned in the file
                 fd.direct = False
-            buffer = BLOCK_BUFFERS.take(-(-data_len // DIRECT_ALIGN) * DIRECT_ALIGN if fd.direct else data_len)
+            buffer = BLOCK_BUFFERS.take(align_up(data_len) if fd.direct else data_len)
             if _pread_into(fd, buffer, offset, data_len) != data_len:
                 raise CorruptBlockError("truncated data")
             if os.fstat(fd.fd).st_size != offset + data_len:

@@ -36,7 +36,7 @@ import struct
 from typing import NamedTuple
 
 from tiering.blocks import BlockData, BlockKey
-from tiering.buffers import DIRECT_ALIGN, MAP_MIN_BYTES
+from tiering.buffers import MAP_MIN_BYTES, align_up
 from tiering.checksum import crc32
 
 MAGIC = b"CFSB"
@@ -70,22 +70,25 @@ def encode_header(key: BlockKey, data: BlockData) -> bytes:
 def frame_header(token: bytes, data: BlockData | memoryview) -> bytes:
     """The header framing ``data`` under the identity ``token``, padding included: the data follows
     it directly (format in the module docstring)."""
-    aligned = len(data) >= ALIGNED_MIN_BYTES
-    fixed = _FIXED.pack(MAGIC, ALIGNED_VERSION if aligned else FORMAT_VERSION, len(token), len(data), crc32(data))
+    version = _version_for(len(data))
+    fixed = _FIXED.pack(MAGIC, version, len(token), len(data), crc32(data))
     header = fixed + token + _HEADER_CRC.pack(crc32(token, crc32(fixed)))
-    return header + bytes(data_offset(len(token), len(data)) - len(header))
+    return header + bytes(_offset(version, len(token)) - len(header))
+
+
+def _version_for(data_len: int) -> int:
+    """The format a block of ``data_len`` bytes is written in now."""
+    return ALIGNED_VERSION if data_len >= ALIGNED_MIN_BYTES else FORMAT_VERSION
 
 
 def data_offset(token_len: int, data_len: int) -> int:
     """Where the data of a block of ``data_len`` bytes starts, in a block written now."""
-    return _offset(ALIGNED_VERSION if data_len >= ALIGNED_MIN_BYTES else FORMAT_VERSION, token_len)
+    return _offset(_version_for(data_len), token_len)
 
 
 def _offset(version: int, token_len: int) -> int:
     head = _FIXED.size + token_len + _HEADER_CRC.size
-    if version == ALIGNED_VERSION:
-        return -(-head // DIRECT_ALIGN) * DIRECT_ALIGN
-    return head
+    return align_up(head) if version == ALIGNED_VERSION else head
 
 
 def header_size(token: bytes, data_len: int) -> int:
