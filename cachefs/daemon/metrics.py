@@ -89,6 +89,8 @@ BLOCKS_SERVED_TOTAL = "cachefs_blocks_served_total"  # label "tier": ram, disk, 
 FETCH_ERRORS_TOTAL = "cachefs_fetch_errors_total"
 READAHEAD_BYTES_TOTAL = "cachefs_readahead_bytes_total"
 SINGLEFLIGHT_JOINS_TOTAL = "cachefs_singleflight_joins_total"
+IN_FLIGHT_BYTES = "cachefs_in_flight_bytes"
+MEMORY_WAITS_TOTAL = "cachefs_memory_waits_total"
 DROPPED_BYTES_TOTAL = "cachefs_dropped_bytes_total"  # dropped on request (cachefs evict)
 HIT_RATIO = "cachefs_hit_ratio"
 # Warming the disk tier (what cachefs prefetch jobs do) and pins.
@@ -322,6 +324,11 @@ class CacheFSCollector(Collector):
                                   value=blocks.get("readahead_bytes", 0))
         yield CounterMetricFamily(SINGLEFLIGHT_JOINS_TOTAL, "Block requests that joined a fetch in flight.",
                                   value=blocks.get("singleflight_joins", 0))
+        yield GaugeMetricFamily(IN_FLIGHT_BYTES, "Bytes of blocks being loaded, counted against the RAM tier.",
+                                value=blocks.get("in_flight_bytes", 0))
+        yield CounterMetricFamily(MEMORY_WAITS_TOTAL,
+                                  "Block loads that waited for RAM-tier room for their block in flight.",
+                                  value=blocks.get("memory_waits", 0))
         yield CounterMetricFamily(DROPPED_BYTES_TOTAL, "Bytes dropped from the tiers on request (cachefs evict).",
                                   value=blocks.get("dropped_bytes", 0))
         yield GaugeMetricFamily(HIT_RATIO, "Share of block requests served by RAM or disk since the mount.",

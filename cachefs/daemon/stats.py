@@ -126,6 +126,11 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "readahead_blocks": engine.readahead_blocks,
             "readahead_bytes": engine.readahead_bytes,
             "singleflight_joins": engine.singleflight_joins,
+            # Blocks being received, counted against the RAM tier (tiering.engine.inflight), and
+            # the loads that waited for that memory.
+            "in_flight_bytes": cache.loads.inflight.reserved_bytes,
+            "in_flight_limit_bytes": cache.loads.inflight.limit_bytes,
+            "memory_waits": cache.loads.inflight.waits,
             "dropped_blocks": engine.dropped_blocks,
             "dropped_bytes": engine.dropped_bytes,
         },

@@ -7,8 +7,9 @@ hit is promoted to RAM.
 
 Single flight: concurrent misses on one block cause one GET; the first starts a *load*, the others
 join it. Memory bound: a load holds one of ``max_concurrent_fetches`` fetch slots from before its
-GET until its block is written to disk, so at most that many blocks are in flight beyond the RAM
-tier; read-ahead loads take the same slots. Both are kept by ``Loads`` (below).
+GET until its block is written to disk, and reserves its block's bytes in the RAM tier before it
+receives it (``tiering.engine.inflight``), so the RAM tier's capacity bounds held blocks and blocks
+in flight together; read-ahead loads take the same slots. Both are kept by ``Loads`` (below).
 
 A failing disk tier is a miss, never an error: the tier itself turns ``OSError`` into a miss and
 tracks its health, and the engine calls it through ``GuardedDisk``, which takes whatever it raises
@@ -333,10 +334,14 @@ class BlockCache:
             self.stats.warm_skipped_bytes += length
             return WarmOutcome.SKIPPED, length
         async with self.loads.slots:
-            data = await self.source.get(ref, key, asyncio.get_running_loop().time())
-            self.stats.warm_blocks += 1
-            self.stats.warm_bytes += len(data)
-            stored = await cluster.put(key, data)
+            reservation = await self.loads.inflight.reserve(length)
+            try:
+                data = await self.source.get(ref, key, asyncio.get_running_loop().time())
+                self.stats.warm_blocks += 1
+                self.stats.warm_bytes += len(data)
+                stored = await cluster.put(key, data)
+            finally:
+                reservation.release()
         if not stored:
             self.stats.warm_not_stored += 1
             return WarmOutcome.NOT_STORED, length

@@ -14,7 +14,10 @@ one once it is handed out, so a block handed out by ``get`` never changes under 
 nothing is copied.
 
 Capacity is counted in payload bytes (``len(data)``); the Python object overhead (~33 bytes per
-``bytes`` plus the dict slot) is negligible next to blocks of 64 KiB and more.
+``bytes`` plus the dict slot) is negligible next to blocks of 64 KiB and more. Bytes *reserved* for
+blocks in flight (``reserve``/``unreserve``, called by ``tiering.engine.inflight.InFlight``) count
+as used too: a reservation evicts held blocks to make room at once, so the tier's capacity bounds
+the blocks it holds and those being received together.
 
 Eviction goes through one method, ``_evict_until``, which walks the LRU order and takes only blocks
 that ``_evictable`` allows. A ``VictimOrder`` passed in (an announced read order) reorders the
@@ -47,6 +50,7 @@ class RamTier:
         self.victim_order = victim_order
         self._blocks: OrderedDict[BlockKey, BlockData] = OrderedDict()
         self._used = 0
+        self._reserved = 0  # bytes of blocks in flight (reserve), counted against the capacity
 
     # -- BlockTier ------------------------------------------------------------------------------
 
@@ -73,12 +77,13 @@ class RamTier:
         # bytes that differ from the last ones offered for a key.
         self._remove(key)
         size = len(data)
-        if self.capacity_bytes == 0 or size > self.capacity_bytes:
+        room = self.capacity_bytes - self._reserved
+        if self.capacity_bytes == 0 or size > room:
             self.stats.rejected += 1
             return False
-        if self._used + size > self.capacity_bytes:
-            self._evict_until(self.capacity_bytes - size)
-            if self._used + size > self.capacity_bytes:  # not enough evictable blocks
+        if self._used + size > room:
+            self._evict_until(room - size)
+            if self._used + size > room:  # not enough evictable blocks
                 self.stats.rejected += 1
                 return False
         self._blocks[key] = data
@@ -92,6 +97,19 @@ class RamTier:
     def used_bytes(self) -> int:
         return self._used
 
+    def reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` of a block in flight against the capacity, evicting held blocks to make
+        room now (as far as they are evictable: a reservation is never refused)."""
+        self._reserved += nbytes
+        self._evict_until(max(0, self.capacity_bytes - self._reserved))
+
+    def unreserve(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` reserved earlier (the block is now held, or was dropped)."""
+        self._reserved = max(0, self._reserved - nbytes)
+
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
     def __len__(self) -> int:
         return len(self._blocks)
 
@@ -102,7 +120,8 @@ class RamTier:
         return list(self._blocks)
 
     def __repr__(self) -> str:
-        return f"RamTier(name={self.name!r}, used={self._used}, capacity={self.capacity_bytes}, blocks={len(self)})"
+        return (f"RamTier(name={self.name!r}, used={self._used}, reserved={self._reserved}, "
+                f"capacity={self.capacity_bytes}, blocks={len(self)})")
 
     # -- eviction -------------------------------------------------------------------------------
 
