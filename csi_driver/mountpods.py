@@ -112,8 +112,9 @@ DELETE_WAIT_S = 60.0
 POLL_S = 0.2
 # A stop waits for the pod this much longer than its grace period (the kubelet's own latency).
 DELETE_SLACK_S = 15.0
-# Requests of a volume that sets no mountPod* attribute: the RAM tier (cachefs's default 1 GiB) plus
-# ~150 MiB of interpreter and S3 client and 16 x 8 MiB of blocks in flight, rounded up; a tenth of a
+# Requests of a volume that sets no mountPod* attribute: the RAM tier (cachefs's default 1 GiB, which
+# also counts the blocks being received) plus the interpreter and S3 client (~80 MiB at rest), idle
+# block buffers and blocks still being written to disk, with room to spare; a tenth of a
 # core idles the daemon and keeps it scheduled. No limits (see default_resources).
 MiB = 1 << 20
 DEFAULT_RAM_CACHE_BYTES = 1 << 30

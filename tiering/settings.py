@@ -19,7 +19,7 @@ DEFAULT_DISK_BYTES = 10 * GiB
 DEFAULT_HIGH_WATERMARK = 0.95
 DEFAULT_LOW_WATERMARK = 0.85
 # Parallel ranged GETs in flight for one mount. 16 keeps a loopback SeaweedFS busy on a 2-core
-# machine; it also bounds memory in flight beyond the RAM tier to 16 blocks (128 MiB).
+# machine. Their blocks count against the RAM tier while in flight (tiering.engine.inflight).
 DEFAULT_MAX_CONCURRENT_FETCHES = 16
 # Upper bound accepted for it: past a thousand GETs in flight a mount only trips the store's request
 # rate limits and holds that many blocks of memory.
