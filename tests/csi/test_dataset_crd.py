@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.support.crd_schema import prune, structural_problems
+from tests.support.crd_schema import apply_defaults, invalid_fields, prune, structural_problems
 from tests.support.kubeapi import ApiDouble
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -112,6 +112,43 @@ def test_pruning_drops_what_is_not_declared() -> None:
                       "status": {"phase": "Up", "free": {"any": {"thing": 1}}}}
     assert sorted(dropped) == ["other", "spec.items[0].extra", "spec.sise", "status.generation"]
     assert obj["spec"]["sise"] == "typo"  # the input is left as it was
+
+
+DEFAULTING = {"type": "object", "properties": {
+    "spec": {"type": "object", "properties": {
+        "size": {"type": "string", "default": "1Gi"},
+        "mode": {"type": "string", "enum": ["Fast", "Safe"], "default": "Safe"},
+        "count": {"type": "integer", "minimum": 1, "maximum": 10},
+        "target": {"type": "object", "properties": {"tier": {"type": "string", "default": "Cluster"}}},
+        "made": {"type": "object", "default": {}, "properties": {"x": {"type": "integer", "default": 3}}},
+        "items": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[a-z]+$"}, "weight": {"type": "integer", "default": 1}}}},
+    }},
+}}
+
+
+def test_defaults_fill_what_is_absent_or_null_inside_parents_that_exist() -> None:
+    obj = {"metadata": {"name": "w"}, "spec": {"mode": None, "items": [{"name": "a"}, {"name": "b", "weight": 5}]}}
+    out = apply_defaults(obj, DEFAULTING)
+    assert out["spec"] == {"size": "1Gi", "mode": "Safe", "made": {"x": 3},
+                           "items": [{"name": "a", "weight": 1}, {"name": "b", "weight": 5}]}
+    assert "target" not in out["spec"]  # an absent parent is not created for its children's defaults
+    assert out["metadata"] == {"name": "w"} and obj["spec"]["mode"] is None  # the input is left as it was
+    assert apply_defaults({"spec": {"target": {}}}, DEFAULTING)["spec"]["target"] == {"tier": "Cluster"}
+
+
+def test_validation_names_each_field_the_schema_refuses() -> None:
+    good = apply_defaults({"metadata": {"name": "Not_Checked"}, "spec": {"count": 3, "items": [{"name": "a"}]}},
+                          DEFAULTING)
+    assert invalid_fields(good, DEFAULTING) == []
+    bad = {"spec": {"mode": "Turbo", "count": 0, "size": 5, "items": [{"name": "A1"}, {"weight": 2}]}}
+    problems = invalid_fields(bad, DEFAULTING)
+    assert any(p.startswith("spec.mode: Unsupported value: 'Turbo'") and '"Fast", "Safe"' in p for p in problems)
+    assert any(p.startswith("spec.count: Invalid value: 0") for p in problems)
+    assert any(p.startswith("spec.size: Invalid value: 5") for p in problems)
+    assert any(p.startswith("spec.items[0].name: Invalid value: 'A1'") for p in problems)
+    assert any(p.startswith("spec.items[1]: Required value") and "'name'" in p for p in problems)
+    assert len(problems) == 5
 
 
 @pytest.fixture(scope="module")

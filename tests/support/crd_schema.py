@@ -29,6 +29,21 @@ never pruned here (the server keeps ObjectMeta's own fields). An object node wit
 ``properties`` nor ``additionalProperties`` nor preserve-unknown-fields keeps no field at all.
 ``prune`` returns the pruned object and the paths it dropped (a real server drops them silently;
 the double records them so a test can say which write lost what).
+
+**Defaulting** (``apply_defaults``, after pruning, as ``structural/defaulting/algorithm.go``): a
+property the object lacks gets its schema's ``default`` (a copy), and so does one that is ``null``
+without ``nullable: true``; the defaults of its children are applied inside it, the new value
+included. An absent parent is not created for its children's defaults: ``spec.a.b``'s default
+appears only where ``spec.a`` exists (or has a default of its own). Lists and maps apply ``items`` /
+``additionalProperties`` to each element. ``metadata`` is never defaulted here.
+
+**Validation** (``invalid_fields``, after defaulting, on create, update, patch and status writes):
+the value checks of the schema (``type``, ``enum``, ``pattern``, ``minimum``/``maximum``,
+``minLength``/``maxLength``, ``minItems``/``maxItems``, ``maxProperties``, ``required``, ...) as the
+API server's OpenAPI validator runs them, by ``jsonschema`` (the ``x-kubernetes-*`` extensions and
+``nullable`` are not JSON Schema: the validator skips the first, and the CRDs here use neither on
+a value that could be null). A failure is a 422 ``Invalid`` naming each field, as the API server
+answers (``spec.cache.maxFetches: Invalid value: 0: ...``); ``metadata`` is left out, as there.
 """
 
 from __future__ import annotations
@@ -168,6 +183,58 @@ def _prune_value(value: Any, node: Mapping[str, Any], path: str, dropped: list[s
     elif isinstance(value, list) and isinstance(node.get("items"), dict):
         return [_prune_value(item, node["items"], f"{path}[{index}]", dropped) for index, item in enumerate(value)]
     return value
+
+
+def apply_defaults(obj: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` with the schema's defaults applied (module docstring: "Defaulting"); ``metadata`` untouched."""
+    out = copy.deepcopy(dict(obj))
+    meta = out.pop("metadata", None)
+    _default_object(out, schema)
+    if meta is not None:
+        out["metadata"] = meta
+    return out
+
+
+def _default_object(value: dict[str, Any], node: Mapping[str, Any]) -> None:
+    properties = node.get("properties") or {}
+    for key, child in properties.items():
+        if "default" in child and (key not in value or (value[key] is None and not child.get("nullable"))):
+            value[key] = copy.deepcopy(child["default"])
+        if key in value:
+            _default_value(value[key], child)
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        for key in value:
+            if key not in properties:
+                _default_value(value[key], extra)
+
+
+def _default_value(value: Any, node: Mapping[str, Any]) -> None:
+    if isinstance(value, dict):
+        _default_object(value, node)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for item in value:
+            _default_value(item, node["items"])
+
+
+def invalid_fields(obj: Mapping[str, Any], schema: Mapping[str, Any]) -> list[str]:
+    """Why the API server would refuse ``obj`` under ``schema`` (one line per field); [] when it would not."""
+    import jsonschema
+
+    body = {k: v for k, v in obj.items() if k != "metadata"}
+    checked = {k: v for k, v in schema.items() if k != "properties"}
+    checked["properties"] = {k: v for k, v in (schema.get("properties") or {}).items() if k != "metadata"}
+    problems = []
+    for error in sorted(jsonschema.Draft7Validator(checked).iter_errors(body), key=lambda e: list(e.absolute_path)):
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path).lstrip(".") or "<root>"
+        if error.validator == "required":
+            problems.append(f"{path}: Required value: {error.message}")
+        elif error.validator == "enum":
+            supported = ", ".join(f'"{v}"' for v in error.validator_value)
+            problems.append(f"{path}: Unsupported value: {error.instance!r}: supported values: {supported}")
+        else:
+            problems.append(f"{path}: Invalid value: {error.instance!r}: {error.message}")
+    return problems
 
 
 def merge_patch_between(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,8 +35,12 @@ once passed the tests and failed on a real cluster):
   requests. A change to one is refused with 422 ``Invalid`` naming the field, the whole write refused.
 - A PUT replaces the object (kmock merges it).
 
-RBAC, defaulting and the built-in kinds' field validation are not emulated: the manifests are validated
-separately (tests/csi/test_manifests.py), and tests assert on the objects as stored.
+- **Defaulting and validation** of custom resources: after pruning, the schema's ``default``s are
+  applied and its value checks run (type, enum, pattern, bounds, required); a write the schema
+  refuses is a 422 ``Invalid`` naming each field, status writes included.
+
+RBAC, and the built-in kinds' defaulting and field validation, are not emulated: the manifests are
+validated separately (tests/csi/test_manifests.py), and tests assert on the objects as stored.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ import kmock
 import yaml
 from kmock._internal import dicts, enums, parsing, rendering
 
-from tests.support.crd_schema import merge_patch_between, prune, structural_problems
+from tests.support.crd_schema import apply_defaults, invalid_fields, merge_patch_between, prune, structural_problems
 
 START_TIMEOUT_S = 10.0
 RESOURCES = ("v1/pods", "v1/secrets", "v1/events", "v1/namespaces", "v1/persistentvolumes")
@@ -239,9 +243,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             request.data[:] = [{"op": "replace", "path": "", "value": new}]
 
     def _pruned(self, request: rendering.Request, key: tuple[str, str, str], obj: dict[str, Any]) -> dict[str, Any]:
-        """``obj`` pruned; with ``?fieldValidation=Strict`` (kubectl's default) an undeclared field is a 400."""
+        """``obj`` pruned, defaulted and validated, as the API server stores a custom resource: with
+        ``?fieldValidation=Strict`` (kubectl's default) an undeclared field is a 400; a value the
+        schema refuses a 422 naming each field (``tests/support/crd_schema.py``)."""
         pruned, dropped = prune(obj, self.schemas[key])
+        pruned = apply_defaults(pruned, self.schemas[key])
         name = request.name or (obj.get("metadata") or {}).get("name")
+        if problems := invalid_fields(pruned, self.schemas[key]):
+            raise _invalid(f"{obj.get('kind') or key[2]}.{key[0]}", name, ", ".join(problems))
         if dropped and request.params.get("fieldValidation") == "Strict":
             kind = obj.get("kind") or key[2]
             fields = ", ".join(f'unknown field "{path}"' for path in dropped)

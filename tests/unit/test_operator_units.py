@@ -56,6 +56,10 @@ def test_paths_are_normalised_and_dot_means_everything() -> None:
     ({"cache": {"ramCache": "lots"}}, "'cache.ramCache'"),
     ({"clusterTier": {"cache": "s3://cluster-store/", "timeout": 0}, "warmUp": {"target": {"tier": "Cluster"}}}, "cluster-timeout must be between"),
     ({"secretRef": {"name": "Not_A_Name"}}, "is not a Secret name"),
+    # Refused by the CRD's schema before the operator sees them (tests/csi/test_operator.py); the
+    # operator checks them too, for a cluster with an older or edited CRD.
+    ({"source": "file:///etc"}, "must be an s3:// URL"),
+    ({"endpointUrl": "http://user:pw@host"}, "must not contain user info"),
 ])
 def test_bad_specs_are_refused_naming_the_field(changes: dict, message: str) -> None:
     with pytest.raises(SpecError) as caught:
