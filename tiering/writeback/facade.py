@@ -383,10 +383,9 @@ class WriteBack:
     # ================================================================== namespace operations
     async def remove(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> None:
         """unlink: the key is deleted in the store (if it may be there) and its staged data dropped."""
+        await self.files.keep_for_handles(key)  # before the delete lands (and not under the key's lock)
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
-            if sf is not None and sf.holders:
-                await self.datafiles.copy_in(sf)  # open handles keep the data: before the delete lands
             entry = self.index.get(key)
             self.records.note_base(key, base_etag if sf is None and entry is None else None)
             # Nothing staged or pending: the file is clean, so the store has it (whatever the caller saw
@@ -627,9 +626,8 @@ class WriteBack:
         if sf.key is None or sf.current is None:
             sf.unacked = False
             return None
-        df, size = sf.current, sf.size
+        df, size, key = sf.current, sf.size, sf.key
         crc = await asyncio.to_thread(self.datafiles.sync, sf, df, size)
-        key = sf.key
         async with self._locks.hold(key):
             if sf.key != key:
                 return None  # unlinked or renamed while syncing: that operation journaled the outcome
