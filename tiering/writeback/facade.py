@@ -92,7 +92,7 @@ from tiering.writeback.files import StagedFiles, read_range
 from tiering.writeback.events import KeyLocks, describe, wait_event
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, pread_exact
 from tiering.writeback.markers import Directories, MarkerOrder
-from tiering.writeback.pending import MISSING, STAGED_ETAG, Entry, PendingIndex, staged_info
+from tiering.writeback.pending import MISSING, STAGED_ETAG, Entry, PendingIndex
 from tiering.writeback.records import Records
 from tiering.writeback.report import backlog_text, entry_status, stats_document
 from tiering.writeback.settings import WriteBackSettings
@@ -238,10 +238,6 @@ class WriteBack:
     def resolve(self, directory: str, name: str, stored: object = MISSING) -> object:
         """``name`` in ``directory`` once the pending operations apply (see ``PendingIndex.resolve``)."""
         return self.index.resolve(directory, name, stored)
-
-    @staticmethod
-    def staged_info(sf: StagedFile) -> ObjectInfo:
-        return staged_info(sf)
 
     def created_dir(self, path: str) -> bool:
         """Whether ``path`` is a directory made through the mount and not yet in the store."""
@@ -400,6 +396,10 @@ class WriteBack:
             if sf is not None:
                 self.files.detach(sf)
                 self.files.maybe_dispose(sf)
+
+    async def keep_for_handles(self, key: str) -> None:
+        """Before ``key`` is replaced in the store (a rename): its open handles keep its content."""
+        await self.files.keep_for_handles(key)
 
     async def mkdir(self, path: str) -> None:
         await self.markers.mkdir(path)
