@@ -59,10 +59,19 @@ from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.policy.readahead import ReadAhead
 from tiering.policy.readorder import ReadOrder
 from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
+from tiering.writeback.pending import staged_info
 from tiering.writeback.staged import StagedFile
 
 # Blocks reported to statfs are in units of this size (the usual 4 KiB page).
 STATFS_BLOCK_SIZE = 4096
+
+# A file unlinked, or replaced by a rename, while handles opened only for reading hold it is first
+# copied into staging (through the block cache), so they go on reading the parts never cached, up to
+# this size: the unlink waits for the copy, which at the 300-700 MiB/s a cold read reaches (see
+# docs/dataplane.md) takes a fraction of a second, and at a slow 50 MB/s link still little more than
+# one. Larger files are not fetched: what was cached still reads, the rest answers ENOENT (ESTALE
+# after a rename over it). Writers are always kept: their next write needs the content.
+KEEP_FOR_READERS_MAX_BYTES = 64 * 1024 * 1024
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -144,7 +153,7 @@ class CacheFS:
         self.listings = ListingCache(store, self.clock, settings, self.inodes, self.stats, health=cache.health,
                                      index=index, pinned=pinned)
         self.handles = HandleTable()
-        self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit)
+        self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit, self._keep_for_handles)
         self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount
 
     # ------------------------------------------------------------------ attributes
@@ -463,6 +472,20 @@ class CacheFS:
         self._set_staged(node, sf)
         return sf
 
+    async def _keep_for_handles(self, path: str) -> None:
+        """Before the file at ``path`` loses its name (unlink, a rename over it): a file that open
+        handles still use is staged, so that write-back copies its stored version in before the object
+        is deleted or replaced (``WriteBack.keep_for_handles``): writers always, handles opened only for
+        reading up to ``KEEP_FOR_READERS_MAX_BYTES``."""
+        node = self.inodes.at(path)
+        if node is None or node.is_dir or not node.open_handles or self._staged(node) is not None:
+            return
+        info = node.info
+        if node.writers or (info is not None and info.size <= KEEP_FOR_READERS_MAX_BYTES):
+            sf = await self._stage_for_write(node)
+            if info is not None:
+                sf.mtime = info.mtime  # staged, not changed: fstat on its handles shows the same file
+
     async def _truncate_node(self, node: Node, size: int) -> StagedFile:
         wb = self._writer()
         sf = self._staged(node)
@@ -495,7 +518,7 @@ class CacheFS:
             return fh, keep, self._attributes(node)
         self._check_key(path, directory=False)
         sf = await wb.create(path, may_exist=False)
-        node = self._node_for(path, wb.staged_info(sf))
+        node = self._node_for(path, staged_info(sf))
         self._set_staged(node, sf)
         node.lookups += 1
         self.stats.creates += 1
@@ -606,9 +629,8 @@ class CacheFS:
         if value is None:
             raise FsError(errno.EISDIR)
         path = join(parent.path, text)
+        await self._keep_for_handles(path)
         node = self.inodes.at(path)
-        if node is not None and node.writers and self._staged(node) is None:
-            await self._stage_for_write(node)  # an open writer keeps writing to it (not copied in yet)
         assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
         staged = value.etag == STAGED_ETAG
         await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes

@@ -8,6 +8,12 @@ one deepest first, refused beyond ``rename_dir_limit`` entries (E2BIG). None of 
 atomic: a crash can leave both names, never neither. A directory that loses an entry to another
 directory keeps a marker, because a directory lives until rmdir. Inodes keep their numbers under the
 new names (``InodeTable.move``).
+
+A file renamed or replaced while handles hold it open stays theirs (POSIX): before its object is
+deleted or replaced, the filesystem stages it if its handles need that (``keep``) and write-back
+copies in the stored version of a file staged only to be copied on its first change
+(``WriteBack.keep_for_handles``). So a moved file's handles follow it to the new name as staged data,
+and a replaced file's handles keep reading and writing its content, which nothing uploads.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+from typing import Awaitable, Callable
 
 from cachefs.fs.errors import FsError
 from cachefs.fs.inodes import InodeTable
@@ -36,11 +43,13 @@ RENAME_EXCHANGE = 2
 class Renamer:
     """Renames paths of the merged view through write-back; the filesystem checks names and inodes."""
 
-    def __init__(self, store: ObjectStore, listings: ListingCache, inodes: InodeTable, rename_dir_limit: int) -> None:
+    def __init__(self, store: ObjectStore, listings: ListingCache, inodes: InodeTable, rename_dir_limit: int,
+                 keep: Callable[[str], Awaitable[None]]) -> None:
         self.store = store
         self.listings = listings
         self.inodes = inodes
         self.rename_dir_limit = rename_dir_limit
+        self.keep = keep  # keep(path): the file there is about to be replaced; its open handles keep it
 
     async def rename(self, wb: WriteBack, src_parent: str, src_name: str, dst_parent: str, dst_name: str,
                      flags: int) -> bool:
@@ -69,6 +78,8 @@ class Renamer:
                 raise FsError(errno.EISDIR)
             if src_parent != dst_parent:
                 await wb.ensure_dir(src_parent)  # it loses an entry, and lives on until rmdir
+            if dst_value is not MISSING:
+                await self.keep(dst)
             await self._rename_file(wb, src, dst, src_value, dst_value)  # type: ignore[arg-type]
             self.inodes.move(src, dst)
         return True
@@ -80,6 +91,11 @@ class Renamer:
 
     async def _rename_file(self, wb: WriteBack, src: str, dst: str, info: ObjectInfo, dst_value: object) -> None:
         dst_may_exist = dst_value is not MISSING and getattr(dst_value, "etag", STAGED_ETAG) != STAGED_ETAG
+        # Held open and staged to be copied in on its first change: copied in now, the file moves as
+        # staged data and its handles follow it (renamed in the store, they would be left with a copy
+        # that no name reaches). And the file replaced at ``dst`` is kept for its own handles.
+        await wb.keep_for_handles(src)
+        await wb.keep_for_handles(dst)
         sf = wb.file(src)
         if sf is not None and sf.materialized:
             await wb.move(src, dst, dst_may_exist=dst_may_exist)
@@ -100,6 +116,10 @@ class Renamer:
             copied = await self.store.copy(src, info.etag, dst)
             await wb.forget(dst)
         await wb.remove(src, may_exist=True, base_etag=info.etag)
+        replaced = self.inodes.at(dst)
+        if replaced is not None:
+            # Not a new version of the file it replaced: that file's handles keep their own version.
+            self.inodes.unlink(replaced)
         self.listings.applied(dst, copied)
         node = self.inodes.at(src)
         if node is not None:

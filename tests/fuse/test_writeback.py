@@ -160,6 +160,41 @@ def test_namespace_changes_show_at_once_and_end_up_in_the_bucket(seaweed, bucket
     assert (m2.path / "renamed" / "sub" / "b.txt").read_bytes() == b"b" * 10
 
 
+def test_open_files_keep_their_content_when_unlinked_or_replaced(seaweed, bucket: str, mounter) -> None:
+    """POSIX: a descriptor keeps the file it opened, whatever happens to its name. Each file spans
+    several blocks, none read before its name goes, and with --upload-delay 0 the DELETE or the new
+    object is in the bucket before the descriptor reads (or writes): the content had to be kept first."""
+    size = 3 * 64 * KiB + 5
+    names = ("read-unlinked", "read-replaced", "write-replaced", "incoming")
+    data = {name: payload(name, size) for name in names}
+    for name in names:
+        seaweed.put(bucket, PREFIX + name, data[name])
+    m = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", "--block-size", "64KiB", "--upload-delay", "0",
+                      env=s3env(seaweed))
+    root = m.path
+    unlinked = os.open(root / "read-unlinked", os.O_RDONLY)
+    replaced = os.open(root / "read-replaced", os.O_RDONLY)
+    writer = os.open(root / "write-replaced", os.O_RDWR)
+    try:
+        os.unlink(root / "read-unlinked")
+        (root / "new").write_bytes(b"new content")
+        os.rename(root / "new", root / "read-replaced")  # a staged file over it
+        os.rename(root / "incoming", root / "write-replaced")  # a server-side copy over it
+        flush_ok(m)
+        assert os.pread(unlinked, size + 10, 0) == data["read-unlinked"]
+        assert os.pread(replaced, size + 10, 0) == data["read-replaced"]
+        assert os.pwrite(writer, b"NEW", 3) == 3
+        assert os.pread(writer, size + 10, 0) == data["write-replaced"][:3] + b"NEW" + data["write-replaced"][6:]
+    finally:
+        for fd in (unlinked, replaced, writer):
+            os.close(fd)
+    assert (root / "read-replaced").read_bytes() == b"new content"
+    assert (root / "write-replaced").read_bytes() == data["incoming"]
+    flush_ok(m)
+    files, _ = bucket_tree(seaweed, bucket)
+    assert files == {"read-replaced": b"new content", "write-replaced": data["incoming"]}
+
+
 def test_status_names_the_durability_stage(seaweed, bucket: str, mounter) -> None:
     seaweed.put(bucket, PREFIX + "clean.txt", b"clean")
     m = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", "--upload-delay", "600", env=s3env(seaweed))

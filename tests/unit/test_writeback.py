@@ -11,6 +11,7 @@ import asyncio
 import errno
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -697,6 +698,53 @@ async def test_an_open_file_unlinked_before_its_first_change_keeps_the_stored_ve
     assert rig.keys() == []  # an unlinked file uploads nothing
     rig.wb.unhold(sf)
     await eventually(lambda: sf.disposed, timeout=10)
+
+
+async def test_an_unlink_never_waits_for_staging_space_to_keep_an_open_file(tmp_path: Path) -> None:
+    """Keeping the stored version for an open handle is best effort: with staging full (uploads
+    failing), the unlink neither waits ``space_wait_s`` nor fails with ENOSPC (it used to do both)."""
+    r = Rig(tmp_path, budget=1 * MiB, settings=WriteBackSettings(upload_delay_s=0, space_wait_s=5))
+    await r.wb.start()
+    try:
+        info = r.inner.put_object("kept", os.urandom(4 * BS))
+        r.store.fail_writes = True  # nothing staged can leave
+        await write_file(r.wb, "filler", b"f" * (1 * MiB - 2 * BS))
+        sf = r.wb.stage("kept", ObjectRef("kept", info.etag, info.size))
+        r.wb.hold(sf)
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(r.wb.remove("kept", may_exist=True, base_etag=info.etag), 2)
+        assert asyncio.get_running_loop().time() - started < 1
+        assert sf.detached and not sf.materialized  # not kept: its first write copies it in, as before
+        r.wb.unhold(sf)
+    finally:
+        r.store.fail_writes = False
+        await r.wb.stop()
+
+
+async def test_an_unlink_racing_the_close_of_its_file_completes(rig: Rig, monkeypatch) -> None:
+    """close() holds the file's lock while it syncs and then takes the key's; the unlink takes the
+    key's lock first. Keeping the file for its handles used to wait for the file's lock under the
+    key's: both waited for ever."""
+    sf = await write_file(rig.wb, "racy", b"data", commit=False)  # held, not acknowledged
+    syncing, go_on = threading.Event(), threading.Event()
+    sync = rig.wb.datafiles.sync
+
+    def slow_sync(*args):
+        syncing.set()
+        go_on.wait(5)
+        return sync(*args)
+
+    monkeypatch.setattr(rig.wb.datafiles, "sync", slow_sync)
+    commit = asyncio.ensure_future(rig.wb.commit(sf))
+    assert await asyncio.to_thread(syncing.wait, 5)  # the commit holds the file's lock
+    remove = asyncio.ensure_future(rig.wb.remove("racy", may_exist=False))
+    await asyncio.sleep(0.05)
+    go_on.set()
+    await asyncio.wait_for(asyncio.gather(commit, remove), 5)
+    assert sf.detached
+    await settle(rig.wb)
+    assert rig.keys() == []
+    rig.wb.unhold(sf)
 
 
 async def test_a_failing_store_never_blocks_a_delete_behind_a_put(rig: Rig) -> None:

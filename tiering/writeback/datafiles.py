@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from typing import Any, Callable
 
 from tiering.checksum import crc32
 from tiering.engine.blockcache import BlockCache
-from tiering.errors import ObjectStoreError
+from tiering.errors import CacheError, ObjectStoreError
 from tiering.writeback.journal import StagingDir, copy_range, crc_range, pwrite_all
 from tiering.writeback.settings import FS_BLOCK, MATERIALIZE_WINDOW
 from tiering.writeback.space import StagingSpace, round_up
@@ -76,9 +77,14 @@ class DataFiles:
         sf.crc_upto = sf.crc_value = 0
         sf.commit_failed = False
 
-    async def new(self, size: int) -> DataFile:
+    async def new(self, size: int, *, wait: bool = True) -> DataFile:
+        """An empty data file with ``size`` bytes reserved; ``wait=False``: ENOSPC at once if the
+        space is not there now, instead of waiting for uploads to free it (``copy_in``)."""
         reserved = round_up(size)
-        await self._space.reserve(reserved)
+        if wait:
+            await self._space.reserve(reserved)
+        elif not await self._space.try_reserve(reserved):
+            raise OSError(errno.ENOSPC, f"no room in staging for {reserved} bytes now")
         try:
             name, fd = await asyncio.to_thread(self.staging.create_data)
         except BaseException:
@@ -175,23 +181,28 @@ class DataFiles:
         return sf.crc_value
 
     async def copy_in(self, sf: StagedFile) -> None:
-        """The store's version into staging now, if it was only staged to be copied on first change:
-        the handles of a file being unlinked keep its data, and the object is about to be deleted (with
-        an upload delay of 0 the delete can land before the next write would have copied it). Best
-        effort: a store that cannot be read now leaves the copy to the first write, as before."""
+        """The store's version into staging now, if open handles hold ``sf`` and it was only staged to
+        be copied on its first change: its object is about to be deleted or replaced (unlink, or a
+        rename of or over it), and the handles keep its content (with an upload delay of 0 the delete
+        or put can land before their next request would have copied it). Best effort, and never a
+        wait: a store that cannot be read now, or staging with no room now, leaves the copy to the
+        first write, as before (which then fails if the object went). The caller must not hold the
+        key's lock: a commit holds ``sf.lock`` and then takes it."""
+        if sf.holders == 0 or sf.current is not None or sf.base is None:
+            return
         async with sf.lock:
             if sf.current is None and sf.base is not None:
                 try:
-                    await self.materialize(sf, sf.size)
-                except ObjectStoreError as exc:
-                    log.warning("could not keep the data of %r for its open handles before deleting it: %s",
-                                sf.key, exc)
+                    await self.materialize(sf, sf.size, wait=False)
+                except (CacheError, OSError) as exc:
+                    log.warning("write-back: could not keep the content of %r for its open handles before its "
+                                "object goes: %s", sf.key, exc)
 
-    async def materialize(self, sf: StagedFile, upto: int) -> None:
+    async def materialize(self, sf: StagedFile, upto: int, *, wait: bool = True) -> None:
         """Copy the first ``upto`` bytes of the store version into a new data file (first modification)."""
         base = sf.base
         assert base is not None
-        df = await self.new(upto)
+        df = await self.new(upto, wait=wait)
         block = self._cache.block_size
         count = -(-upto // block)
         crc = 0

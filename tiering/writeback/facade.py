@@ -92,7 +92,7 @@ from tiering.writeback.files import StagedFiles, read_range
 from tiering.writeback.events import KeyLocks, describe, wait_event
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, pread_exact
 from tiering.writeback.markers import Directories, MarkerOrder
-from tiering.writeback.pending import MISSING, STAGED_ETAG, Entry, PendingIndex, staged_info
+from tiering.writeback.pending import MISSING, STAGED_ETAG, Entry, PendingIndex
 from tiering.writeback.records import Records
 from tiering.writeback.report import backlog_text, entry_status, stats_document
 from tiering.writeback.settings import WriteBackSettings
@@ -239,10 +239,6 @@ class WriteBack:
         """``name`` in ``directory`` once the pending operations apply (see ``PendingIndex.resolve``)."""
         return self.index.resolve(directory, name, stored)
 
-    @staticmethod
-    def staged_info(sf: StagedFile) -> ObjectInfo:
-        return staged_info(sf)
-
     def created_dir(self, path: str) -> bool:
         """Whether ``path`` is a directory made through the mount and not yet in the store."""
         return self.index.created_dir(path)
@@ -383,10 +379,9 @@ class WriteBack:
     # ================================================================== namespace operations
     async def remove(self, key: str, *, may_exist: bool, base_etag: str | None = None) -> None:
         """unlink: the key is deleted in the store (if it may be there) and its staged data dropped."""
+        await self.files.keep_for_handles(key)  # before the delete lands (and not under the key's lock)
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
-            if sf is not None and sf.holders:
-                await self.datafiles.copy_in(sf)  # open handles keep the data: before the delete lands
             entry = self.index.get(key)
             self.records.note_base(key, base_etag if sf is None and entry is None else None)
             # Nothing staged or pending: the file is clean, so the store has it (whatever the caller saw
@@ -401,6 +396,10 @@ class WriteBack:
             if sf is not None:
                 self.files.detach(sf)
                 self.files.maybe_dispose(sf)
+
+    async def keep_for_handles(self, key: str) -> None:
+        """Before ``key`` is replaced in the store (a rename): its open handles keep its content."""
+        await self.files.keep_for_handles(key)
 
     async def mkdir(self, path: str) -> None:
         await self.markers.mkdir(path)
@@ -627,9 +626,8 @@ class WriteBack:
         if sf.key is None or sf.current is None:
             sf.unacked = False
             return None
-        df, size = sf.current, sf.size
+        df, size, key = sf.current, sf.size, sf.key
         crc = await asyncio.to_thread(self.datafiles.sync, sf, df, size)
-        key = sf.key
         async with self._locks.hold(key):
             if sf.key != key:
                 return None  # unlinked or renamed while syncing: that operation journaled the outcome

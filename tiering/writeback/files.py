@@ -67,6 +67,13 @@ class StagedFiles:
             data, sf.acked = sf.acked.data, None
             self._datafiles.unref(data)
 
+    async def keep_for_handles(self, key: str) -> None:
+        """``key``'s object is about to be deleted or replaced (unlink, rename): the open handles of
+        its staged file keep its content (``DataFiles.copy_in``)."""
+        sf = self._by_key.get(key)
+        if sf is not None:
+            await self._datafiles.copy_in(sf)
+
     @contextlib.contextmanager
     def held(self, sf: StagedFile) -> Iterator[None]:
         """Hold for the duration of one operation only: releasing it acknowledges nothing (an
