@@ -4,9 +4,11 @@ gracefully as a real API server does and a kubelet stand-in that honours the del
 A volume's ``stopTimeout`` is how long its daemon goes on uploading after SIGTERM; the mount pod
 declares ``terminationGracePeriodSeconds`` = stopTimeout + 5 s to cover it. A DELETE that names a
 shorter ``gracePeriodSeconds`` replaces the pod's own on a real cluster, and the kubelet then SIGKILLs
-the daemon early: writes still only on the node stay there. These tests hold the double to the API
-server's rules (``tests/support/kubeapi.py`` lists them) and the stand-in to the kubelet's. No test
-waits out a grace period: the stand-in's containers exit on SIGTERM, or are given 2 s.
+the daemon early: writes still only on the node stay there. The first tests hold the double to the API
+server's rules (``tests/support/kubeapi.py`` lists them) and the stand-in to the kubelet's; the last
+stop mount pods through the plugin's own path (``HandoverMounter.unmount`` -> ``PodLauncher.stop``,
+which is given the plugin-wide STOP_TIMEOUT_S). No test waits out a grace period: the stand-in's
+containers exit on SIGTERM, or are given 2 s.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from typing import Any, Iterator
 import pytest
 from kubernetes.client.rest import ApiException
 
+from cachefs.settings import STOP_MARGIN_S
+from csi_driver import handover
+from csi_driver.attributes import parse_cache_options
+from csi_driver.handover import STOP_TIMEOUT_S, HandoverMounter
+from csi_driver.mounter import MountRequest
+from csi_driver.mountpods import USER_AGENT, MountPodSettings, PodLauncher, api_client
 from tests.support.kubeapi import DEFAULT_POD_GRACE_S, ApiDouble
 from tests.support.kubelet import MIN_GRACE_S, Kubelet
 
@@ -181,3 +189,54 @@ def test_a_pod_the_kubelet_never_started_is_removed_once_deleted(api: ApiDouble,
     wait_for("the refusal", lambda: "refused" in kubelet.refused)
     core.delete_namespaced_pod("refused", NAMESPACE)
     wait_for("the pod to be removed", lambda: read(core, "refused") is None, 10)
+
+
+# ------------------------------------------------------------------------------ the plugin's stop
+def pod_launcher(api: ApiDouble) -> PodLauncher:
+    settings = MountPodSettings(namespace=NAMESPACE, node_name=NODE, image="img:test",
+                                command=(sys.executable, "-c", SLEEPER))  # the daemon's args are ignored
+    return PodLauncher(settings, api_client(str(api.kubeconfig)))
+
+
+@pytest.mark.parametrize(("stop_timeout", "own", "grace"), [
+    # The pod's own grace (stopTimeout + the margin), longer than the plugin's STOP_TIMEOUT_S: kept.
+    ("120", 120 + int(STOP_MARGIN_S), 120 + int(STOP_MARGIN_S)),
+    ("3", 3 + int(STOP_MARGIN_S), int(STOP_TIMEOUT_S)),  # a shorter one: the plugin's stop timeout, as before
+])
+def test_unstage_stops_a_mount_pod_with_at_least_its_own_grace_period(
+        api: ApiDouble, kubelet: Kubelet, workdir: Path, monkeypatch: pytest.MonkeyPatch,
+        stop_timeout: str, own: int, grace: int) -> None:
+    core = api.client()
+    launcher = pod_launcher(api)
+    mounter = HandoverMounter(launcher, workdir / "run", command=["cachefs"])  # stop timeout: STOP_TIMEOUT_S
+    request = MountRequest(source="s3://bucket/train", target=workdir / "globalmount", cache_dir=workdir / "slot-0",
+                           cache=parse_cache_options({"stopTimeout": stop_timeout}), volume_id="vol-stop")
+    spec = mounter.spec_for(request)
+    for directory in (spec.run_dir, spec.cache_dir):
+        directory.mkdir(parents=True)
+    launcher.start(spec)
+    name = launcher.pod_name(spec.name)
+    assert read(core, name).spec.termination_grace_period_seconds == own
+    wait_for("the mount pod's container", lambda: kubelet.running(name))
+
+    # Unmount of a target that is not mounted: the daemon is stopped at once (the wait for it to exit
+    # by itself, after a real unmount, is skipped).
+    monkeypatch.setattr(handover, "EXIT_WAIT_S", 0.0)
+    start = time.monotonic()
+    mounter.unmount(spec.target)
+    assert time.monotonic() - start < WAIT_S
+    assert read(core, name) is None and kubelet.running(name) is None
+
+    (deletion,) = [d for d in api.emulator.pod_deletions if d.user_agent.startswith(USER_AGENT)]
+    assert deletion.requested == grace, "the DELETE shortened the mount pod's grace period"
+    assert deletion.grace == grace
+    (container,) = [c for c in kubelet.containers.values() if c.name == name]
+    assert container.stop_grace_s == grace and container.proc.returncode == -15  # SIGTERM, not SIGKILL
+
+
+def test_stopping_a_mount_pod_that_is_gone_asks_as_before_and_does_not_wait(api: ApiDouble) -> None:
+    start = time.monotonic()
+    pod_launcher(api).stop("no-such-daemon", STOP_TIMEOUT_S)
+    assert time.monotonic() - start < 5
+    assert api.emulator.pod_deletions == []
+    assert ("delete", "pods", NAMESPACE) in api.calls(USER_AGENT)  # asked, answered 404, as before
