@@ -102,8 +102,9 @@ class DaemonLauncher(Protocol):
         plugin keeps waiting for its handover while the pod is scheduled and pulled)."""
 
     def stop(self, name: str, timeout_s: float) -> None:
-        """Stop the daemon (SIGTERM, then SIGKILL after ``timeout_s``) and wait until it is gone; a
-        daemon that does not exist is success. Bounded by about ``timeout_s`` plus a few seconds."""
+        """Stop the daemon (SIGTERM, then SIGKILL after ``timeout_s``, or after the daemon's own longer
+        grace period where it declares one: a mount pod's terminationGracePeriodSeconds) and wait until
+        it is gone; a daemon that does not exist is success. Bounded by that grace plus a few seconds."""
 
     def names(self) -> list[str]:
         """The daemons this launcher knows that are still running (for re-adoption at start-up)."""

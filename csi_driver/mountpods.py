@@ -26,11 +26,13 @@ garbage collector deletes it with the pod), and reaches the container through ``
 The Secret is created first, then the pod, then the Secret is given its owner; a plugin killed in
 between leaves an orphan Secret, which start-up cleanup deletes.
 
-**Never a leaked pod.** Unstage deletes the pod and its Secret. At start-up (``take_over``) the
-plugin lists the mount pods of its node: a pod that serves a staged volume (a stage record) or a
-cachefs mount still in the mount table is adopted (kept, watched), any other is deleted, as is any
-Secret of the node without its pod. An API server that does not answer then is retried in the
-background: the plugin serves meanwhile.
+**Never a leaked pod.** Unstage deletes the pod and its Secret, with the pod's own grace period or a
+longer one, never a shorter (an explicit ``gracePeriodSeconds`` replaces the pod's, and the pod's
+covers the volume's stopTimeout), and waits that long and a margin for the pod to go. At start-up
+(``take_over``) the plugin lists the mount pods of its node: a pod that serves a staged volume (a
+stage record) or a cachefs mount still in the mount table is adopted (kept, watched), any other is
+deleted, as is any Secret of the node without its pod. An API server that does not answer then is
+retried in the background: the plugin serves meanwhile.
 
 **Watching.** One thread watches this node's mount pods (a list, then a watch bounded by
 ``WATCH_S``, then a fresh list: level-triggered, so a lost event costs at most one round). A pod
@@ -107,10 +109,11 @@ WATCH_S = 30
 # After a watch failed (API server down), wait this long before the next attempt.
 WATCH_RETRY_S = 5.0
 # How long a deleted pod may take to disappear (the kubelet stops its container: SIGTERM, then
-# SIGKILL after terminationGracePeriodSeconds) before a new pod of the same name is refused.
+# SIGKILL after terminationGracePeriodSeconds) before a new pod of the same name is refused; a pod
+# that declares a longer grace period is waited for that plus DELETE_SLACK_S.
 DELETE_WAIT_S = 60.0
 POLL_S = 0.2
-# A stop waits for the pod this much longer than its grace period (the kubelet's own latency).
+# A deletion waits for the pod this much longer than its grace period (the kubelet's own latency).
 DELETE_SLACK_S = 15.0
 # Requests of a volume that sets no mountPod* attribute: the RAM tier (cachefs's default 1 GiB, which
 # also counts the blocks being received) plus the interpreter and S3 client (~80 MiB at rest), idle
@@ -349,6 +352,8 @@ class PodState:
     deleting: bool
     waiting: str | None = None  # why the container has not started ("ErrImagePull: ..."), if it says
     cache_dir: str = ""  # the host directory of its "cache-dir" volume (staged writes live there)
+    # spec.terminationGracePeriodSeconds as read (``termination_grace_s``); a stop never gives it less
+    grace_s: int | None = None
 
     @property
     def dead(self) -> bool:
@@ -386,9 +391,11 @@ class PodState:
         spec = getattr(pod, "spec", None)
         cache_dir = next((v.host_path.path for v in (getattr(spec, "volumes", None) or [])
                           if v.name == CACHE_DIR_VOLUME and v.host_path is not None), "")
+        grace = getattr(spec, "termination_grace_period_seconds", None)
         return cls(meta.name, meta.uid or "", annotations.get(ANNOTATION_DAEMON, ""),
                    annotations.get(ANNOTATION_VOLUME_ID, ""), annotations.get(ANNOTATION_TARGET, ""), phase,
-                   terminated, meta.deletion_timestamp is not None, waiting, cache_dir)
+                   terminated, meta.deletion_timestamp is not None, waiting, cache_dir,
+                   int(grace) if grace is not None else None)
 
 
 class PodLauncher:
@@ -432,7 +439,7 @@ class PodLauncher:
             raise CsiError(Code.ALREADY_EXISTS, f"daemon {spec.name} is already running ({self.describe(spec.name)})")
         if old is not None:
             log.info("replacing mount pod %s/%s of %s (%s)", ns, name, spec.target, old.terminated or "being deleted")
-            self._delete(spec.name, DELETE_WAIT_S)
+            self._delete(spec.name)
         self._call(f"deleting the stale Secret {name}", self.core.delete_namespaced_secret, name, ns, missing_ok=True)
         self._call(f"creating the Secret {name}", self.core.create_namespaced_secret, ns, build_secret(self.settings, spec))
         pod = self._call(f"creating mount pod {name}", self.core.create_namespaced_pod, ns, build_pod(self.settings, spec))
@@ -447,7 +454,9 @@ class PodLauncher:
         return state is not None and state.running
 
     def stop(self, name: str, timeout_s: float) -> None:
-        self._delete(name, timeout_s + DELETE_SLACK_S, grace_s=timeout_s)
+        """Delete the mount pod, giving its daemon ``timeout_s`` after SIGTERM, or the pod's own grace
+        period where that is longer (a volume's stopTimeout above the plugin's default), and wait for it."""
+        self._delete(name, grace_s=timeout_s)
 
     def names(self) -> list[str]:
         return sorted(p.daemon for p in self.pods() if p.running and p.daemon)
@@ -461,10 +470,23 @@ class PodLauncher:
         return f"{where}, " + (state.describe() if state is not None else "gone")
 
     # -- deletion -----------------------------------------------------------------------------------
-    def _delete(self, name: str, wait_s: float, grace_s: float | None = None) -> None:
-        """Delete the pod and its Secret, then wait until the pod is gone (so its name is free)."""
+    def _delete(self, name: str, grace_s: float | None = None) -> None:
+        """Delete the pod and its Secret, then wait until the pod is gone (so its name is free).
+
+        ``grace_s`` (a stop): the DELETE's ``gracePeriodSeconds`` is the longer of it and the pod's own
+        ``terminationGracePeriodSeconds``, which covers the daemon's stop timeout (an explicit value
+        replaces the pod's on a real API server). It is sent even where the pod's own is the longer, so
+        that the DELETE states the grace this waits for (plus ``DELETE_SLACK_S``). Without ``grace_s``
+        the pod's own applies, waited for at least ``DELETE_WAIT_S``. A pod gone already: as asked (404)."""
         pod, ns = self.pod_name(name), self.settings.namespace
-        options = {"gracePeriodSeconds": max(0, int(grace_s))} if grace_s is not None else {}
+        state = self.get(name)
+        own = state.grace_s if state is not None else None
+        options: dict[str, int] = {}
+        if grace_s is not None:
+            options["gracePeriodSeconds"] = max(0, int(grace_s), own or 0)
+            wait_s = options["gracePeriodSeconds"] + DELETE_SLACK_S
+        else:
+            wait_s = max(DELETE_WAIT_S, (own or 0) + DELETE_SLACK_S)
         self._call(f"deleting mount pod {pod}", self.core.delete_namespaced_pod, pod, ns, missing_ok=True,
                    body=options)
         self._call(f"deleting the Secret {pod}", self.core.delete_namespaced_secret, pod, ns, missing_ok=True)
@@ -473,7 +495,9 @@ class PodLauncher:
             if time.monotonic() > deadline:
                 raise CsiError(Code.UNAVAILABLE, f"mount pod {ns}/{pod} was deleted but still exists after {wait_s:g} s")
             time.sleep(POLL_S)
-        log.info("deleted mount pod %s/%s (daemon %s)", ns, pod, name)
+        grace = options.get("gracePeriodSeconds", own)
+        log.info("deleted mount pod %s/%s (daemon %s, grace period %s)", ns, pod, name,
+                 f"{grace} s" if grace is not None else "the API's default")
 
     # -- the node's pods ----------------------------------------------------------------------------
     def pods(self) -> list[PodState]:

@@ -34,13 +34,29 @@ once passed the tests and failed on a real cluster):
   workload selectors, a Job's pod template, a StatefulSet's claim templates; a claim's spec but its
   requests. A change to one is refused with 422 ``Invalid`` naming the field, the whole write refused.
 - A PUT replaces the object (kmock merges it).
+- **Graceful deletion of pods** (``_delete_pod``; Kubernetes 1.28's ``podStrategy.CheckGracefulDelete``
+  and ``rest.BeforeDelete``; kmock removes every object at once). A DELETE of a pod takes the
+  ``gracePeriodSeconds`` of its DeleteOptions (the body, else the query), else the pod's
+  ``spec.terminationGracePeriodSeconds``, else 30 (the API's default for that field); a negative one
+  is 1. A pod not bound to a node (no ``spec.nodeName``) or already ended (phase ``Failed`` or
+  ``Succeeded``) gets 0. With 0 the pod is removed at once; otherwise it stays, readable and listed,
+  with ``metadata.deletionGracePeriodSeconds`` set to that grace and ``metadata.deletionTimestamp`` to
+  now plus it (a MODIFIED event), until its kubelet has stopped it and deletes it with grace 0
+  (``tests/support/kubelet.py``; a pod on a node no kubelet serves stays, as on a cluster). A
+  later DELETE may only shorten the grace (the timestamp moves back by the difference; 0 removes the
+  pod), never lengthen it: a longer or equal one, or none, changes nothing. Writes to a pod being
+  deleted keep it (kmock would remove it). A pod's finalizers are not considered (no pod of the
+  tests has one). ``pod_deletions`` records what each DELETE of a pod asked for and what the pod's
+  grace was after it.
 
 - **Defaulting and validation** of custom resources: after pruning, the schema's ``default``s are
   applied and its value checks run (type, enum, pattern, bounds, required); a write the schema
   refuses is a 422 ``Invalid`` naming each field, status writes included.
 
-RBAC, and the built-in kinds' defaulting and field validation, are not emulated: the manifests are
-validated separately (tests/csi/test_manifests.py), and tests assert on the objects as stored.
+RBAC, and the built-in kinds' defaulting (but for the grace above) and field validation, are not
+emulated: the manifests are validated separately (tests/csi/test_manifests.py), and tests assert on
+the objects as stored. Nor are DeleteOptions' ``preconditions``, nor the garbage collector's graceful
+deletion of dependents (the double removes them at once).
 """
 
 from __future__ import annotations
@@ -52,6 +68,7 @@ import json
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +123,12 @@ def _selector(text: str | None) -> list[tuple[str, bool, str]]:
     return terms
 
 
+def _is_pod(request: rendering.Request) -> bool:
+    resource = request.resource
+    return (resource is not None and request.name is not None and not resource.group
+            and resource.plural == "pods")
+
+
 def _matches(obj: dict[str, Any], terms: list[tuple[str, bool, str]]) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return all((labels.get(k) == v) == equal for k, equal, v in terms)
@@ -149,6 +172,44 @@ IMMUTABLE: dict[tuple[str, str], tuple[tuple[tuple[str, ...], str], ...]] = {
 CRD_KEY = ("apiextensions.k8s.io", "customresourcedefinitions")
 
 
+# The API server's default of a pod's spec.terminationGracePeriodSeconds (SetDefaults_PodSpec).
+DEFAULT_POD_GRACE_S = 30
+TIMESTAMP = "%Y-%m-%dT%H:%M:%SZ"  # metav1.Time: RFC 3339, whole seconds, UTC
+
+
+@dataclass(frozen=True)
+class PodDeletion:
+    """One DELETE of an existing pod: the grace it asked for (None: none) and the pod's
+    ``deletionGracePeriodSeconds`` after it (0: removed)."""
+
+    namespace: str | None
+    name: str
+    requested: int | None
+    grace: int
+    user_agent: str
+
+
+def _requested_grace(request: rendering.Request) -> int | None:
+    """DeleteOptions.gracePeriodSeconds: from the body where there is one (any, ``{}`` too), else from
+    the query, as the API server decodes them."""
+    if request.body:
+        value = request.data.get("gracePeriodSeconds") if isinstance(request.data, dict) else None
+    else:
+        value = request.params.get("gracePeriodSeconds")
+    return int(value) if value is not None else None
+
+
+def deletion_grace(pod: dict[str, Any], requested: int | None) -> int:
+    """The grace a real API server gives the deletion of ``pod`` (podStrategy.CheckGracefulDelete)."""
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    grace = spec.get("terminationGracePeriodSeconds") if requested is None else requested
+    if grace is None:
+        grace = DEFAULT_POD_GRACE_S
+    if not spec.get("nodeName") or status.get("phase") in ("Failed", "Succeeded"):
+        return 0
+    return 1 if grace < 0 else int(grace)
+
+
 def _get(obj: Any, path: tuple[str, ...]) -> Any:
     for key in path:
         obj = obj.get(key) if isinstance(obj, dict) else None
@@ -173,6 +234,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         self.status_subresource: set[tuple[str, str, str]] = set()
         # Every write that lost fields to pruning: (plural, name, the dropped paths, the writer's User-Agent).
         self.pruned: list[tuple[str, str | None, list[str], str]] = []
+        self.pod_deletions: list[PodDeletion] = []
 
     def install_crd(self, crd: dict[str, Any]) -> None:
         """Serve ``crd``'s resource with its schema, as creating it in a real cluster does; refuse a
@@ -271,11 +333,72 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 meta["resourceVersion"] = str(next(self._versions))
         if request.resource is not None:
             self._admit(request)
+        if _is_pod(request) and request.action == enums.action.DELETE:
+            answer = await self._delete_pod(request)
+            if answer is not None:
+                await self._collect_garbage()  # where it removed the pod, its dependents go
+                return aiohttp.web.json_response(answer)
+        elif _is_pod(request) and request.action == enums.action.UPDATE:
+            answer = await self._update_terminating_pod(request)
+            if answer is not None:
+                return aiohttp.web.json_response(answer)
         response = await super()._handle(request)
         if request.resource is not None and request.action == enums.action.DELETE and request.name is not None:
             gone = request.name if (request.resource.group, request.resource.plural) == ("", "namespaces") else None
             await self._collect_garbage(gone)
         return response
+
+    async def _delete_pod(self, request: rendering.Request) -> dict[str, Any] | None:
+        """A graceful DELETE of a pod (see the module doc): the pod as it now is, or None where kmock's
+        own DELETE is right (no such pod: 404; a grace of 0: removed at once)."""
+        assert request.resource is not None and request.name is not None
+        key = (request.resource, request.namespace, request.name)
+        requested = _requested_grace(request)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                return None
+            obj = self.objects[key]
+            meta = obj.get("metadata") or {}
+            now = datetime.datetime.now(datetime.UTC)
+            if not meta.get("deletionTimestamp"):
+                current, grace, start = None, deletion_grace(obj.raw, requested), now
+            else:
+                current = grace = meta.get("deletionGracePeriodSeconds") or 0
+                deadline = datetime.datetime.strptime(meta["deletionTimestamp"], TIMESTAMP)
+                start = deadline.replace(tzinfo=datetime.UTC) - datetime.timedelta(seconds=current)
+                if requested is not None and max(0, requested) < current:  # only ever shortened
+                    grace = max(0, requested)
+            self.pod_deletions.append(PodDeletion(request.namespace, request.name, requested, grace,
+                                                  request.headers.get("User-Agent", "")))
+            if grace == 0 and not current:
+                return None  # kmock removes it (or keeps it for its finalizers)
+            if grace == 0:
+                raw = obj.raw
+                obj.delete()
+                await self._buses[request.resource].put({"type": "DELETED", "object": raw})
+                return raw
+            if grace != current:
+                deadline = start + datetime.timedelta(seconds=grace)
+                obj.patch({"metadata": {"deletionTimestamp": deadline.strftime(TIMESTAMP),
+                                        "deletionGracePeriodSeconds": grace,
+                                        "resourceVersion": str(next(self._versions))}})
+                await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
+            return obj.raw
+
+    async def _update_terminating_pod(self, request: rendering.Request) -> dict[str, Any] | None:
+        """A write to a pod being deleted, kept (kmock removes an object with a deletionTimestamp and no
+        finalizers on any write); None for any other pod."""
+        assert request.resource is not None
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                return None
+            obj = self.objects[key]
+            if not (obj.get("metadata") or {}).get("deletionTimestamp"):
+                return None
+            obj.patch(request.data)
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
+            return obj.raw
 
     async def _collect_garbage(self, namespace: str | None = None) -> None:
         """The garbage collector (owners gone) and, for a deleted ``namespace``, the namespace

@@ -31,7 +31,15 @@ another single-container pod of cachefs's image, such as the operator's):
   mount paths (``tests/support/container_root.py``);
 - reports ``status.phase`` Running, then Succeeded or Failed with the container's exit code and a
   ``terminated`` state when the process ends;
-- kills the process group (SIGTERM, then SIGKILL after the grace period) when the pod is deleted.
+- stops a pod being deleted (``metadata.deletionTimestamp`` set; the API double keeps it until then,
+  ``tests/support/kubeapi.py``) as the kubelet does: SIGTERM to the process group, then SIGKILL after
+  the pod's ``metadata.deletionGracePeriodSeconds`` (at least 2 s, the kubelet's
+  ``minimumGracePeriodInSeconds``), or the shorter grace of a later DELETE counted from then (the
+  kubelet restarts its kill with it), whichever comes first; then removes the pod
+  from the API (a DELETE with grace 0 and the pod's uid as precondition, as the kubelet's status
+  manager does), also for a pod it never started (refused, not pulled). ``Container.stop_grace_s``
+  records the grace it gave. It does not report a deleted pod's terminal status first (the kubelet
+  does); a pod removed outright (grace 0) gets its spec's grace period instead (the kubelet: 2 s).
 
 ``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod. An image
 named ``unpullable/...`` is never pulled: the container waits in ``ErrImagePull``, as it would.
@@ -42,6 +50,7 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import math
 import os
 import random
 import re
@@ -56,6 +65,9 @@ from pathlib import Path
 from typing import Any
 
 POLL_S = 0.1
+# The kubelet never gives a container less than this between SIGTERM and SIGKILL (kuberuntime's
+# minimumGracePeriodInSeconds).
+MIN_GRACE_S = 2.0
 _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -94,6 +106,13 @@ API_TIMEOUT_S = 5.0
 STATUS_ATTEMPTS = 3
 
 
+def _deletion_grace(pod: Any, container: Container) -> float:
+    """How long the kubelet lets the container of ``pod``, being deleted, run after SIGTERM: the pod's
+    deletionGracePeriodSeconds, else its spec's grace (a pod removed outright), at least MIN_GRACE_S."""
+    grace = pod.metadata.deletion_grace_period_seconds if pod is not None else None
+    return max(MIN_GRACE_S, float(grace if grace is not None else container.grace_s))
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -108,6 +127,9 @@ class Container:
     env: dict[str, str] = field(repr=False)
     reported: bool = False
     deleted: bool = False
+    stop_grace_s: float | None = None  # the grace its deletion gave it (SIGTERM to SIGKILL)
+    sigterm_at: float | None = None  # time.monotonic() of the SIGTERM
+    kill_at: float = math.inf  # time.monotonic() of the SIGKILL, once it is being stopped
 
 
 class Kubelet:
@@ -166,6 +188,7 @@ class Kubelet:
     def _sync(self) -> None:
         pods = [p for p in self.core.list_namespaced_pod(self.namespace, _request_timeout=API_TIMEOUT_S).items if p.spec.node_name == self.node]
         present = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is None}
+        deleting = {p.metadata.uid: p for p in pods if p.metadata.deletion_timestamp is not None}
         for uid, pod in present.items():
             with self._lock:
                 known = uid in self.containers
@@ -173,13 +196,32 @@ class Kubelet:
                     "Succeeded", "Failed")):
                 self._start(pod)
         with self._lock:
-            containers = list(self.containers.values())
-        for container in containers:
+            containers = dict(self.containers)
+        for container in containers.values():
+            pod = deleting.get(container.uid)
+            grace = _deletion_grace(pod, container)
             if container.uid not in present and not container.deleted:
                 container.deleted = True
-                threading.Thread(target=self._terminate, args=(container,), daemon=True).start()
+                container.stop_grace_s = grace
+                threading.Thread(target=self._terminate, args=(container, grace), daemon=True).start()
+            elif pod is not None and container.sigterm_at is not None and grace < (container.stop_grace_s or 0):
+                container.stop_grace_s = grace  # a later DELETE shortened it: the kubelet kills anew
+                container.kill_at = min(container.kill_at, time.monotonic() + grace)
             elif container.proc.poll() is not None and not container.reported and not container.deleted:
                 self._report_exit(container)
+        for uid, pod in deleting.items():  # stopped (or never started here): the kubelet's last step
+            known = containers.get(uid)
+            if known is None or (known.deleted and known.proc.poll() is not None):
+                self._remove(pod)
+
+    def _remove(self, pod: Any) -> None:
+        """Delete a pod whose container has stopped with grace 0: the API removes it."""
+        try:
+            self.core.delete_namespaced_pod(pod.metadata.name, self.namespace, _request_timeout=API_TIMEOUT_S,
+                                            body={"gracePeriodSeconds": 0, "preconditions": {"uid": pod.metadata.uid}})
+        except Exception as exc:
+            if getattr(exc, "status", None) != 404:
+                raise
 
     def _refuse(self, pod: Any, why: str) -> None:
         self.refused[pod.metadata.name] = why
@@ -234,10 +276,9 @@ class Kubelet:
                 return None  # CreateContainerConfigError: try again next round
             env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
         command = [expand(arg, env) for arg in list(container.command or IMAGE_ENTRYPOINT) + list(container.args or [])]
-        script = Path(sys.executable).with_name(command[0])
         if command[0] == "cachefs":
             command[:1] = [sys.executable, "-m", "cachefs"]
-        elif "/" not in command[0] and script.is_file():
+        elif "/" not in command[0] and (script := Path(sys.executable).with_name(command[0])).is_file():
             command[:1] = [str(script)]
         security_pod = spec.security_context
         user, group = IMAGE_UID, None
@@ -282,14 +323,19 @@ class Kubelet:
         })
 
     def _terminate(self, container: Container, grace_s: float | None = None) -> None:
+        """SIGTERM, then SIGKILL at ``container.kill_at`` (``grace_s`` from now, or sooner once shortened)."""
         if container.proc.poll() is not None:
             return
         try:
             os.killpg(container.proc.pid, signal.SIGTERM)
-            container.proc.wait(timeout=grace_s if grace_s is not None else container.grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(container.proc.pid, signal.SIGKILL)
-            container.proc.wait(timeout=KILL_WAIT_S)
+            now = time.monotonic()
+            container.sigterm_at = container.sigterm_at or now
+            container.kill_at = min(container.kill_at, now + (grace_s if grace_s is not None else container.grace_s))
+            while container.proc.poll() is None and time.monotonic() < container.kill_at:
+                time.sleep(POLL_S)
+            if container.proc.poll() is None:
+                os.killpg(container.proc.pid, signal.SIGKILL)
+                container.proc.wait(timeout=KILL_WAIT_S)
         except ProcessLookupError:
             pass
 
