@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from cachefs import mounts
+from cachefs.settings import STOP_MARGIN_S
 from csi_driver.attributes import MountPodResources
 from csi_driver.errors import Code, CsiError
 
@@ -185,8 +186,11 @@ class ProcessLauncher:
         record = self._record(spec.name)
         record.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = record.with_name(record.name + ".tmp")
+        # The daemon's own grace after SIGTERM (its stop timeout, for uploads, plus the margin to exit),
+        # kept with the pid so a later plugin's stop honours it too.
+        grace = spec.stop_timeout_s + STOP_MARGIN_S if spec.stop_timeout_s is not None else None
         tmp.write_text(json.dumps({"pid": proc.pid, "started": _start_time(proc.pid), "log": str(log_path),
-                                   "target": str(spec.target)}) + "\n")
+                                   "target": str(spec.target), "grace_s": grace}) + "\n")
         os.replace(tmp, record)
         log.info("started daemon %s for %s: pid %d, log %s", spec.name, spec.target, proc.pid, log_path)
 
@@ -196,6 +200,9 @@ class ProcessLauncher:
     def stop(self, name: str, timeout_s: float) -> None:
         pid = self._pid(name)
         if pid is not None:
+            own = (self._read_record(name) or {}).get("grace_s")
+            if isinstance(own, (int, float)) and own > timeout_s:
+                timeout_s = float(own)  # never cut the uploads of a volume with a longer stopTimeout short
             self._signal(pid, signal.SIGTERM)
             if not self._wait_gone(name, timeout_s):
                 log.warning("daemon %s (pid %d) did not exit within %g s of SIGTERM; killing it", name, pid, timeout_s)

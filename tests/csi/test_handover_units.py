@@ -3,6 +3,8 @@ the daemon's description (no secret in its argv), and ProcessLauncher on real (n
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
@@ -294,6 +296,33 @@ def test_process_launcher_starts_finds_again_and_stops(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)  # the sleeper this test started, by its PID
         except ProcessLookupError:
             pass
+
+
+# Writes its file once ready, then on SIGTERM "uploads" for 1.5 s and exits 0 (a daemon's stop).
+SLOW_STOPPER = ("import json, os, signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"
+                "json.dump({}, open(sys.argv[1], 'w'))\n"
+                "time.sleep(120)\n")
+
+
+@pytest.mark.parametrize("stop_timeout_s, killed", [(None, True), (1.0, False)])
+def test_process_launcher_stop_waits_for_the_daemons_own_stop_timeout(tmp_path: Path, stop_timeout_s: float | None,
+                                                                        killed: bool) -> None:
+    """A plugin-wide stop of 0.5 s must not SIGKILL a daemon whose volume asked for a longer stopTimeout
+    (its uploads after SIGTERM): the launcher waits that plus the exit margin, as a mount pod's
+    terminationGracePeriodSeconds does; a daemon without one is killed after the caller's timeout."""
+    launcher = ProcessLauncher(tmp_path / "run", command=[sys.executable, "-c", SLOW_STOPPER],
+                               environ={"PATH": os.environ.get("PATH", "/bin")})
+    name = NAME_PREFIX + "d" * 20
+    launcher.start(dataclasses.replace(_sleeper_spec(tmp_path, name), stop_timeout_s=stop_timeout_s))
+    child = launcher._children[name]
+    try:
+        _wait_for(tmp_path / f"{name}.env")
+        launcher.stop(name, 0.5)
+        assert child.wait(10) == (-signal.SIGKILL if killed else 0)
+    finally:
+        if child.poll() is None:
+            child.kill()  # the process this test started
 
 
 def test_process_launcher_ignores_a_reused_pid(tmp_path: Path) -> None:
