@@ -163,10 +163,13 @@ def test_second_epoch_served_from_cache(backend: Backend, mounter) -> None:
     assert first["object_store"]["get_requests"] > 0
     read_all(m.path, files)
     second = m.stats()
-    # Nothing fetched again, and with keep_cache the kernel page cache served the re-read: the
-    # daemon saw no new read requests at all.
+    # Nothing fetched again, and with keep_cache the kernel page cache served the re-read. Not
+    # necessarily every page: the kernel may reclaim clean pages between the epochs (this VM runs
+    # DAMON's proactive reclaim, and one CI-like run saw one read more, 14 against 13). Without
+    # keep_cache each open drops the file's pages and the re-read asks for all of them again.
     assert second["object_store"]["get_requests"] == first["object_store"]["get_requests"]
-    assert second["filesystem"]["reads"] == first["filesystem"]["reads"]
+    again = second["filesystem"]["reads"] - first["filesystem"]["reads"]
+    assert again <= first["filesystem"]["reads"] // 4, f"{again} of {first['filesystem']['reads']} reads repeated"
 
 
 def test_remount_reuses_disk_cache(backend: Backend, mounter, tmp_path: Path) -> None:
