@@ -60,8 +60,11 @@ def test_every_read_reaches_the_daemon_and_the_re_read_comes_from_the_ram_tier(s
     assert second["direct"][0] > first["direct"][0]
     assert second["direct"][1] - first["direct"][1] == len(data)
     assert second["direct"][2] == first["direct"][2]
-    # Without it the page cache of the mount answers the re-read: the daemon sees nothing.
-    assert second["cached"][:2] == first["cached"][:2]
+    # Without it the page cache of the mount answers the re-read: the daemon sees nothing, or a few
+    # pages the kernel reclaimed meanwhile (these VMs run DAMON's proactive reclaim), where the
+    # --direct-io mount was sent every byte again.
+    again = second["cached"][1] - first["cached"][1]
+    assert again <= len(data) // 4, f"{again} of {len(data)} bytes read again through the daemon"
 
 
 def test_write_and_read_back_through_a_writable_direct_io_mount(store: Path, mounter) -> None:
