@@ -518,11 +518,14 @@ class Bench:
     # -- rounds -----------------------------------------------------------------------------------
 
     def quiet_check(self, run: int, own: list[int]) -> None:
+        settled = analysis.settle(lambda: os.getloadavg()[0], time.sleep, os.cpu_count() or 1,
+                                  max_s=self.args.settle_max)
         sample = procstat.quiet_sample(QUIET_WINDOW_S, own)
         reasons = analysis.quiet_warnings(sample.loadavg[0], sample.foreign_busy, sample.cpus)
         self.rounds.append({"round": run + 1, "loadavg": list(sample.loadavg), "foreign_busy": sample.foreign_busy,
-                            "quiet": not reasons, "warnings": reasons})
-        self.say(f"round {run + 1}: load average {sample.loadavg}, others used {sample.foreign_busy:.0%} of the CPUs")
+                            "settled_s": settled, "quiet": not reasons, "warnings": reasons})
+        self.say(f"round {run + 1}: load average {sample.loadavg} (after {settled:g} s waiting for it to settle), "
+                 f"others used {sample.foreign_busy:.0%} of the CPUs")
         for reason in reasons:
             self.warn(f"round {run + 1}: the machine was not quiet: {reason}; rates of this round are lower bounds")
 
@@ -601,6 +604,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="threads of the N-reader epochs and the hit-ratio run (full set)")
     parser.add_argument("--epochs", type=int, default=3, help="shuffled epochs of the hit-ratio run (full set, >= 2)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    parser.add_argument("--settle-max", type=float, default=analysis.SETTLE_MAX_S,
+                        help="seconds to wait at most before each round for the 1-minute load average to fall to "
+                             "one per CPU (0: no wait)")
     parser.add_argument("--keep-page-cache", action="store_true",
                         help="drop no pages at all (disk-tier and local-disk figures are then warm)")
     parser.add_argument("--drop-caches", action="store_true",

@@ -371,10 +371,15 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "## Rounds", "",
               (f"Quiet means a 1-minute load average <= {result['quiet_thresholds']['loadavg_per_cpu']:g} per CPU and "
                f"<= {result['quiet_thresholds']['foreign_busy']:.0%} of the CPUs used by others during "
-               f"{result['quiet_thresholds']['window_s']:g} s of idling before the round."), "",
-              "| round | tool order | load average (1, 5, 15 min) | others' CPU | quiet |", "|---|---|---|---|---|"]
+               f"{result['quiet_thresholds']['window_s']:g} s of idling before the round, after waiting up to "
+               f"{analysis.SETTLE_MAX_S:g} s for the load average to settle (the harness's own previous round "
+               "is still in it)."), "",
+              "| round | tool order | waited for the load (s) | load average (1, 5, 15 min) | others' CPU | quiet |",
+              "|---|---|---|---|---|---|"]
     for r in result["rounds"]:
-        lines.append(f"| {r['round']} | {', '.join(r.get('order', []))} | {', '.join(f'{x:.2f}' for x in r['loadavg'])} | "
+        settled = r.get("settled_s")
+        lines.append(f"| {r['round']} | {', '.join(r.get('order', []))} | {'' if settled is None else f'{settled:g}'} | "
+                     f"{', '.join(f'{x:.2f}' for x in r['loadavg'])} | "
                      f"{r['foreign_busy']:.0%} | {'yes' if r['quiet'] else '**no**'} |")
     lines += ["", "## Targets (cachefs, issue 25)", "", "| target | measured | wanted | against | result |",
               "|---|---|---|---|---|"]

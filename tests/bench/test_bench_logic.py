@@ -62,6 +62,16 @@ def test_quiet_warnings_name_each_reason_and_stay_silent_on_a_quiet_machine() ->
     assert analysis.quiet_warnings(2.5, 0.0, 4) == []
 
 
+def test_settle_waits_for_the_load_to_fall_to_the_bar_and_no_longer_than_its_bound() -> None:
+    loads = iter([3.1, 2.6, 2.2, 1.9, 1.5])
+    slept: list[float] = []
+    assert analysis.settle(lambda: next(loads), slept.append, 2, max_s=45, poll_s=1) == 3
+    assert slept == [1, 1, 1]
+    slept.clear()  # a machine busy with others: the wait stops at its bound
+    assert analysis.settle(lambda: 9.0, slept.append, 2, max_s=5, poll_s=1) == 5 and len(slept) == 5
+    assert analysis.settle(lambda: 0.2, slept.append, 2) == 0  # quiet already: no wait
+
+
 def test_rotation_puts_every_tool_first_once_in_as_many_rounds() -> None:
     tools = ["cachefs", "rclone", "s3fs"]
     orders = [analysis.rotation(tools, r) for r in range(3)]
