@@ -20,7 +20,7 @@ host process in its own session, so it outlives the plugin process; ``--mount-mo
 DaemonSet's) runs it in a mount pod through the Kubernetes API (``csi_driver.mountpods``), so it
 outlives the plugin's container too. At start-up the node plugin takes up the volumes staged by its
 previous run from its records (``--state-dir``) and the mount table (``NodeOps.adopt``), and in pod
-mode adopts its node's mount pods and deletes strays (``mountpods.take_over``). See deploy/README.md
+mode adopts its node's mount pods and deletes strays (``podwatch.take_over``). See deploy/README.md
 for what survives what.
 """
 
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         node = NodeOps(NodeSettings(args.node_id, cache_root, args.max_volumes, state_dir, trust), mounter)
         node.adopt()
         if pod_launcher is not None:
-            from csi_driver.mountpods import take_over
+            from csi_driver.podwatch import take_over
 
             take_over(pod_launcher, node, run_root)  # adopt, delete strays, watch (retried while the API is away)
             from csi_driver.janitor import CACHE_SWEEP_INTERVAL_S, CacheJanitor, persistent_volume_handles

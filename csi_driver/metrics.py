@@ -15,7 +15,7 @@ nodes. The driver's own series:
   unpublish.
 - ``cachefs_csi_mount_pods_ended_with_staged_writes_total``: mount pods that ended (deleted, evicted,
   died) leaving acknowledged writes journaled on this node, not in the bucket
-  (``mountpods.StagedWritesReporter``); the next mount of the volume on this node uploads them.
+  (``podwatch.StagedWritesReporter``); the next mount of the volume on this node uploads them.
 
 Mounts are found in the mount table (fstype ``fuse.cachefs``) and counted when this plugin's cache
 root holds their publish record, so other cachefs mounts on the host are left out; a broken one is counted, never

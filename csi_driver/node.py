@@ -168,7 +168,7 @@ class NodeOps:
         self.records = StageRecords(settings.stage_dir)
         # Told of each pod target whose bind could not be restored after its volume's daemon was
         # replaced: (volume id, the pod as its publish named it, the message). Pod mode reports it
-        # as an Event on that pod (mountpods.take_over); the log line is written either way.
+        # as an Event on that pod (podwatch.take_over); the log line is written either way.
         self.on_unrestored: Callable[[str, Mapping[str, str], str], None] | None = None
 
     # -- start-up -----------------------------------------------------------------------------------

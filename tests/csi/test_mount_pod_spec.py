@@ -211,7 +211,7 @@ def _state(uid: str = "u1", *, dead: bool = True) -> PodState:
 
 
 def test_a_dead_mount_pod_is_reported_once_on_it_and_on_every_workload_pod() -> None:
-    from csi_driver.mountpods import BrokenMountReporter, WorkloadPod
+    from csi_driver.podwatch import BrokenMountReporter, WorkloadPod
 
     launcher, mounted, broken = _Launcher(), {"/stage/vol"}, {"/stage/vol"}
     seen: list[str] = []
