@@ -333,15 +333,11 @@ class BlockCache:
             self.stats.warm_skipped_blocks += 1
             self.stats.warm_skipped_bytes += length
             return WarmOutcome.SKIPPED, length
-        async with self.loads.slots:
-            reservation = await self.loads.inflight.reserve(length)
-            try:
-                data = await self.source.get(ref, key, asyncio.get_running_loop().time())
-                self.stats.warm_blocks += 1
-                self.stats.warm_bytes += len(data)
-                stored = await cluster.put(key, data)
-            finally:
-                reservation.release()
+        async with self.loads.fetch_slot(length):
+            data = await self.source.get(ref, key, asyncio.get_running_loop().time())
+            self.stats.warm_blocks += 1
+            self.stats.warm_bytes += len(data)
+            stored = await cluster.put(key, data)
         if not stored:
             self.stats.warm_not_stored += 1
             return WarmOutcome.NOT_STORED, length
