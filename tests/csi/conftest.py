@@ -49,6 +49,27 @@ def _require_fuse(request: pytest.FixtureRequest) -> None:
         require_fuse("CSI FUSE tests")
 
 
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A working directory short enough for the unix sockets made under it (the handover, control
+    and run-root sockets); pytest's tmp_path is too long. A test file may override it."""
+    path = Path(tempfile.mkdtemp(prefix="csi-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_for(what: str, check: Any, timeout_s: float, poll_s: float = 0.1) -> Any:
+    """``check()``'s first truthy value, polled every ``poll_s``; fails the test naming ``what``
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+    return value
+
+
 def driver_environ() -> dict[str, str]:
     """The driver's environment: no AWS credentials, no config files, no instance metadata."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

@@ -7,15 +7,12 @@ import dataclasses
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -175,13 +172,9 @@ def test_read_report_of_a_daemon_that_closed_or_died() -> None:
 
 # -------------------------------------------------------------------------------------- the spec
 @pytest.fixture
-def run_root() -> Iterator[Path]:
-    """A run root short enough for unix socket paths (pytest's tmp_path is not)."""
-    path = Path(tempfile.mkdtemp(prefix="hr-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def run_root(workdir: Path) -> Path:
+    """A run root short enough for unix socket paths (``workdir``, tests/csi/conftest.py)."""
+    return workdir
 
 
 def _request(tmp_path: Path, **kw: object) -> MountRequest:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,6 +29,7 @@ from csi_driver.attributes import parse_cache_options
 from csi_driver.handover import STOP_TIMEOUT_S, HandoverMounter
 from csi_driver.mounter import MountRequest
 from csi_driver.mountpods import USER_AGENT, MountPodSettings, PodLauncher, api_client
+from tests.csi import conftest as csi_conftest
 from tests.support.kubeapi import DEFAULT_POD_GRACE_S, ApiDouble
 from tests.support.kubelet import MIN_GRACE_S, Kubelet
 
@@ -43,21 +42,7 @@ STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); 
 
 
 def wait_for(what: str, check: Any, timeout_s: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    """Short: the run root under it must fit unix socket paths."""
-    path = Path(tempfile.mkdtemp(prefix="stop-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    return csi_conftest.wait_for(what, check, timeout_s, poll_s=0.05)
 
 
 @pytest.fixture

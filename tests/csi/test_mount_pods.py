@@ -15,9 +15,7 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import uuid
@@ -39,6 +37,7 @@ from tests.csi.conftest import (
     stop_driver,
 )
 from tests.csi.test_node_service import context_for
+from tests.csi import conftest as csi_conftest
 from csi_driver.mountpods import USER_AGENT, pod_name
 from tests.support.kubeapi import ApiDouble
 from tests.support.kubelet import Kubelet
@@ -54,23 +53,7 @@ READERS = 4
 
 
 def wait_for(what: str, check, timeout_s: float = WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    """A short working directory: the handover and control sockets under it must fit a unix socket path."""
-    path = Path(tempfile.mkdtemp(prefix="pods-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    return csi_conftest.wait_for(what, check, timeout_s)
 
 
 @pytest.fixture
