@@ -37,9 +37,17 @@ from cachefs.settings import ClusterSettings, source_hash
 # the source of a large staged file may take a while, so reads get a minute (botocore retries too).
 RECOVER_CONNECT_TIMEOUT_S = 5.0
 RECOVER_READ_TIMEOUT_S = 60.0
-# Exit status when some journal could not be recovered now (a live lease, another recoverer, data
-# that failed its check): the Job is retried, or the operator looks.
-EXIT_INCOMPLETE = 3
+# Exit statuses a periodic Job can act on (docs/durability.md, "Exit status"): 0 done or nothing to
+# do; EXIT_RETRY when a journal could not be taken now but may be later (a live lease of a recoverer,
+# or of a writer named with --prefix; another recoverer won; the lease was lost while recovering):
+# 75 is sysexits' EX_TEMPFAIL, "try again later"; EXIT_DAMAGE when a record or its data failed its
+# check (unreadable, missing, corrupt): someone must look. Damage wins over retry.
+EXIT_RETRY = 75
+EXIT_DAMAGE = 3
+
+
+class StoreUnreachable(Exception):
+    """The source or the cluster store could not be reached: a retry later may succeed."""
 
 
 def register(sub: Any) -> None:
@@ -77,7 +85,11 @@ def cmd_recover(args: argparse.Namespace, environ: dict[str, str]) -> int:
     if args.prefix is not None and not args.prefix.startswith(f"writeback/{volume}/"):
         raise UsageError(f"--prefix {args.prefix!r} is not a journal of {args.source} (expected "
                          f"writeback/{volume}/NODE/INCARNATION/; see --list)")
-    reports = asyncio.run(_recover(args, environ, cluster, endpoint, volume))
+    try:
+        reports = asyncio.run(_recover(args, environ, cluster, endpoint, volume))
+    except StoreUnreachable as exc:
+        print(f"cachefs: recover of {args.source}: {exc}; nothing was changed, run it again later", file=sys.stderr)
+        return EXIT_RETRY
     if args.json:
         print(json.dumps(reports, indent=2, sort_keys=True))
     else:
@@ -87,9 +99,21 @@ def cmd_recover(args: argparse.Namespace, environ: dict[str, str]) -> int:
             print(f"cachefs: no write-back journal of {args.source} in {cluster.url}", file=sys.stderr)
     if args.list:
         return 0
-    bad = [r for r in reports if r.get("failed") or (r["state"] not in ("recovered", "already")
-                                                      and (args.prefix is not None or r["state"] != "held"))]
-    return EXIT_INCOMPLETE if bad else 0
+    return exit_status(reports, named=args.prefix is not None)
+
+
+def exit_status(reports: list[dict[str, Any]], *, named: bool) -> int:
+    """0, EXIT_RETRY or EXIT_DAMAGE for the reports of one run (see their constants). ``named``: the
+    journal was named with --prefix, so a live writer's lease means "not yet" rather than "not lost"."""
+    if any(r.get("failed") for r in reports):
+        return EXIT_DAMAGE
+    for r in reports:
+        if r["state"] in ("recovered", "already"):
+            continue
+        if r["state"] == "held" and not named and r.get("holder_role") == "writer":
+            continue  # --expired: a live writer's journal is not a lost node's
+        return EXIT_RETRY
+    return 0
 
 
 def _line(report: dict[str, Any]) -> str:
@@ -104,6 +128,9 @@ def _line(report: dict[str, Any]) -> str:
         text += f"; left the newer version in the source of: {', '.join(report['kept_newer'])}"
     if report["failed"]:
         text += f"; FAILED (data unusable, see the log): {', '.join(report['failed'])}"
+    if report.get("never_acknowledged"):
+        text += (f"; note: skipped what was never acknowledged (the writer died sending it): "
+                 f"{', '.join(report['never_acknowledged'])}")
     return text
 
 
@@ -112,7 +139,7 @@ async def _recover(args: argparse.Namespace, environ: dict[str, str], cluster_se
     import logging
     import time
 
-    from tiering.errors import CacheError
+    from tiering.errors import CacheError, ObjectStoreUnavailableError
     from tiering.objectstore import open_object_store
     from tiering.writeback.durable import conditional, read_lease
     from tiering.writeback.recovery import list_writers, recover_prefix
@@ -144,6 +171,8 @@ async def _recover(args: argparse.Namespace, environ: dict[str, str], cluster_se
                                           assume_dead=args.assume_dead)
             out.append(asdict(report))
         return out
+    except ObjectStoreUnavailableError as exc:
+        raise StoreUnreachable(str(exc)) from None
     except CacheError as exc:
         raise UsageError(f"recover of {args.source}: {exc}") from None
     finally:

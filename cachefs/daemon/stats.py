@@ -160,6 +160,8 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "index_entries": fs.listings.index.total_entries if fs.listings.index is not None else 0,
             "stale_attributes_served": fs.stats.stale_attributes_served,
             "opens": fs.stats.opens,
+            "opens_waited": fs.stats.opens_waited,
+            "stale_opens": fs.stats.stale_opens,
             "reads": fs.stats.reads,
             "read_bytes": fs.stats.read_bytes,
             "skipped_keys": fs.stats.skipped_keys,

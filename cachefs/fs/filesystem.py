@@ -33,12 +33,14 @@ still imply it, as on the read path.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
@@ -72,6 +74,11 @@ STATFS_BLOCK_SIZE = 4096
 # one. Larger files are not fetched: what was cached still reads, the rest answers ENOENT (ESTALE
 # after a rename over it). Writers are always kept: their next write needs the content.
 KEEP_FOR_READERS_MAX_BYTES = 64 * 1024 * 1024
+
+# How long an open waits for an unlink or a rename over its file that is under way (``_losing_name``).
+# Those are bounded themselves (a copy-in of at most KEEP_FOR_READERS_MAX_BYTES, a server-side copy, a
+# durable record's deadline); past this the open goes on as if it had come first.
+LOSING_NAME_WAIT_S = 60.0
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -258,6 +265,19 @@ class CacheFS:
         writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         if writable or flags & os.O_TRUNC:
             self._writer()
+        if node.losing_name is not None:
+            # An unlink or a rename over this file is under way: its open handles were counted before
+            # it started (their content is kept). Wait for it rather than take the store's version
+            # that is about to go, which a later read would find replaced (ESTALE) or deleted.
+            self.stats.opens_waited += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(node.losing_name.wait(), LOSING_NAME_WAIT_S)
+        if node.deleted and self._staged(node) is None:
+            # Its name went (and with it the stored version) before this open arrived: the kernel
+            # resolved the path just before. ESTALE makes it look the name up again (the open is
+            # retried once with LOOKUP_REVAL), and it opens what the name holds now.
+            self.stats.stale_opens += 1
+            raise FsError(errno.ESTALE, f"/{node.path} was replaced or removed while it was opened")
         if self._staged(node) is None:
             await self._refresh(node)
         if flags & os.O_TRUNC:
@@ -472,6 +492,23 @@ class CacheFS:
         self._set_staged(node, sf)
         return sf
 
+    @contextlib.asynccontextmanager
+    async def _losing_name(self, path: str) -> AsyncIterator[None]:
+        """The file at ``path`` (if the kernel knows one) is about to lose its name: opens of it wait
+        until this block ends. Without it, an open arriving between ``_keep_for_handles`` (which counts
+        the handles open then) and the delete or replacement in the store got the store's version and
+        read ESTALE once it was replaced (issue 38, finding 4)."""
+        node = self.inodes.at(path)
+        if node is None or node.is_dir or node.losing_name is not None:
+            yield  # nothing known at that name, or an unlink/rename of it already holds the opens
+            return
+        done = node.losing_name = asyncio.Event()
+        try:
+            yield
+        finally:
+            node.losing_name = None
+            done.set()
+
     async def _keep_for_handles(self, path: str) -> None:
         """Before the file at ``path`` loses its name (unlink, a rename over it): a file that open
         handles still use is staged, so that write-back copies its stored version in before the object
@@ -629,15 +666,16 @@ class CacheFS:
         if value is None:
             raise FsError(errno.EISDIR)
         path = join(parent.path, text)
-        await self._keep_for_handles(path)
-        node = self.inodes.at(path)
-        assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
-        staged = value.etag == STAGED_ETAG
-        await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes
-        await wb.remove(path, may_exist=not staged, base_etag=None if staged else value.etag)
-        self.stats.unlinks += 1
-        if node is not None:
-            self.inodes.unlink(node)
+        async with self._losing_name(path):
+            await self._keep_for_handles(path)
+            node = self.inodes.at(path)
+            assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
+            staged = value.etag == STAGED_ETAG
+            await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes
+            await wb.remove(path, may_exist=not staged, base_etag=None if staged else value.etag)
+            self.stats.unlinks += 1
+            if node is not None:
+                self.inodes.unlink(node)
 
     async def rmdir(self, parent_inode: int, name: bytes) -> None:
         wb = self._writer()
@@ -666,5 +704,7 @@ class CacheFS:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
         src_name, dst_name = self._text(old_name), self._text(new_name)
-        if await self.renamer.rename(wb, src_dir.path, src_name, dst_dir.path, dst_name, flags):
+        async with self._losing_name(join(dst_dir.path, dst_name)):
+            renamed = await self.renamer.rename(wb, src_dir.path, src_name, dst_dir.path, dst_name, flags)
+        if renamed:
             self.stats.renames += 1

@@ -14,6 +14,8 @@ filesystem's business (``cachefs.fs.filesystem``).
 
 from __future__ import annotations
 
+import asyncio
+
 import errno
 from dataclasses import dataclass
 from typing import NewType
@@ -42,6 +44,10 @@ class Node:
     writers: int = 0  # open handles that may write
     deleted: bool = False  # unlinked (or replaced by a rename) while the kernel still knows it
     local_gen: int = 0  # bumped by every change made through the mount (handles follow it)
+    # Set while an unlink or a rename over this file runs (``CacheFS._losing_name``): an open arriving
+    # meanwhile waits for it, so it either counts among the handles whose content is kept or sees
+    # the file gone (ESTALE, and the kernel looks the name up again).
+    losing_name: asyncio.Event | None = None
 
 
 class InodeTable:

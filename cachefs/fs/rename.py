@@ -114,7 +114,7 @@ class Renamer:
         # destination's own pending upload must not land after the copy: it is held off meanwhile.
         async with wb.quiesce(dst):
             copied = await self.store.copy(src, info.etag, dst)
-            await wb.forget(dst)
+            await wb.forget(dst, copied.etag)
         await wb.remove(src, may_exist=True, base_etag=info.etag)
         replaced = self.inodes.at(dst)
         if replaced is not None:

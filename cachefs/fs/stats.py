@@ -19,6 +19,8 @@ class FsStats:
     index_errors: int = 0  # metadata index operations that failed (answered by listing instead)
     stale_attributes_served: int = 0  # getattr/open kept a node's attributes: store unreachable, listing gone
     opens: int = 0
+    opens_waited: int = 0  # opens that waited for an unlink or a rename over their file to finish
+    stale_opens: int = 0  # opens of a file whose name went first: ESTALE, the kernel looks it up again
     reads: int = 0
     read_bytes: int = 0
     skipped_keys: int = 0

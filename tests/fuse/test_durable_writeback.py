@@ -195,6 +195,50 @@ def test_close_fails_with_eio_while_the_cluster_store_is_down_and_nothing_falls_
     assert b"not durable in the cluster store" not in stored
 
 
+@pytest.mark.parametrize("then_delete", [False, True], ids=["saved", "saved-then-deleted"])
+def test_a_checkpoint_renamed_over_one_that_was_renamed_into_place_survives_the_loss_of_the_node(
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], env: dict[str, str], then_delete: bool) -> None:
+    """How training jobs save: write a temporary file, rename it over the last checkpoint. When that
+    last checkpoint was itself renamed into place after both were uploaded (a server-side copy), the
+    next save's journal record must carry the copy's ETag as its base: with the ETag of the version
+    the copy replaced, ``recover`` took the writer's own copy for someone else's newer version and
+    kept it, and the acknowledged checkpoint (or its deletion) was lost (issue 38, finding 1)."""
+    source, cluster = servers
+    prefix_in_source = f"ckpt-{uuid.uuid4().hex[:8]}"
+    m = mounter.mount(f"s3://{SOURCE_BUCKET}/{prefix_in_source}", *cluster_args(cluster), "--write-durability",
+                      "cluster", "--write-lease-ttl", str(LEASE_TTL_S), "--node-id", "ckpt",
+                      "--upload-delay", "3600", env=env)
+    (m.path / "X").write_bytes(b"checkpoint 1")
+    (m.path / "F").write_bytes(b"checkpoint 2")
+    flushed = run_cli("flush", str(m.path), "--timeout", "60", env=env, timeout=120)
+    assert flushed.returncode == 0, flushed.stdout + flushed.stderr  # both uploaded by this mount
+    os.rename(m.path / "F", m.path / "X")  # only in the store: a server-side copy over X
+    (m.path / "T").write_bytes(b"checkpoint 3, acknowledged")
+    os.rename(m.path / "T", m.path / "X")  # staged: acknowledged, journaled, not uploaded
+    if then_delete:
+        os.unlink(m.path / "X")
+    stored = {k.removeprefix(prefix_in_source + "/"): v for k, v in source_objects(source).items()
+              if k.startswith(prefix_in_source + "/")}
+    assert stored == {"X": b"checkpoint 2", "F": b"checkpoint 2"}  # the copy landed; F's delete and T wait
+
+    kill9(m)
+    clear_dead_mount(m)
+    shutil.rmtree(m.cache_dir)
+
+    base = ["recover", f"s3://{SOURCE_BUCKET}/{prefix_in_source}", *cluster_args(cluster)]
+    listed = run_cli(*base, "--list", env=env)
+    prefixes = [line.split()[0] for line in listed.stdout.splitlines()]
+    assert listed.returncode == 0 and len(prefixes) == 1, listed.stdout + listed.stderr
+    done = run_cli(*base, "--prefix", prefixes[0], "--wait", str(RECOVER_WAIT_S), "--json", env=env,
+                   timeout=RECOVER_WAIT_S + 90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [report] = json.loads(done.stdout)
+    assert report["kept_newer"] == [] and report["failed"] == [], report  # nobody else wrote
+    stored = {k.removeprefix(prefix_in_source + "/"): v for k, v in source_objects(source).items()
+              if k.startswith(prefix_in_source + "/")}
+    assert stored == ({} if then_delete else {"X": b"checkpoint 3, acknowledged"})
+
+
 # Kill trials: how many, and the writer's pace. One trial by default (the suite's time budget);
 # CACHEFS_DURABLE_TRIALS=N runs more.
 TRIALS = int(os.environ.get("CACHEFS_DURABLE_TRIALS", "1"))

@@ -9,6 +9,8 @@ so every acknowledged change is still pending when the node goes.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import asyncio
 import errno
 import random
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.cli.recover import EXIT_DAMAGE, EXIT_RETRY, exit_status
 from tiering.engine.blockcache import BlockCache
 from tiering.blocks import MIN_BLOCK_SIZE, ObjectRef
 from tiering.clock import FakeClock
@@ -36,7 +39,7 @@ from tiering.writeback.durable import (
     DurableJournal,
     read_lease,
 )
-from tiering.writeback.recovery import list_writers, recover_prefix
+from tiering.writeback.recovery import RecoveryReport, list_writers, recover_prefix
 
 BS = MIN_BLOCK_SIZE
 MiB = 1024 * 1024
@@ -390,3 +393,41 @@ async def test_a_record_whose_data_never_landed_falls_back_to_the_acknowledged_o
     report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
     assert report.uploaded == ["ckpt"] and report.failed == [], report
     assert source._objects["ckpt"].data == b"acknowledged version"
+
+
+async def test_a_first_version_that_was_never_acknowledged_is_a_note_not_damage(
+        tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore]) -> None:
+    """The node died during the close of a new file (its journal object landed, its data did not):
+    nothing was acknowledged, so recovery reports a note, uploads nothing, and is not "failed"
+    (issue 38, finding 3: a periodic recover exited 3 for this ordinary case)."""
+    source, cluster = stores
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    await write(node.wb, "done.txt", b"acknowledged")
+    cluster.refuse_data = True
+    with pytest.raises(DurabilityError):
+        await write(node.wb, "big.ckpt", b"the close of this one never returned")
+    prefix = node.durable.prefix
+    node.lose()
+    cluster.refuse_data = False
+    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    assert report.failed == [] and report.uploaded == ["done.txt"], report
+    assert [note.split()[0] for note in report.never_acknowledged] == ["big.ckpt"]
+    assert "big.ckpt" not in source._objects
+    assert exit_status([asdict(report)], named=True) == 0
+
+
+def test_recover_exit_statuses_tell_done_retry_later_and_damage_apart() -> None:
+    def report(state: str = "recovered", failed: tuple[str, ...] = (), role: str = "") -> dict:
+        return asdict(RecoveryReport("p/", state=state, failed=list(failed), holder_role=role))
+
+    assert exit_status([], named=False) == 0
+    assert exit_status([report(), report("already")], named=False) == 0
+    # --expired: a live writer is not a lost node; a recoverer's live lease (one that died) is "later"
+    assert exit_status([report("held", role="writer")], named=False) == 0
+    assert exit_status([report("held", role="recovering")], named=False) == EXIT_RETRY
+    assert exit_status([report("held", role="writer")], named=True) == EXIT_RETRY
+    assert exit_status([report("taken")], named=False) == EXIT_RETRY
+    assert exit_status([report("lost")], named=True) == EXIT_RETRY
+    assert exit_status([report("taken"), report(failed=("k",))], named=False) == EXIT_DAMAGE
+    assert len({0, EXIT_RETRY, EXIT_DAMAGE, 2}) == 4  # 2: bad arguments (the CLI's usage errors)

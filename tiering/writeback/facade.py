@@ -411,10 +411,14 @@ class WriteBack:
         """Keep directory ``path`` existing in the store once its last entry goes (see ``markers``)."""
         await self.markers.ensure_dir(path)
 
-    async def forget(self, key: str) -> None:
-        """Drop any pending operation of ``key``: the store now holds what it should (a server-side copy)."""
+    async def forget(self, key: str, etag: str | None = None) -> None:
+        """Drop any pending operation of ``key``: the store now holds what it should (a server-side copy,
+        at ``etag``). That version is the base of the key's next write: a recovery must take it for this
+        writer's own, not for a newer version written by someone else (a checkpoint saved by writing a
+        file and renaming it over the last one, after the last one was itself renamed into place)."""
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
+            self.records.note_base(key, etag)
             await self._journal_drop(key)
             if sf is not None:
                 self.files.detach(sf)

@@ -51,11 +51,15 @@ class RecoveryReport:
     prefix: str
     state: str = "recovered"  # recovered, held (lease live), taken (another recoverer), already, lost
     detail: str = ""
+    holder_role: str = ""  # held: the role of the live lease's owner (writer or recovering)
     uploaded: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     markers: int = 0
     kept_newer: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)  # data object missing or corrupt
+    failed: list[str] = field(default_factory=list)  # data object missing or corrupt: damage
+    # Records never acknowledged (the writer died while sending them: a data piece never landed),
+    # as "KEY (record SEQ)": nothing was lost, the key's previous record (if any) was replayed.
+    never_acknowledged: list[str] = field(default_factory=list)
 
 
 async def list_writers(store: ObjectStore, volume: str) -> list[str]:
@@ -83,7 +87,7 @@ async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, pr
             break
         left = lease.expires_in(wall())
         if wall() + left > deadline:
-            report.state = "held"
+            report.state, report.holder_role = "held", lease.role
             report.detail = f"lease held by {lease.owner} ({lease.role}) for {left:.0f} more s"
             return report
         await asyncio.sleep(min(left + 0.5, max(0.1, deadline - wall())))
@@ -125,10 +129,11 @@ async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, pr
             if await _pieces_present(cluster, prefix, record):
                 latest[key] = record
                 break
-            log.warning("recover: record %d of %r has a data piece missing (never acknowledged); the one "
-                        "before it is used", record.seq, key)
-        else:
-            report.failed.append(key)
+            # Not damage: the writer's close/fsync of it never returned, so no application was told
+            # it was saved (a note, not a failure: a periodic Job must not page anyone for it).
+            log.info("recover: record %d of %r has a data piece missing: it was never acknowledged; the "
+                     "one before it, if any, is used", record.seq, key)
+            report.never_acknowledged.append(f"{key} (record {record.seq})")
     renewed = time.monotonic()
     for record in sorted(latest.values(), key=lambda r: r.seq):
         if time.monotonic() - renewed > ttl * LEASE_RENEW_FRACTION:
