@@ -15,7 +15,10 @@ Helm runs in-process through ``helm-python-sdk`` (Helm 4's Go SDK in a wheel; no
   and an overlay written here that sets every value through kustomize's own means (``namespace:``,
   ``images:``, JSON patches). What Helm adds by convention is left out of the comparison: its labels
   in each object's metadata and the hook annotations of the bucket Job; the Namespace object is
-  kustomize's alone (docs/kubernetes.md, "Helm and kustomize", says why).
+  kustomize's alone (docs/kubernetes.md, "Helm and kustomize", says why);
+- the values file and ``--set`` flags deploy/README.md shows pass the schema and render, the docs'
+  values table lists every value with its default, and text of deploy/ that looks like a template
+  action reaches the cluster as written.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import copy
 import importlib.util
 import json
 import os
+import re
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +41,7 @@ import yaml
 
 from csi_driver.main import build_parser
 from tests.csi.kustomize import kustomize_build, require_kubectl
+from tests.csi.test_kustomize_overlay import fenced_blocks
 from tests.csi.test_manifests import CLUSTER_SCOPED, DEPLOY, OWN_API_GROUPS, ROOT, VERSIONS, by_kind, containers
 
 CHART = DEPLOY / "helm" / "cachefs"
@@ -456,3 +462,40 @@ def test_the_readme_labels_the_namespace_as_the_base_does() -> None:
     for label, value in namespace["metadata"]["labels"].items():
         assert f"{label}={value}" in section, f"deploy/README.md's Helm install does not set {label}={value}"
     assert "helm install cachefs deploy/helm/cachefs" in section
+
+
+def test_the_readme_values_file_and_set_flags_are_accepted_and_render() -> None:
+    """The values file and the ``--set`` flags deploy/README.md shows pass the schema and render."""
+    text = README.read_text()
+    section = text[text.index("\n## Install with Helm\n"):]
+    section = section[:section.index("\n## ", 1)]
+    (shown,) = [yaml.safe_load(block) for block in fenced_blocks(section, "yaml")]
+    objects = render(shown)
+    (storage_class,) = by_kind(objects, "StorageClass")
+    assert storage_class["parameters"]["bucket"] == shown["storageClass"]["bucket"]
+    flags = re.findall(r"`(--set [^`]+)`", section)
+    assert flags, "the README shows no --set example"
+    for flag in flags:
+        words = shlex.split(flag)
+        for expression in words[1::2]:
+            with helm.Chart.load(CHART) as chart:
+                chart.validate_schema(helm.parse_set_string(expression))
+
+
+def test_literal_braces_in_a_manifest_reach_the_cluster_unchanged(tmp_path: Path) -> None:
+    """A '{{' in deploy/ (a script in a command, a printf format) would be a template action in the
+    chart; the generator quotes it so that Helm renders it back as written."""
+    module = generator()
+    literal = 'printf "{{ .x }}" and {{- not an action }}'
+    markers = module.Markers()
+    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"script": literal}}
+    text = module.render_template(module.strings(obj, lambda s: markers.inline_text(module.quoted(s))
+                                                 if "{{" in s else s), markers)
+    assert literal not in text
+    chart = tmp_path / "braces"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: braces\nversion: 0.1.0\n")
+    (chart / "templates" / "configmap.yaml").write_text(text)
+    with helm.Chart.load(chart) as loaded:
+        (rendered,) = loaded.render({}, name="b", namespace="n").values()
+    assert yaml.safe_load(rendered)["data"]["script"] == literal
