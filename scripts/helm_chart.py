@@ -94,7 +94,8 @@ class Flag:
 
     flag: str
     key: str
-    kind: str  # "bool" (present or not), "list" (comma-joined; left out when empty), "text", "count" (0: left out)
+    kind: str  # "bool" (present or not), "list" (comma-joined; left out when empty), "text", "name" (left out
+    # when empty), "count" (0: left out)
     description: str
     schema: dict[str, Any]
     default: Any
@@ -116,9 +117,13 @@ FLAGS = {
              "the only buckets a volume may mount; empty: any",
              {"type": "array", "items": BUCKET, "uniqueItems": True}, []),
         Flag("--allow-node-identity", "node.allowNodeIdentity", "bool",
-             "let volumes without a Secret use the node plugin's own cloud identity (IRSA, Pod Identity, "
-             "instance role: see node.serviceAccount.annotations); inline volumes always need a Secret",
+             "let volumes without a Secret use a cloud identity: their mount pods' own, the node's instance "
+             "role or node.mountPodServiceAccount's (IRSA, Pod Identity); inline volumes always need a Secret",
              {"type": "boolean"}, False),
+        Flag("--mount-pod-service-account", "node.mountPodServiceAccount", "name",
+             "ServiceAccount of the mount pods, in the release namespace (create it yourself, e.g. with an "
+             "`eks.amazonaws.com/role-arn` annotation); empty: none, and no token in the mount pods",
+             {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?)?$"}, ""),
         Flag("--max-volumes", "node.maxVolumes", "count",
              "volumes one node accepts, reported to the scheduler; 0: no limit",
              {"type": "integer", "minimum": 0}, 0),
@@ -176,8 +181,8 @@ DESCRIPTIONS = {
     "node.resources": "resources of the node plugin's cachefs-csi container (the daemons run in mount pods, "
                       "sized per volume)",
     "node.serviceAccount": "the node plugin's ServiceAccount cachefs-csi-node",
-    "node.serviceAccount.annotations": "annotations of the node plugin's ServiceAccount, e.g. "
-                                       "`eks.amazonaws.com/role-arn` for IRSA with node.allowNodeIdentity",
+    "node.serviceAccount.annotations": "annotations of the node plugin's own ServiceAccount (the volumes' "
+                                       "cloud identity is the mount pods': node.mountPodServiceAccount)",
     "controller": "the controller (Deployment cachefs-csi-controller: dynamic provisioning)",
     "controller.resources": "resources of the controller's cachefs-csi container",
     "storageClass": "the StorageClass `cachefs` (and `cachefs-clustered` with clusterStore.enabled)",
@@ -419,6 +424,8 @@ def flag_lines(flag: Flag, default: Any) -> list[str]:
     if flag.kind == "list":
         return ["{{- with " + value + " }}",
                 '<INDENT><ITEM>{{ printf "' + flag.flag + '=%s" (join "," .) | quote }}', "{{- end }}"]
+    if flag.kind == "name":
+        return ["{{- with " + value + " }}", '<INDENT><ITEM>{{ printf "' + flag.flag + '=%s" . | quote }}', "{{- end }}"]
     if flag.kind == "count":
         return ["{{- if " + value + " }}", "<INDENT><ITEM>" + flag.flag + "={{ " + value + " }}", "{{- end }}"]
     return ['<INDENT><ITEM>{{ printf "' + flag.flag + '=%s" ' + value + " | quote }}"]
@@ -440,6 +447,8 @@ def parametrize_args(args: list[str], flags: tuple[Flag, ...], markers: Markers,
             default = value.split(",") if value else []
         elif flag.kind == "count":
             default = int(value or 0)
+        elif flag.kind == "name":
+            default = value
         else:
             default = value
         values.add(flag.key, default, flag.schema, flag.description)
@@ -608,7 +617,7 @@ def generate() -> dict[str, str]:
 # The order of values.yaml, the schema and the docs table: the common choices first; a value not
 # listed here follows, in the order the render met it.
 ORDER = ("image.", "node.logLevel", "node.allowedEndpoints", "node.allowedBuckets", "node.allowNodeIdentity",
-         "node.serviceAccount.", "node.", "controller.", "storageClass.bucket", "storageClass.endpointUrl",
+         "node.mountPodServiceAccount", "node.serviceAccount.", "node.", "controller.", "storageClass.bucket", "storageClass.endpointUrl",
          "storageClass.", "clusterStore.enabled", "clusterStore.", "datasets.enabled", "datasets.", "sidecars.")
 
 

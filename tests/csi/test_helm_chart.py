@@ -57,7 +57,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "cluster-store": {"clusterStore": {"enabled": True}},
     "datasets": {"datasets": {"enabled": True}},
     "trust": {"node": {"allowedEndpoints": ["https://s3.storage.example.com", "aws"], "allowedBuckets": ["ml-volumes"],
-                       "allowNodeIdentity": True, "maxVolumes": 20,
+                       "allowNodeIdentity": True, "mountPodServiceAccount": "cachefs-mounts", "maxVolumes": 20,
                        "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/c"}}}},
 }
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")
@@ -255,12 +255,14 @@ def test_the_trust_values_become_flags_the_driver_parses() -> None:
     assert defaults.allowed_endpoints == ",".join(node["allowedEndpoints"])
     assert defaults.allowed_buckets == ",".join(node["allowedBuckets"])
     assert defaults.max_volumes == node["maxVolumes"]
+    assert defaults.mount_pod_service_account == node["mountPodServiceAccount"]
     objects = render(OPTIONS["trust"])
     args = build_parser().parse_args(
         [a.replace("$(NODE_NAME)", "node-1") for a in plugin(objects, "cachefs-csi-node", "cachefs-csi")["args"]])
     assert args.allowed_endpoints == "https://s3.storage.example.com,aws"
     assert args.allowed_buckets == "ml-volumes"
     assert args.allow_node_identity and args.max_volumes == 20
+    assert args.mount_pod_service_account == "cachefs-mounts"
     (account,) = [a for a in by_kind(objects, "ServiceAccount") if a["metadata"]["name"] == "cachefs-csi-node"]
     assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/c"}
 
@@ -292,6 +294,7 @@ def test_notes_name_the_secrets_each_option_needs() -> None:
     ({"storageClass": {"parameters": {"ramCache": 2}}}, "at '/storageClass/parameters/ramCache'"),
     ({"storageClass": {"endpointUrl": "s3.example.com"}}, "at '/storageClass/endpointUrl'"),
     ({"image": {"tag": "0.1.0 "}}, "at '/image/tag'"),
+    ({"node": {"mountPodServiceAccount": "Mounts"}}, "at '/node/mountPodServiceAccount'"),
 ])
 def test_the_schema_refuses_a_bad_value_and_says_where(values: dict[str, Any], message: str) -> None:
     with helm.Chart.load(CHART) as chart:
@@ -380,7 +383,8 @@ def test_every_value_set_renders_what_kustomize_renders_for_the_same_choices(tmp
     values = {
         "image": {"repository": "registry.example.com/cachefs-csi", "tag": "0.2.0", "pullPolicy": "Always"},
         "node": {"logLevel": "DEBUG", "allowedEndpoints": ["https://s3.storage.example.com", "aws"],
-                 "allowedBuckets": ["ml-volumes", "ml-out"], "allowNodeIdentity": True, "maxVolumes": 20,
+                 "allowedBuckets": ["ml-volumes", "ml-out"], "allowNodeIdentity": True,
+                 "mountPodServiceAccount": "cachefs-mounts", "maxVolumes": 20,
                  "resources": node_resources,
                  "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/c"}}},
         "controller": {"replicas": 3, "logLevel": "WARNING", "resources": small},
@@ -410,7 +414,8 @@ def test_every_value_set_renders_what_kustomize_renders_for_the_same_choices(tmp
         patches=[
             ({"kind": "DaemonSet", "name": "cachefs-csi-node"}, flag_patches(node_args, 0, [
                 "--log-level=DEBUG", "--allowed-endpoints=https://s3.storage.example.com,aws",
-                "--allowed-buckets=ml-volumes,ml-out", "--allow-node-identity", "--max-volumes=20"]) + [
+                "--allowed-buckets=ml-volumes,ml-out", "--allow-node-identity",
+                "--mount-pod-service-account=cachefs-mounts", "--max-volumes=20"]) + [
                 {"op": "replace", "path": f"{container}/0/imagePullPolicy", "value": "Always"},
                 {"op": "replace", "path": f"{container}/0/resources", "value": node_resources},
                 {"op": "replace", "path": f"{container}/1/resources", "value": small},
