@@ -35,6 +35,8 @@ OLDEST_SUPPORTED = "1.28.0"
 VERSIONS = sorted({kubernetes_validate.latest_version(), OLDEST_SUPPORTED})
 # kustomize's own files (a Kustomization, a transformer configuration) are not Kubernetes objects.
 KUSTOMIZE_FILES = {"kustomization.yaml", "kustomizeconfig.yaml"}
+# Helm charts are templates, not objects: tests/csi/test_helm_chart.py renders and validates them.
+HELM_CHARTS = DEPLOY / "helm"
 CLUSTER_SCOPED = {"Namespace", "CSIDriver", "StorageClass", "ClusterRole", "ClusterRoleBinding",
                   "PersistentVolume", "PriorityClass", "CustomResourceDefinition"}
 # Objects of cachefs's own resources: not in the Kubernetes schemas; each is validated against its
@@ -47,7 +49,7 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 
 
 def manifest_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name not in KUSTOMIZE_FILES)
+    return sorted(p for p in DEPLOY.rglob("*.yaml") if p.name not in KUSTOMIZE_FILES and HELM_CHARTS not in p.parents)
 
 
 def base_resources() -> list[dict[str, Any]]:
