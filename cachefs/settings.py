@@ -166,6 +166,11 @@ class ClusterSettings:
         return env
 
 
+# A source cache directory's write-back staging area (``tiering.writeback.journal``): named here, where
+# the CLI's checks and the daemon both find it.
+STAGING_DIRNAME = "staging"
+
+
 @dataclass(frozen=True)
 class MountSettings:
     source: str

@@ -348,8 +348,10 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
     )
 
 
-def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None:
-    """Checks that need no store: URL syntax, mountpoint, cache dir. Raises UsageError.
+def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> tuple[MountSettings, str | None]:
+    """Checks that need no store: URL syntax, mountpoint, cache dir. Raises UsageError. Returns the
+    settings to mount with and a warning: a disk cache that does not fit is refused, except over
+    pending writes, which are uploaded by a mount with the disk cache that fits (``resources.fit_disk``).
 
     ``check_mountpoint=False`` for a handed-over mount: its mountpoint is already mounted (and
     answers nothing until this daemon serves it), or not even visible to the daemon."""
@@ -371,11 +373,14 @@ def preflight(settings: MountSettings, *, check_mountpoint: bool = True) -> None
         check_cache_dir(settings.cache_dir)
     except OSError as exc:
         raise UsageError(exc.strerror or f"cache dir {settings.cache_dir} is not usable") from None
-    problem = check_resources(settings)
-    if problem:
-        raise UsageError(problem)
+    fit = check_resources(settings)
+    if fit.problem:
+        raise UsageError(fit.problem)
     if settings.manifest is not None and not settings.manifest.is_file():
         raise UsageError(f"manifest {settings.manifest} is not a file")
+    if fit.disk_bytes is not None:
+        settings = dataclasses.replace(settings, cache=dataclasses.replace(settings.cache, disk_bytes=fit.disk_bytes))
+    return settings, fit.notice
 
 
 def refuse_if_in_use(settings: MountSettings) -> None:
@@ -545,7 +550,7 @@ def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
     conn.close()
     try:
         settings = dataclasses.replace(mount_settings(args, environ), fuse_fd=fuse_fd)
-        preflight(settings, check_mountpoint=False)
+        settings, notice = preflight(settings, check_mountpoint=False)
         refuse_if_in_use(settings)
     except (UsageError, ValueError) as exc:
         try:
@@ -555,6 +560,12 @@ def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
         os.close(report_fd)
         os.close(fuse_fd)
         raise UsageError(str(exc)) from None
+    if notice:
+        print(f"cachefs: warning: {notice}", file=sys.stderr)
+        try:
+            os.write(report_fd, f"WARN {notice}\n".encode())
+        except OSError:
+            pass
     return run_foreground(settings, report_fd, args.log_file, environ)
 
 
@@ -566,8 +577,12 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, 
         return run_handed_over(args, environ)
     settings = mount_settings(args, environ)
     if args.ready_fd is None:  # the child re-runs these checks only through the daemon itself
-        preflight(settings)
+        settings, notice = preflight(settings)
         refuse_if_in_use(settings)
+        if notice:
+            print(f"cachefs: warning: {notice}", file=sys.stderr)
+            # The daemon is this command again: the disk cache that fits overrides the one asked for.
+            argv = [*argv, "--disk-cache", str(settings.cache.disk_bytes)]
     log_file = args.log_file
     if args.foreground:
         return run_foreground(settings, args.ready_fd, log_file, environ)

@@ -11,6 +11,13 @@ already holds there (its blocks and staged writes are part of the capacity, not 
 minus ``--min-free-space``, which the disk tier keeps free. The cache's own usage is measured only
 when the free space alone is not enough, since walking a large cache directory takes a while.
 
+Except where that would strand acknowledged writes: a cache directory whose write-back journal holds
+records (staged writes a crashed or killed daemon never uploaded) must always mount far enough to
+upload them, or a mount with fixed options (a systemd unit, a mount pod) would be refused forever
+while another program keeps the disk full. Such a mount goes ahead with the disk cache shrunk to what
+fits (never below what is staged there), and says so in one line naming the pending writes
+(``fit_disk``); once they are uploaded and space is freed, a remount takes the size asked for.
+
 RAM: more than ``MemTotal`` of ``/proc/meminfo`` is refused. Inside a container that is the host's
 memory, not the cgroup limit, so the guard catches typos, not every over-commit.
 
@@ -24,9 +31,12 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from cachefs.settings import MountSettings
+from dataclasses import dataclass
+
+from cachefs.settings import STAGING_DIRNAME, MountSettings
 from tiering.tiers.disk import filesystem_free_bytes
 from tiering.units import format_size
+from tiering.writeback.journal import DATA_DIR, RECORD_SUFFIX, RECORDS_DIR
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -82,6 +92,48 @@ def disk_problem(disk_bytes: int, min_free_bytes: int, cache_dir: Path, *,
             f"give a smaller --disk-cache or another --cache-dir")
 
 
+def pending_writes(staging: Path) -> tuple[int, int]:
+    """``(records, staged bytes)`` of the write-back journal in ``staging`` (a source cache directory's
+    ``staging/``): the acknowledged changes not yet uploaded, and the bytes their data takes."""
+    try:
+        with os.scandir(staging / RECORDS_DIR) as entries:
+            records = sum(1 for entry in entries if entry.name.endswith(RECORD_SUFFIX))
+    except OSError:
+        return 0, 0
+    return records, directory_bytes(staging / DATA_DIR) if records else 0
+
+
+@dataclass(frozen=True)
+class DiskFit:
+    """What the disk check decided: refuse (``problem``), or mount with ``disk_bytes`` instead of the
+    size asked for (``notice`` says why, in one line), or neither (it fits)."""
+
+    problem: str | None = None
+    disk_bytes: int | None = None
+    notice: str | None = None
+
+
+def fit_disk(disk_bytes: int, min_free_bytes: int, cache_dir: Path, staging: Path, *, block_size: int,
+             free_bytes: Callable[[Path], int], used_bytes: Callable[[], int],
+             pending: Callable[[Path], tuple[int, int]] = pending_writes) -> DiskFit:
+    """``disk_problem``, except that a cache directory holding pending writes mounts with the disk
+    cache that fits (at least what is staged, at least one block) so that they are uploaded."""
+    problem = disk_problem(disk_bytes, min_free_bytes, cache_dir, free_bytes=free_bytes, used_bytes=used_bytes)
+    if problem is None:
+        return DiskFit()
+    records, staged = pending(staging)
+    if not records:
+        return DiskFit(problem=problem)
+    room = max(0, free_bytes(cache_dir) + used_bytes() - min_free_bytes)
+    staged_blocks = -(-staged // block_size)  # what is staged stays: rounded up to whole blocks
+    fits = max(room // block_size, staged_blocks, 1) * block_size
+    notice = (f"{problem.removesuffix('; give a smaller --disk-cache or another --cache-dir')}; "
+              f"{records} acknowledged change(s) ({format_size(staged)} staged) wait there for upload: "
+              f"mounting with --disk-cache {format_size(fits)} so they are uploaded (free space and remount "
+              f"for the size asked for)")
+    return DiskFit(disk_bytes=fits, notice=notice)
+
+
 def ram_problem(ram_bytes: int, mem_total: int | None) -> str | None:
     """Why ``ram_bytes`` cannot be a RAM cache on a machine with ``mem_total`` bytes, or None."""
     if mem_total is None or ram_bytes <= mem_total:
@@ -93,11 +145,14 @@ def ram_problem(ram_bytes: int, mem_total: int | None) -> str | None:
 def check_resources(settings: MountSettings, *,
                     free_bytes: Callable[[Path], int] = filesystem_free_bytes,
                     usage: Callable[[Path], int] = directory_bytes,
-                    mem_total: Callable[[], int | None] = mem_total_bytes) -> str | None:
-    """The first reason the caches of ``settings`` cannot fit this machine, or None."""
+                    mem_total: Callable[[], int | None] = mem_total_bytes,
+                    pending: Callable[[Path], tuple[int, int]] = pending_writes) -> DiskFit:
+    """Whether the caches of ``settings`` fit this machine: the first reason they cannot
+    (``problem``), or the disk cache to mount with so that pending writes drain (``disk_bytes``)."""
     cache = settings.cache
     problem = ram_problem(cache.ram_bytes, mem_total())
     if problem:
-        return problem
-    return disk_problem(cache.disk_bytes, cache.disk_min_free_bytes, settings.cache_dir, free_bytes=free_bytes,
-                        used_bytes=lambda: usage(settings.source_cache_dir()))
+        return DiskFit(problem=problem)
+    return fit_disk(cache.disk_bytes, cache.disk_min_free_bytes, settings.cache_dir,
+                    settings.source_cache_dir() / STAGING_DIRNAME, block_size=cache.block_size,
+                    free_bytes=free_bytes, used_bytes=lambda: usage(settings.source_cache_dir()), pending=pending)

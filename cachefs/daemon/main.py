@@ -197,9 +197,10 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
 
         cache_dir = private_cache_dir(settings)
         lock = lock_cache_dir(cache_dir)
-        write_private_file(cache_dir / "source.json", (
-            json.dumps({"source": settings.source, "endpoint_url": settings.endpoint_url}, indent=2) + "\n"
-        ).encode())
+        source_doc = (json.dumps({"source": settings.source, "endpoint_url": settings.endpoint_url}, indent=2)
+                      + "\n").encode()
+        if _read_or_none(cache_dir / "source.json") != source_doc:  # unchanged: nothing to write on a full disk
+            write_private_file(cache_dir / "source.json", source_doc)
         index, pinned = await metadata.open_index(settings, store, cache_dir)
         cs = settings.cache
         # Announced read orders rank both tiers' eviction victims (tiering.policy.readorder, cachefs.daemon.announce).
@@ -318,6 +319,13 @@ def _split_addr(addr: str | None) -> tuple[str | None, int | None]:
         return None, None
     host, _, port = addr.rpartition(":")
     return host or "127.0.0.1", int(port)
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sqlite3
 from pathlib import Path
 
 from cachefs.daemon.errors import SetupError
@@ -75,14 +76,23 @@ def mark_clean_exit(index: MetadataIndex) -> None:
     index.set_meta(CLEAN_EXIT_KEY, "1")
 
 
-async def open_index(settings: MountSettings, store: ObjectStore, cache_dir: Path) -> tuple[MetadataIndex, bool]:
-    """The mount's index and whether it is pinned to a manifest. SetupError for a bad manifest."""
+async def open_index(settings: MountSettings, store: ObjectStore, cache_dir: Path) -> tuple[MetadataIndex | None, bool]:
+    """The mount's index (None: its file cannot be written) and whether it is pinned to a manifest.
+    SetupError for a bad manifest."""
     manifest = settings.manifest
     if settings.manifest_key is not None:
         manifest = await fetch_manifest(store, settings.manifest_key, cache_dir / FETCHED_MANIFEST)
     if manifest is None:
         index = await asyncio.to_thread(MetadataIndex, cache_dir / INDEX_FILENAME)
-        await asyncio.to_thread(_trust_only_a_clean_exit, index)
+        try:
+            await asyncio.to_thread(_trust_only_a_clean_exit, index)
+        except sqlite3.OperationalError as exc:
+            # Its file cannot be written (a full disk): listings come from the store this time. An
+            # index is an optimisation; the mount must come up, not least to upload pending writes.
+            log.warning("metadata index %s cannot be written (%s): this mount lists from the store only",
+                        cache_dir / INDEX_FILENAME, exc)
+            await asyncio.to_thread(index.close)
+            return None, False
         return index, False
     try:
         index = await asyncio.to_thread(open_manifest_index, manifest, cache_dir)

@@ -19,7 +19,16 @@ from cachefs import package_version
 from cachefs.cli import environment, fstab
 from cachefs.cli import mount as cli_mount
 from cachefs.cli.main import build_parser, main, subcommand_parser
-from cachefs.cli.resources import check_resources, directory_bytes, disk_problem, mem_total_bytes, ram_problem
+from cachefs.cli.resources import (
+    DiskFit,
+    check_resources,
+    directory_bytes,
+    disk_problem,
+    fit_disk,
+    mem_total_bytes,
+    pending_writes,
+    ram_problem,
+)
 from cachefs.cli.stats import plain_line, rates, watch_plain
 from cachefs.client import UsageError
 from cachefs.mounts import LOCK_FILENAME, cache_dir_holder
@@ -238,10 +247,37 @@ def test_check_resources_measures_this_sources_cache_dir(tmp_path: Path) -> None
     (source_dir / "blocks" / "x.blk").write_bytes(b"x" * MiB)
     assert directory_bytes(source_dir) == MiB and directory_bytes(tmp_path / "missing") == 0
     free = lambda p: 7 * MiB  # noqa: E731
-    assert check_resources(settings, free_bytes=free, mem_total=lambda: GiB) is None  # 7 MiB free + 1 MiB cached
+    assert check_resources(settings, free_bytes=free, mem_total=lambda: GiB) == DiskFit()  # 7 MiB free + 1 cached
     assert "does not fit" in (check_resources(settings, free_bytes=lambda p: 0, usage=lambda p: 0,
-                                              mem_total=lambda: GiB) or "")
-    assert "--ram-cache" in (check_resources(settings, free_bytes=free, mem_total=lambda: 4 * MiB) or "")
+                                              mem_total=lambda: GiB).problem or "")
+    assert "--ram-cache" in (check_resources(settings, free_bytes=free, mem_total=lambda: 4 * MiB).problem or "")
+
+
+def test_a_disk_cache_that_does_not_fit_over_pending_writes_mounts_smaller_to_upload_them(tmp_path: Path) -> None:
+    """Refused with nothing pending; with acknowledged writes waiting, the disk cache that fits (never
+    below what is staged, nor below a block), and one line naming them (issue 38, finding 5)."""
+    staging = tmp_path / "staging"
+    (staging / "records").mkdir(parents=True)
+    (staging / "data").mkdir()
+    assert pending_writes(staging) == (0, 0) and pending_writes(tmp_path / "none") == (0, 0)
+    refused = fit_disk(60 * MiB, 0, tmp_path, staging, block_size=MiB, free_bytes=lambda p: 0,
+                       used_bytes=lambda: 24 * MiB)
+    assert refused.problem and "does not fit" in refused.problem and refused.disk_bytes is None
+    for i in range(3):
+        (staging / "records" / f"{i}.rec").write_bytes(b"r")
+        (staging / "data" / f"{i}.dat").write_bytes(b"d" * (8 * MiB))
+    (staging / "records" / ".tmp-x").write_bytes(b"t")  # not a record
+    assert pending_writes(staging) == (3, 24 * MiB)
+    fit = fit_disk(60 * MiB, 0, tmp_path, staging, block_size=MiB, free_bytes=lambda p: 0,
+                   used_bytes=lambda: 24 * MiB + 5)
+    assert fit.problem is None and fit.disk_bytes == 24 * MiB
+    assert fit.notice and "3 acknowledged change(s) (24.0 MiB staged)" in fit.notice and "\n" not in fit.notice
+    roomier = fit_disk(60 * MiB, MiB, tmp_path, staging, block_size=MiB, free_bytes=lambda p: 10 * MiB + 7,
+                       used_bytes=lambda: 24 * MiB)
+    assert roomier.disk_bytes == 33 * MiB  # free + cached - min free, whole blocks
+    tiny = fit_disk(60 * MiB, 0, tmp_path, staging, block_size=64 * MiB, free_bytes=lambda p: 0,
+                    used_bytes=lambda: 24 * MiB)
+    assert tiny.disk_bytes == 64 * MiB  # at least one block: the disk tier refuses less
 
 
 def test_mount_refuses_a_disk_cache_larger_than_the_disk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import random
 import threading
@@ -26,6 +27,7 @@ from tiering.settings import CacheSettings
 from tiering.writeback import InMemoryBudget, UploadError, WriteBack, WriteBackSettings
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, decode_record, encode_record, record_name
 from tiering.writeback.settings import STORE_PROBE_CAP_S
+from tiering.writeback.staged import StagedFile
 
 BS = MIN_BLOCK_SIZE
 MiB = 1024 * 1024
@@ -940,3 +942,31 @@ async def test_quiesce_waits_for_a_marker_put_above_the_key(tmp_path: Path) -> N
         assert rig.keys() == ["d/", "d/f", "src"]
     finally:
         await wb.stop()
+
+
+async def test_a_full_staging_filesystem_is_logged_once_per_episode(rig: Rig, monkeypatch, caplog) -> None:
+    """Another program filled the disk: every write gets ENOSPC, the log gets one line (issue 38,
+    finding 5: the writer's ENOSPC was not logged at all), and another after a write has succeeded."""
+    sf = await write_file(rig.wb, "a.bin", b"acknowledged", commit=True)
+    full = [True]
+    real = StagedFile.write_sync
+
+    def write_sync(self, offset, data):  # type: ignore[no-untyped-def]
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, offset, data)
+
+    monkeypatch.setattr(StagedFile, "write_sync", write_sync)
+    caplog.set_level(logging.ERROR, logger="tiering.writeback")
+    for _ in range(3):
+        with pytest.raises(OSError) as raised:
+            await rig.wb.write(sf, 0, b"more")
+        assert raised.value.errno == errno.ENOSPC
+    assert len([r for r in caplog.records if "staging filesystem is full" in r.getMessage()]) == 1
+    full[0] = False
+    await rig.wb.write(sf, 0, b"room again")
+    full[0] = True
+    with pytest.raises(OSError):
+        await rig.wb.write(sf, 0, b"full again")
+    assert len([r for r in caplog.records if "staging filesystem is full" in r.getMessage()]) == 2
+    rig.wb.unhold(sf)

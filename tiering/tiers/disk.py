@@ -115,6 +115,7 @@ other's files without knowing it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -178,6 +179,13 @@ def check_cache_dir(path: Path) -> None:
             os.close(fd)
         os.unlink(probe)
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # Writable, but full (another program filled the disk): not a permission problem. Whether
+            # the caches fit is decided with the sizes (``cachefs.cli.resources``); the disk tier
+            # evicts, and pending writes must still be uploaded from here.
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+            return
         raise OSError(exc.errno, f"cache directory {path} is not writable: {exc.strerror or exc}") from exc
 
 

@@ -147,6 +147,9 @@ class WriteBack:
         self.store, self.cache, self.budget = store, cache, budget
         self.clock, self.wall = clock or SystemClock(), wall
         self.stats = WriteBackStats()
+        # The staging filesystem answered ENOSPC to a write (another program filled it): logged once,
+        # then again only after a write has succeeded (the writer sees every ENOSPC; the log one line).
+        self._disk_full_logged = False
         # Called as on_applied(key, info) when an operation reached the store (info None: deleted).
         self.on_applied: Callable[[str, ObjectInfo | None], None] | None = None
 
@@ -291,12 +294,22 @@ class WriteBack:
                 assert sf.current is not None
                 await self.datafiles.wrote(sf.current, offset, end, max(sf.size, end))
                 await asyncio.to_thread(sf.write_sync, offset, data)
-            except BaseException:
+            except BaseException as exc:
                 self.files.maybe_dispose(sf)
+                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._note_disk_full(sf, exc)
                 raise
             sf.size = max(sf.size, end)
             self._modified(sf)
+        self._disk_full_logged = False
         return len(data)
+
+    def _note_disk_full(self, sf: StagedFile, exc: OSError) -> None:
+        if not self._disk_full_logged:
+            self._disk_full_logged = True
+            log.error("write-back: the staging filesystem is full (%s): writes of %r and others fail with "
+                      "ENOSPC until space is freed; acknowledged changes are kept and still uploaded",
+                      exc.strerror or exc, sf.key)
 
     async def truncate(self, sf: StagedFile, size: int) -> None:
         async with sf.lock:
