@@ -431,3 +431,50 @@ def test_recover_exit_statuses_tell_done_retry_later_and_damage_apart() -> None:
     assert exit_status([report("lost")], named=True) == EXIT_RETRY
     assert exit_status([report("taken"), report(failed=("k",))], named=False) == EXIT_DAMAGE
     assert len({0, EXIT_RETRY, EXIT_DAMAGE, 2}) == 4  # 2: bad arguments (the CLI's usage errors)
+
+
+class HangingStore(BreakableStore):
+    """A cluster store that stops answering on demand (SIGSTOP-like): calls wait, never return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang = False
+        self.hung_calls = 0
+
+    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+        if self.hang:
+            self.hung_calls += 1
+            await asyncio.Event().wait()
+        return await super().put(key, size, read)
+
+
+async def test_a_close_after_an_fsync_that_timed_out_fails_at_once_while_the_store_is_silent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsync() failed with EIO after the deadline on a frozen cluster store; the close() that follows,
+    with nothing written since, fails at once instead of waiting a second deadline (issue 38, finding
+    6: 15 s + 15 s). New bytes, or an answer from the store since, get a full attempt again."""
+    import tiering.writeback.durable as durable_module
+
+    monkeypatch.setattr(durable_module, "DURABLE_DEADLINE_FLOOR_S", 0.2)
+    source, cluster = InMemoryObjectStore(), HangingStore()
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    sf = await node.wb.create("log.txt", may_exist=False)
+    node.wb.hold(sf)
+    await node.wb.write(sf, 0, b"first line\n")
+    cluster.hang = True
+    with pytest.raises(DurabilityError):
+        await node.wb.commit(sf)  # fsync: waits the deadline, then EIO
+    tried = cluster.hung_calls
+    with pytest.raises(DurabilityError, match="failed again at once"):
+        await node.wb.commit(sf)  # close: nothing new, the store silent: no second wait
+    assert cluster.hung_calls == tried
+    await node.wb.write(sf, 11, b"second line\n")
+    with pytest.raises(DurabilityError) as again:
+        await node.wb.commit(sf)  # new bytes: a full attempt of their own
+    assert "at once" not in str(again.value) and cluster.hung_calls > tried
+    cluster.hang = False
+    await write(node.wb, "other.txt", b"the store answers again")  # a record taken: it answered
+    await node.wb.commit(sf)  # so this one is tried, and succeeds
+    node.wb.unhold(sf)
+    node.lose()

@@ -117,7 +117,10 @@ def durable_deadline_s(size: int) -> float:
 
 
 class DurabilityError(CacheError):
-    """The cluster store did not take a record in time: close()/fsync() fail, nothing is acknowledged."""
+    """The cluster store did not take a record in time: close()/fsync() fail, nothing is acknowledged.
+    ``timed_out``: it did not answer within the deadline (rather than refusing)."""
+
+    timed_out = False
 
 
 class TakenOverError(ObjectStoreError):
@@ -275,6 +278,7 @@ class DurableJournal:
         self.taken_over = False
         self._lease_etag = ""
         self._renewed_at = 0.0  # monotonic
+        self._mirrored_at = 0.0  # monotonic: the last record the store took
         self._renewer: asyncio.Task[None] | None = None
         self._by_key: dict[str, _Mirrored] = {}
         self._by_file: dict[str, str] = {}  # local data file -> the key whose live record names it
@@ -380,6 +384,11 @@ class DurableJournal:
         while len(self._known) > KNOWN_KEYS:
             self._known.popitem(last=False)
 
+    def silent_since(self, when: float) -> bool:
+        """Whether the cluster store has answered neither a lease renewal nor a record since ``when``
+        (monotonic): a file whose acknowledgement timed out then fails again at once (``WriteBack.commit``)."""
+        return max(self._renewed_at, self._mirrored_at) < when
+
     def fresh(self) -> bool:
         """May this writer upload to the source now (its lease renewed recently, not taken over)?"""
         return not self.taken_over and self.monotonic() - self._renewed_at < self.lease_ttl_s / 2
@@ -407,9 +416,11 @@ class DurableJournal:
                 await self._mirror(record)
         except TimeoutError:
             self.stats["failures"] += 1
-            raise DurabilityError(f"the cluster store did not take {record.key!r} within "
-                                  f"{durable_deadline_s(size):g} s (--write-durability cluster): not "
-                                  "acknowledged") from None
+            error = DurabilityError(f"the cluster store did not take {record.key!r} within "
+                                    f"{durable_deadline_s(size):g} s (--write-durability cluster): not "
+                                    "acknowledged")
+            error.timed_out = True
+            raise error from None
         except (ObjectStoreError, OSError) as exc:
             self.stats["failures"] += 1
             raise DurabilityError(f"the cluster store refused {record.key!r} ({exc}) (--write-durability "
@@ -447,6 +458,7 @@ class DurableJournal:
                 raise exc.exceptions[0] from None
             raise
         self.stats["records"] += 1
+        self._mirrored_at = self.monotonic()
         old = self._set(record.key, _Mirrored(cr, local), counted=True)
         if old is not None and old.record.seq != cr.seq:
             self._spawn(self._delete_quietly(self.prefix + JOURNAL + seq_name(old.record.seq)))

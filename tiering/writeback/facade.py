@@ -87,7 +87,7 @@ from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth
 from tiering.writeback.datafiles import DataFiles
-from tiering.writeback.durable import DurableJournal
+from tiering.writeback.durable import DurabilityError, DurableJournal
 from tiering.writeback.files import StagedFiles, read_range
 from tiering.writeback.events import KeyLocks, describe, wait_event
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, pread_exact
@@ -353,13 +353,25 @@ class WriteBack:
         sf.mtime = mtime
 
     async def commit(self, sf: StagedFile) -> None:
-        """Make the file's content durable (I1); with write-through, also wait for its upload."""
+        """Make the file's content durable (I1); with write-through, also wait for its upload.
+
+        A file whose last acknowledgement timed out on a cluster store that has answered nothing since,
+        and that did not change since, fails again at once: the close() after a failed fsync() does not
+        wait out a second deadline (issue 38, finding 6)."""
+        stalled = sf.timed_out
+        if stalled is not None and sf.unacked and self.records.store_silent_since(stalled[0]):
+            error = DurabilityError(f"{stalled[1]} (the cluster store has not answered since; failed again at once)")
+            error.timed_out = True
+            raise error
         try:
             seq = await self._commit_only(sf)
-        except Exception:
+        except Exception as exc:
             sf.commit_failed = True  # the writer was told: when it is gone, the file reverts (``_revert``)
+            if isinstance(exc, DurabilityError) and exc.timed_out:
+                sf.timed_out = (self.records.durable_clock(), str(exc))
             raise
         sf.commit_failed = False
+        sf.timed_out = None
         if not self.settings.write_through or sf.detached:
             return
         entry = self.index.get(sf.key or "")
@@ -553,6 +565,7 @@ class WriteBack:
 
     def _modified(self, sf: StagedFile) -> None:
         sf.unacked = True
+        sf.timed_out = None  # new bytes: their acknowledgement gets a deadline of its own
         sf.clean_ref = None
         sf.mtime = self.wall()
         key = sf.key

@@ -97,6 +97,14 @@ class Records:
         if self.durable is not None and etag:
             self.durable.note_base(key, etag)
 
+    def durable_clock(self) -> float:
+        """The cluster copy's monotonic clock (what ``store_silent_since`` compares with); 0 without one."""
+        return self.durable.monotonic() if self.durable is not None else 0.0
+
+    def store_silent_since(self, when: float) -> bool:
+        """With a cluster copy: whether its store answered nothing since ``when`` (monotonic)."""
+        return self.durable is not None and self.durable.silent_since(when)
+
     def check_may_upload(self) -> None:
         if self.durable is not None:
             self.durable.check_may_upload()

@@ -125,6 +125,9 @@ class StagedFile:
         self.base = base  # the store version not yet copied in (current is None until then)
         self.origin = base  # the store version it was staged from (None: created through the mount)
         self.commit_failed = False  # the last acknowledgement asked for failed (close or fsync saw it)
+        # That failure: the cluster store did not answer in time (write durability cluster), at this
+        # monotonic time, with no change to the file since: (time, message), else None.
+        self.timed_out: tuple[float, str] | None = None
         self.current = current
         self.acked: Acked | None = None
         self.size = size
