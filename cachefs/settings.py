@@ -138,6 +138,9 @@ class ClusterSettings:
     timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S
     write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES
     write_behind_blocks: int = DEFAULT_WRITE_BEHIND_BLOCKS
+    # The cluster key (``tiering.clusterkey``): every object of the store is authenticated with it.
+    # A path, never the key: the daemon reads it at start-up. Required to mount with a cluster tier.
+    key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith("s3://"):

@@ -16,6 +16,7 @@ from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth
+from tests.support.clusterkeys import TEST_KEY
 
 BS = MIN_BLOCK_SIZE
 KEY = "data/shard.bin"
@@ -62,7 +63,7 @@ async def test_a_failing_cluster_tier_falls_through_to_the_source(tmp_path: Path
     source, ref = _source()
     cluster_store = FailingObjectStore(InMemoryObjectStore())
     cluster_store.fail_heads = cluster_store.fail_gets = cluster_store.fail_writes = True
-    cluster = ClusterTier(cluster_store, source_id="s3://b/", block_size=BS, timeout_s=1)
+    cluster = ClusterTier(cluster_store, source_id="s3://b/", block_size=BS, key=TEST_KEY, timeout_s=1)
     engine = _engine(tmp_path, source, cluster)
     assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE
     assert engine.stats.store_fetches == BLOCKS and engine.stats.cluster_served == 0
