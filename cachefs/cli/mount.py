@@ -51,6 +51,7 @@ from cachefs.settings import (
     DEFAULT_METADATA_TIMEOUT_S,
     DEFAULT_DIR_TTL_S,
     DEFAULT_RENAME_DIR_LIMIT,
+    MISSING_CLUSTER_KEY,
     ClusterSettings,
     FsSettings,
     MountSettings,
@@ -323,13 +324,14 @@ def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> st
 
 def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
     if args.cluster_cache is None:
-        if args.cluster_endpoint_url is not None or args.cluster_profile is not None or args.cluster_key_file:
-            raise ValueError("--cluster-endpoint-url, --cluster-profile and --cluster-key-file need --cluster-cache "
-                             "s3://BUCKET[/PREFIX]")
+        if args.cluster_endpoint_url is not None or args.cluster_profile is not None:
+            raise ValueError("--cluster-endpoint-url and --cluster-profile need --cluster-cache s3://BUCKET[/PREFIX]")
+        # A cluster key without a cluster tier is unused, not an error: CACHEFS_CLUSTER_KEY_FILE is
+        # set in every mount pod of a driver that has one, whatever the volume.
         return None
     return ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url,
                            profile=args.cluster_profile, timeout_s=args.cluster_timeout,
-                           key_file=cluster_key_file(args.cluster_key_file))
+                           key_file=cluster_key_file(args.cluster_key_file) if args.cluster_key_file else None)
 
 
 def cluster_key_file(given: str | None) -> Path:
@@ -337,9 +339,7 @@ def cluster_key_file(given: str | None) -> Path:
     from tiering.clusterkey import ClusterKey
 
     if not given:
-        raise ValueError("--cluster-cache needs --cluster-key-file FILE (or CACHEFS_CLUSTER_KEY_FILE): a secret of "
-                         "at least 32 random bytes that only the mounts sharing the cluster store hold, e.g. "
-                         "`head -c 32 /dev/urandom > FILE` (docs/security.md)")
+        raise ValueError(MISSING_CLUSTER_KEY)
     path = Path(os.path.abspath(given))
     ClusterKey.from_file(path)  # ClusterKeyError is a ValueError naming the file
     return path
