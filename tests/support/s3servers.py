@@ -240,15 +240,6 @@ class S3Server:
         """A fresh boto3 client, optionally with other credentials (to test rejection)."""
         return self._make_client(access_key or self.access_key, secret_key or self.secret_key)
 
-    def identity_env(self, name: str) -> dict[str, str]:
-        """``env()`` with the key pair of the identity ``name`` instead of the admin one."""
-        ak, sk, _ = self.identities[name]
-        return {**self.env(), "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk}
-
-    def identity_client(self, name: str) -> Any:
-        ak, sk, _ = self.identities[name]
-        return self._make_client(ak, sk)
-
     def make_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)
 
@@ -376,6 +367,15 @@ class SeaweedS3(S3Server):
         }
         self.config_path.write_text(json.dumps(identities))
         self.config_path.chmod(0o600)
+
+    def identity_env(self, name: str) -> dict[str, str]:
+        """``env()`` with the key pair of the identity ``name`` instead of the admin one."""
+        ak, sk, _ = self.identities[name]
+        return {**self.env(), "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk}
+
+    def identity_client(self, name: str) -> Any:
+        ak, sk, _ = self.identities[name]
+        return self._make_client(ak, sk)
 
     def _command(self) -> list[str]:
         p = self.ports
