@@ -5,7 +5,9 @@ A volume published writable with ``clusterCache`` and ``writeDurability: cluster
 writes, renames and deletes through the target and acknowledges with close and fsync; the volume's
 daemon is killed with SIGKILL and its cache directory deleted. ``cachefs recover`` then brings every
 acknowledged change to the source. The cluster store is a second bucket of the session's SeaweedFS:
-the CSI driver gives the cluster store the volume's credentials (``csi_driver.attributes``).
+the driver runs its daemons as processes here, which take the store's credentials from the volume
+(one SeaweedFS identity) and the cluster key from the driver's environment (mount pods get both
+from the driver's Secret instead: tests/csi/test_cluster_store_pods.py).
 
 The driver of this module runs with ``CACHEFS_UPLOAD_DELAY=3600`` (uploads held off, so nothing has
 reached the source at the kill) and ``CACHEFS_WRITE_LEASE_TTL=3`` (a short lease to wait for) in its
