@@ -33,6 +33,7 @@ from tiering.blocks import ObjectRef
 from tiering.engine.stats import EngineStats
 from tiering.errors import AccessDeniedError, ObjectStoreError
 from tiering.protocols import ObjectStore
+from tiering.storehealth import StoreHealth
 
 log = logging.getLogger("tiering.engine.authorize")
 
@@ -45,8 +46,9 @@ class SourceAuthorization:
     """Proofs, per object version, that the source lets this volume read it (the module docstring)."""
 
     def __init__(self, store: ObjectStore, stats: EngineStats, *, timeout_s: float,
-                 max_entries: int = AUTHORIZED_MAX) -> None:
+                 health: StoreHealth | None = None, max_entries: int = AUTHORIZED_MAX) -> None:
         self._store = store
+        self._health = health
         self._stats = stats
         self._timeout_s = timeout_s
         self._max = max_entries
@@ -88,6 +90,8 @@ class SourceAuthorization:
         return allowed
 
     async def _ask(self, ref: ObjectRef) -> bool:
+        if self._health is not None and not self._health.reachable:
+            return False  # a source known to be down: no request, no proof (the load meets its circuit)
         self._stats.cluster_authorizations += 1
         try:
             async with asyncio.timeout(self._timeout_s):

@@ -152,8 +152,8 @@ class BlockCache:
         self.latency: dict[str, LatencyHistogram] = {"get": self.source.latency}
         self._guarded_disk = GuardedDisk(disk, self.stats) if disk is not None else None
         # A cluster hit is served only once this volume's source credentials may read the object.
-        self.authorization = (SourceAuthorization(store, self.stats, timeout_s=settings.fetch_timeout_s)
-                              if cluster is not None else None)
+        self.authorization = (SourceAuthorization(store, self.stats, timeout_s=settings.fetch_timeout_s,
+                                                  health=health) if cluster is not None else None)
         self.loads = Loads(settings, ram, self._guarded_disk, self.source, cluster=cluster,
                            authorize=self.authorization,
                            write_behind=self.write_behind, health=health, stats=self.stats, traffic=self.traffic)
