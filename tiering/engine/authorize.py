@@ -12,8 +12,8 @@ Cost. The proof is per object version, remembered in memory (``AUTHORIZED_MAX`` 
 recently used dropped first) and shared by concurrent loads (one request in flight per version): a
 file read block by block costs one HEAD, not one per block, and a later epoch over the same files
 costs nothing, nor does a block the node copied to its disk tier (served from there without the
-cluster tier). Measured on the shuffled 100 KiB epoch: one HEAD per file on the first epoch through
-the cluster tier, none after (docs/security.md, "Multi-tenant clusters").
+cluster tier). Measured on the shuffled 100 KiB epoch (``benchmarks/cluster_authorization.py``): one
+HEAD per file on the first epoch through the cluster tier, none after (docs/security.md).
 
 Answers. The source's ETag differs (the object changed): no proof, the hit is dropped and the load
 goes to the source, which answers for the new version. The source refuses (``AccessDeniedError``):
