@@ -262,7 +262,17 @@ class Bench:
                            extra_args=("--cluster-cache", f"s3://{CLUSTER_BUCKET}/{CLUSTER_PREFIX}",
                                        "--cluster-endpoint-url", self.cluster.endpoint_url,
                                        "--cluster-profile", CLUSTER_PROFILE),
-                           extra_env={"AWS_SHARED_CREDENTIALS_FILE": str(creds)})
+                           extra_env={"AWS_SHARED_CREDENTIALS_FILE": str(creds),
+                                      "CACHEFS_CLUSTER_KEY_FILE": str(self.cluster_key())})
+
+    def cluster_key(self) -> Path:
+        """The cluster key file of the cluster-tier rounds (random, owner-only)."""
+        key = self.work / "cluster.key"
+        if not key.exists():
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(os.urandom(32))
+        return key
 
     def seed_cluster(self) -> None:
         """Fill the cluster store before the rounds: a node reads the large object and its write-behind

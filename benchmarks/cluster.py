@@ -182,7 +182,12 @@ class ClusterBench:
             creds.write_text(f"[{PROFILE}]\naws_access_key_id = {self.cluster.access_key}\n"
                              f"aws_secret_access_key = {self.cluster.secret_key}\n")
             creds.chmod(0o600)
-        return {**clean_env(), **self.source.env(), "AWS_SHARED_CREDENTIALS_FILE": str(creds)}
+        key = self.work / "cluster.key"  # the cluster key every node of the store shares
+        if not key.exists():
+            key.write_bytes(os.urandom(32))
+            key.chmod(0o600)
+        return {**clean_env(), **self.source.env(), "AWS_SHARED_CREDENTIALS_FILE": str(creds),
+                "CACHEFS_CLUSTER_KEY_FILE": str(key)}
 
     def node(self, name: str, *extra: str) -> Node:
         assert self.proxy is not None

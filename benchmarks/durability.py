@@ -82,7 +82,11 @@ def main() -> None:
         creds = work / "credentials"
         creds.write_text(f"[cluster]\naws_access_key_id = {cluster.access_key}\n"
                          f"aws_secret_access_key = {cluster.secret_key}\n")
-        env = {**source.env(), "AWS_ENDPOINT_URL": source.endpoint_url, "AWS_SHARED_CREDENTIALS_FILE": str(creds)}
+        key = work / "cluster.key"  # the cluster key (--cluster-key-file), through its variable
+        key.write_bytes(os.urandom(32))
+        key.chmod(0o600)
+        env = {**source.env(), "AWS_ENDPOINT_URL": source.endpoint_url, "AWS_SHARED_CREDENTIALS_FILE": str(creds),
+               "CACHEFS_CLUSTER_KEY_FILE": str(key)}
         for mode in ("local", "cluster"):
             mnt, cache = work / f"mnt-{mode}", work / f"cache-{mode}"
             mnt.mkdir()

@@ -126,6 +126,12 @@ class FsSettings:
         check_mode("dir-mode", self.dir_mode)
 
 
+# Every object of a cluster store is authenticated with the cluster key (``tiering.clusterkey``).
+MISSING_CLUSTER_KEY = ("--cluster-cache needs --cluster-key-file FILE (or CACHEFS_CLUSTER_KEY_FILE): a secret of at "
+                       "least 32 random bytes that only the mounts sharing the cluster store hold, e.g. "
+                       "`head -c 32 /dev/urandom > FILE` (docs/security.md, 'Multi-tenant clusters')")
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     """The shared cluster tier (``--cluster-cache``): a second S3 store, its own endpoint and profile.
@@ -138,6 +144,9 @@ class ClusterSettings:
     timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S
     write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES
     write_behind_blocks: int = DEFAULT_WRITE_BEHIND_BLOCKS
+    # The cluster key (``tiering.clusterkey``): every object of the store is authenticated with it.
+    # A path, never the key: the daemon reads it at start-up. Required to mount with a cluster tier.
+    key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith("s3://"):
@@ -215,6 +224,8 @@ class MountSettings:
         if self.cluster is not None and self.cluster.timeout_s >= self.cache.fetch_timeout_s:
             raise ValueError(f"--cluster-timeout ({self.cluster.timeout_s:g} s) must be shorter than --fetch-timeout "
                              f"({self.cache.fetch_timeout_s:g} s): a slow cluster store must leave time for the source")
+        if self.cluster is not None and self.cluster.key_file is None:
+            raise ValueError(MISSING_CLUSTER_KEY)
 
     def source_identity(self) -> str:
         """What names this source in the shared cluster tier: its URL and endpoint."""

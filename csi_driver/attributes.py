@@ -63,8 +63,8 @@ ATTR_UID = "uid"  # --uid: owner of every file and directory (default: root, the
 ATTR_GID = "gid"  # --gid (a pod's fsGroup, when it has one, takes its place)
 ATTR_FILE_MODE = "fileMode"  # --file-mode, octal
 ATTR_DIR_MODE = "dirMode"  # --dir-mode, octal
-# The shared cluster tier (README "Shared cluster tier"). Its store takes the mount's credentials
-# (the volume's Secret, else the node's identity): give the cluster store the same keys.
+# The shared cluster tier (README "Shared cluster tier"). In mount pods its store's credentials and
+# the cluster key come from the driver's Secret (csi_driver.mountpods, --cluster-store-secret).
 ATTR_CLUSTER_CACHE = "clusterCache"  # --cluster-cache s3://BUCKET[/PREFIX]
 ATTR_CLUSTER_ENDPOINT_URL = "clusterEndpointUrl"  # --cluster-endpoint-url
 ATTR_CLUSTER_TIMEOUT = "clusterTimeout"  # --cluster-timeout (seconds)

@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     pods.add_argument("--mount-pod-service-account", default="", metavar="NAME",
                       help="serviceAccountName of the mount pods, for a volume without a Secret that uses the "
                            "pod's own cloud identity (default: none, no token)")
+    pods.add_argument("--cluster-store-secret", default="", metavar="NAME",
+                      help="a Secret in the driver's namespace with the shared cluster store's credentials "
+                           "(key 'credentials', an AWS credentials file with a profile 'cluster') and the "
+                           "cluster key (key 'key'): mounted into the mount pods of volumes with clusterCache, "
+                           "never taken from a volume's Secret (docs/security.md, 'Multi-tenant clusters')")
     pods.add_argument("--daemon-uid", type=int, default=None, metavar="UID",
                       help=f"uid (and gid) the daemons run as: their cache slots and run directories are "
                            f"chowned to it (default in pod mode: {DEFAULT_MOUNT_POD_UID}; 0: root)")
@@ -209,7 +214,8 @@ def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
         raise ValueError(str(exc)) from None
     settings = MountPodSettings(namespace=args.namespace, node_name=node_name, image=image,
                                 priority_class=args.mount_pod_priority_class,
-                                service_account=args.mount_pod_service_account)
+                                service_account=args.mount_pod_service_account,
+                                cluster_store_secret=args.cluster_store_secret)
     return PodLauncher(settings, api, watch_s=args.mount_pod_watch_seconds or WATCH_S)
 
 

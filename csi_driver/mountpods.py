@@ -147,6 +147,11 @@ def termination_grace_s(spec: DaemonSpec) -> int:
     return math.ceil(spec.stop_timeout_s + STOP_MARGIN_S)
 
 
+# Where a mount pod sees the driver's cluster-store Secret (``cluster_store_volume``).
+CLUSTER_STORE_VOLUME = "cluster-store"
+CLUSTER_STORE_DIR = "/etc/cachefs/cluster-store"
+
+
 def label_value(text: str) -> str:
     """``text`` if it is a valid label value, else a readable part of it and a hash (63 chars at most)."""
     if _LABEL_VALUE_RE.fullmatch(text):
@@ -178,6 +183,9 @@ class MountPodSettings:
     image_pull_policy: str = "IfNotPresent"
     command: tuple[str, ...] = ("cachefs",)  # the program in the image; the spec's args follow it
     api_timeout_s: float = API_TIMEOUT_S
+    # The driver's Secret with the cluster store's credentials and the cluster key (``--cluster-store-secret``):
+    # mounted into the pods of volumes with a cluster tier; a volume's own Secret never carries them.
+    cluster_store_secret: str = ""
 
     def node_selector(self) -> str:
         return f"{LABEL_APP}={APP},{LABEL_NODE}={label_value(self.node_name)}"
@@ -210,6 +218,18 @@ def build_secret(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]
     }
 
 
+def cluster_store_volume(secret: str, volumes: list[dict[str, Any]], mounts: list[dict[str, Any]],
+                         env: list[dict[str, Any]]) -> None:
+    """The driver's cluster-store Secret, read-only in the pod, and the variables pointing the daemon
+    at it: the store's credentials as the profile ``cluster`` (``--cluster-profile``) of a credentials
+    file, and the cluster key's file (``--cluster-key-file``). Paths only: no secret in the spec."""
+    volumes.append({"name": CLUSTER_STORE_VOLUME, "secret": {"secretName": secret, "defaultMode": 0o444}})
+    mounts.append({"name": CLUSTER_STORE_VOLUME, "mountPath": CLUSTER_STORE_DIR, "readOnly": True})
+    env += [{"name": "AWS_SHARED_CREDENTIALS_FILE", "value": f"{CLUSTER_STORE_DIR}/credentials"},
+            {"name": "CACHEFS_CLUSTER_PROFILE", "value": "cluster"},
+            {"name": "CACHEFS_CLUSTER_KEY_FILE", "value": f"{CLUSTER_STORE_DIR}/key"}]
+
+
 def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
     """The mount pod's manifest (plain JSON, as the API takes it): no credential anywhere in it."""
     name = pod_name(settings.node_name, spec.name)
@@ -223,6 +243,8 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
     mounts.append({"name": "tmp", "mountPath": "/tmp"})
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} for key in sorted(spec.env)]
     env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    if settings.cluster_store_secret and "--cluster-cache" in spec.args:
+        cluster_store_volume(settings.cluster_store_secret, volumes, mounts, env)
     wanted = spec.pod_resources
     chosen = wanted if wanted.requests() or wanted.limits() else default_resources(spec)
     resources: dict[str, dict[str, str]] = {}

@@ -180,6 +180,8 @@ class ClusterTierStats:
     hit_bytes: int = 0  # bytes of the blocks it returned
     errors: int = 0  # requests that failed or timed out (each one a miss, or a write not made)
     corrupt_blocks: int = 0  # objects that failed a check (truncated, checksum, foreign): misses
+    forged_blocks: int = 0  # of those, frames whose MAC failed (not written with the cluster key)
+    stale_blocks: int = 0  # objects of the previous, unauthenticated format: misses, overwritten
     skipped: int = 0  # lookups not even tried: the store's circuit was open
     puts: int = 0  # blocks written
     put_bytes: int = 0

@@ -51,6 +51,7 @@ from cachefs.settings import (
     DEFAULT_METADATA_TIMEOUT_S,
     DEFAULT_DIR_TTL_S,
     DEFAULT_RENAME_DIR_LIMIT,
+    MISSING_CLUSTER_KEY,
     ClusterSettings,
     FsSettings,
     MountSettings,
@@ -211,6 +212,10 @@ def register(sub: Any) -> None:
                    help="endpoint of the cluster store (default: AWS)")
     m.add_argument("--cluster-profile", default=None, metavar="NAME",
                    help="AWS profile whose credentials the cluster store uses (default: the standard chain)")
+    m.add_argument("--cluster-key-file", default=None, metavar="FILE",
+                   help="with --cluster-cache: the cluster key (at least 32 random bytes) every object of the "
+                        "cluster store is authenticated with; only the mounts sharing the store hold it, never "
+                        "a tenant (docs/security.md, 'Multi-tenant clusters')")
     m.add_argument("--cluster-timeout", type=seconds, default=DEFAULT_CLUSTER_TIMEOUT_S, metavar="S",
                    help=f"a cluster-tier request not answered within this is a miss, and the block comes from the "
                         f"source (default {DEFAULT_CLUSTER_TIMEOUT_S:g}; must be below --fetch-timeout)")
@@ -321,9 +326,23 @@ def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
     if args.cluster_cache is None:
         if args.cluster_endpoint_url is not None or args.cluster_profile is not None:
             raise ValueError("--cluster-endpoint-url and --cluster-profile need --cluster-cache s3://BUCKET[/PREFIX]")
+        # A cluster key without a cluster tier is unused, not an error: CACHEFS_CLUSTER_KEY_FILE is
+        # set in every mount pod of a driver that has one, whatever the volume.
         return None
     return ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url,
-                           profile=args.cluster_profile, timeout_s=args.cluster_timeout)
+                           profile=args.cluster_profile, timeout_s=args.cluster_timeout,
+                           key_file=cluster_key_file(args.cluster_key_file) if args.cluster_key_file else None)
+
+
+def cluster_key_file(given: str | None) -> Path:
+    """The cluster key file, checked now (readable, long enough): a bad one is a start-up error."""
+    from tiering.clusterkey import ClusterKey
+
+    if not given:
+        raise ValueError(MISSING_CLUSTER_KEY)
+    path = Path(os.path.abspath(given))
+    ClusterKey.from_file(path)  # ClusterKeyError is a ValueError naming the file
+    return path
 
 
 def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint: str | None, cache: CacheSettings,

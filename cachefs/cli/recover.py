@@ -14,7 +14,10 @@ gone (a live writer would be fenced at its next lease renewal, see docs/durabili
 
 The volume is named as the mount names it, from the source URL and its endpoint, so give SOURCE
 and ``--endpoint-url`` as the mount had them. Credentials: the source's from the AWS chain, the
-cluster store's from the chain or ``--cluster-profile``, never argv.
+cluster store's from the chain or ``--cluster-profile``, never argv; the cluster key from
+``--cluster-key-file`` (or ``CACHEFS_CLUSTER_KEY_FILE``), as the mounts had it. Only records and
+leases written with that key are replayed or obeyed; a journal object that fails its check is
+reported (exit 3) and left where it is (``tiering.writeback.recovery``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import asdict
 from typing import Any
 
 from cachefs.cli.argtypes import seconds
+from cachefs.cli.mount import cluster_key_file
 from cachefs.client import UsageError
 from cachefs.settings import ClusterSettings, source_hash
 
@@ -44,6 +48,9 @@ RECOVER_READ_TIMEOUT_S = 60.0
 # check (unreadable, missing, corrupt): someone must look. Damage wins over retry.
 EXIT_RETRY = 75
 EXIT_DAMAGE = 3
+
+# The variable ``cachefs mount`` reads --cluster-key-file from (cachefs.cli.environment), read here too.
+KEY_FILE_VARIABLE = "CACHEFS_CLUSTER_KEY_FILE"
 
 
 class StoreUnreachable(Exception):
@@ -60,6 +67,9 @@ def register(sub: Any) -> None:
     r.add_argument("--cluster-endpoint-url", default=None, metavar="URL", help="endpoint of the cluster store")
     r.add_argument("--cluster-profile", default=None, metavar="NAME",
                    help="AWS profile with the cluster store's credentials (default: the standard chain)")
+    r.add_argument("--cluster-key-file", default=None, metavar="FILE",
+                   help="the cluster key the mounts had (default: $CACHEFS_CLUSTER_KEY_FILE): only records, data "
+                        "and leases written with it are replayed or obeyed")
     which = r.add_mutually_exclusive_group(required=True)
     which.add_argument("--prefix", default=None, metavar="PREFIX", help="the journal to recover (see --list)")
     which.add_argument("--expired", action="store_true", help="every journal of SOURCE whose lease has run out")
@@ -77,7 +87,8 @@ def cmd_recover(args: argparse.Namespace, environ: dict[str, str]) -> int:
         raise UsageError("--wait and --assume-dead apply to --prefix only")
     try:
         cluster = ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url,
-                                  profile=args.cluster_profile)
+                                  profile=args.cluster_profile,
+                                  key_file=cluster_key_file(args.cluster_key_file or environ.get(KEY_FILE_VARIABLE)))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
@@ -105,8 +116,8 @@ def cmd_recover(args: argparse.Namespace, environ: dict[str, str]) -> int:
 def exit_status(reports: list[dict[str, Any]], *, named: bool) -> int:
     """0, EXIT_RETRY or EXIT_DAMAGE for the reports of one run (see their constants). ``named``: the
     journal was named with --prefix, so a live writer's lease means "not yet" rather than "not lost"."""
-    if any(r.get("failed") for r in reports):
-        return EXIT_DAMAGE
+    if any(r.get("failed") or r.get("forged") for r in reports):
+        return EXIT_DAMAGE  # data that failed its check, or journal objects not written with the key
     for r in reports:
         if r["state"] in ("recovered", "already"):
             continue
@@ -128,6 +139,9 @@ def _line(report: dict[str, Any]) -> str:
         text += f"; left the newer version in the source of: {', '.join(report['kept_newer'])}"
     if report["failed"]:
         text += f"; FAILED (data unusable, see the log): {', '.join(report['failed'])}"
+    if report["forged"]:
+        text += (f"; NOT REPLAYED, left in place: {len(report['forged'])} journal objects fail their check "
+                 f"(not written with the cluster key): {', '.join(report['forged'][:10])}")
     if report.get("never_acknowledged"):
         text += (f"; note: skipped what was never acknowledged (the writer died sending it): "
                  f"{', '.join(report['never_acknowledged'])}")
@@ -141,7 +155,8 @@ async def _recover(args: argparse.Namespace, environ: dict[str, str], cluster_se
 
     from tiering.errors import CacheError, ObjectStoreUnavailableError
     from tiering.objectstore import open_object_store
-    from tiering.writeback.durable import conditional, read_lease
+    from tiering.clusterkey import ClusterKey
+    from tiering.writeback.durable import JournalKeys, conditional, read_lease
     from tiering.writeback.recovery import list_writers, recover_prefix
 
     logging.basicConfig(level=logging.WARNING, format="cachefs: %(message)s", stream=sys.stderr)
@@ -157,17 +172,19 @@ async def _recover(args: argparse.Namespace, environ: dict[str, str], cluster_se
         csource, ccluster = conditional(source), conditional(cluster)
         if csource is None or ccluster is None:
             raise UsageError(f"recover needs S3 stores with conditional writes; {args.source} is not one")
+        assert cluster_settings.key_file is not None
+        key = ClusterKey.from_file(cluster_settings.key_file)
         owner = f"recover:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         prefixes = [args.prefix] if args.prefix is not None else await list_writers(ccluster, volume)
         out: list[dict[str, Any]] = []
         for prefix in prefixes:
             if args.list:
-                lease = await read_lease(ccluster, prefix)
+                lease = await read_lease(ccluster, prefix, JournalKeys.of(key).leases)
                 state = "no lease" if lease is None else (
                     f"{lease.role} {lease.owner}, expires in {lease.expires_in(time.time()):.0f} s")
                 out.append({"prefix": prefix, "lease": state})
                 continue
-            report = await recover_prefix(csource, ccluster, prefix, owner=owner, wait_s=args.wait,
+            report = await recover_prefix(csource, ccluster, prefix, key=key, owner=owner, wait_s=args.wait,
                                           assume_dead=args.assume_dead)
             out.append(asdict(report))
         return out

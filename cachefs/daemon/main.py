@@ -47,6 +47,7 @@ from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
+from tiering.clusterkey import ClusterKey, ClusterKeyError
 from tiering.tiers.cluster import ClusterTier, WriteBehind
 from tiering.tiers.disk import DiskTier, filesystem_free_bytes
 from tiering.engine.blockcache import BlockCache
@@ -141,8 +142,14 @@ async def open_cluster_tier(settings: MountSettings, environ: dict[str, str],
         )
     except ValueError as exc:
         raise SetupError(f"cluster cache {cluster.url}: {exc}") from exc
+    if cluster.key_file is None:
+        raise SetupError(f"cluster cache {cluster.url}: no cluster key (--cluster-key-file); see docs/security.md")
+    try:
+        key = await asyncio.to_thread(ClusterKey.from_file, cluster.key_file)
+    except ClusterKeyError as exc:
+        raise SetupError(str(exc)) from None
     tier = ClusterTier(store, source_id=settings.source_identity(), block_size=settings.cache.block_size,
-                       timeout_s=cluster.timeout_s, clock=SystemClock(), where=cluster.url)
+                       key=key, timeout_s=cluster.timeout_s, clock=SystemClock(), where=cluster.url)
     where = cluster.endpoint_url or "the default AWS S3 endpoint"
     try:
         await asyncio.wait_for(store.check(), max(cluster.timeout_s, CLUSTER_CHECK_TIMEOUT_S))

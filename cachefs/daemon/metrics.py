@@ -54,6 +54,9 @@ TIER_STATE = "cachefs_tier_state"  # labels tier, state; 1 for the current state
 TIER_STATES = ("healthy", "unstable", "down")
 # The shared cluster tier (tier="cluster"): the counters above where they mean the same (hits,
 # misses, hit bytes, inserts, errors, corrupt blocks, state), and its write-behind queue.
+TIER_FORGED_BLOCKS_TOTAL = "cachefs_tier_forged_blocks_total"  # cluster frames whose MAC failed
+TIER_AUTHORIZATION_REQUESTS_TOTAL = "cachefs_tier_authorization_requests_total"  # source HEADs before a hit
+TIER_AUTHORIZATION_REFUSED_TOTAL = "cachefs_tier_authorization_refused_total"  # hits the source refused
 TIER_WRITE_BEHIND_DEPTH = "cachefs_tier_write_behind_depth"  # blocks waiting or being uploaded
 TIER_WRITE_BEHIND_BYTES = "cachefs_tier_write_behind_bytes"  # their bytes (held in memory)
 TIER_WRITE_BEHIND_WRITTEN_TOTAL = "cachefs_tier_write_behind_written_total"
@@ -243,6 +246,17 @@ class CacheFSCollector(Collector):
                                            labels=["tier"])
             inserted.add_metric(["cluster"], cluster.get("inserted_bytes", 0))
             yield inserted
+            for name, field, doc in (
+                (TIER_FORGED_BLOCKS_TOTAL, "forged_blocks",
+                 "Cluster objects whose MAC failed (not written with the cluster key): never served."),
+                (TIER_AUTHORIZATION_REQUESTS_TOTAL, "authorization_requests",
+                 "Source requests proving this volume may read an object before a cluster hit is served."),
+                (TIER_AUTHORIZATION_REFUSED_TOTAL, "authorization_refused",
+                 "Cluster hits not served: the volume's source credentials may not read the object."),
+            ):
+                family = CounterMetricFamily(name, doc, labels=["tier"])
+                family.add_metric(["cluster"], cluster.get(field, 0))
+                yield family
         if isinstance(wb, dict):
             for name, field, doc, kind in (
                 (TIER_WRITE_BEHIND_DEPTH, "depth", "Blocks waiting for upload to the tier, or uploading.", GaugeMetricFamily),

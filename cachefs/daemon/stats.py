@@ -26,11 +26,17 @@ def cluster_section(cache: BlockCache) -> dict[str, Any]:
         "hit_bytes": st.hit_bytes,
         "errors": st.errors,
         "corrupt_blocks": st.corrupt_blocks,
+        "forged_blocks": st.forged_blocks,
+        "stale_blocks": st.stale_blocks,
         "skipped": st.skipped,
         "inserts": st.puts,
         "inserted_bytes": st.put_bytes,
         "served_blocks": cache.stats.cluster_served,
         "served_bytes": cache.stats.cluster_served_bytes,
+        # Source requests proving this volume may read what the cluster tier holds (one per object
+        # version and daemon), and the hits refused because the source said no.
+        "authorization_requests": cache.stats.cluster_authorizations,
+        "authorization_refused": cache.stats.cluster_refused,
     }
     if cache.write_behind is not None:
         section["write_behind"] = cache.write_behind.snapshot()

@@ -93,7 +93,8 @@ class WriteBackFeature:
         store = conditional(tier.store) if isinstance(tier, ClusterTier) else None
         if store is None:
             raise SetupError("--write-durability cluster needs an S3 cluster tier (--cluster-cache s3://BUCKET[/PREFIX])")
-        return DurableJournal(store, volume=ctx.cache_dir.name, node=ctx.settings.node_id, source=ctx.settings.source,
+        assert isinstance(tier, ClusterTier)
+        return DurableJournal(store, key=tier.key, volume=ctx.cache_dir.name, node=ctx.settings.node_id, source=ctx.settings.source,
                               data_dir=self.staging_dir / "data", staging_root=self.staging_dir,
                               lease_ttl_s=ctx.settings.writeback.lease_ttl_s)
 

@@ -20,6 +20,8 @@ from tiering.blocks import BlockKey
 from tiering.clock import FakeClock
 from tiering.tiers.cluster import ClusterTier, InMemoryClusterTier, WriteBehind, cluster_object_key, cluster_token, collect_garbage
 from tiering.objectstore import FailingObjectStore, InMemoryObjectStore, S3ObjectStore
+from tests.support.clusterkeys import OTHER_KEY, TEST_KEY
+from tiering.tiers.blockformat import frame_header
 from tiering.protocols import ClusterBlockTier, ObjectStore
 
 ROOT = "cluster/"
@@ -37,7 +39,7 @@ class Backend:
 
 
 def _tier(store: ObjectStore, **kwargs: object) -> ClusterTier:
-    return ClusterTier(store, source_id=SOURCE_ID, block_size=BLOCK_SIZE, timeout_s=5.0,  # type: ignore[arg-type]
+    return ClusterTier(store, source_id=SOURCE_ID, block_size=BLOCK_SIZE, key=TEST_KEY, timeout_s=5.0,  # type: ignore[arg-type]
                        **kwargs)
 
 
@@ -114,8 +116,35 @@ async def test_objects_are_framed_under_the_hashed_key(backend: Backend) -> None
     assert name.startswith("blocks/") and name.split("/")[1] == name.split("/")[2][:2]
     info = await store.head(name)
     blob = bytes(await store.get_range(name, info.etag, 0, info.size))  # a view, from the S3 store
-    assert blob[:4] == b"CFSB" and blob.endswith(DATA)
+    assert blob[:4] == b"CFSA" and blob.endswith(DATA)
     assert cluster_token(SOURCE_ID, BLOCK_SIZE, KEY) in blob
+
+
+async def test_a_frame_written_with_another_key_is_never_served(backend: Backend) -> None:
+    """Whoever can write to the store but lacks the cluster key (a tenant with the store's S3
+    credentials) forges a well-formed frame: it is a counted miss, deleted, and logged."""
+    store = needs_store(backend)
+    forger = ClusterTier(store, source_id=SOURCE_ID, block_size=BLOCK_SIZE, key=OTHER_KEY, timeout_s=5.0)
+    poison = b"POISONED".ljust(len(DATA), b"!")
+    assert await forger.put(KEY, poison)
+    assert await backend.tier.get(KEY, len(DATA)) is None
+    assert (backend.tier.stats.corrupt_blocks, backend.tier.stats.forged_blocks) == (1, 1)
+    assert not await backend.tier.contains(KEY)
+
+
+async def test_a_frame_of_the_previous_format_is_a_plain_miss(backend: Backend) -> None:
+    """An object of the unauthenticated format (before the cluster key) is neither data nor an error:
+    a miss, counted as stale, left for the write-behind to overwrite."""
+    store = needs_store(backend)
+    token = cluster_token(SOURCE_ID, BLOCK_SIZE, KEY)
+    old = frame_header(token, DATA) + DATA
+    name = cluster_object_key(token)
+    await store.put(name, len(old), lambda s, e: old[s:e])
+    assert await backend.tier.get(KEY, len(DATA)) is None
+    stats = backend.tier.stats
+    assert (stats.misses, stats.stale_blocks, stats.corrupt_blocks, stats.errors) == (1, 1, 0, 0)
+    assert await backend.tier.put(KEY, DATA)
+    assert await backend.tier.get(KEY, len(DATA)) == DATA
 
 
 @pytest.mark.parametrize("damage", ["flip-data", "truncate", "flip-header", "empty"])
@@ -161,7 +190,7 @@ async def test_a_failing_store_is_a_miss_and_opens_the_circuit() -> None:
     inner = InMemoryObjectStore()
     failing = FailingObjectStore(inner)
     clock = FakeClock()
-    tier = ClusterTier(failing, source_id=SOURCE_ID, block_size=BLOCK_SIZE, timeout_s=1.0, clock=clock)
+    tier = ClusterTier(failing, source_id=SOURCE_ID, block_size=BLOCK_SIZE, key=TEST_KEY, timeout_s=1.0, clock=clock)
     assert await tier.put(KEY, DATA)
     failing.fail_gets = True  # a lookup is one GET (no HEAD)
     assert await tier.get(KEY, len(DATA)) is None
@@ -182,7 +211,7 @@ async def test_a_failing_store_is_a_miss_and_opens_the_circuit() -> None:
 
 async def test_a_slow_store_is_a_miss_within_the_timeout() -> None:
     failing = FailingObjectStore(InMemoryObjectStore())
-    tier = ClusterTier(failing, source_id=SOURCE_ID, block_size=BLOCK_SIZE, timeout_s=0.05)
+    tier = ClusterTier(failing, source_id=SOURCE_ID, block_size=BLOCK_SIZE, key=TEST_KEY, timeout_s=0.05)
     failing.delay_s = 30
     assert await asyncio.wait_for(tier.get(KEY, len(DATA)), 10) is None
     assert tier.stats.errors == 1 and tier.health.snapshot()["timeouts"] == 1

@@ -33,6 +33,7 @@ import pytest
 from cachefs import mounts
 from csi_driver.proto import csi_pb2, csi_pb2_grpc
 from tests.fuse.conftest import require_fuse
+from tests.support.clusterkeys import write_key_file
 
 DRIVER_START_TIMEOUT_S = 30.0
 # Deadline of one gRPC call from a test: a publish waits for `cachefs mount` (bounded at 130 s),
@@ -197,12 +198,16 @@ def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None) 
     (metrics_port,) = free_ports(1)
     exe = Path(sys.executable).with_name("cachefs-csi")
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "csi_driver.main"]
+    # The cluster key, as a driver with a cluster store holds it (``--cluster-store-secret`` in pods;
+    # here the daemons are the driver's children and inherit the variable).
+    env = dict(env or driver_environ())
+    env.setdefault("CACHEFS_CLUSTER_KEY_FILE", str(write_key_file(workdir)))
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [*command, "--endpoint", f"unix://{sock}", "--node-id", "test-node", "--mode", "all",
              "--cache-root", str(cache_root), "--run-root", str(run_root), "--log-level", "DEBUG", "--metrics-addr", f"127.0.0.1:{metrics_port}",
              *extra],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env or driver_environ(),
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     channel = grpc.insecure_channel(f"unix://{sock}")
     identity = csi_pb2_grpc.IdentityStub(channel)

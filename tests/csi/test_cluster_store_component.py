@@ -116,3 +116,23 @@ def test_images_are_pinned_and_the_overlay_renames_cachefs(rendered) -> None:
     assert all(":" in image and not image.endswith(":latest") for image in images), images
     assert SITE_IMAGE in [c["image"] for c in containers(one(rendered, "Job"))]
     assert {c["image"] for c in containers(one(rendered, "StatefulSet"))} == {"chrislusf/seaweedfs:4.48"}
+
+
+def test_only_the_drivers_namespace_reaches_the_store(rendered) -> None:
+    """Issue 34: tenants' pods (other namespaces) cannot reach the store; the driver's pods can."""
+    policy = one(rendered, "NetworkPolicy")
+    store = one(rendered, "StatefulSet")
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= store["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["metadata"]["namespace"] == store["metadata"]["namespace"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {}}]  # no namespaceSelector: this namespace only
+    assert [p["port"] for p in rule["ports"]] == [8333]
+
+
+def test_mount_pods_get_the_stores_keys_from_the_drivers_secret(rendered) -> None:
+    """The node plugin names the store's Secret in its own namespace; a volume's Secret never holds them."""
+    [node] = [o for o in rendered if o["kind"] == "DaemonSet" and o["metadata"]["name"].endswith("csi-node")]
+    [plugin] = [c for c in node["spec"]["template"]["spec"]["containers"] if "--mode=node" in c.get("args", [])]
+    assert f"--cluster-store-secret={STORE_SECRET}" in plugin["args"]

@@ -5,7 +5,9 @@ A volume published writable with ``clusterCache`` and ``writeDurability: cluster
 writes, renames and deletes through the target and acknowledges with close and fsync; the volume's
 daemon is killed with SIGKILL and its cache directory deleted. ``cachefs recover`` then brings every
 acknowledged change to the source. The cluster store is a second bucket of the session's SeaweedFS:
-the CSI driver gives the cluster store the volume's credentials (``csi_driver.attributes``).
+the driver runs its daemons as processes here, which take the store's credentials from the volume
+(one SeaweedFS identity) and the cluster key from the driver's environment (mount pods get both
+from the driver's Secret instead: tests/csi/test_cluster_store_pods.py).
 
 The driver of this module runs with ``CACHEFS_UPLOAD_DELAY=3600`` (uploads held off, so nothing has
 reached the source at the kill) and ``CACHEFS_WRITE_LEASE_TTL=3`` (a short lease to wait for) in its
@@ -28,6 +30,7 @@ from typing import Iterator
 import pytest
 
 from cachefs.client import call
+from tests.support.clusterkeys import write_key_file
 from tests.csi.conftest import Driver, daemon_pid, driver_environ, secrets_of, start_driver, stop_driver
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -38,8 +41,11 @@ RECOVER_TIMEOUT_S = 150
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Driver]:
-    env = {**driver_environ(), "CACHEFS_UPLOAD_DELAY": "3600", "CACHEFS_WRITE_LEASE_TTL": str(LEASE_TTL_S)}
-    d = start_driver(tmp_path_factory.mktemp("csi-durability"), env=env)
+    root = tmp_path_factory.mktemp("csi-durability")
+    # The cluster key, as the driver's mount pods get it from the driver's Secret (never the volume's).
+    env = {**driver_environ(), "CACHEFS_UPLOAD_DELAY": "3600", "CACHEFS_WRITE_LEASE_TTL": str(LEASE_TTL_S),
+           "CACHEFS_CLUSTER_KEY_FILE": str(write_key_file(root))}
+    d = start_driver(root, env=env)
     try:
         yield d
     finally:
@@ -82,7 +88,7 @@ def test_a_lost_nodes_volume_writes_reach_the_source_through_cachefs_recover(dri
     shutil.rmtree(cache_dir.parent)
     assert objects(seaweed, bucket) == {"vol/old.txt": b"deleted through the mount"}
 
-    env = {**os.environ, **seaweed.env()}
+    env = {**os.environ, **seaweed.env(), "CACHEFS_CLUSTER_KEY_FILE": str(driver.workdir / "cluster.key")}
     recover = [sys.executable, "-m", "cachefs", "recover", f"s3://{bucket}/vol", "--endpoint-url", seaweed.endpoint_url,
                "--cluster-cache", f"s3://{shared}/", "--cluster-endpoint-url", seaweed.endpoint_url]
     # As a periodic Job would: every journal whose lease ran out (the dead daemon's, once its

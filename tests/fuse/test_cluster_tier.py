@@ -18,6 +18,7 @@ import pytest
 
 from tests.fuse.conftest import Mount, Mounter, run_cli
 from tests.fuse.writeback_support import LoopbackProxy, bounded, s3env
+from tests.support.clusterkeys import write_key_file
 from tests.support.s3servers import SeaweedS3, free_ports
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -54,7 +55,9 @@ def cluster_env(servers: tuple[SeaweedS3, SeaweedS3], tmp_path: Path) -> dict[st
     creds.write_text(f"[cluster]\naws_access_key_id = {cluster.access_key}\n"
                      f"aws_secret_access_key = {cluster.secret_key}\n")
     creds.chmod(0o600)
-    return {**s3env(source), "AWS_SHARED_CREDENTIALS_FILE": str(creds)}
+    # The cluster key through its variable, as the CSI driver's mount pods get it.
+    return {**s3env(source), "AWS_SHARED_CREDENTIALS_FILE": str(creds),
+            "CACHEFS_CLUSTER_KEY_FILE": str(write_key_file(tmp_path))}
 
 
 def cluster_args(cluster: SeaweedS3, *extra: str) -> list[str]:
@@ -112,11 +115,15 @@ def test_a_second_node_reads_everything_from_the_cluster_with_the_source_stopped
     source, cluster = servers
     fill_cluster(mounter, servers, cluster_env)
     # A second node: its own, empty cache dir. It lists and stats while the source is up (metadata
-    # comes from the source only), then reads every byte with the source stopped.
+    # comes from the source only) and reads a byte of each file, which proves to the source that
+    # this volume may read it (one HEAD per file: a cluster hit is served only after it), then reads
+    # every byte with the source stopped.
     second = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), "--attr-ttl", "600",
                            "--dir-ttl", "600", env=cluster_env)
     for key in FILES:
         assert (second.path / key).stat().st_size == len(FILES[key])
+        with open(second.path / key, "rb") as f:
+            assert f.read(1) == FILES[key][:1]
     source.stop_keep_data()
     try:
         assert read_all(second) == FILES
@@ -126,6 +133,8 @@ def test_a_second_node_reads_everything_from_the_cluster_with_the_source_stopped
     assert stats["object_store"]["get_requests"] == 0
     assert stats["blocks"]["cluster_served"] == stats["cluster"]["hits"] > 0
     assert stats["cluster"]["corrupt_blocks"] == stats["cluster"]["errors"] == 0
+    assert stats["cluster"]["authorization_requests"] == len(FILES)  # once per file, not per block
+    assert stats["cluster"]["authorization_refused"] == 0
 
 
 def test_a_corrupted_cluster_block_gives_correct_bytes_and_is_counted(

@@ -29,6 +29,7 @@ import pytest
 
 from tests.fuse.conftest import Mounter, run_cli
 from tests.fuse.writeback_support import clear_dead_mount, kill9, s3env
+from tests.support.clusterkeys import write_key_file
 from tests.support.s3servers import SeaweedS3
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -56,7 +57,9 @@ def env(servers: tuple[SeaweedS3, SeaweedS3], tmp_path: Path) -> dict[str, str]:
     creds.write_text(f"[cluster]\naws_access_key_id = {cluster.access_key}\n"
                      f"aws_secret_access_key = {cluster.secret_key}\n")
     creds.chmod(0o600)
-    return {**s3env(source), "AWS_SHARED_CREDENTIALS_FILE": str(creds)}
+    # The cluster key through its variable, as the CSI driver's mount pods get it.
+    return {**s3env(source), "AWS_SHARED_CREDENTIALS_FILE": str(creds),
+            "CACHEFS_CLUSTER_KEY_FILE": str(write_key_file(tmp_path))}
 
 
 def cluster_args(cluster: SeaweedS3) -> list[str]:

@@ -339,9 +339,14 @@ class SeaweedS3(S3Server):
     SENTINEL_BUCKET = "cachefs-readiness"
     SENTINEL_KEY = "ready"
 
-    def __init__(self, *, weed: str | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def __init__(self, *, weed: str | None = None, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 identities: dict[str, list[str]] | None = None) -> None:
         super().__init__(startup_timeout_s=startup_timeout_s)
         self.weed = weed or find_weed()
+        # More identities beside the admin one, by name: their actions in SeaweedFS's words
+        # ("Read:bucket", "Write:bucket", "List:bucket"), each with a generated key pair.
+        self.identities = {name: ("AK" + secrets.token_hex(9).upper(), secrets.token_urlsafe(30), actions)
+                           for name, actions in (identities or {}).items()}
         self.ports: dict[str, int] = {}
         self.data_dir = self.workdir / "data"
         self.config_path = self.workdir / "s3-identities.json"
@@ -357,10 +362,20 @@ class SeaweedS3(S3Server):
                 "name": "cachefs-tests",
                 "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }]
+            }] + [{"name": name, "credentials": [{"accessKey": ak, "secretKey": sk}], "actions": actions}
+                  for name, (ak, sk, actions) in self.identities.items()]
         }
         self.config_path.write_text(json.dumps(identities))
         self.config_path.chmod(0o600)
+
+    def identity_env(self, name: str) -> dict[str, str]:
+        """``env()`` with the key pair of the identity ``name`` instead of the admin one."""
+        ak, sk, _ = self.identities[name]
+        return {**self.env(), "AWS_ACCESS_KEY_ID": ak, "AWS_SECRET_ACCESS_KEY": sk}
+
+    def identity_client(self, name: str) -> Any:
+        ak, sk, _ = self.identities[name]
+        return self._make_client(ak, sk)
 
     def _command(self) -> list[str]:
         p = self.ports

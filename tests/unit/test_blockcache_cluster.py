@@ -16,6 +16,7 @@ from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.tiers.ram import RamTier
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth
+from tests.support.clusterkeys import TEST_KEY
 
 BS = MIN_BLOCK_SIZE
 KEY = "data/shard.bin"
@@ -46,13 +47,17 @@ async def test_source_fetches_are_written_behind_and_a_second_node_reads_from_th
     assert len(cluster.blocks) == BLOCKS and first.stats.store_fetches == BLOCKS
     await first.close()
 
-    # A second node: empty RAM and disk, the source unreachable (its circuit open).
-    source.fail_gets = True
+    # A second node: empty RAM and disk. It reads a byte while the source is up, which proves to the
+    # source that this volume may read the object (a cluster hit is served only after that:
+    # tiering.engine.authorize), then the rest with the source unreachable (its circuit open).
     health = StoreHealth(FakeClock())
-    health.record_failure(ObjectStoreUnavailableError("down"))
     second = _engine(tmp_path / "b", source, cluster, health=health)
+    assert bytes(await second.read(ref, 0, 1)) == SOURCE[:1]
+    source.fail_gets = source.fail_heads = True
+    health.record_failure(ObjectStoreUnavailableError("down"))
     assert bytes(await second.read(ref, 0, SIZE)) == SOURCE
     assert second.stats.cluster_served == BLOCKS and second.stats.store_fetches == 0
+    assert second.stats.cluster_authorizations == 1
     assert second.stats.hit_ratio() == 1.0
     await second.close()  # waits for the loads' disk writes
     assert second.disk is not None and all(second.disk.contains(BlockKey(KEY, ref.etag, i)) for i in range(BLOCKS))
@@ -62,7 +67,7 @@ async def test_a_failing_cluster_tier_falls_through_to_the_source(tmp_path: Path
     source, ref = _source()
     cluster_store = FailingObjectStore(InMemoryObjectStore())
     cluster_store.fail_heads = cluster_store.fail_gets = cluster_store.fail_writes = True
-    cluster = ClusterTier(cluster_store, source_id="s3://b/", block_size=BS, timeout_s=1)
+    cluster = ClusterTier(cluster_store, source_id="s3://b/", block_size=BS, key=TEST_KEY, timeout_s=1)
     engine = _engine(tmp_path, source, cluster)
     assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE
     assert engine.stats.store_fetches == BLOCKS and engine.stats.cluster_served == 0

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.clusterkeys import write_key_file
+
 from cachefs.cli import mount as cli_mount
 from cachefs.cli.main import build_parser, main
 from cachefs.cli.mount import mount_settings, preflight
@@ -73,6 +75,9 @@ def mount_args(source: str, mountpoint: Path, cache_dir: Path, *extra: str) -> l
         (["--cluster-profile", "p"], ["need --cluster-cache"]),
         (["--cluster-cache", "s3://ok-bucket", "--cluster-timeout", "0"], ["cluster-timeout"]),
         (["--cluster-cache", "s3://ok-bucket", "--cluster-timeout", "40"], ["--cluster-timeout", "shorter than --fetch-timeout"]),
+        (["--cluster-cache", "s3://ok-bucket"], ["--cluster-cache needs --cluster-key-file", "CACHEFS_CLUSTER_KEY_FILE"]),
+        (["--cluster-cache", "s3://ok-bucket", "--cluster-key-file", "/nonexistent/cluster.key"],
+         ["cannot read the cluster key file /nonexistent/cluster.key"]),
         (["--disk-cache", "lots"], ["--disk-cache", "'lots'"]),
         (["--readahead", "1.5B"], ["--readahead", "'1.5B'"]),
         (["--block-size", "4k"], ["block size 4096"]),
@@ -289,14 +294,15 @@ def test_flush_timeout_must_be_a_duration(tmp_path: Path, capsys) -> None:
     assert code == 2 and "--timeout" in err
 
 
-def test_cluster_options_become_typed_settings(mnt: Path, cache_dir: Path) -> None:
+def test_cluster_options_become_typed_settings(mnt: Path, cache_dir: Path, tmp_path: Path) -> None:
     parser = build_parser()
+    key_file = write_key_file(tmp_path)
     args = parser.parse_args(mount_args("s3://src", mnt, cache_dir, "--cluster-cache", "s3://shared/cache",
                                         "--cluster-endpoint-url", "http://seaweed:8333", "--cluster-profile", "cl",
-                                        "--cluster-timeout", "2"))
+                                        "--cluster-timeout", "2", "--cluster-key-file", str(key_file)))
     settings = mount_settings(args, {"AWS_ACCESS_KEY_ID": "source-key", "AWS_SECRET_ACCESS_KEY": "s"})
     cluster = settings.cluster
-    assert cluster is not None
+    assert cluster is not None and cluster.key_file == key_file
     assert (cluster.url, cluster.endpoint_url, cluster.profile, cluster.timeout_s) == (
         "s3://shared/cache", "http://seaweed:8333", "cl", 2.0)
     env = cluster.environ({"AWS_ACCESS_KEY_ID": "source-key", "AWS_SECRET_ACCESS_KEY": "s", "HOME": "/h"})

@@ -37,9 +37,13 @@ from tiering.writeback.durable import (
     ClusterRecord,
     DurabilityError,
     DurableJournal,
+    JournalKeys,
     read_lease,
 )
 from tiering.writeback.recovery import RecoveryReport, list_writers, recover_prefix
+from tests.support.clusterkeys import TEST_KEY
+
+KEYS = JournalKeys.of(TEST_KEY)
 
 BS = MIN_BLOCK_SIZE
 MiB = 1024 * 1024
@@ -82,7 +86,7 @@ class Node:
         self.clock = FakeClock()
         staging = root / "staging"
         staging.mkdir(parents=True, exist_ok=True)
-        self.durable = DurableJournal(cluster, volume="vol1", node=name, source="s3://src", data_dir=staging / "data",
+        self.durable = DurableJournal(cluster, key=TEST_KEY, volume="vol1", node=name, source="s3://src", data_dir=staging / "data",
                                       staging_root=staging, lease_ttl_s=lease_ttl_s)
         cache = BlockCache(CacheSettings(block_size=BS, ram_bytes=16 * BS), source, RamTier(16 * BS))
         self.wb = WriteBack(WriteBackSettings(upload_delay_s=upload_delay_s, space_wait_s=0.2), staging, source,
@@ -128,9 +132,9 @@ async def test_close_returns_with_data_and_record_in_the_cluster_and_uploads_cle
         await asyncio.gather(node.wb.uploader.task, return_exceptions=True)
         await write(node.wb, "ckpt/a.pt", b"A" * 5000)
         [journal] = cluster_names(cluster, prefix, JOURNAL)
-        record = ClusterRecord.decode(cluster._objects[journal].data)
+        record = ClusterRecord.decode(KEYS.records, journal, cluster._objects[journal].data)
         assert (record.key, record.size, record.base) == ("ckpt/a.pt", 5000, ABSENT)
-        [(piece, length)] = record.segments
+        [(piece, length, _)] = record.segments
         assert length == 5000 and cluster._objects[prefix + piece].data == b"A" * 5000
         assert node.wb.status("ckpt/a.pt")["durable_in"] == "cluster"
         node.wb.uploader.start()
@@ -193,7 +197,7 @@ async def test_recovery_after_the_node_is_lost_applies_writes_renames_and_delete
     assert source.keys() == ["old.txt", "shared.txt"]  # nothing reached the source before the loss
 
     assert await list_writers(cluster, "vol1") == [prefix]
-    report = await recover_prefix(source, cluster, prefix, owner="recoverer:1", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="recoverer:1", assume_dead=True)
     assert report.state == "recovered", report.detail
     assert source._objects["a.bin"].data == b"second, last acknowledged"
     assert source._objects["ckpt.pt"].data == b"checkpoint bytes"
@@ -202,8 +206,8 @@ async def test_recovery_after_the_node_is_lost_applies_writes_renames_and_delete
     assert report.kept_newer == ["shared.txt"]
     assert "empty-dir/" in source.keys()
     assert cluster.keys() == [prefix + LEASE]  # the tombstone only
-    assert (await read_lease(cluster, prefix)).role == RECOVERED
-    again = await recover_prefix(source, cluster, prefix, owner="recoverer:2", assume_dead=True)
+    assert (await read_lease(cluster, prefix, KEYS.leases)).role == RECOVERED
+    again = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="recoverer:2", assume_dead=True)
     assert again.state == "already"
 
 
@@ -218,7 +222,7 @@ async def test_the_writers_own_upload_of_an_older_version_is_the_base_of_the_nex
     await write(node.wb, "f", b"v2", may_exist=True)
     prefix = node.durable.prefix
     node.lose()
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.uploaded == ["f"] and source._objects["f"].data == b"v2", report
 
 
@@ -229,12 +233,12 @@ async def test_a_live_lease_is_not_taken_and_two_recoverers_never_share_a_prefix
     await node.wb.start()
     await write(node.wb, "x", b"x")
     prefix = node.durable.prefix
-    held = await recover_prefix(source, cluster, prefix, owner="r0")
+    held = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r0")
     assert held.state == "held" and "writer:node-a" in held.detail
     node.lose()
     first, second = await asyncio.gather(
-        recover_prefix(source, cluster, prefix, owner="r1", assume_dead=True),
-        recover_prefix(source, cluster, prefix, owner="r2", assume_dead=True))
+        recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r1", assume_dead=True),
+        recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r2", assume_dead=True))
     assert sorted([first.state, second.state]) in (["recovered", "taken"], ["already", "recovered"])
     assert source._objects["x"].data == b"x"
     assert source.stats.put_requests == 1  # uploaded once
@@ -249,7 +253,7 @@ async def test_a_writer_that_comes_back_to_a_prefix_taken_over_does_not_upload_i
     prefix = node.durable.prefix
     for task in [node.wb.uploader.task, node.durable._renewer]:  # a partition: alive, cut off
         task.cancel()
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.uploaded == ["y"]
     source.put_object("y", b"rewritten after the recovery")
     # The writer's next renewal finds the lease taken: it uploads nothing from then on.
@@ -319,7 +323,7 @@ async def test_an_upload_landing_after_a_newer_acknowledgement_becomes_that_reco
     assert source._objects["f"].data == b"v1"
     prefix = node.durable.prefix
     node.lose()
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.uploaded == ["f"], report  # its base is v1's ETag: not taken for someone else's write
     source.gates[-1].set()
     assert source._objects["f"].data == b"v2, acknowledged while v1 was uploading"
@@ -364,14 +368,14 @@ async def test_an_append_fsynced_again_sends_only_the_new_bytes_and_recovers_who
             break
         await asyncio.sleep(0.01)
     [journal] = cluster_names(cluster, prefix, JOURNAL)
-    assert len(ClusterRecord.decode(cluster._objects[journal].data).segments) == 5
+    assert len(ClusterRecord.decode(KEYS.records, journal, cluster._objects[journal].data).segments) == 5
     assert len(cluster_names(cluster, prefix, DATA)) == 5
     # Overwriting the start of the file copies it (copy-on-write): the next record is sent whole.
     await node.wb.write(sf, 0, b"E")
     await node.wb.commit(sf)
     assert node.durable.stats["data_bytes"] == 2 * sum(map(len, lines))
     node.lose()
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.uploaded == ["train.log"], report
     assert source._objects["train.log"].data == b"E" + b"".join(lines)[1:]
     assert cluster.keys() == [prefix + LEASE]
@@ -390,7 +394,7 @@ async def test_a_record_whose_data_never_landed_falls_back_to_the_acknowledged_o
     assert len(cluster_names(cluster, prefix, JOURNAL)) == 2
     node.lose()
     cluster.refuse_data = False
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.uploaded == ["ckpt"] and report.failed == [], report
     assert source._objects["ckpt"].data == b"acknowledged version"
 
@@ -410,7 +414,7 @@ async def test_a_first_version_that_was_never_acknowledged_is_a_note_not_damage(
     prefix = node.durable.prefix
     node.lose()
     cluster.refuse_data = False
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.failed == [] and report.uploaded == ["done.txt"], report
     assert [note.split()[0] for note in report.never_acknowledged] == ["big.ckpt"]
     assert "big.ckpt" not in source._objects

@@ -45,8 +45,10 @@ Cluster tier (``tiering.tiers.cluster``)
 ----------------------------------------
 With a cluster tier, a load that misses RAM and disk asks it (in the load's fetch slot, under the
 tier's own shorter timeout) before the source: a hit goes to RAM and disk like a fetched block, and
-needs no source at all (the source's circuit is only consulted after a cluster miss, so blocks in
-the cluster tier are served while the source is unreachable). A block fetched from the source is
+needs no source data (the source's circuit is only consulted after a cluster miss, so blocks in
+the cluster tier are served while the source is unreachable), but it is served only once this
+volume's source credentials have shown they may read that object version (``SourceAuthorization``,
+``tiering.engine.authorize``: one HEAD per version, remembered). A block fetched from the source is
 offered to the write-behind queue (``WriteBehind``), which uploads it in the background and never
 delays the reader. The tier never raises: a failing or slow cluster store is a miss. Warm loads ask
 it too.
@@ -103,6 +105,7 @@ from tiering.policy.pins import block_keys
 from tiering.protocols import BlockTier, ClusterBlockTier, DiskBlockTier, ObjectStore
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth
+from tiering.engine.authorize import SourceAuthorization
 from tiering.tiers.cluster import WriteBehind
 from tiering.traffic import DISK, RAM, ReadTraffic
 
@@ -148,7 +151,11 @@ class BlockCache:
                                   clock=self.clock, health=health, stats=self.stats)
         self.latency: dict[str, LatencyHistogram] = {"get": self.source.latency}
         self._guarded_disk = GuardedDisk(disk, self.stats) if disk is not None else None
+        # A cluster hit is served only once this volume's source credentials may read the object.
+        self.authorization = (SourceAuthorization(store, self.stats, timeout_s=settings.fetch_timeout_s,
+                                                  health=health) if cluster is not None else None)
         self.loads = Loads(settings, ram, self._guarded_disk, self.source, cluster=cluster,
+                           authorize=self.authorization,
                            write_behind=self.write_behind, health=health, stats=self.stats, traffic=self.traffic)
         self._pinned = PinnedBlocks(disk, block_size=self.block_size, limit_bytes=settings.pin_limit_bytes)
         self.pins = self._pinned.table

@@ -28,7 +28,9 @@ it never cancels the load. A promotion (``BlockCache.promote``) registers a futu
 
 With a cluster tier a load that misses RAM and disk asks it, in the load's slot, before the source:
 the source's circuit is only consulted after a cluster miss, so blocks in the cluster tier are
-served while the source is unreachable. A block fetched from the source is offered to the
+served while the source is unreachable, once the volume has proven it may read the object
+(``tiering.engine.authorize``: a source HEAD per object version, before the first hit is served).
+A block fetched from the source is offered to the
 write-behind queue, which never delays the reader.
 
 Everything here runs on the event loop: the table, the tasks and the slots are touched by no other
@@ -44,6 +46,7 @@ import enum
 from typing import AsyncIterator, Callable
 
 from tiering.blocks import BlockData, BlockKey, ObjectRef, block_range
+from tiering.engine.authorize import SourceAuthorization
 from tiering.engine.diskguard import GuardedDisk
 from tiering.engine.inflight import InFlight, Reservation, ReservingTier
 from tiering.engine.source import SourceFetch
@@ -92,6 +95,7 @@ class Loads:
         source: SourceFetch,
         *,
         cluster: ClusterBlockTier | None,
+        authorize: SourceAuthorization | None = None,
         write_behind: WriteBehind | None,
         health: StoreHealth | None,
         stats: EngineStats,
@@ -102,6 +106,7 @@ class Loads:
         self._disk = disk
         self._source = source
         self._cluster = cluster
+        self._authorize = authorize
         self._write_behind = write_behind
         self._health = health
         self._stats = stats
@@ -317,6 +322,11 @@ class Loads:
             return None
         start, end = block_range(key.index, ref.size, self._block_size)
         data = await self._cluster.get(key, end - start)
+        # Another volume may have put it there: served (or copied to disk) only once this volume's
+        # own source credentials have shown they may read this version (``tiering.engine.authorize``;
+        # a refusal raises, as the source's GET would).
+        if data is not None and self._authorize is not None and not await self._authorize.check(ref):
+            return None
         if data is not None:
             if warm:
                 self._stats.warm_from_cluster_blocks += 1

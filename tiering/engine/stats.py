@@ -21,6 +21,10 @@ class EngineStats:
     disk_served: int = 0
     cluster_served: int = 0  # loads of reads (and read-ahead) answered by the cluster tier
     cluster_served_bytes: int = 0
+    # Source requests made to prove this volume may read an object before a cluster hit is served
+    # (``tiering.engine.authorize``), and the hits refused because the source said no.
+    cluster_authorizations: int = 0
+    cluster_refused: int = 0
     store_fetches: int = 0
     store_fetch_bytes: int = 0
     fetch_errors: int = 0

@@ -12,12 +12,16 @@ index): a changed object has another ETag, so its old blocks are never asked for
 *token*, is hashed (SHA-256) into ``blocks/<digest[:2]>/<digest>`` under the cluster prefix: fixed
 length whatever the source key, and spread over 256 prefixes (S3 partitions by key prefix).
 
-Format. Each object is framed exactly as a block file of the disk tier (``tiering.tiers.disk``: magic,
-format version, token, data length, data CRC-32, header CRC-32, then the data), by the same code.
-A read checks everything a disk read checks, the full token included, so a hash collision, a
-foreign writer's object, a truncated or bit-flipped one is a *miss* (counted in
-``stats.corrupt_blocks``, the object deleted before the miss is answered), never data. The block is then
-fetched from the source and the write-behind replaces the object.
+Format. Each object is a cluster frame (``tiering.tiers.clusterframe``): magic, layout, token, data
+length, an HMAC-SHA256 under the blocks key derived from the cluster key (``tiering.clusterkey``),
+then the data. The store is shared by every volume and anyone holding its credentials can write
+to it, so a checksum would prove nothing: the MAC does, and only the driver holds the key. A read
+checks the full token and the MAC, so a hash collision, a foreign or forged object, a truncated or
+bit-flipped one is a *miss* (counted in ``stats.corrupt_blocks``, a MAC failure also in
+``stats.forged_blocks``, logged once per object, the object deleted before the miss is answered),
+never data: never served, never copied into the disk tier. The block is then fetched from the
+source and the write-behind replaces the object. An object of the previous, unauthenticated format
+is a plain miss (``stats.stale_blocks``), overwritten the same way.
 
 A read is one request: a GET of the framed block's exact length (the header's size is known from
 the token, the data's from the block's range) on whatever version of the object is current
@@ -59,7 +63,9 @@ from typing import Any, Awaitable, Callable
 
 from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
-from tiering.tiers.blockformat import CorruptBlockError, decode_block, encode_token, frame_header, header_size
+from tiering.clusterkey import BLOCKS, ClusterKey, MacKey
+from tiering.tiers.blockformat import CorruptBlockError, encode_token
+from tiering.tiers.clusterframe import ForgedFrameError, StaleFrameError, decode_frame, encode_frame, frame_size
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ANY_VERSION, ClusterBlockTier, ClusterTierStats, ObjectStore, ObjectStoreStats
 from tiering.settings import (
@@ -73,6 +79,12 @@ from tiering.storehealth import StoreHealth
 log = logging.getLogger("tiering.tiers.cluster")
 
 BLOCKS_PREFIX = "blocks/"
+# A frame this large is checked in a worker thread (its MAC costs ~0.6 ms per MiB, with the GIL
+# released); a smaller one on the loop, where a thread hop (~50 us) would cost more than the MAC.
+THREAD_MIN_BYTES = 64 * 1024
+# Objects whose failed check is logged (once each); more are counted, not logged, so a store full
+# of forgeries cannot fill the log, and a set of names cannot grow without bound.
+LOGGED_FAILURES_MAX = 1024
 
 def cluster_token(source_id: str, block_size: int, key: BlockKey) -> bytes:
     """The identity of a block in the shared store: source, block size, key, ETag, index."""
@@ -85,9 +97,6 @@ def cluster_object_key(token: bytes) -> str:
     return f"{BLOCKS_PREFIX}{digest[:2]}/{digest}"
 
 
-def _framed(token: bytes, data: BlockData) -> bytes:
-    """The cluster object of a block: its header, then its data (one copy, in a worker thread)."""
-    return frame_header(token, data) + data
 
 
 class ClusterTier:
@@ -101,6 +110,7 @@ class ClusterTier:
         *,
         source_id: str,
         block_size: int,
+        key: ClusterKey,
         timeout_s: float = DEFAULT_CLUSTER_TIMEOUT_S,
         clock: Clock | None = None,
         health: StoreHealth | None = None,
@@ -112,6 +122,10 @@ class ClusterTier:
         self.source_id = source_id
         self.block_size = block_size
         self.timeout_s = timeout_s
+        self.key = key  # also the write-back journal's (``tiering.writeback.durable``)
+        self._mac: MacKey = key.derive(BLOCKS)
+        self.key_fingerprint = key.fingerprint()
+        self._logged: set[str] = set()
         self.where = where  # the cluster URL, for /stats (no credentials in it)
         self.stats = ClusterTierStats()
         self.health = health or StoreHealth(clock or SystemClock(), probe=store.check, name="cluster store")
@@ -134,18 +148,31 @@ class ClusterTier:
             self.health.maybe_probe()
             return None
         try:
-            framed = header_size(token, length) + length
+            framed = frame_size(token, length)
             blob = await self._call(lambda: self.store.get_range(name, ANY_VERSION, 0, framed), f"reading {name}")
-            if len(blob) != framed:
-                raise CorruptBlockError(f"object is {len(blob)} bytes, expected {framed}")
-            data = decode_block(blob, token)
+            # The MAC hashes the whole block: in a worker thread (hashlib releases the GIL).
+            if len(blob) >= THREAD_MIN_BYTES:
+                data = await asyncio.to_thread(decode_frame, self._mac, blob, token)
+            else:
+                data = decode_frame(self._mac, blob, token)
+            if len(data) != length:
+                raise CorruptBlockError(f"the block is {len(data)} bytes, expected {length}")
         except (ObjectNotFoundError, ObjectChangedError):
             self.stats.misses += 1  # absent
             return None
+        except StaleFrameError:
+            self.stats.stale_blocks += 1  # the previous format: the write-behind overwrites it
+            self.stats.misses += 1
+            return None
         except CorruptBlockError as exc:
             self.stats.corrupt_blocks += 1
+            if isinstance(exc, ForgedFrameError):
+                self.stats.forged_blocks += 1
             self.stats.misses += 1
-            log.warning("cluster tier: block %s of %r failed its check (%s); deleting it", name, key.key, exc)
+            if name not in self._logged and len(self._logged) < LOGGED_FAILURES_MAX:
+                self._logged.add(name)
+                log.warning("cluster tier: block %s of %r failed its check (%s); not served, deleting it",
+                            name, key.key, exc)
             # Awaited, not left to run in the background: the caller fetches the block from the
             # source next and the write-behind puts it back, which a late delete would undo.
             await self._delete(name)
@@ -163,10 +190,10 @@ class ClusterTier:
             self.health.maybe_probe()
             return False
         token, name = self._locate(key)
-        # The CRC-32 and the one copy into the framed object (8 MiB per block) run in a worker thread:
+        # The MAC and the one copy into the framed object (8 MiB per block) run in a worker thread:
         # this is the write-behind of every block a node fetches from the source, and the loop
         # answers FUSE.
-        blob = await asyncio.to_thread(_framed, token, data)
+        blob = await asyncio.to_thread(encode_frame, self._mac, token, data)
         try:
             await self._call(lambda: self.store.put(name, len(blob), lambda s, e: blob[s:e]), f"writing {name}")
         except Exception as exc:  # noqa: BLE001 - a write not made is only a later miss
@@ -208,7 +235,7 @@ class ClusterTier:
 
     def snapshot(self) -> dict[str, Any]:
         return {"state": "healthy" if self.health.reachable else "down", "url": self.where,
-                "timeout_s": self.timeout_s, "health": self.health.snapshot()}
+                "timeout_s": self.timeout_s, "key_fingerprint": self.key_fingerprint, "health": self.health.snapshot()}
 
 
 class InMemoryClusterTier:

@@ -16,6 +16,18 @@ cluster store, relative to ``--cluster-cache``::
         journal/<seq, 16 digits>    one pending operation (JSON, see ``ClusterRecord``)
         data/<seq, 16 digits>       a piece of staged bytes (the bytes the record ``seq`` added)
 
+Authentication. Anyone holding the store's credentials can write under ``writeback/``, and the
+volume hash is public, so nothing found there is trusted for what it says. Every journal object
+and lease carries an HMAC-SHA256 (``tiering.clusterkey``, one derived key each for records, data
+and leases) over its body and its own object name, so an object moved to another prefix or name
+fails too; each record names its data pieces with their lengths and the MAC of their bytes. A
+record, piece or lease that fails is never replayed or obeyed: recovery reports a forged record
+and leaves it; a lease that fails (``UNAUTHENTICATED``) neither fences a writer (which puts its own
+lease back) nor makes a recoverer skip a journal, and a recoverer takes it over only once its
+store-side LastModified is a TTL old, as an expired lease. What remains possible with the store's
+credentials alone is to delete or replay objects the writer itself wrote, at their own names:
+denial of service, never a write of someone else's bytes (docs/security.md).
+
 ``volume`` is the hash of the source's identity (the name of its cache directory), ``node`` the
 node id, ``incarnation`` a random token kept in the staging directory: a daemon restarted with its
 cache directory continues its own journal; one whose cache directory is gone starts a new prefix
@@ -64,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import json
 import logging
 import os
@@ -74,10 +87,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from tiering.checksum import crc32
+from tiering.clusterkey import DATA as DATA_PURPOSE
+from tiering.clusterkey import JOURNAL as JOURNAL_PURPOSE
+from tiering.clusterkey import LEASE as LEASE_PURPOSE
+from tiering.clusterkey import MAC_SIZE, ClusterKey, MacKey
 from tiering.errors import CacheError, ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, ReadRange
-from tiering.writeback.journal import DELETE, PUT, Record, pread_exact
+from tiering.writeback.journal import DELETE, IO_CHUNK, PUT, Record, pread_exact
 from tiering.writeback.settings import DEFAULT_LEASE_TTL_S
 
 log = logging.getLogger("tiering.writeback")
@@ -87,11 +103,17 @@ LEASE = "lease"
 JOURNAL = "journal/"
 DATA = "data/"
 INCARNATION_FILE = "durable.json"
-FORMAT = 1
+FORMAT = 2  # 1: the unauthenticated format (CRC-32 only), refused since
+# A journal object or lease larger than this is not one (records are a few hundred bytes, plus ~100
+# per data piece of a file appended to and fsync'd again): refused before it is read into memory.
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+MAX_LEASE_BYTES = 64 * 1024
 # The base of a write whose key the source did not hold.
 ABSENT = "-"
 
 WRITER, RECOVERING, RECOVERED = "writer", "recovering", "recovered"
+# The role of a lease object whose MAC fails: nobody's (see "Authentication" above).
+UNAUTHENTICATED = "unauthenticated"
 # Keys whose source ETag the writer remembers (the base of its next write of them): the files it
 # wrote or staged most recently. 100,000 entries are ~20 MB; a key forgotten has an unknown base,
 # which recovery checks by modification time instead (see ``_unknown_base``).
@@ -125,6 +147,48 @@ class DurabilityError(CacheError):
 
 class TakenOverError(ObjectStoreError):
     """This writer's journal was taken over by a recoverer: it must not upload it."""
+
+
+class UnauthenticatedError(ValueError):
+    """A journal object, data piece or lease whose MAC fails: not written with this cluster key."""
+
+
+@dataclass(frozen=True)
+class JournalKeys:
+    """The keys of the write-back journal, derived from the cluster key (one per purpose)."""
+
+    records: MacKey
+    data: MacKey
+    leases: MacKey
+
+    @classmethod
+    def of(cls, key: ClusterKey) -> "JournalKeys":
+        return cls(key.derive(JOURNAL_PURPOSE), key.derive(DATA_PURPOSE), key.derive(LEASE_PURPOSE))
+
+
+def _sign(mac: MacKey, name: str, body: bytes) -> bytes:
+    """``<hex MAC> <body>``: the MAC covers the object's name, so it cannot be moved elsewhere."""
+    return mac.tag(name.encode("utf-8", "surrogateescape") + b"\x00", body).hex().encode("ascii") + b" " + body
+
+
+def _verify(mac: MacKey, name: str, raw: bytes) -> bytes:
+    """The body of a signed object, or ``UnauthenticatedError``."""
+    width = 2 * MAC_SIZE
+    if len(raw) < width + 1 or raw[width:width + 1] != b" ":
+        raise UnauthenticatedError("no MAC (an object of the previous format, or not cachefs's)")
+    try:
+        tag = bytes.fromhex(raw[:width].decode("ascii"))
+    except ValueError:
+        raise UnauthenticatedError("malformed MAC") from None
+    body = raw[width + 1:]
+    if not hmac.compare_digest(tag, mac.tag(name.encode("utf-8", "surrogateescape") + b"\x00", body)):
+        raise UnauthenticatedError("MAC mismatch: not written with this cluster key, or moved from another name")
+    return body
+
+
+def piece_mac(mac: MacKey, name: str) -> "hmac.HMAC":
+    """A running MAC of the data piece at ``name`` (its full object name), to be fed its bytes."""
+    return mac.running(name.encode("utf-8", "surrogateescape") + b"\x00")
 
 
 class ConditionalStore(ObjectStore, Protocol):
@@ -169,9 +233,9 @@ class ClusterRecord:
     op: str  # PUT or DELETE
     size: int = 0
     crc32: int = 0
-    # The data: (object, length) pieces that, in order, make bytes [0, size). A file fsync'd again
-    # after an append shares the pieces of its previous record and adds one for the new bytes.
-    segments: tuple[tuple[str, int], ...] = ()
+    # The data: (object, length, hex MAC of its bytes) pieces that, in order, make bytes [0, size).
+    # A file fsync'd again after an append shares the pieces of its previous record and adds one.
+    segments: tuple[tuple[str, int, str], ...] = ()
     base: str | None = None  # source ETag replaced, ABSENT, or None: unknown
     acked_at: float = 0.0  # wall clock of the acknowledgement
     mtime: float = 0.0
@@ -180,28 +244,31 @@ class ClusterRecord:
     def is_marker(self) -> bool:
         return self.key.endswith("/")
 
-    def encode(self) -> bytes:
+    def encode(self, mac: MacKey, name: str) -> bytes:
+        """The journal object at ``name`` (the full object name): its MAC, then the JSON body."""
         body = asdict(self)
         body["format"] = FORMAT
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-        return b"%08x " % crc32(text) + text + b"\n"
+        return _sign(mac, name, text + b"\n")
 
     @classmethod
-    def decode(cls, raw: bytes) -> "ClusterRecord":
-        if not raw.endswith(b"\n") or len(raw) < 11 or raw[8:9] != b" ":
+    def decode(cls, mac: MacKey, name: str, raw: bytes) -> "ClusterRecord":
+        """The record in the journal object ``name``; ``UnauthenticatedError`` if its MAC fails,
+        ``ValueError`` if it is malformed."""
+        text = _verify(mac, name, raw)
+        if not text.endswith(b"\n"):
             raise ValueError("truncated or malformed journal object")
-        text = raw[9:-1]
-        if int(raw[:8], 16) != crc32(text):
-            raise ValueError("journal object checksum mismatch")
         body = json.loads(text)
         if body.pop("format", None) != FORMAT:
             raise ValueError("unknown journal object format")
-        body["segments"] = tuple((str(name), int(length)) for name, length in body.get("segments", ()))
+        body["segments"] = tuple((str(piece), int(length), str(tag)) for piece, length, tag in body.get("segments", ()))
         record = cls(**body)
         if record.op not in (PUT, DELETE) or not record.key:
             raise ValueError("invalid journal object fields")
-        if sum(length for _, length in record.segments) != record.size:
+        if sum(length for _, length, _ in record.segments) != record.size:
             raise ValueError("the data pieces do not make the recorded size")
+        if not name.endswith(JOURNAL + seq_name(record.seq)):
+            raise ValueError("the record's sequence number is not its object's")
         return record
 
 
@@ -215,38 +282,59 @@ class Lease:
     etag: str = field(default="", compare=False)  # from the store, not stored in the body
     modified: float = field(default=0.0, compare=False)  # the store's LastModified
 
-    def encode(self) -> bytes:
-        return json.dumps({"format": FORMAT, "owner": self.owner, "role": self.role, "ttl_s": self.ttl_s,
-                           "node": self.node, "source": self.source}, sort_keys=True).encode()
+    def encode(self, mac: MacKey, name: str) -> bytes:
+        return _sign(mac, name, json.dumps({"format": FORMAT, "owner": self.owner, "role": self.role,
+                                            "ttl_s": self.ttl_s, "node": self.node, "source": self.source},
+                                           sort_keys=True).encode())
 
     @classmethod
-    def decode(cls, raw: bytes, info: ObjectInfo) -> "Lease":
-        body = json.loads(raw)
+    def decode(cls, mac: MacKey, name: str, raw: bytes, info: ObjectInfo) -> "Lease":
+        """The lease at ``name``: an ``UNAUTHENTICATED`` one (nobody's, expiring a default TTL after
+        the store's LastModified) if its MAC fails; ``ValueError`` if it is authentic but malformed."""
+        try:
+            body = json.loads(_verify(mac, name, raw))
+        except UnauthenticatedError as exc:
+            return cls(f"(unauthenticated: {exc})", UNAUTHENTICATED, DEFAULT_LEASE_TTL_S, etag=info.etag,
+                       modified=info.mtime)
         if body.get("format") != FORMAT or body.get("role") not in (WRITER, RECOVERING, RECOVERED):
             raise ValueError("not a cachefs write-back lease")
         return cls(str(body["owner"]), body["role"], float(body["ttl_s"]), str(body.get("node", "")),
                    str(body.get("source", "")), etag=info.etag, modified=info.mtime)
 
+    @property
+    def authentic(self) -> bool:
+        return self.role != UNAUTHENTICATED
+
     def expires_in(self, now: float) -> float:
         return self.modified + self.ttl_s - now
 
 
-async def read_object(store: ObjectStore, key: str) -> tuple[bytes, ObjectInfo] | None:
-    """The whole (small) object and its info, or None if absent (or replaced between HEAD and GET)."""
+async def read_object(store: ObjectStore, key: str, limit: int = MAX_RECORD_BYTES) -> tuple[bytes, ObjectInfo] | None:
+    """The whole (small) object and its info, or None if absent (or replaced between HEAD and GET).
+    An object larger than ``limit`` is refused (``ValueError``) before a byte of it is read."""
     try:
         info = await store.head(key)
+        if info.size > limit:
+            raise UnauthenticatedError(f"{key} is {info.size} bytes, more than a journal object or lease can be ({limit})")
         return bytes(await store.get_range(key, info.etag, 0, info.size)) if info.size else b"", info
     except (ObjectNotFoundError, ObjectChangedError):
         return None
 
 
-async def read_lease(store: ObjectStore, prefix: str) -> Lease | None:
-    found = await read_object(store, prefix + LEASE)
+async def read_lease(store: ObjectStore, prefix: str, mac: MacKey) -> Lease | None:
+    """The lease of ``prefix``, None if there is none; one whose MAC fails is ``UNAUTHENTICATED``."""
+    name = prefix + LEASE
+    try:
+        found = await read_object(store, name, MAX_LEASE_BYTES)
+    except ValueError:
+        info = await store.head(name)
+        return Lease("(unauthenticated: too large)", UNAUTHENTICATED, DEFAULT_LEASE_TTL_S, etag=info.etag,
+                     modified=info.mtime)
     if found is None:
         return None
     raw, info = found
     try:
-        return Lease.decode(raw, info)
+        return Lease.decode(mac, name, raw, info)
     except (ValueError, KeyError, TypeError) as exc:
         raise ObjectStoreError(f"the lease of {prefix} is not readable ({exc})") from None
 
@@ -261,10 +349,11 @@ class _Mirrored:
 class DurableJournal:
     """The writer's copy of its journal in the cluster store (the module docstring)."""
 
-    def __init__(self, store: ConditionalStore, *, volume: str, node: str, source: str, data_dir: Path,
-                 staging_root: Path, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+    def __init__(self, store: ConditionalStore, *, key: ClusterKey, volume: str, node: str, source: str,
+                 data_dir: Path, staging_root: Path, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
                  wall: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.store = store
+        self.keys = JournalKeys.of(key)
         self.volume = volume
         self.node = safe_node_id(node)
         self.source = source
@@ -286,7 +375,7 @@ class DurableJournal:
         # key -> the source's ETag as this writer knows it (or ABSENT), the most recent KNOWN_KEYS.
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
-        self.stats = {"records": 0, "data_bytes": 0, "failures": 0, "removed": 0}
+        self.stats = {"records": 0, "data_bytes": 0, "failures": 0, "removed": 0, "forged_leases": 0}
 
     # -- life cycle ---------------------------------------------------------------------------------
     async def open(self) -> list[str]:
@@ -297,16 +386,25 @@ class DurableJournal:
         if found is not None:  # under the node id it was started with (a host name may change)
             node, incarnation = found
             prefix = writer_prefix(self.volume, node, incarnation)
-            lease = await read_lease(self.store, prefix)
+            lease = await read_lease(self.store, prefix, self.keys.leases)
             owner = f"writer:{node}:{incarnation}"
+            if lease is not None and not lease.authentic:
+                # Not a recoverer's: a forgery (or damage) over this writer's lease. Put ours back.
+                self._note_forged(prefix, lease)
+                self.prefix, self.owner = prefix, owner
+                await self._renew(lease.etag)
+                if not self.taken_over:
+                    return notes
+                self.taken_over = False
+                lease = await read_lease(self.store, prefix, self.keys.leases)
             if lease is not None and lease.role == WRITER and lease.owner == owner:
                 self.prefix, self.owner = prefix, owner
                 await self._renew(lease.etag)
                 if not self.taken_over:
                     return notes
                 self.taken_over = False  # taken between the read and the renewal: as below
-                lease = await read_lease(self.store, prefix)
-            if lease is not None:  # a recoverer has (or had) it: what it holds is not ours to upload
+                lease = await read_lease(self.store, prefix, self.keys.leases)
+            if lease is not None and lease.authentic:  # a recoverer has (or had) it: what it holds is not ours to upload
                 notes.append(f"the cluster journal {prefix} was taken over by {lease.owner} ({lease.role}): this "
                              "node's local journal is set aside, not uploaded a second time")
                 self._set_aside_local()
@@ -316,7 +414,8 @@ class DurableJournal:
         self.prefix = writer_prefix(self.volume, self.node, incarnation)
         self.owner = self._owner(incarnation)
         lease = Lease(self.owner, WRITER, self.lease_ttl_s, node=self.node, source=self.source)
-        info = await self.store.put_if(self.prefix + LEASE, *small_body(lease.encode()), if_none_match=True)
+        info = await self.store.put_if(self.prefix + LEASE, *small_body(lease.encode(self.keys.leases, self.prefix + LEASE)),
+                                       if_none_match=True)
         self._lease_etag, self._renewed_at = info.etag, self.monotonic()
         self._save_incarnation(incarnation)
         return notes
@@ -332,11 +431,15 @@ class DurableJournal:
         wanted = {r.seq for r in records}
         for record in sorted(records, key=lambda r: r.seq):
             if record.seq in present:
-                found = await read_object(self.store, self.prefix + JOURNAL + seq_name(record.seq))
+                name = self.prefix + JOURNAL + seq_name(record.seq)
                 try:
+                    found = await read_object(self.store, name)
                     if found is not None:
-                        self._set(record.key, _Mirrored(ClusterRecord.decode(found[0]), _local_of(record)))
-                        continue
+                        decoded = ClusterRecord.decode(self.keys.records, name, found[0])
+                        if decoded.key == record.key and decoded.op == record.op and decoded.crc32 == record.crc32:
+                            self._set(record.key, _Mirrored(decoded, _local_of(record)))
+                            continue
+                        raise ValueError("it is not the local record")
                 except (ValueError, TypeError) as exc:
                     log.warning("write-back: the cluster copy of %r is unreadable (%s); sending it again",
                                 record.key, exc)
@@ -344,7 +447,7 @@ class DurableJournal:
         for seq in sorted(set(present) - wanted):
             await self._delete_quietly(self.prefix + JOURNAL + seq_name(seq))
         for name in (await self.store.list_dir(self.prefix + DATA)).files:
-            if self._piece_refs[DATA + name] == 0:
+            if self._piece_refs.get(DATA + name, 0) == 0:
                 await self._delete_quietly(self.prefix + DATA + name)
 
     def start(self) -> None:
@@ -429,8 +532,8 @@ class DurableJournal:
     async def _mirror(self, record: Record) -> None:
         name = seq_name(record.seq)
         local = _local_of(record)
-        segments, new = self._plan(DATA + name, local) if local is not None else ((), None)
-        for piece, _ in segments:  # held from now: a piece shared with a record released meanwhile stays
+        segments, new = (await self._plan(DATA + name, local)) if local is not None else ((), None)
+        for piece, _, _ in segments:  # held from now: a piece shared with a record released meanwhile stays
             self._piece_refs[piece] += 1
         base: str | None
         if record.is_marker:
@@ -443,7 +546,7 @@ class DurableJournal:
             base = None
         cr = ClusterRecord(record.seq, record.key, record.op, size=record.size, crc32=record.crc32,
                            segments=segments, base=base, acked_at=self.wall(), mtime=record.mtime)
-        raw = cr.encode()
+        raw = cr.encode(self.keys.records, self.prefix + JOURNAL + name)
         try:
             # The new piece and the journal object go in parallel (one round trip for an fsync): a
             # journal object whose piece never landed was never acknowledged, and the key's previous
@@ -468,7 +571,7 @@ class DurableJournal:
         """Make ``mirrored`` the key's live record (its pieces referenced, unless ``counted`` already);
         the one it replaces."""
         if not counted:
-            for piece, _ in mirrored.record.segments:
+            for piece, _, _ in mirrored.record.segments:
                 self._piece_refs[piece] += 1
         old = self._pop(key)
         self._by_key[key] = mirrored
@@ -485,21 +588,21 @@ class DurableJournal:
 
     def _release(self, record: ClusterRecord) -> None:
         """``record`` is no longer live: data objects no live record names are deleted (background)."""
-        for piece, _ in record.segments:
+        for piece, _, _ in record.segments:
             self._piece_refs[piece] -= 1
             if self._piece_refs[piece] <= 0:
                 del self._piece_refs[piece]
                 self._spawn(self._delete_quietly(self.prefix + piece))
 
-    def _plan(self, obj: str, local: tuple[str, int, int]) -> tuple[tuple[tuple[str, int], ...],
-                                                                     tuple[str, int, int] | None]:
+    async def _plan(self, obj: str, local: tuple[str, int, int]) -> tuple[tuple[tuple[str, int, str], ...],
+                                                                           tuple[str, int, int] | None]:
         """The pieces of the staged version ``local``: those of a live record that names the same
         local data file with a prefix of it (an append fsync'd again; a rename), plus ``obj`` for the
-        bytes past it; and ``(obj, start, length)`` to upload, if any. That prefix is intact: the
-        acknowledged prefix of a data file is never modified while a record names it
-        (``tiering.writeback.staged``)."""
+        bytes past it, with the MAC of its bytes (read from the staged file in a worker thread);
+        and ``(obj, start, length)`` to upload, if any. That prefix is intact: the acknowledged
+        prefix of a data file is never modified while a record names it (``tiering.writeback.staged``)."""
         name, size, _crc = local
-        pieces: tuple[tuple[str, int], ...] = ()
+        pieces: tuple[tuple[str, int, str], ...] = ()
         done = 0
         holder = self._by_file.get(name)
         other = self._by_key.get(holder) if holder is not None else None
@@ -507,7 +610,19 @@ class DurableJournal:
             pieces, done = other.record.segments, other.local[1]
         if done == size:
             return pieces, None
-        return pieces + ((obj, size - done),), (obj, done, size - done)
+        tag = await asyncio.to_thread(self._piece_tag, self.prefix + obj, name, done, size - done)
+        return pieces + ((obj, size - done, tag),), (obj, done, size - done)
+
+    def _piece_tag(self, obj: str, name: str, start: int, length: int) -> str:
+        """The MAC of bytes [start, start+length) of the staged file ``name``, as piece ``obj``."""
+        running = piece_mac(self.keys.data, obj)
+        fd = os.open(self.data_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for at in range(0, length, IO_CHUNK):
+                running.update(pread_exact(fd, min(IO_CHUNK, length - at), start + at))
+        finally:
+            os.close(fd)
+        return running.hexdigest()
 
     async def _upload_piece(self, obj: str, name: str, start: int, length: int) -> None:
         fd = await asyncio.to_thread(os.open, self.data_dir / name, os.O_RDONLY | os.O_CLOEXEC)
@@ -554,7 +669,7 @@ class DurableJournal:
         if mirrored is None or mirrored.record.seq <= seq or mirrored.record.base == self._known[key]:
             return  # nothing newer pending (``forget`` follows), or its base is right already
         cr = replace(mirrored.record, base=self._known[key])
-        raw = cr.encode()
+        raw = cr.encode(self.keys.records, self.prefix + JOURNAL + seq_name(cr.seq))
         try:
             async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):  # the key's lock is held meanwhile
                 await self.store.put(self.prefix + JOURNAL + seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
@@ -596,11 +711,39 @@ class DurableJournal:
             records.mkdir()
             log.error("write-back: local journal moved to %s: a recoverer finished it", target)
 
+    def _note_forged(self, prefix: str, lease: Lease) -> None:
+        self.stats["forged_leases"] += 1
+        log.error("write-back: the lease of %s fails its check (%s): not a recoverer's; this writer puts its "
+                  "own back", prefix, lease.owner)
+
     async def _renew(self, etag: str) -> None:
         lease = Lease(self.owner, WRITER, self.lease_ttl_s, node=self.node, source=self.source)
+        body = small_body(lease.encode(self.keys.leases, self.prefix + LEASE))
         try:
-            info = await self.store.put_if(self.prefix + LEASE, *small_body(lease.encode()), if_match=etag)
+            info = await self.store.put_if(self.prefix + LEASE, *body, if_match=etag)
         except (ObjectChangedError, ObjectNotFoundError):
+            # Only a lease written with the cluster key takes this journal over: anything else in
+            # its place (a forgery, or nothing: deleted) is replaced by this writer's own.
+            current = await read_lease(self.store, self.prefix, self.keys.leases)
+            if current is not None and current.authentic and current.role == WRITER and current.owner == self.owner:
+                self._lease_etag, self._renewed_at = current.etag, self.monotonic()  # ours (a lost answer)
+                return
+            if current is None or not current.authentic:
+                if current is not None:
+                    self._note_forged(self.prefix, current)
+                else:
+                    self.stats["forged_leases"] += 1
+                    log.error("write-back: the lease of %s is gone (not a recoverer's doing); this writer puts "
+                              "its own back", self.prefix)
+                try:
+                    if current is None:
+                        info = await self.store.put_if(self.prefix + LEASE, *body, if_none_match=True)
+                    else:
+                        info = await self.store.put_if(self.prefix + LEASE, *body, if_match=current.etag)
+                except (ObjectChangedError, ObjectNotFoundError):
+                    return  # changed again meanwhile: the next renewal looks again
+                self._lease_etag, self._renewed_at = info.etag, self.monotonic()
+                return
             if not self.taken_over:
                 log.error("write-back: the cluster journal %s was taken over by a recoverer; this daemon stops "
                           "uploading it", self.prefix)

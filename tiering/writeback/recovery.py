@@ -6,14 +6,22 @@ expired lease: one recoverer wins), replays the latest complete record of each k
 source with conditional writes (``If-Match`` on the base ETag the record carries, ``If-None-Match``
 for a key the source did not have; an object rewritten since is kept, never overwritten), deletes
 the cluster copies as it goes, and leaves the lease as a ``recovered`` tombstone. A data object is
-checked (size, CRC-32) into a temporary file before it is uploaded, so a large checkpoint is
+checked (size, MAC, CRC-32) into a temporary file before it is uploaded, so a large checkpoint is
 streamed, not held in memory.
+
+Only what a writer holding the cluster key wrote is replayed (``durable``, "Authentication"): a
+journal object whose MAC fails (forged, moved from another name, of the previous format, or larger
+than any record) is reported in ``forged`` and left where it is; a record whose data piece fails its
+MAC is not uploaded (``failed``). A lease that fails its MAC is nobody's: it neither says
+"recovered" nor holds the journal past a TTL after the store last saw it written, and it is taken
+over like an expired lease, with the same conditional replace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import tempfile
 import time
@@ -21,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tiering.checksum import crc32
+from tiering.clusterkey import ClusterKey
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ObjectStore
 from tiering.writeback.durable import (
@@ -34,7 +43,10 @@ from tiering.writeback.durable import (
     ROOT,
     ClusterRecord,
     ConditionalStore,
+    JournalKeys,
     Lease,
+    UnauthenticatedError,
+    piece_mac,
     read_lease,
     read_object,
     seq_name,
@@ -57,6 +69,7 @@ class RecoveryReport:
     markers: int = 0
     kept_newer: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # data object missing or corrupt: damage
+    forged: list[str] = field(default_factory=list)  # journal objects whose MAC fails: reported, left
     # Records never acknowledged (the writer died while sending them: a data piece never landed),
     # as "KEY (record SEQ)": nothing was lost, the key's previous record (if any) was replayed.
     never_acknowledged: list[str] = field(default_factory=list)
@@ -72,14 +85,18 @@ async def list_writers(store: ObjectStore, volume: str) -> list[str]:
     return out
 
 
-async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, prefix: str, *, owner: str,
-                         wall: Callable[[], float] = time.time, wait_s: float = 0.0,
+async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, prefix: str, *, key: ClusterKey,
+                         owner: str, wall: Callable[[], float] = time.time, wait_s: float = 0.0,
                          assume_dead: bool = False) -> RecoveryReport:
     """Finish the journal of a dead writer (the module docstring): lease, replay in order, clean up."""
     report = RecoveryReport(prefix)
+    keys = JournalKeys.of(key)
     deadline = wall() + wait_s
     while True:
-        lease = await read_lease(cluster, prefix)
+        lease = await read_lease(cluster, prefix, keys.leases)
+        if lease is not None and not lease.authentic:
+            log.error("recover: the lease of %s fails its check (%s); it is nobody's, taken over once a TTL old",
+                      prefix, lease.owner)
         if lease is not None and lease.role == RECOVERED:
             report.state, report.detail = "already", f"recovered by {lease.owner}"
             return report
@@ -93,15 +110,16 @@ async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, pr
         await asyncio.sleep(min(left + 0.5, max(0.1, deadline - wall())))
     ttl = lease.ttl_s if lease is not None else DEFAULT_LEASE_TTL_S
     mine = Lease(owner, RECOVERING, ttl, source=lease.source if lease else "")
+    body = small_body(mine.encode(keys.leases, prefix + LEASE))
     try:
         if lease is None:
-            info = await cluster.put_if(prefix + LEASE, *small_body(mine.encode()), if_none_match=True)
+            info = await cluster.put_if(prefix + LEASE, *body, if_none_match=True)
         else:
-            info = await cluster.put_if(prefix + LEASE, *small_body(mine.encode()), if_match=lease.etag)
+            info = await cluster.put_if(prefix + LEASE, *body, if_match=lease.etag)
     except (ObjectChangedError, ObjectNotFoundError):
         report.state, report.detail = "taken", "another recoverer took the lease first"
         return report
-    check = await read_lease(cluster, prefix)  # for a store that ignored the condition
+    check = await read_lease(cluster, prefix, keys.leases)  # for a store that ignored the condition
     if check is None or check.owner != owner:
         report.state, report.detail = "taken", "another recoverer took the lease first (read-back)"
         return report
@@ -110,51 +128,60 @@ async def recover_prefix(source: ConditionalStore, cluster: ConditionalStore, pr
     listing = await cluster.list_dir(prefix + JOURNAL)
     by_key: dict[str, list[ClusterRecord]] = {}
     for name in sorted(listing.files):
-        found = await read_object(cluster, prefix + JOURNAL + name)
-        if found is None:
-            continue
+        where = prefix + JOURNAL + name
         try:
-            record = ClusterRecord.decode(found[0])
+            found = await read_object(cluster, where)
+            if found is None:
+                continue
+            record = ClusterRecord.decode(keys.records, where, found[0])
+        except UnauthenticatedError as exc:
+            log.error("recover: journal object %s fails its check (%s); not replayed, left in place", where, exc)
+            report.forged.append(name)
+            continue
         except (ValueError, TypeError) as exc:
             log.error("recover: journal object %s%s%s is unreadable (%s); skipped", prefix, JOURNAL, name, exc)
             report.failed.append(name)
             continue
         by_key.setdefault(record.key, []).append(record)
     latest: dict[str, ClusterRecord] = {}
-    for key, records in by_key.items():
+    for path, records in by_key.items():
         # The newest record whose pieces are all there: one whose piece never landed was being
         # written when the writer died (its journal object and its piece go up in parallel), so it
         # was never acknowledged, and the key's previous record was still kept for it.
         for record in sorted(records, key=lambda r: -r.seq):
             if await _pieces_present(cluster, prefix, record):
-                latest[key] = record
+                latest[path] = record
                 break
             # Not damage: the writer's close/fsync of it never returned, so no application was told
             # it was saved (a note, not a failure: a periodic Job must not page anyone for it).
             log.info("recover: record %d of %r has a data piece missing: it was never acknowledged; the "
-                     "one before it, if any, is used", record.seq, key)
-            report.never_acknowledged.append(f"{key} (record {record.seq})")
+                     "one before it, if any, is used", record.seq, path)
+            report.never_acknowledged.append(f"{path} (record {record.seq})")
     renewed = time.monotonic()
     for record in sorted(latest.values(), key=lambda r: r.seq):
         if time.monotonic() - renewed > ttl * LEASE_RENEW_FRACTION:
             try:
-                lease_etag = (await cluster.put_if(prefix + LEASE, *small_body(mine.encode()), if_match=lease_etag)).etag
+                lease_etag = (await cluster.put_if(prefix + LEASE, *body, if_match=lease_etag)).etag
             except (ObjectChangedError, ObjectNotFoundError):
                 report.state, report.detail = "lost", "the lease was taken while recovering; stopped"
                 return report
             renewed = time.monotonic()
-        await _replay(source, cluster, prefix, record, report)
+        await _replay(source, cluster, prefix, record, keys, report)
         await cluster.delete(prefix + JOURNAL + seq_name(record.seq))  # data pieces may be shared: swept below
-    for sub in (JOURNAL, DATA):  # superseded records and their data
-        for name in (await cluster.list_dir(prefix + sub)).files:
-            await cluster.delete(prefix + sub + name)
+    # Superseded records and every data piece (a piece no authentic record names is of no use to
+    # anyone); journal objects that failed their check stay, for whoever looks into them.
+    for name in (await cluster.list_dir(prefix + JOURNAL)).files:
+        if name not in report.forged:
+            await cluster.delete(prefix + JOURNAL + name)
+    for name in (await cluster.list_dir(prefix + DATA)).files:
+        await cluster.delete(prefix + DATA + name)
     tomb = Lease(owner, RECOVERED, ttl, source=mine.source)
-    await cluster.put_if(prefix + LEASE, *small_body(tomb.encode()), if_match=lease_etag)
+    await cluster.put_if(prefix + LEASE, *small_body(tomb.encode(keys.leases, prefix + LEASE)), if_match=lease_etag)
     return report
 
 
 async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, record: ClusterRecord,
-                  report: RecoveryReport) -> None:
+                  keys: JournalKeys, report: RecoveryReport) -> None:
     key = record.key
     if record.is_marker:
         if record.op == PUT:
@@ -178,7 +205,7 @@ async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, r
                 report.deleted.append(key)
         return
     with tempfile.TemporaryFile(prefix="cachefs-recover-") as spool:  # on disk: a checkpoint may be large
-        if not await _fetch_data(cluster, prefix, record, spool.fileno()):
+        if not await _fetch_data(cluster, prefix, record, keys, spool.fileno()):
             report.failed.append(key)
             return
         base = record.base if record.base is not None else await _unknown_base(source, record)
@@ -206,7 +233,7 @@ async def _unknown_base(source: ObjectStore, record: ClusterRecord) -> str | Non
 
 async def _pieces_present(cluster: ObjectStore, prefix: str, record: ClusterRecord) -> bool:
     """Whether every data piece of ``record`` is in the cluster store with its length."""
-    for piece, length in record.segments:
+    for piece, length, _ in record.segments:
         try:
             if (await cluster.head(prefix + piece)).size != length:
                 return False
@@ -215,18 +242,23 @@ async def _pieces_present(cluster: ObjectStore, prefix: str, record: ClusterReco
     return True
 
 
-async def _fetch_data(cluster: ObjectStore, prefix: str, record: ClusterRecord, fd: int) -> bool:
-    """Copy the record's data pieces into ``fd``, checking their sizes and the CRC-32; False if it fails."""
+async def _fetch_data(cluster: ObjectStore, prefix: str, record: ClusterRecord, keys: JournalKeys, fd: int) -> bool:
+    """Copy the record's data pieces into ``fd``, checking their sizes, their MACs and the CRC-32;
+    False if any fails."""
     crc, offset, piece = 0, 0, ""
     try:
-        for piece, length in record.segments:
+        for piece, length, tag in record.segments:
             info = await cluster.head(prefix + piece)
             if info.size != length:
                 raise ValueError(f"{piece} is {info.size} bytes, expected {length}")
+            running = piece_mac(keys.data, prefix + piece)
             for start in range(0, length, IO_CHUNK):
                 chunk = await cluster.get_range(prefix + piece, info.etag, start, min(length, start + IO_CHUNK))
                 crc = crc32(chunk, crc)
+                running.update(chunk)
                 await asyncio.to_thread(pwrite_all, fd, chunk, offset + start)
+            if not hmac.compare_digest(running.hexdigest(), tag):
+                raise ValueError("its MAC fails (not the bytes the writer acknowledged)")
             offset += length
         if crc != record.crc32:
             raise ValueError("CRC-32 mismatch")

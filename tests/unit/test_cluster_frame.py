@@ -1,0 +1,118 @@
+"""The cluster key (tiering.clusterkey) and the cluster tier's authenticated frame (tiering.tiers.clusterframe)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.support.clusterkeys import OTHER_KEY, TEST_KEY, TEST_SECRET, write_key_file
+from tiering.buffers import MAP_MIN_BYTES
+from tiering.clusterkey import BLOCKS, JOURNAL, KEY_MIN_BYTES, ClusterKey, ClusterKeyError
+from tiering.tiers.blockformat import CorruptBlockError, frame_header
+from tiering.tiers.clusterframe import ForgedFrameError, StaleFrameError, decode_frame, encode_frame, frame_size
+
+TOKEN = b's3://b/\x0065536\x00k\x00"e"\x000'
+MAC = TEST_KEY.derive(BLOCKS)
+
+# The frame of b"hello" under TOKEN and the test key: magic "CFSA", layout 1 (packed), token length
+# 21, data length 5, the token, the 32-byte HMAC-SHA256, the data. Pinned: a change here is a new format.
+GOLDEN = bytes.fromhex(
+    "43465341" "0100" "15000000" "0500000000000000"
+    "73333a2f2f622f003635353336006b0022652200" "30"
+    "8b6252c9308b838cd12fb95e4fa6e6ca28609e2663074bc7ce0abd209c9f3ed8"
+    "68656c6c6f"
+)
+
+
+def test_golden_bytes_of_a_packed_frame() -> None:
+    assert encode_frame(MAC, TOKEN, b"hello") == GOLDEN
+    assert bytes(decode_frame(MAC, GOLDEN, TOKEN)) == b"hello"
+    assert frame_size(TOKEN, 5) == len(GOLDEN)
+
+
+def test_the_mac_is_hkdf_then_hmac_sha256_over_header_and_data() -> None:
+    """Computed here from RFC 5869 and RFC 2104 by hand, not through the module: the format is what
+    docs/tiers.md says, readable by any implementation holding the key."""
+    prk = hmac.new(b"cachefs cluster key v1", TEST_SECRET, hashlib.sha256).digest()
+    blocks_key = hmac.new(prk, b"cluster blocks v1\x01", hashlib.sha256).digest()
+    head = struct.pack("<4sHIQ", b"CFSA", 1, len(TOKEN), 5) + TOKEN
+    assert GOLDEN[len(head):len(head) + 32] == hmac.new(blocks_key, head + b"hello", hashlib.sha256).digest()
+
+
+def test_a_large_block_is_aligned_and_round_trips() -> None:
+    data = bytes(range(256)) * (MAP_MIN_BYTES // 256)
+    blob = encode_frame(MAC, TOKEN, data)
+    assert blob[4:6] == b"\x02\x00" and (len(blob) - len(data)) % 4096 == 0
+    assert len(blob) == frame_size(TOKEN, len(data))
+    assert bytes(decode_frame(MAC, blob, TOKEN)) == data
+
+
+@pytest.mark.parametrize("where", ["magic", "layout", "length", "token", "mac", "data", "truncated", "longer"])
+def test_every_damage_is_refused(where: str) -> None:
+    blob = bytearray(GOLDEN)
+    if where == "magic":
+        blob[0] ^= 1
+    elif where == "layout":
+        blob[4] = 9
+    elif where == "length":
+        blob[10] = 4
+    elif where == "token":
+        blob[20] ^= 1
+    elif where == "mac":
+        blob[45] ^= 1
+    elif where == "data":
+        blob[-1] ^= 1
+    elif where == "truncated":
+        del blob[-1]
+    else:
+        blob += b"x"
+    with pytest.raises(CorruptBlockError):
+        decode_frame(MAC, bytes(blob), TOKEN)
+
+
+def test_a_frame_under_another_key_or_purpose_is_a_forgery() -> None:
+    forged = encode_frame(OTHER_KEY.derive(BLOCKS), TOKEN, b"hello")
+    assert len(forged) == len(GOLDEN) and forged[:-37] == GOLDEN[:-37]  # all but the MAC (and data) alike
+    with pytest.raises(ForgedFrameError):
+        decode_frame(MAC, forged, TOKEN)
+    with pytest.raises(ForgedFrameError):  # a journal key's MAC is no block's MAC
+        decode_frame(MAC, encode_frame(TEST_KEY.derive(JOURNAL), TOKEN, b"hello"), TOKEN)
+
+
+def test_a_frame_of_another_block_is_refused_even_with_a_valid_mac() -> None:
+    other = encode_frame(MAC, TOKEN[:-1] + b"1", b"hello")  # block 1, validly written
+    with pytest.raises(CorruptBlockError, match="another block"):
+        decode_frame(MAC, other, TOKEN)
+
+
+def test_the_previous_format_is_stale_not_forged() -> None:
+    old = frame_header(TOKEN, b"hello") + b"hello"
+    with pytest.raises(StaleFrameError):
+        decode_frame(MAC, old, TOKEN)
+
+
+def test_key_file(tmp_path: Path) -> None:
+    path = write_key_file(tmp_path)
+    assert ClusterKey.from_file(path).fingerprint() == TEST_KEY.fingerprint()
+    text = tmp_path / "hex.key"
+    text.write_text("ab" * 32 + "\n")  # `openssl rand -hex 32 > FILE`: the newline is not part of it
+    assert ClusterKey.from_file(text).fingerprint() == ClusterKey(b"ab" * 32).fingerprint()
+    assert TEST_KEY.fingerprint() != OTHER_KEY.fingerprint()
+    assert "secret" in repr(TEST_KEY.derive(BLOCKS)) and TEST_SECRET.hex() not in repr(TEST_KEY)
+
+
+@pytest.mark.parametrize("content", [None, b"", b"short\n", b"x" * 5000])
+def test_a_bad_key_file_is_one_line_naming_it(tmp_path: Path, content: bytes | None) -> None:
+    path = tmp_path / "cluster.key"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ClusterKeyError) as info:
+        ClusterKey.from_file(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    if content is not None and len(content) < KEY_MIN_BYTES:
+        assert f"at least {KEY_MIN_BYTES}" in message
