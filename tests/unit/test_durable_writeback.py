@@ -68,9 +68,10 @@ class BreakableStore(InMemoryObjectStore):
             raise ObjectStoreUnavailableError("data piece lost (test)")
         return await super().put(key, size, read)
 
-    async def put_if(self, key, size, read, *, if_match=None, if_none_match=False):  # type: ignore[no-untyped-def]
+    async def put_if(self, key, size, read, *, if_match=None, if_none_match=False, metadata=None):  # type: ignore[no-untyped-def]
         self._gate()
-        return await super().put_if(key, size, read, if_match=if_match, if_none_match=if_none_match)
+        return await super().put_if(key, size, read, if_match=if_match, if_none_match=if_none_match,
+                                    metadata=metadata)
 
     async def delete(self, key):  # type: ignore[no-untyped-def]
         self._gate()
@@ -309,6 +310,17 @@ class GatedStore(InMemoryObjectStore):
         await gate.wait()
         return await super().put(key, size, read)
 
+    async def put_if(self, key, size, read, **conditions):  # type: ignore[no-untyped-def]
+        # The writer's tagged uploads (write durability cluster) come this way; the recoverer's
+        # conditional puts (untagged) pass.
+        if not conditions.get("metadata"):
+            return await super().put_if(key, size, read, **conditions)
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        self.started.set()
+        await gate.wait()
+        return await super().put_if(key, size, read, **conditions)
+
 
 async def test_an_upload_landing_after_a_newer_acknowledgement_becomes_that_records_base(tmp_path: Path) -> None:
     source, cluster = GatedStore(), BreakableStore()
@@ -482,3 +494,77 @@ async def test_a_close_after_an_fsync_that_timed_out_fails_at_once_while_the_sto
     await node.wb.commit(sf)  # so this one is tried, and succeeds
     node.wb.unhold(sf)
     node.lose()
+
+
+class LandsButNeverAnswers(InMemoryObjectStore):
+    """A source whose next put lands and then never answers: the node dies with the upload's answer
+    (the new ETag) unseen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.swallow = False
+        self.landed = asyncio.Event()
+
+    async def put_if(self, key, size, read, *, if_match=None, if_none_match=False, metadata=None):  # type: ignore[no-untyped-def]
+        info = await super().put_if(key, size, read, if_match=if_match, if_none_match=if_none_match,
+                                    metadata=metadata)
+        if self.swallow:
+            self.swallow = False
+            self.landed.set()
+            await asyncio.Event().wait()
+        return info
+
+
+@pytest.mark.parametrize("then", ["write", "delete"])
+async def test_the_writers_own_upload_landing_as_the_node_dies_is_not_taken_for_a_newer_version(
+        tmp_path: Path, then: str) -> None:
+    """v1 of a file in the source (E0) is rewritten (record 1, base E0) and its upload lands, but the
+    node dies before the answer: record 2 (v2, or a delete), acknowledged meanwhile, still says base
+    E0. The recoverer finds the source at v1, tagged as this writer's older upload, and applies record
+    2 (found as a 'kept_newer' loss of an acknowledged write in 2 of 20 kill trials)."""
+    source, cluster = LandsButNeverAnswers(), BreakableStore()
+    e0 = source.put_object("ckpt", b"version 0, in the source").etag
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    sf = await node.wb.create("ckpt", may_exist=True, base_etag=e0)
+    node.wb.hold(sf)
+    await node.wb.write(sf, 0, b"version 1, ours")
+    await node.wb.commit(sf)
+    node.wb.unhold(sf)
+    source.swallow = True
+    flushing = asyncio.ensure_future(node.wb.flush(30))
+    await asyncio.wait_for(source.landed.wait(), 10)
+    assert source._objects["ckpt"].data == b"version 1, ours"
+    if then == "write":
+        await write(node.wb, "ckpt", b"version 2, ours, acknowledged last", may_exist=True)
+    else:
+        await node.wb.remove("ckpt", may_exist=True)
+    prefix = node.durable.prefix
+    flushing.cancel()
+    node.lose()
+    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    assert report.kept_newer == [] and report.failed == [], report
+    if then == "write":
+        assert report.uploaded == ["ckpt"]
+        assert source._objects["ckpt"].data == b"version 2, ours, acknowledged last"
+    else:
+        assert report.deleted == ["ckpt"] and "ckpt" not in source._objects
+
+
+async def test_someone_elses_version_is_still_kept(tmp_path: Path) -> None:
+    """The tag check only ever recognises this writer's own older upload: an untagged object written
+    by someone else after the acknowledgement stays (the rule of never overwriting a newer version)."""
+    source, cluster = InMemoryObjectStore(), BreakableStore()
+    e0 = source.put_object("shared", b"version 0").etag
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    sf = await node.wb.create("shared", may_exist=True, base_etag=e0)
+    node.wb.hold(sf)
+    await node.wb.write(sf, 0, b"ours")
+    await node.wb.commit(sf)
+    node.wb.unhold(sf)
+    prefix = node.durable.prefix
+    node.lose()
+    source.put_object("shared", b"theirs, written after", metadata={"cachefs-writer": prefix + "x", "cachefs-seq": "0"})
+    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    assert report.kept_newer == ["shared"] and source._objects["shared"].data == b"theirs, written after"

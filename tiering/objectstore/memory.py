@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from tiering.blocks import BlockData
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError
@@ -60,6 +60,7 @@ def md5_etag(data: bytes) -> str:
 class _Stored:
     data: bytes
     info: ObjectInfo
+    metadata: dict[str, str] = field(default_factory=dict)  # user metadata (S3's x-amz-meta-*)
 
 
 class InMemoryObjectStore:
@@ -74,7 +75,8 @@ class InMemoryObjectStore:
 
     # -- test helpers -------------------------------------------------------------------------------
 
-    def put_object(self, key: str, data: bytes, mtime: float | None = None) -> ObjectInfo:
+    def put_object(self, key: str, data: bytes, mtime: float | None = None,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """Create or overwrite ``key``. A key ending in ``/`` is a directory marker (usually empty)."""
         if not key:
             raise ValueError("object key must not be empty")
@@ -85,7 +87,7 @@ class InMemoryObjectStore:
             etag=md5_etag(data),
             mtime=time.time() if mtime is None else float(mtime),
         )
-        self._objects[key] = _Stored(data, info)
+        self._objects[key] = _Stored(data, info, dict(metadata or {}))
         return info
 
     def delete_object(self, key: str) -> None:
@@ -164,10 +166,10 @@ class InMemoryObjectStore:
         self._objects.pop(key, None)
 
     async def put_if(self, key: str, size: int, read: ReadRange, *, if_match: str | None = None,
-                     if_none_match: bool = False) -> ObjectInfo:
+                     if_none_match: bool = False, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """A put refused as S3 refuses it: 412 (``ObjectChangedError``) when the object exists under
         ``If-None-Match: *`` or has another ETag than ``if_match``; 404 when ``if_match`` names an
-        absent object."""
+        absent object. ``metadata``: user metadata stored with it (``head_metadata``)."""
         check_write_key(key)
         self.stats.requests += 1
         self.stats.put_requests += 1
@@ -181,7 +183,12 @@ class InMemoryObjectStore:
             if current.info.etag != if_match:
                 raise ObjectChangedError(f"put {key!r}: ETag is {current.info.etag}, not {if_match}")
         self.stats.bytes_written += len(data)
-        return self.put_object(key, data)
+        return self.put_object(key, data, metadata=metadata)
+
+    async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
+        """``head`` with the object's user metadata (keys in lower case, as S3 returns them)."""
+        info = await self.head(key)
+        return info, {name.lower(): value for name, value in self._lookup(key).metadata.items()}
 
     async def delete_if(self, key: str, if_match: str) -> None:
         check_write_key(key)
@@ -204,7 +211,7 @@ class InMemoryObjectStore:
         if stored.info.etag != etag:
             self.stats.errors += 1
             raise ObjectChangedError(f"object {src!r} changed: ETag is now {stored.info.etag}, not {etag}")
-        return self.put_object(dst, stored.data)
+        return self.put_object(dst, stored.data, metadata=stored.metadata)  # S3 copies metadata too
 
     async def close(self) -> None:
         pass

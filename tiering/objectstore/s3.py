@@ -639,11 +639,13 @@ class S3ObjectStore:
         return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
 
     async def _put_multipart(self, key: str, size: int, part_size: int, read: ReadRange,
-                             conditions: dict[str, Any] | None = None) -> Any:
+                             conditions: dict[str, Any] | None = None,
+                             metadata: Mapping[str, str] | None = None) -> Any:
         where = self._where(key)
         full = self.prefix + key
         self.stats.put_requests += 1
-        created = await self._call("create_multipart_upload", op="PUT", where=where, Key=full)
+        extra: dict[str, Any] = {"Metadata": dict(metadata)} if metadata else {}
+        created = await self._call("create_multipart_upload", op="PUT", where=where, Key=full, **extra)
         upload_id = created["UploadId"]
         count = -(-size // part_size)
 
@@ -708,7 +710,7 @@ class S3ObjectStore:
     # -- conditional writes (tiering.writeback.durable: leases and recovery) --------------------------
 
     async def put_if(self, key: str, size: int, read: ReadRange, *, if_match: str | None = None,
-                     if_none_match: bool = False) -> ObjectInfo:
+                     if_none_match: bool = False, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """``put`` sent with ``If-Match: if_match`` or ``If-None-Match: *`` (on the PutObject, or on
         the CompleteMultipartUpload of a large object, where S3 evaluates them).
 
@@ -716,6 +718,7 @@ class S3ObjectStore:
         ``if_match`` names an object that is gone. AWS S3 and SeaweedFS (4.x, PUT and multipart
         completion) evaluate both; a server that ignores them would make this an unconditional put
         (see ``tiering.writeback.durable`` on the read-back check that narrows that case).
+        ``metadata``: user metadata (x-amz-meta-*) stored with the object (``head_metadata``).
         """
         check_write_key(key)
         where = self._where(key)
@@ -726,15 +729,25 @@ class S3ObjectStore:
             conditions["IfNoneMatch"] = "*"
         part_size = self._part_size_for(size)
         if size <= part_size:
+            extra: dict[str, Any] = {"Metadata": dict(metadata)} if metadata else {}
             async with self._upload_slots:
                 data = await self._read(read, 0, size, where)
                 self.stats.put_requests += 1
                 response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=data,
-                                            **conditions)
+                                            **conditions, **extra)
         else:
-            response = await self._put_multipart(key, size, part_size, read, conditions)
+            response = await self._put_multipart(key, size, part_size, read, conditions, metadata)
         self.stats.bytes_written += size
         return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
+
+    async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
+        """``head`` with the object's user metadata (names in lower case, without ``x-amz-meta-``)."""
+        self._check_key(key)
+        self.stats.head_requests += 1
+        response = await self._call("head_object", op="HEAD", where=self._where(key), Key=self.prefix + key)
+        info = ObjectInfo(key=key, size=int(response["ContentLength"]), etag=response["ETag"],
+                          mtime=response["LastModified"].timestamp())
+        return info, {str(name).lower(): str(value) for name, value in (response.get("Metadata") or {}).items()}
 
     async def delete_if(self, key: str, if_match: str) -> None:
         """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag."""

@@ -82,7 +82,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -192,17 +192,42 @@ def piece_mac(mac: MacKey, name: str) -> "hmac.HMAC":
 
 
 class ConditionalStore(ObjectStore, Protocol):
-    """An ``ObjectStore`` with the conditional writes leases and recovery need (S3, in-memory)."""
+    """An ``ObjectStore`` with the conditional writes leases and recovery need (S3, in-memory), and
+    user metadata: the writer tags its uploads (``upload_tag``), the recoverer reads the tag."""
 
     async def put_if(self, key: str, size: int, read: ReadRange, *, if_match: str | None = None,
-                     if_none_match: bool = False) -> ObjectInfo: ...
+                     if_none_match: bool = False, metadata: Mapping[str, str] | None = None) -> ObjectInfo: ...
 
     async def delete_if(self, key: str, if_match: str) -> None: ...
 
+    async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]: ...
+
+
+# The user metadata a writer with a cluster copy puts on each upload to the source: its journal prefix
+# and the record's sequence number. A recoverer that finds the source's object differing from a
+# record's base reads it: an older upload of the same writer (sent before the node died, its answer
+# never seen, so the record's base was never brought up to date) is replaced, not taken for a newer
+# version written by someone else.
+TAG_WRITER = "cachefs-writer"
+TAG_SEQ = "cachefs-seq"
+
+
+def upload_tag(prefix: str, seq: int) -> dict[str, str]:
+    return {TAG_WRITER: prefix, TAG_SEQ: str(seq)}
+
+
+def own_older_upload(metadata: Mapping[str, str], prefix: str, seq: int) -> bool:
+    """Whether an object with ``metadata`` is an upload of the writer of journal ``prefix`` that is
+    older than its record ``seq``."""
+    try:
+        return metadata.get(TAG_WRITER) == prefix and int(metadata.get(TAG_SEQ, "")) < seq
+    except ValueError:
+        return False
+
 
 def conditional(store: ObjectStore) -> ConditionalStore | None:
-    """``store`` if it has conditional writes, else None."""
-    if callable(getattr(store, "put_if", None)) and callable(getattr(store, "delete_if", None)):
+    """``store`` if it has conditional writes (and user metadata), else None."""
+    if all(callable(getattr(store, name, None)) for name in ("put_if", "delete_if", "head_metadata")):
         return store  # type: ignore[return-value]
     return None
 
@@ -486,6 +511,10 @@ class DurableJournal:
         self._known.move_to_end(key)
         while len(self._known) > KNOWN_KEYS:
             self._known.popitem(last=False)
+
+    def upload_tag(self, seq: int) -> dict[str, str]:
+        """The metadata of this writer's upload of record ``seq`` (``upload_tag``)."""
+        return upload_tag(self.prefix, seq)
 
     def silent_since(self, when: float) -> bool:
         """Whether the cluster store has answered neither a lease renewal nor a record since ``when``

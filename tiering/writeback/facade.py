@@ -87,7 +87,7 @@ from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth
 from tiering.writeback.datafiles import DataFiles
-from tiering.writeback.durable import DurabilityError, DurableJournal
+from tiering.writeback.durable import DurabilityError, DurableJournal, conditional
 from tiering.writeback.files import StagedFiles, read_range
 from tiering.writeback.events import KeyLocks, describe, wait_event
 from tiering.writeback.journal import DELETE, PUT, Record, StagingDir, pread_exact
@@ -708,8 +708,15 @@ class WriteBack:
         df = acked.data
         df.refs += 1
         sf.may_exist = True  # from now on the store may hold it, whatever happens
+        read = functools.partial(read_range, df.fd)
         try:
-            return await self.store.put(entry.key, acked.size, functools.partial(read_range, df.fd))
+            tag = self.records.upload_tag(acked.seq)
+            tagging = conditional(self.store) if tag is not None else None
+            if tagging is not None:
+                # With a cluster copy: tagged as this writer's, so that a recovery after this node
+                # died with the upload in flight tells it from someone else's (``durable.upload_tag``).
+                return await tagging.put_if(entry.key, acked.size, read, metadata=tag)
+            return await self.store.put(entry.key, acked.size, read)
         finally:
             self.datafiles.unref(df)
 

@@ -97,6 +97,10 @@ class Records:
         if self.durable is not None and etag:
             self.durable.note_base(key, etag)
 
+    def upload_tag(self, seq: int) -> dict[str, str] | None:
+        """With a cluster copy: the metadata that marks an upload of record ``seq`` as this writer's."""
+        return self.durable.upload_tag(seq) if self.durable is not None else None
+
     def durable_clock(self) -> float:
         """The cluster copy's monotonic clock (what ``store_silent_since`` compares with); 0 without one."""
         return self.durable.monotonic() if self.durable is not None else 0.0

@@ -49,6 +49,7 @@ from tiering.writeback.durable import (
     piece_mac,
     read_lease,
     read_object,
+    own_older_upload,
     seq_name,
     small_body,
 )
@@ -194,13 +195,24 @@ async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, r
     if record.op == DELETE:
         base = record.base if record.base is not None else await _unknown_base(source, record)
         if base is None:
+            base = await _own_older(source, prefix, record)
+        if base is None:
             report.kept_newer.append(key)
         elif base != ABSENT:
             try:
                 await source.delete_if(key, base)
                 report.deleted.append(key)
             except ObjectChangedError:
-                report.kept_newer.append(key)
+                own = await _own_older(source, prefix, record)
+                try:
+                    if own is None or own == ABSENT:
+                        raise ObjectChangedError(key)
+                    await source.delete_if(key, own)
+                    report.deleted.append(key)
+                except ObjectChangedError:
+                    report.kept_newer.append(key)
+                except ObjectNotFoundError:
+                    report.deleted.append(key)
             except ObjectNotFoundError:
                 report.deleted.append(key)
         return
@@ -210,15 +222,41 @@ async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, r
             return
         base = record.base if record.base is not None else await _unknown_base(source, record)
         if base is None:
+            base = await _own_older(source, prefix, record)
+        if base is None:
             report.kept_newer.append(key)
             return
         fd = spool.fileno()
-        try:
+
+        async def put(base: str) -> None:
             await source.put_if(key, record.size, lambda s, e: pread_exact(fd, e - s, s),
                                 if_none_match=base == ABSENT, if_match=None if base == ABSENT else base)
+
+        try:
+            await put(base)
             report.uploaded.append(key)
         except (ObjectChangedError, ObjectNotFoundError):
-            report.kept_newer.append(key)
+            # The source moved on from the base: someone else's newer version, or this writer's own
+            # older upload that landed while the node died (its answer, and so the new base, lost).
+            own = await _own_older(source, prefix, record)
+            try:
+                if own is None:
+                    raise ObjectChangedError(key) from None
+                await put(own)
+                report.uploaded.append(key)
+            except (ObjectChangedError, ObjectNotFoundError):
+                report.kept_newer.append(key)
+
+
+async def _own_older(source: ConditionalStore, prefix: str, record: ClusterRecord) -> str | None:
+    """The ETag of the source's object if it is an upload of this same writer older than ``record``
+    (its tag, ``durable.upload_tag``): the record replaces it. None otherwise (absent, untagged,
+    another writer's, or this record's own upload)."""
+    try:
+        info, metadata = await source.head_metadata(record.key)
+    except ObjectNotFoundError:
+        return None
+    return info.etag if own_older_upload(metadata, prefix, record.seq) else None
 
 
 async def _unknown_base(source: ObjectStore, record: ClusterRecord) -> str | None:
