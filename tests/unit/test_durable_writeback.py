@@ -542,7 +542,7 @@ async def test_the_writers_own_upload_landing_as_the_node_dies_is_not_taken_for_
     prefix = node.durable.prefix
     flushing.cancel()
     node.lose()
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.kept_newer == [] and report.failed == [], report
     if then == "write":
         assert report.uploaded == ["ckpt"]
@@ -566,5 +566,5 @@ async def test_someone_elses_version_is_still_kept(tmp_path: Path) -> None:
     prefix = node.durable.prefix
     node.lose()
     source.put_object("shared", b"theirs, written after", metadata={"cachefs-writer": prefix + "x", "cachefs-seq": "0"})
-    report = await recover_prefix(source, cluster, prefix, owner="r", assume_dead=True)
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.kept_newer == ["shared"] and source._objects["shared"].data == b"theirs, written after"
