@@ -568,3 +568,56 @@ async def test_someone_elses_version_is_still_kept(tmp_path: Path) -> None:
     source.put_object("shared", b"theirs, written after", metadata={"cachefs-writer": prefix + "x", "cachefs-seq": "0"})
     report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
     assert report.kept_newer == ["shared"] and source._objects["shared"].data == b"theirs, written after"
+
+
+class LateDeleteStore(BreakableStore):
+    """A cluster store that stops answering DELETEs (they time out) but runs them later, when
+    ``run_late`` is called: a store frozen with SIGSTOP and resumed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stall_deletes = False
+        self.late: list[str] = []
+
+    async def delete(self, key):  # type: ignore[no-untyped-def]
+        if self.stall_deletes:
+            self.late.append(key)
+            await asyncio.Event().wait()
+        return await super().delete(key)
+
+    def run_late(self) -> None:
+        for key in self.late:
+            self._objects.pop(key, None)
+        self.late.clear()
+
+
+async def test_an_unlink_that_failed_on_a_frozen_store_keeps_the_file_recoverable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rm failed with EIO (the DELETE of u1's record timed out), so u1 stays acknowledged; the store
+    then resumed and ran that DELETE; the node is lost. u1 must still reach the source through
+    recovery: the record was put again under a name the late DELETE cannot reach (issue 38, finding 2:
+    '0 files uploaded', u1 lost)."""
+    import tiering.writeback.durable as durable_module
+
+    monkeypatch.setattr(durable_module, "DURABLE_DEADLINE_FLOOR_S", 0.2)
+    source, cluster = InMemoryObjectStore(), LateDeleteStore()
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    await write(node.wb, "u1", b"acknowledged, then an unlink that failed")
+    await write(node.wb, "u2", b"another file")
+    cluster.stall_deletes = True
+    with pytest.raises(DurabilityError):
+        await node.wb.remove("u1", may_exist=False)
+    cluster.stall_deletes = False
+    for _ in range(200):  # the re-mirror runs in the background, at once
+        if node.durable.stats["resettled"]:
+            break
+        await asyncio.sleep(0.01)
+    assert node.durable.stats["resettled"] == 1
+    cluster.run_late()  # the store resumes and runs the DELETE it was sent
+    prefix = node.durable.prefix
+    node.lose()
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
+    assert report.failed == [] and report.forged == [] and sorted(report.uploaded) == ["u1", "u2"], report
+    assert source._objects["u1"].data == b"acknowledged, then an unlink that failed"
+    assert [k for k in cluster.keys() if k.startswith(prefix) and "/journal/" in k] == []  # swept

@@ -133,6 +133,14 @@ DURABLE_DEADLINE_FLOOR_S = 15.0
 DURABLE_MIN_RATE = 8 * 1024 * 1024
 
 
+# Re-mirroring a record after a request on it whose outcome is unknown (``DurableJournal._settle``):
+# first retry after a second, doubling to half a minute, given up (and logged) after an hour, by
+# when the lease has long run out and a recoverer owns the journal anyway.
+SETTLE_FIRST_PAUSE_S = 1.0
+SETTLE_MAX_PAUSE_S = 30.0
+SETTLE_LIMIT_S = 3600.0
+
+
 def durable_deadline_s(size: int) -> float:
     """How long one acknowledgement may wait for the cluster store (data and record)."""
     return DURABLE_DEADLINE_FLOOR_S + max(0, size) / DURABLE_MIN_RATE
@@ -248,6 +256,21 @@ def seq_name(seq: int) -> str:
     return f"{seq:016d}"
 
 
+def copy_name(seq: int, copy: int) -> str:
+    """The name of a record's journal object: ``seq_name``, or for a re-mirrored copy (``copy`` >= 1)
+    ``<seq>.<copy>``: a name no request sent before can delete (``DurableJournal._settle``)."""
+    return seq_name(seq) if copy == 0 else f"{seq_name(seq)}.{copy}"
+
+
+def names_record(name: str, seq: int) -> bool:
+    """Whether journal object ``name`` (any path ending in it) is a name of record ``seq``."""
+    base = JOURNAL + seq_name(seq)
+    if name.endswith(base):
+        return True
+    head, dot, copy = name.rpartition(".")
+    return bool(dot) and copy.isdigit() and head.endswith(base)
+
+
 # ---------------------------------------------------------------------------------------------- formats
 @dataclass(frozen=True)
 class ClusterRecord:
@@ -292,7 +315,7 @@ class ClusterRecord:
             raise ValueError("invalid journal object fields")
         if sum(length for _, length, _ in record.segments) != record.size:
             raise ValueError("the data pieces do not make the recorded size")
-        if not name.endswith(JOURNAL + seq_name(record.seq)):
+        if not names_record(name, record.seq):
             raise ValueError("the record's sequence number is not its object's")
         return record
 
@@ -369,6 +392,11 @@ async def read_lease(store: ObjectStore, prefix: str, mac: MacKey) -> Lease | No
 class _Mirrored:
     record: ClusterRecord
     local: tuple[str, int, int] | None  # (local data file, size, crc32)
+    copies: int = 0  # re-mirrored copies (``copy_name``) after a request whose outcome was unknown
+
+    def names(self) -> list[str]:
+        """Every journal object name that holds this record (relative to the prefix)."""
+        return [JOURNAL + copy_name(self.record.seq, n) for n in range(self.copies + 1)]
 
 
 class DurableJournal:
@@ -400,7 +428,8 @@ class DurableJournal:
         # key -> the source's ETag as this writer knows it (or ABSENT), the most recent KNOWN_KEYS.
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
-        self.stats = {"records": 0, "data_bytes": 0, "failures": 0, "removed": 0, "forged_leases": 0}
+        self.stats = {"records": 0, "data_bytes": 0, "failures": 0, "removed": 0, "forged_leases": 0,
+                      "resettled": 0}
 
     # -- life cycle ---------------------------------------------------------------------------------
     async def open(self) -> list[str]:
@@ -471,6 +500,9 @@ class DurableJournal:
             await self.mirror(record)
         for seq in sorted(set(present) - wanted):
             await self._delete_quietly(self.prefix + JOURNAL + seq_name(seq))
+        for name in listing.files:  # copies re-mirrored by an earlier incarnation: each record is whole above
+            if not name.isdigit():
+                await self._delete_quietly(self.prefix + JOURNAL + name)
         for name in (await self.store.list_dir(self.prefix + DATA)).files:
             if self._piece_refs.get(DATA + name, 0) == 0:
                 await self._delete_quietly(self.prefix + DATA + name)
@@ -502,7 +534,7 @@ class DurableJournal:
         return {"prefix": self.prefix, "pending_records": len(self._by_key), "taken_over": self.taken_over,
                 "lease_fresh": self.fresh(), "records_mirrored": self.stats["records"],
                 "data_bytes_mirrored": self.stats["data_bytes"], "records_removed": self.stats["removed"],
-                "failures": self.stats["failures"]}
+                "failures": self.stats["failures"], "records_resettled": self.stats["resettled"]}
 
     # -- what the write-back engine calls ------------------------------------------------------------
     def note_base(self, key: str, etag: str) -> None:
@@ -593,7 +625,8 @@ class DurableJournal:
         self._mirrored_at = self.monotonic()
         old = self._set(record.key, _Mirrored(cr, local), counted=True)
         if old is not None and old.record.seq != cr.seq:
-            self._spawn(self._delete_quietly(self.prefix + JOURNAL + seq_name(old.record.seq)))
+            for name in old.names():
+                self._spawn(self._delete_quietly(self.prefix + name))
             self._release(old.record)
 
     def _set(self, key: str, mirrored: _Mirrored, *, counted: bool = False) -> _Mirrored | None:
@@ -671,22 +704,57 @@ class DurableJournal:
         if mirrored is None:
             return
         if not durable:
-            self._spawn(self._delete_quietly(self.prefix + JOURNAL + seq_name(mirrored.record.seq)))
+            for name in mirrored.names():
+                self._spawn(self._delete_quietly(self.prefix + name))
             self._release(mirrored.record)
             self.stats["removed"] += 1
             return
         try:
             async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):
-                await self.store.delete(self.prefix + JOURNAL + seq_name(mirrored.record.seq))
+                for name in mirrored.names():
+                    await self.store.delete(self.prefix + name)
         except (ObjectStoreError, TimeoutError) as exc:
             self.stats["failures"] += 1
             self._by_key[key] = mirrored  # still live (its pieces were never released)
             if mirrored.local is not None:
                 self._by_file[mirrored.local[0]] = key
+            # The DELETE may have been sent and still run (a store that froze, then resumed): the
+            # record the failed unlink leaves acknowledged would then be gone from the cluster journal.
+            # It is put again under a name that request cannot reach (``_settle``).
+            self._spawn(self._settle(key, mirrored))
             raise DurabilityError(f"the cluster store did not drop the record of {key!r} "
                                   f"({exc or 'timeout'}) (--write-durability cluster)") from exc
         self.stats["removed"] += 1
         self._release(mirrored.record)
+
+    async def _settle(self, key: str, mirrored: _Mirrored) -> None:
+        """After a request on ``mirrored``'s journal object whose outcome is unknown: put the record
+        again under a new name (``copy_name``), retried with a growing pause until it lands, the record
+        is no longer live, or SETTLE_LIMIT_S passes (logged: a node lost then may lose that record)."""
+        pause, deadline = SETTLE_FIRST_PAUSE_S, self.monotonic() + SETTLE_LIMIT_S
+        while self._by_key.get(key) is mirrored and self.monotonic() < deadline:
+            name = JOURNAL + copy_name(mirrored.record.seq, mirrored.copies + 1)
+            raw = mirrored.record.encode(self.keys.records, self.prefix + name)
+            try:
+                async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):
+                    await self.store.put(self.prefix + name, len(raw), lambda s, e: raw[s:e])
+            except (ObjectStoreError, TimeoutError) as exc:
+                log.info("write-back: re-mirroring the record of %r failed (%s); trying again in %g s", key,
+                         exc or "timeout", pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, SETTLE_MAX_PAUSE_S)
+                continue
+            if self._by_key.get(key) is mirrored:
+                mirrored.copies += 1
+                self.stats["resettled"] += 1
+                log.info("write-back: the record of %r is in the cluster store again (%s), after a request on it "
+                         "whose outcome was unknown", key, name)
+            else:  # removed meanwhile (uploaded, or unlinked for good): the copy is garbage
+                await self._delete_quietly(self.prefix + name)
+            return
+        if self._by_key.get(key) is mirrored:
+            log.error("write-back: the record of %r could not be put in the cluster store again within %g s; "
+                      "it is on local disk, and may be missing from the cluster journal", key, SETTLE_LIMIT_S)
 
     async def uploaded(self, key: str, seq: int, etag: str | None) -> None:
         """The source now holds operation ``seq`` of ``key`` (``etag``; None: deleted). A newer record
@@ -698,10 +766,10 @@ class DurableJournal:
         if mirrored is None or mirrored.record.seq <= seq or mirrored.record.base == self._known[key]:
             return  # nothing newer pending (``forget`` follows), or its base is right already
         cr = replace(mirrored.record, base=self._known[key])
-        raw = cr.encode(self.keys.records, self.prefix + JOURNAL + seq_name(cr.seq))
         try:
             async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):  # the key's lock is held meanwhile
-                await self.store.put(self.prefix + JOURNAL + seq_name(cr.seq), len(raw), lambda s, e: raw[s:e])
+                for name in mirrored.names():  # every copy: none may keep the older base
+                    await self.store.put(self.prefix + name, *small_body(cr.encode(self.keys.records, self.prefix + name)))
             mirrored.record = cr
         except (ObjectStoreError, TimeoutError) as exc:
             log.warning("write-back: could not update the base of %r in the cluster journal (%s); a recovery "
