@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -273,11 +274,30 @@ def _writer(root: Path, rng: random.Random, acked: dict[str, bytes | None], infl
         return  # the daemon was killed
 
 
+def _freezer(cluster: SeaweedS3, rng: random.Random, stop: threading.Event, freezes: list[float]) -> None:
+    """SIGSTOP the cluster store (the process this module started) for 0.2-4 s at random moments
+    until ``stop``; always SIGCONT on the way out. Operations caught by a freeze finish late or fail
+    with EIO past their deadline (not acknowledged); requests sent before it may run after it."""
+    pid = cluster.pid
+    assert pid is not None
+    try:
+        while not stop.wait(rng.uniform(0.1, 1.0)):
+            os.kill(pid, signal.SIGSTOP)
+            length = rng.uniform(0.2, 4.0)
+            freezes.append(length)
+            stop.wait(length)
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["steady", "store-frozen-at-random"])
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_kill_9_while_writing_loses_nothing_acknowledged_once_recovered(
-        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], env: dict[str, str], trial: int) -> None:
+        mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], env: dict[str, str], trial: int,
+        freeze: bool) -> None:
     source, cluster = servers
-    rng = random.Random(f"durable-{trial}")
+    rng = random.Random(f"durable-{trial}-{freeze}")
     prefix_in_source = f"trial-{uuid.uuid4().hex[:8]}"
     m = mounter.mount(f"s3://{SOURCE_BUCKET}/{prefix_in_source}", *cluster_args(cluster), "--write-durability",
                       "cluster", "--write-lease-ttl", str(LEASE_TTL_S), "--node-id", f"trial-{trial}",
@@ -288,11 +308,19 @@ def test_kill_9_while_writing_loses_nothing_acknowledged_once_recovered(
     ops = [0]
     writer = threading.Thread(target=_writer, args=(m.path, rng, acked, inflight, stop, ops), daemon=True)
     writer.start()
-    time.sleep(rng.uniform(1.5, 4.0))
-    kill9(m)
+    freezes: list[float] = []
+    unfreeze = threading.Event()
+    freezer = threading.Thread(target=_freezer, args=(cluster, random.Random(trial), unfreeze, freezes), daemon=True)
+    if freeze:
+        freezer.start()
+    time.sleep(rng.uniform(1.5, 4.0) + (rng.uniform(2.0, 6.0) if freeze else 0.0))
+    unfreeze.set()
+    if freeze:
+        freezer.join(10)  # the store answers again (requests sent during a freeze may run now) ...
+    kill9(m)  # ... and the node is lost
     stop.set()
-    writer.join(30)
-    assert not writer.is_alive(), "the writer still blocks 30 s after the kill"
+    writer.join(60)
+    assert not writer.is_alive(), "the writer still blocks 60 s after the kill"
     clear_dead_mount(m)
     shutil.rmtree(m.cache_dir)
 
@@ -317,4 +345,4 @@ def test_kill_9_while_writing_loses_nothing_acknowledged_once_recovered(
     extra = set(stored) - set(acked) - set(inflight) - {f"{k}.tmp" for k in inflight}
     assert not extra, f"objects nobody acknowledged: {extra}"
     print(f"durable kill trial {trial}: {ops[0]} operations acknowledged on {len(acked)} keys, recovered {len(report['uploaded'])} "
-          f"uploads and {len(report['deleted'])} deletes")
+          f"uploads and {len(report['deleted'])} deletes; cluster store frozen {len(freezes)} times")
