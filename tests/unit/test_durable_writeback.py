@@ -514,6 +514,13 @@ class LandsButNeverAnswers(InMemoryObjectStore):
             await asyncio.Event().wait()
         return info
 
+    async def delete(self, key):  # type: ignore[no-untyped-def]
+        await super().delete(key)
+        if self.swallow:
+            self.swallow = False
+            self.landed.set()
+            await asyncio.Event().wait()
+
 
 @pytest.mark.parametrize("then", ["write", "delete"])
 async def test_the_writers_own_upload_landing_as_the_node_dies_is_not_taken_for_a_newer_version(
@@ -621,3 +628,26 @@ async def test_an_unlink_that_failed_on_a_frozen_store_keeps_the_file_recoverabl
     assert report.failed == [] and report.forged == [] and sorted(report.uploaded) == ["u1", "u2"], report
     assert source._objects["u1"].data == b"acknowledged, then an unlink that failed"
     assert [k for k in cluster.keys() if k.startswith(prefix) and "/journal/" in k] == []  # swept
+
+
+async def test_the_writers_own_delete_landing_as_the_node_dies_does_not_hide_a_newer_write(tmp_path: Path) -> None:
+    """unlink(ckpt) is uploaded (its DELETE lands, the answer never comes), then ckpt is written again
+    and acknowledged (its record says base E0, racing with that delete); the node dies. A delete leaves
+    no tag: the record's ``racing`` tells the recoverer that an absent object may be its own delete,
+    and the new version is written (If-None-Match), not taken for someone else's deletion."""
+    source, cluster = LandsButNeverAnswers(), BreakableStore()
+    e0 = source.put_object("ckpt", b"version 0, in the source").etag
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    await node.wb.remove("ckpt", may_exist=True, base_etag=e0)
+    source.swallow = True
+    flushing = asyncio.ensure_future(node.wb.flush(30))
+    await asyncio.wait_for(source.landed.wait(), 10)
+    assert "ckpt" not in source._objects
+    await write(node.wb, "ckpt", b"saved again, acknowledged", may_exist=True)
+    prefix = node.durable.prefix
+    flushing.cancel()
+    node.lose()
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
+    assert report.kept_newer == [] and report.uploaded == ["ckpt"], report
+    assert source._objects["ckpt"].data == b"saved again, acknowledged"

@@ -76,13 +76,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hmac
 import json
 import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -287,6 +288,10 @@ class ClusterRecord:
     base: str | None = None  # source ETag replaced, ABSENT, or None: unknown
     acked_at: float = 0.0  # wall clock of the acknowledgement
     mtime: float = 0.0
+    # This writer's own upload or delete of the key was in flight when the record was acknowledged:
+    # its outcome (unseen if the node died) may stand in the source instead of ``base``. Written only
+    # when true (records without it read as before).
+    racing: bool = False
 
     @property
     def is_marker(self) -> bool:
@@ -295,6 +300,8 @@ class ClusterRecord:
     def encode(self, mac: MacKey, name: str) -> bytes:
         """The journal object at ``name`` (the full object name): its MAC, then the JSON body."""
         body = asdict(self)
+        if not self.racing:
+            del body["racing"]
         body["format"] = FORMAT
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
         return _sign(mac, name, text + b"\n")
@@ -421,6 +428,7 @@ class DurableJournal:
         self._lease_etag = ""
         self._renewed_at = 0.0  # monotonic
         self._mirrored_at = 0.0  # monotonic: the last record the store took
+        self._sending: collections.Counter[str] = collections.Counter()  # keys with an upload in flight
         self._renewer: asyncio.Task[None] | None = None
         self._by_key: dict[str, _Mirrored] = {}
         self._by_file: dict[str, str] = {}  # local data file -> the key whose live record names it
@@ -544,6 +552,18 @@ class DurableJournal:
         while len(self._known) > KNOWN_KEYS:
             self._known.popitem(last=False)
 
+    @contextlib.contextmanager
+    def sending(self, key: str) -> Iterator[None]:
+        """This writer's upload or delete of ``key`` to the source is in flight inside this block:
+        records of ``key`` acknowledged meanwhile are ``racing`` with it."""
+        self._sending[key] += 1
+        try:
+            yield
+        finally:
+            self._sending[key] -= 1
+            if self._sending[key] <= 0:
+                del self._sending[key]
+
     def upload_tag(self, seq: int) -> dict[str, str]:
         """The metadata of this writer's upload of record ``seq`` (``upload_tag``)."""
         return upload_tag(self.prefix, seq)
@@ -606,7 +626,8 @@ class DurableJournal:
         else:
             base = None
         cr = ClusterRecord(record.seq, record.key, record.op, size=record.size, crc32=record.crc32,
-                           segments=segments, base=base, acked_at=self.wall(), mtime=record.mtime)
+                           segments=segments, base=base, acked_at=self.wall(), mtime=record.mtime,
+                           racing=record.key in self._sending)
         raw = cr.encode(self.keys.records, self.prefix + JOURNAL + name)
         try:
             # The new piece and the journal object go in parallel (one round trip for an fsync): a
@@ -765,7 +786,7 @@ class DurableJournal:
         mirrored = self._by_key.get(key)
         if mirrored is None or mirrored.record.seq <= seq or mirrored.record.base == self._known[key]:
             return  # nothing newer pending (``forget`` follows), or its base is right already
-        cr = replace(mirrored.record, base=self._known[key])
+        cr = replace(mirrored.record, base=self._known[key], racing=key in self._sending)
         try:
             async with asyncio.timeout(DURABLE_DEADLINE_FLOOR_S):  # the key's lock is held meanwhile
                 for name in mirrored.names():  # every copy: none may keep the older base

@@ -696,6 +696,10 @@ class WriteBack:
     # ================================================================== what the uploader calls back
     async def _perform(self, entry: Entry) -> ObjectInfo | None:
         self.records.check_may_upload()  # a writer whose cluster journal was taken over uploads nothing
+        with self.records.sending(entry.key):  # records acknowledged meanwhile race with it (``durable``)
+            return await self._send(entry)
+
+    async def _send(self, entry: Entry) -> ObjectInfo | None:
         if entry.op == DELETE:
             await self.store.delete(entry.key)
             return None

@@ -15,6 +15,7 @@ here, as no-ops when there is none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from typing import Any
@@ -96,6 +97,10 @@ class Records:
         recovery never overwrites a newer one; None: nothing known."""
         if self.durable is not None and etag:
             self.durable.note_base(key, etag)
+
+    def sending(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Around this writer's upload or delete of ``key`` (``DurableJournal.sending``)."""
+        return self.durable.sending(key) if self.durable is not None else contextlib.nullcontext()
 
     def upload_tag(self, seq: int) -> dict[str, str] | None:
         """With a cluster copy: the metadata that marks an upload of record ``seq`` as this writer's."""

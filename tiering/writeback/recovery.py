@@ -249,13 +249,14 @@ async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, r
 
 
 async def _own_older(source: ConditionalStore, prefix: str, record: ClusterRecord) -> str | None:
-    """The ETag of the source's object if it is an upload of this same writer older than ``record``
-    (its tag, ``durable.upload_tag``): the record replaces it. None otherwise (absent, untagged,
-    another writer's, or this record's own upload)."""
+    """What the record may replace besides its base: the ETag of the source's object if it is an
+    upload of this same writer older than ``record`` (its tag, ``durable.upload_tag``); ABSENT if the
+    object is gone and the record was ``racing`` with this writer's own delete of it. None otherwise
+    (untagged, another writer's, this record's own upload, or gone with no delete of ours in flight)."""
     try:
         info, metadata = await source.head_metadata(record.key)
     except ObjectNotFoundError:
-        return None
+        return ABSENT if record.racing else None
     return info.etag if own_older_upload(metadata, prefix, record.seq) else None
 
 
