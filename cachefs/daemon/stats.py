@@ -179,6 +179,7 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "rmdirs": fs.stats.rmdirs,
             "renames": fs.stats.renames,
             "truncates": fs.stats.truncates,
+            "fallocates": fs.stats.fallocates,
             "fsyncs": fs.stats.fsyncs,
             "flushes": fs.stats.flushes,
         },

@@ -32,5 +32,6 @@ class FsStats:
     rmdirs: int = 0
     renames: int = 0
     truncates: int = 0
+    fallocates: int = 0
     fsyncs: int = 0
     flushes: int = 0  # FLUSH requests (close); a read-only mount gets one, then the kernel stops

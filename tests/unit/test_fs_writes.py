@@ -501,3 +501,37 @@ async def test_read_only_refuses_every_change(tmp_path: Path) -> None:
         assert errno_of(info) == errno.EROFS
     assert "writeback" not in stats_document(fs)
     assert stat.S_IMODE(f.mode) == 0o444
+
+
+async def test_fallocate_in_the_modes_a_staged_copy_supports(env: Env) -> None:
+    """fallocate answered EOPNOTSUPP in every mode (issue 38, finding 7): plain allocation grows the
+    file with zeros, KEEP_SIZE changes nothing, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE read as zeros
+    (ZERO_RANGE growing the file unless KEEP_SIZE); the rest is EOPNOTSUPP, and a read-only handle EBADF.
+    Everything reaches the store as written."""
+    fs = env.fs
+    fh = await create(fs, "f.bin", b"x" * 10_000, close=False)
+    await fs.fallocate(fh, 0, 0, 20_000)  # plain: grows to 20,000
+    await fs.fallocate(fh, 0, 0, 100)  # inside the file: nothing changes
+    await fs.fallocate(fh, 0x01, 0, 1 << 30)  # KEEP_SIZE: nothing changes, nothing written
+    await fs.fallocate(fh, 0x02 | 0x01, 100, 200)  # punch a hole
+    await fs.fallocate(fh, 0x10 | 0x01, 19_990, 100)  # zero range, kept size: stops at the end
+    await fs.fallocate(fh, 0x10, 25_000, 5_000)  # zero range past the end: grows to 30,000
+    expected = b"x" * 100 + bytes(200) + b"x" * 9_700 + bytes(20_000)
+    assert await fs.read(fh, 0, 40_000) == expected
+    for mode in (0x08, 0x20, 0x40):  # collapse, insert, unshare
+        with pytest.raises(FsError) as refused:
+            await fs.fallocate(fh, mode, 0, 10)
+        assert errno_of(refused) == errno.EOPNOTSUPP
+    with pytest.raises(FsError) as bad:
+        await fs.fallocate(fh, 0x02, 0, 10)  # a hole punch must keep the size
+    assert errno_of(bad) == errno.EINVAL
+    await fs.flush(fh)
+    fs.release(fh)
+    await env.flush()
+    assert env.obj("f.bin") == expected
+    attrs = await lookup(fs, "a.txt")
+    ro, _ = await fs.open(attrs.inode, os.O_RDONLY)
+    with pytest.raises(FsError) as ebadf:
+        await fs.fallocate(ro, 0, 0, 10)
+    assert errno_of(ebadf) == errno.EBADF
+    fs.release(ro)
