@@ -1,4 +1,4 @@
-"""A multipart upload cut short by its caller's deadline fails at that deadline, not after the abort.
+"""Multipart uploads: a caller's deadline holds when one is cut short, and user metadata travels with them.
 
 The store stops answering in the middle of a multipart upload (a ``LoopbackProxy`` in front of
 SeaweedFS freezes when the second part is read): the caller's ``asyncio.timeout`` cancels the put, and
@@ -50,3 +50,24 @@ async def test_a_cancelled_multipart_upload_fails_at_the_callers_deadline(seawee
         await store.close()  # waits for the background abort, bounded
         assert time.monotonic() - closing < ABORT_TIMEOUT_S + 5
         proxy.close()
+
+
+@pytest.mark.parametrize("size", [1000, 2 * DEFAULT_PART_SIZE + 7], ids=["single-put", "multipart"])
+async def test_user_metadata_of_a_conditional_put_comes_back_from_head(seaweed: SeaweedS3, seaweed_bucket: str,
+                                                                       size: int) -> None:
+    """The writer's upload tag (write durability cluster) is user metadata on PutObject or on
+    CreateMultipartUpload; SeaweedFS returns it on HEAD (names in lower case), and CopyObject keeps it."""
+    store = S3ObjectStore(seaweed_bucket, "meta/", endpoint_url=seaweed.endpoint_url, connect_timeout_s=2,
+                          read_timeout_s=30, environ=seaweed.env())
+    data = os.urandom(size)
+    tag = {"cachefs-writer": "writeback/v/n/i/", "cachefs-seq": "42"}
+    try:
+        put = await store.put_if("tagged.bin", size, lambda s, e: data[s:e], metadata=tag)
+        info, metadata = await store.head_metadata("tagged.bin")
+        assert info.etag == put.etag and metadata == tag
+        copied = await store.copy("tagged.bin", put.etag, "copied.bin")
+        assert (await store.head_metadata("copied.bin"))[1] == tag and copied.size == size
+        await store.put("plain.bin", 3, lambda s, e: b"abc"[s:e])
+        assert (await store.head_metadata("plain.bin"))[1] == {}
+    finally:
+        await store.close()
