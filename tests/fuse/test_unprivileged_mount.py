@@ -49,7 +49,7 @@ def nobody_python() -> tuple[str, str]:
     pythonpath = f"{os.getcwd()}:{sysconfig.get_paths()['purelib']}"
     if not system.exists():
         pytest.skip(f"{system} is not installed: nobody has no interpreter to run cachefs with")
-    probe = subprocess.run([str(system), "-c", "import pyfuse3, cachefs.daemon.main"], user=NOBODY, group=NOBODY,
+    probe = subprocess.run([str(system), "-c", "import cachefs.daemon.main"], user=NOBODY, group=NOBODY,
                            extra_groups=[], cwd="/", capture_output=True, timeout=RUN_TIMEOUT_S,
                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath})
     if probe.returncode != 0:
