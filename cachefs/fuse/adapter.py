@@ -81,9 +81,6 @@ class FuseOperations:
         # every read must reach the daemon through a handle's FOPEN_DIRECT_IO.
         self.no_open = immutable and not direct_io
         self.implicit: dict[int, int] = {}
-        # READDIRPLUS (attributes with each entry, the kernel takes a lookup of each) unless the
-        # kernel did not agree to it at INIT.
-        self.plus = True
         self.inline: dict[int, Callable[[Request], Reply]] = {
             wire.FORGET: self.forget, wire.BATCH_FORGET: self.batch_forget, wire.RELEASE: self.release,
             wire.RELEASEDIR: self.releasedir, wire.READDIR: self.readdir, wire.READDIRPLUS: self.readdir,
@@ -99,7 +96,7 @@ class FuseOperations:
         }
 
     def negotiated(self, flags: int) -> None:
-        self.plus = bool(flags & wire.DO_READDIRPLUS)
+        """What the kernel agreed to at INIT (READDIR or READDIRPLUS is told by the opcode itself)."""
         self.no_open = self.no_open and bool(flags & wire.NO_OPEN_SUPPORT)
 
     def failure(self, opcode: int, exc: BaseException) -> int:
