@@ -36,8 +36,8 @@ HOLDERS_MAX_NAMED = 10
 
 def mount_source(source: str) -> str:
     """The mount's source as ``df`` and ``findmnt`` show it: the bucket URL, without user, password,
-    query or fragment (the mount table is readable by every process), blanks and control characters
-    dropped; ``cachefs`` when nothing is left. A mount is recognised by its type (``FSTYPE``), never
+    query or fragment (the mount table is readable by every process), control characters dropped;
+    ``cachefs`` when nothing is left. A mount is recognised by its type (``FSTYPE``), never
     by this."""
     try:
         parts = urlsplit(source)
@@ -47,7 +47,7 @@ def mount_source(source: str) -> str:
         shown = urlunsplit((parts.scheme, netloc, parts.path, "", "")) if parts.scheme else source
     except ValueError:
         shown = ""
-    shown = "".join(c for c in shown if c.isprintable() and not c.isspace())
+    shown = "".join(c for c in shown if c.isprintable())  # the kernel escapes blanks in mountinfo
     return shown[:MAX_SOURCE_CHARS] or FSTYPE.removeprefix("fuse.")
 
 

@@ -550,6 +550,6 @@ def test_fusermount_words_become_the_one_line_reason() -> None:
 def test_the_mount_source_is_the_url_without_credentials() -> None:
     assert mount_source("s3://bucket/prefix/") == "s3://bucket/prefix/"
     assert mount_source("https://user:secret@example.com:8443/data?X-Amz-Signature=abc#x") == "https://example.com:8443/data"
-    assert mount_source("file:///srv/a b,c") == "file:///srv/ab,c"
+    assert mount_source("file:///srv/a b,c\n") == "file:///srv/a b,c"
     assert mount_source("") == "cachefs"
     assert len(mount_source("s3://b/" + "k" * 1000)) == 256
