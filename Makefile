@@ -17,7 +17,7 @@ PYTEST_FLAGS ?= -q -p no:cacheprovider -ra --strict-markers -n $(PYTEST_WORKERS)
 all: test
 
 help:
-	@echo "make setup         system packages (fuse3, libfuse3-dev, pkg-config, fio) and $(VENV)"
+	@echo "make setup         system packages (fuse3, fio) and $(VENV)"
 	@echo "make demo          a local SeaweedFS + a sample dataset, mounted, read twice, verified"
 	@echo "make test          the test suite, the import-layer contracts and the type check"
 	@echo "make lint-imports  the import-layer contracts only"

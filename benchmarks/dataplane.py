@@ -150,7 +150,7 @@ def measured(pid: int, work: "callable", nbytes: int, mnt: Path, others: dict[st
         "CPU-s/GiB": (after - before) / gib, "CPU-s": after - before,
         "busiest thread": busiest[0], "busiest CPU-s/GiB": busiest[1] / gib,
         "requests": {k: after_c[k] - before_c[k] for k in after_c},
-        # The loop thread (pyfuse3 and asyncio run on the main thread): user and system CPU-s/GiB.
+        # The loop thread (asyncio and the FUSE session run on the main thread): user and system CPU-s/GiB.
         "loop user/system CPU-s/GiB": [round((after_main[i] - before_main[i]) / (nbytes / GiB), 3) for i in (0, 1)],
         "threads": {t: round(v, 3) for t, v in sorted(per_thread.items(), key=lambda kv: -kv[1]) if v > 0.005},
         "others CPU-s/GiB": {name: round(v, 3) for name, v in others_cpu.items()},

@@ -4,7 +4,7 @@
     admin     what the CSI driver needs besides mounting (validation, bucket administration)
     daemon/   one process per mount: wiring, control API, features (write-back, prefetch jobs,
               metrics), the /stats document
-    fuse/     the pyfuse3 adapter (the only place pyfuse3 is imported)
+    fuse/     the kernel's FUSE protocol, spoken by cachefs itself: wire, session, adapter
     fs/       POSIX semantics: CacheFS over its inode table, listing cache, handles, rename
     loader    what a data loader calls to announce its read order (a client of the daemon)
     client, manifest, paths, names, mounts, settings, handover, tuning

@@ -4,9 +4,9 @@ A privileged process (the CSI node plugin) opens ``/dev/fuse``, mounts it with `
 on a unix socket. The daemon connects and receives, in one message, the line ``FUSE`` with the
 descriptor attached (SCM_RIGHTS). On the same connection the daemon then reports its start-up the
 way a background ``cachefs mount`` reports to its parent: ``WARN <line>`` for each warning, then
-``OK`` once it serves the mount, or ``ERR <line>`` with the reason it cannot. The daemon hands the
-descriptor to libfuse as ``/dev/fd/N`` (``pyfuse3.init`` takes that as an already-mounted session),
-so it needs no privilege of its own.
+``OK`` once it serves the mount, or ``ERR <line>`` with the reason it cannot. The daemon's FUSE
+session (``cachefs.fuse.session``) serves the descriptor as it is, already mounted: it neither mounts
+nor, at the end, unmounts, so it needs no privilege of its own.
 """
 
 from __future__ import annotations

@@ -16,8 +16,11 @@ import fcntl
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 FSTYPE = "fuse.cachefs"
+# The longest mount source shown (the kernel keeps it in /proc/self/mountinfo for every process).
+MAX_SOURCE_CHARS = 256
 # The extended attribute of a mount's root that names its control socket (``cachefs.client`` reads
 # it, the filesystem answers it). Here, beside FSTYPE, so finding a mount imports no filesystem.
 CONTROL_XATTR = "user.cachefs.control"
@@ -29,6 +32,23 @@ LOCK_FILENAME = "lock"
 HOLDERS_MAX_PROCESSES = 100_000
 HOLDERS_MAX_FDS_PER_PROCESS = 10_000
 HOLDERS_MAX_NAMED = 10
+
+
+def mount_source(source: str) -> str:
+    """The mount's source as ``df`` and ``findmnt`` show it: the bucket URL, without user, password,
+    query or fragment (the mount table is readable by every process), control characters dropped;
+    ``cachefs`` when nothing is left. A mount is recognised by its type (``FSTYPE``), never
+    by this."""
+    try:
+        parts = urlsplit(source)
+        netloc = parts.hostname or ""
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+        shown = urlunsplit((parts.scheme, netloc, parts.path, "", "")) if parts.scheme else source
+    except ValueError:
+        shown = ""
+    shown = "".join(c for c in shown if c.isprintable())  # the kernel escapes blanks in mountinfo
+    return shown[:MAX_SOURCE_CHARS] or FSTYPE.removeprefix("fuse.")
 
 
 def process_stat(pid: int) -> list[str] | None:

@@ -1,7 +1,7 @@
 """The privileged half of the FUSE fd handover: mount ``/dev/fuse`` at a target, hand the fd over.
 
-``mount_fuse`` opens ``/dev/fuse`` and calls ``mount(2)`` (through libc, with ctypes) the way libfuse
-does for ``cachefs mount``: type ``fuse.cachefs``, source ``cachefs``, data
+``mount_fuse`` opens ``/dev/fuse`` and calls ``mount(2)`` (through libc, with ctypes) the way the daemon
+does for ``cachefs mount`` (``cachefs.fuse.session``): type ``fuse.cachefs``, source the bucket URL, data
 ``fd=N,rootmode=40000,user_id=0,group_id=0,default_permissions,allow_other``, flags ``nosuid,nodev``
 (and ``ro`` for a read-only mount), so the mount table cannot tell a handed-over mount from one the
 daemon made itself. The kernel then waits for a daemon to read from that fd (every access to the
@@ -33,13 +33,11 @@ from pathlib import Path
 from typing import Callable
 
 from cachefs.handover import HandoverError, check_socket_path, send_fd
-from cachefs.mounts import FSTYPE
+from cachefs.mounts import FSTYPE, mount_source
 
 log = logging.getLogger(__name__)
 
 FUSE_DEVICE = "/dev/fuse"
-# What `cachefs mount` (pyfuse3: fsname=cachefs, subtype=cachefs) shows as the mount's source.
-FSNAME = "cachefs"
 # mount(2) flags (linux/mount.h) and umount2(2) flags: part of the kernel ABI, not syscall numbers.
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -76,8 +74,12 @@ def _check(result: int, what: str) -> None:
         raise OSError(code, f"{what}: {os.strerror(code)}")
 
 
-def mount_fuse(target: Path, *, read_only: bool, allow_other: bool = True, default_permissions: bool = True) -> int:
-    """Open ``/dev/fuse`` and mount it at ``target``; the open fd (close-on-exec). ``OSError`` if refused."""
+def mount_fuse(target: Path, *, read_only: bool, allow_other: bool = True, default_permissions: bool = True,
+               source: str = "") -> int:
+    """Open ``/dev/fuse`` and mount it at ``target``; the open fd (close-on-exec). ``OSError`` if refused.
+
+    ``source`` is the bucket URL the mount table shows (``cachefs.mounts.mount_source``), as for a
+    mount the daemon makes itself."""
     fd = os.open(FUSE_DEVICE, os.O_RDWR | os.O_CLOEXEC)
     try:
         st = os.stat(target)
@@ -85,7 +87,7 @@ def mount_fuse(target: Path, *, read_only: bool, allow_other: bool = True, defau
             raise OSError(errno.ENOTDIR, f"{target} is not a directory")
         data = mount_options(fd, stat.S_IFMT(st.st_mode), user_id=os.getuid(), group_id=os.getgid(),
                              allow_other=allow_other, default_permissions=default_permissions)
-        _check(_libc.mount(FSNAME.encode(), os.fsencode(target), FSTYPE.encode(), mount_flags(read_only),
+        _check(_libc.mount(mount_source(source).encode(), os.fsencode(target), FSTYPE.encode(), mount_flags(read_only),
                            data.encode()), f"mount {FSTYPE} on {target}")
     except BaseException:
         os.close(fd)

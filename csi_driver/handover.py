@@ -155,7 +155,7 @@ class HandoverMounter(CachefsMounter):
             self.launcher.stop(spec.name, self.stop_timeout_s)
         self._prepare_dirs(spec)
         try:
-            fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only)
+            fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only, source=request.source)
         except OSError as exc:
             raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
         deadline = time.monotonic() + self.mount_timeout_s

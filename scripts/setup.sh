@@ -17,20 +17,15 @@ for arg in "$@"; do
   esac
 done
 
+# cachefs speaks the FUSE protocol itself (cachefs/fuse): it needs fusermount3 (fuse3) at run time
+# and no compiler, libfuse3-dev, pkg-config or Python headers (every dependency installs as a wheel).
 need_apt=()
 command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
-dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
-command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)
-command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)  # pyfuse3 has no wheel: it compiles
 command -v s3fs >/dev/null 2>&1 || need_apt+=(s3fs)  # s3fs-fuse: a peer in the benchmark (and its smoke test)
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null 2>&1 || need_apt+=(python3)
-# A venv with pip, and the headers of *this* interpreter (pyenv/uv builds carry their own).
 if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then need_apt+=(python3-venv); fi
-if ! "$PY" -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' >/dev/null 2>&1; then
-  need_apt+=(python3-dev)
-fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -q

@@ -9,7 +9,7 @@ line each, caches that cannot fit (``cachefs.cli.resources``) and a source whose
 another daemon holds, so a refused second mount never writes into the live mount's log. Credentials reach the child only through the
 inherited environment (the standard AWS variables and config files), never through its arguments.
 The foreground command runs the daemon (``cachefs.daemon.main.serve``), imported only then: it
-brings pyfuse3, the filesystem and the engine, which no other command needs.
+brings the FUSE session, the filesystem and the engine, which no other command needs.
 
 ``cachefs mount --fuse-fd-socket PATH`` serves a mount that a privileged process (the CSI node plugin)
 has already made: it receives the mounted ``/dev/fuse`` descriptor on the unix socket PATH
@@ -440,7 +440,7 @@ def configure_logging(level: str, log_file: Path | None) -> None:
 
 
 def run_foreground(settings: MountSettings, ready_fd: int | None, log_file: Path | None, environ: dict[str, str]) -> int:
-    from cachefs.daemon.main import serve  # imports pyfuse3: only the daemon needs it
+    from cachefs.daemon.main import serve  # the FUSE session and the engine: only the daemon needs them
 
     configure_logging(settings.log_level, log_file)
     reported = False

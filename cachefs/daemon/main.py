@@ -42,7 +42,8 @@ from cachefs.daemon.errors import SetupError
 from cachefs.daemon.stats import stats_document
 from cachefs.daemon.stopping import Stopping
 from cachefs.fs.filesystem import CacheFS
-from cachefs.fuse.adapter import FuseSession
+from cachefs.fuse.adapter import FuseOperations
+from cachefs.fuse.session import FuseSession
 from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.settings import MountSettings
@@ -268,11 +269,13 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 for feature in features:
                     await feature.start()
                     started.append(feature)
-                # libfuse takes "/dev/fd/N" as a session already mounted by someone else: it neither
-                # mounts nor, at the end, unmounts (the privileged process that mounted does).
-                device = f"/dev/fd/{settings.fuse_fd}" if handed_over else str(settings.mountpoint)
-                session = FuseSession(fs, device, read_only=settings.fs.read_only, allow_other=settings.allow_other,
-                                      direct_io=settings.fs.direct_io)
+                # A handed-over descriptor is already mounted: the session neither mounts nor, at the
+                # end, unmounts it (the privileged process that mounted does).
+                # pinned: the namespace is a manifest's, every file's version fixed (immutable).
+                ops = FuseOperations(fs, direct_io=settings.fs.direct_io, immutable=pinned)
+                session = FuseSession(ops, str(settings.mountpoint),
+                                      source=settings.source, read_only=settings.fs.read_only,
+                                      allow_other=settings.allow_other, fd=settings.fuse_fd)
                 try:
                     session.mount()
                 except OSError as exc:
@@ -337,6 +340,5 @@ def _read_or_none(path: Path) -> bytes | None:
 
 def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],
           warn: WarnCallback | None = None) -> None:
-    """Run the daemon on a fresh asyncio loop with pyfuse3's asyncio support enabled."""
-    FuseSession.enable_asyncio()
+    """Run the daemon on a fresh asyncio loop (the FUSE session serves on it)."""
     asyncio.run(run_daemon(settings, ready, environ, warn))

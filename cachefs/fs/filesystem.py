@@ -1,6 +1,6 @@
 """POSIX semantics over the object store and the block cache, with no FUSE in sight.
 
-``CacheFS`` is what the pyfuse3 adapter calls, one method per FUSE operation; it is tested without a
+``CacheFS`` is what the FUSE adapter (``cachefs.fuse.adapter``) calls, one method per FUSE operation; it is tested without a
 mount. It is a facade over the state objects it holds, each with its own module:
 
 * **Inodes** (``cachefs.fs.inodes``): every path the kernel has been told about has one ``Node`` with

@@ -1,4 +1,11 @@
-"""The FUSE edge: the pyfuse3 adapter (``cachefs.fuse.adapter``) and the kernel connection's tuning.
+"""The FUSE edge: cachefs speaks the kernel's FUSE protocol itself, in three rooms (no libfuse binding).
 
-The only floor that imports pyfuse3; it translates, the filesystem below decides.
+    adapter   ``FuseOperations``: one 1-3 line handler per opcode over ``CacheFS``; errno decided once
+    session   the mount (mount(2), fusermount3, or a handed-over descriptor), INIT, reading /dev/fuse
+              into reused buffers on the daemon's event loop and answering with ``os.writev``
+    wire      the kernel's structs and opcodes, decoded and encoded without I/O
+
+Each imports only those below it (an import-linter ``layers`` contract, pyproject.toml). The floor
+translates; the filesystem below decides. Design and the oldest supported kernel:
+docs/architecture.md, "The FUSE layer".
 """

@@ -1,35 +1,38 @@
-"""The pyfuse3 adapter: a translator between FUSE requests and ``CacheFS``, nothing more.
+"""The FUSE adapter: a translator between the kernel's requests and ``CacheFS``, nothing more.
 
-Each handler unpacks its arguments, calls one ``CacheFS`` method and packs the answer. Errors become
-errno here and only here: pyfuse3 ends the whole session if a handler raises anything other than
-``FUSEError``, so every handler goes through ``_translate``: domain errors (``FsError``, the engine's
-``CacheError``) carry their errno, ``OSError`` keeps its own, and anything else is logged with its
-traceback and answered with EIO. Nothing escapes.
+Each handler unpacks its request's arguments (``cachefs.fuse.wire``), calls one ``CacheFS`` method
+and packs the answer; the session (``cachefs.fuse.session``) reads the requests and sends the
+replies. Handlers whose ``CacheFS`` method never waits are plain functions the session calls inline
+(``inline``); the others are coroutines it runs as tasks (``handlers``).
+
+Errors become errno here and only here (``failure``, which the session calls for anything a handler
+raises other than ``FuseError``): domain errors (``FsError``, the engine's ``CacheError``) carry
+their errno, ``OSError`` keeps its own, and anything else is logged with its traceback and answered
+with EIO. Nothing escapes: the session goes on.
+
+Caching decisions stay where they were: ``CacheFS.open`` says whether the kernel keeps its pages
+(FOPEN_KEEP_CACHE), ``--direct-io`` answers every open with FOPEN_DIRECT_IO, and a read's reply is
+the memoryview the engine returns, sent as it is. An open only for reading also answers
+FOPEN_NOFLUSH: its close() costs no request.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import errno
-import functools
 import logging
 import os
-import sys
-import tempfile
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, ParamSpec, TypeVar
-
-import pyfuse3
+import stat
+import time
+from collections.abc import Awaitable, Callable
 
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
+from cachefs.fuse import wire
+from cachefs.fuse.session import Reply
+from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
 log = logging.getLogger(__name__)
-
-P = ParamSpec("P")
-T = TypeVar("T")
 
 
 def errno_of(exc: BaseException) -> int:
@@ -41,291 +44,242 @@ def errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
-def _translate(handler: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-    @functools.wraps(handler)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return await handler(*args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
-        except (FsError, CacheError, OSError) as exc:
-            code = errno_of(exc)
-            if code in (errno.EIO, errno.ESTALE):
-                log.warning("%s failed: %s", handler.__name__, exc)
-            raise pyfuse3.FUSEError(code) from exc
-        except Exception as exc:  # noqa: BLE001 - the FUSE session must survive any bug
-            log.exception("unexpected error in %s", handler.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from exc
-
-    return wrapper
+def attr_of(attrs: Attributes) -> wire.Attr:
+    return wire.Attr(attrs.inode, attrs.size, attrs.mode, attrs.nlink, attrs.uid, attrs.gid, attrs.mtime_ns)
 
 
-def entry_attributes(attrs: Attributes) -> pyfuse3.EntryAttributes:
-    entry = pyfuse3.EntryAttributes()
-    entry.st_ino = attrs.inode
-    entry.generation = 0
-    entry.entry_timeout = attrs.entry_timeout
-    entry.attr_timeout = attrs.attr_timeout
-    entry.st_mode = attrs.mode
-    entry.st_nlink = attrs.nlink
-    entry.st_uid = attrs.uid
-    entry.st_gid = attrs.gid
-    entry.st_rdev = 0
-    entry.st_size = attrs.size
-    entry.st_blksize = 128 * 1024
-    entry.st_blocks = (attrs.size + 511) // 512
-    entry.st_atime_ns = attrs.mtime_ns
-    entry.st_mtime_ns = attrs.mtime_ns
-    entry.st_ctime_ns = attrs.mtime_ns
-    return entry
+def entry(attrs: Attributes) -> bytes:
+    return wire.entry_out(attr_of(attrs), attrs.entry_timeout, attrs.attr_timeout)
 
 
-class FuseOperations(pyfuse3.Operations):
-    """pyfuse3 ``Operations`` delegating to a ``CacheFS``."""
+def attr(attrs: Attributes) -> bytes:
+    return wire.attr_out(attr_of(attrs), attrs.attr_timeout)
 
-    enable_writeback_cache = False
 
-    def __init__(self, fs: CacheFS, *, direct_io: bool = False) -> None:
-        super().__init__()
+def sized(value: bytes, size: int) -> bytes:
+    """A GETXATTR/LISTXATTR answer: the size asked for with size 0, else the value if it fits."""
+    if size == 0:
+        return wire.getxattr_size(len(value))
+    if len(value) > size:
+        raise FuseError(errno.ERANGE)
+    return value
+
+
+class FuseOperations:
+    """The handlers of one mount, by opcode, over a ``CacheFS``."""
+
+    def __init__(self, fs: CacheFS, *, direct_io: bool = False, immutable: bool = False) -> None:
         self.fs = fs
         # ``--direct-io``: every open of a regular file answers with FOPEN_DIRECT_IO, so the kernel
         # neither fills nor serves the mount's page cache for it (mmap aside, see docs).
         self.direct_io = direct_io
+        # A mount whose files never change (pinned to a manifest: every file's ETag is fixed) answers
+        # the first OPEN with ENOSYS where the kernel supports that (NO_OPEN_SUPPORT): the kernel then
+        # opens and closes files itself, keeping their pages across opens, and a warm file costs no
+        # request at all. Its READs carry no handle (fh 0): ``read`` opens one per inode
+        # (``implicit``), released when the kernel forgets the inode. Not with --direct-io, whose
+        # every read must reach the daemon through a handle's FOPEN_DIRECT_IO.
+        self.no_open = immutable and not direct_io
+        self.implicit: dict[int, int] = {}
+        self.inline: dict[int, Callable[[Request], Reply]] = {
+            wire.FORGET: self.forget, wire.BATCH_FORGET: self.batch_forget, wire.RELEASE: self.release,
+            wire.RELEASEDIR: self.releasedir, wire.READDIR: self.readdir, wire.READDIRPLUS: self.readdir,
+            wire.STATFS: self.statfs, wire.GETXATTR: self.getxattr, wire.LISTXATTR: self.listxattr,
+            wire.SETXATTR: self.setxattr, wire.REMOVEXATTR: self.removexattr, wire.SYMLINK: self.symlink,
+            wire.LINK: self.link,
+        }
+        self.handlers: dict[int, Callable[[Request], Awaitable[Reply]]] = {
+            wire.LOOKUP: self.lookup, wire.GETATTR: self.getattr, wire.OPEN: self.open, wire.READ: self.read,
+            wire.OPENDIR: self.opendir, wire.FLUSH: self.flush, wire.FSYNC: self.fsync, wire.SETATTR: self.setattr,
+            wire.MKNOD: self.mknod, wire.MKDIR: self.mkdir, wire.UNLINK: self.unlink, wire.RMDIR: self.rmdir,
+            wire.RENAME: self.rename, wire.RENAME2: self.rename2, wire.CREATE: self.create, wire.WRITE: self.write,
+        }
 
-    @_translate
-    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        return entry_attributes(await self.fs.lookup(parent_inode, name))
+    def negotiated(self, flags: int) -> None:
+        """What the kernel agreed to at INIT (READDIR or READDIRPLUS is told by the opcode itself)."""
+        self.no_open = self.no_open and bool(flags & wire.NO_OPEN_SUPPORT)
 
-    @_translate
-    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        return entry_attributes(await self.fs.getattr(inode))
+    def failure(self, opcode: int, exc: BaseException) -> int:
+        """The errno ``exc`` is answered with; bugs are logged with their traceback."""
+        code = errno_of(exc)
+        name = wire.OPCODE_NAMES.get(opcode, str(opcode))
+        if not isinstance(exc, (FsError, CacheError, OSError)):
+            log.error("unexpected error in %s", name, exc_info=exc)
+        elif code in (errno.EIO, errno.ESTALE):
+            log.warning("%s failed: %s", name, exc)
+        return code
 
-    @_translate
-    async def forget(self, inode_list: Any) -> None:
-        for inode, nlookup in inode_list:
-            self.fs.forget(inode, nlookup)
-
-    @_translate
-    async def open(self, inode: int, flags: int, ctx: Any = None) -> pyfuse3.FileInfo:
-        fh, keep_cache = await self.fs.open(inode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=self.direct_io)
-
-    # pyfuse3 declares ``bytes`` but accepts any buffer (it copies from the buffer protocol), and a
-    # memoryview of a cached block saves that copy here.
-    @_translate
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
-        return await self.fs.read(fh, off, size)
-
-    @_translate
-    async def release(self, fh: int) -> None:
-        self.fs.release(fh)
-
-    @_translate
-    async def opendir(self, inode: int, ctx: Any = None) -> int:
-        return await self.fs.opendir(inode)
-
-    @_translate
-    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
-        for entry in self.fs.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, entry.name, entry_attributes(entry.attrs), entry.next_id):
-                break
-            self.fs.add_lookup(entry.attrs.inode)
-
-    @_translate
-    async def releasedir(self, fh: int) -> None:
-        self.fs.releasedir(fh)
-
-    @_translate
-    async def statfs(self, ctx: Any = None) -> pyfuse3.StatvfsData:
-        st = self.fs.statfs()
-        out = pyfuse3.StatvfsData()
-        out.f_bsize = st.block_size
-        out.f_frsize = st.block_size
-        out.f_blocks = st.blocks
-        out.f_bfree = st.blocks_free
-        out.f_bavail = st.blocks_free
-        out.f_files = st.files
-        out.f_ffree = st.files_free
-        out.f_favail = st.files_free
-        out.f_namemax = st.name_max
+    def _open_flags(self, keep_cache: bool, flags: int = os.O_WRONLY) -> int:
+        """FOPEN flags of an open: KEEP_CACHE as ``CacheFS`` decided, DIRECT_IO with ``--direct-io``,
+        and NOFLUSH for a descriptor opened only to read: its close() has nothing to make durable
+        (``CacheFS.flush`` acts on written handles only), so the kernel need not send FLUSH (Linux
+        5.16 or later; older kernels ignore the bit and send it, answered as before)."""
+        out = (wire.FOPEN_KEEP_CACHE if keep_cache else 0) | (wire.FOPEN_DIRECT_IO if self.direct_io else 0)
+        if flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC:
+            out |= wire.FOPEN_NOFLUSH
         return out
 
-    @_translate
-    async def getxattr(self, inode: int, name: bytes, ctx: Any = None) -> bytes:
-        return self.fs.getxattr(inode, name)
+    # ------------------------------------------------------------------------------- reading
+    async def lookup(self, req: Request) -> Reply:
+        return entry(await self.fs.lookup(req.nodeid, req.name()))
 
-    @_translate
-    async def listxattr(self, inode: int, ctx: Any = None) -> list[bytes]:
-        return self.fs.listxattr(inode)
+    async def getattr(self, req: Request) -> Reply:
+        return attr(await self.fs.getattr(req.nodeid))
 
-    @_translate
-    async def flush(self, fh: int) -> None:
-        await self.fs.flush(fh)
+    def _forget(self, nodeid: int, nlookup: int) -> None:
+        fh = self.implicit.pop(nodeid, None)
+        if fh is not None:
+            self.fs.release(fh)
+        self.fs.forget(nodeid, nlookup)
 
-    @_translate
-    async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.fs.fsync(fh, datasync)
-
-    # Modifying operations (EROFS on a read-only mount: the filesystem decides).
-    @_translate
-    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any = None) -> Any:
-        changes: dict[str, Any] = {}
-        if fields is not None:
-            if fields.update_size:
-                changes["size"] = attr.st_size
-            if fields.update_mtime:
-                changes["mtime"] = attr.st_mtime_ns / 1e9
-            if fields.update_mode:
-                changes["mode"] = attr.st_mode
-            if fields.update_uid:
-                changes["uid"] = attr.st_uid
-            if fields.update_gid:
-                changes["gid"] = attr.st_gid
-        return entry_attributes(await self.fs.setattr(inode, fh=fh, **changes))
-
-    @_translate
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any = None) -> Any:
-        return entry_attributes(await self.fs.mknod(parent_inode, name, mode))
-
-    @_translate
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any = None) -> Any:
-        return entry_attributes(await self.fs.mkdir(parent_inode, name, mode))
-
-    @_translate
-    async def unlink(self, parent_inode: int, name: bytes, ctx: Any = None) -> None:
-        await self.fs.unlink(parent_inode, name)
-
-    @_translate
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any = None) -> None:
-        await self.fs.rmdir(parent_inode, name)
-
-    @_translate
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any = None) -> Any:
-        self.fs.unsupported("symlink")
-
-    @_translate
-    async def rename(self, p_old: int, n_old: bytes, p_new: int, n_new: bytes, flags: int, ctx: Any = None) -> None:
-        await self.fs.rename(p_old, n_old, p_new, n_new, flags)
-
-    @_translate
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any = None) -> Any:
-        self.fs.unsupported("link")
-
-    @_translate
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any = None) -> Any:
-        fh, keep_cache, attrs = await self.fs.create(parent_inode, name, mode, flags)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache, direct_io=self.direct_io), entry_attributes(attrs)
-
-    @_translate
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self.fs.write(fh, off, buf)
-
-    @_translate
-    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any = None) -> None:
-        self.fs.unsupported("setxattr")
-
-    @_translate
-    async def removexattr(self, inode: int, name: bytes, ctx: Any = None) -> None:
-        self.fs.unsupported("removexattr")
-
-
-# What a user can do about the failures libfuse and fusermount3 report, by words of their message
-# (theirs are fixed strings of those two programs: there is no code to match).
-FUSE_FAILURE_HINTS = (
-    ("/dev/fuse: Permission denied", "the mounting user needs read and write access to /dev/fuse "
-                                     "(through a group that owns it), or mount as root"),
-    ("user_allow_other", "drop --allow-other, or have root add user_allow_other to /etc/fuse.conf"),
-    ("device not found", "load the fuse kernel module (modprobe fuse), or give the container /dev/fuse"),
-)
-# The captured text is the programs' own lines; more than this is noise for one line on a terminal.
-MAX_REASON_CHARS = 300
-
-
-@dataclasses.dataclass
-class CapturedText:
-    text: str = ""
-
-
-@contextlib.contextmanager
-def captured_stderr() -> Iterator[CapturedText]:
-    """Send file descriptor 2 (this process's and its children's, fusermount3's) to a temporary
-    file for the duration of the block; ``.text`` holds what was written. A file, not a pipe: a
-    writer can never block on it."""
-    captured = CapturedText()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            captured.text = sink.read().decode(errors="replace")
-
-
-def fuse_failure_reason(text: str) -> str | None:
-    """The last line libfuse or fusermount3 wrote, with what to do about it; None if they wrote none."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
+    def forget(self, req: Request) -> Reply:
+        self._forget(req.nodeid, wire.FORGET_IN.unpack_from(req.body)[0])
         return None
-    reason = lines[-1].removeprefix("fuse: ")[:MAX_REASON_CHARS]
-    hint = next((hint for words, hint in FUSE_FAILURE_HINTS if words in reason), None)
-    return f"{reason}; {hint}" if hint else reason
 
+    def batch_forget(self, req: Request) -> Reply:
+        count = wire.BATCH_FORGET_IN.unpack_from(req.body)[0]
+        for nodeid, nlookup in wire.FORGET_ONE.iter_unpack(req.body[wire.BATCH_FORGET_IN.size:][:count * 16]):
+            self._forget(nodeid, nlookup)
+        return None
 
-class FuseSession:
-    """The FUSE session of one mount: the only place that calls pyfuse3's module-level functions."""
+    async def open(self, req: Request) -> Reply:
+        if self.no_open:
+            raise FuseError(errno.ENOSYS)  # from now on the kernel opens files itself (see __init__)
+        flags = wire.OPEN_IN.unpack_from(req.body)[0]
+        fh, keep_cache = await self.fs.open(req.nodeid, flags)
+        return wire.open_out(fh, self._open_flags(keep_cache, flags))
 
-    def __init__(self, fs: CacheFS, mountpoint: str, *, read_only: bool, allow_other: bool,
-                 direct_io: bool = False) -> None:
-        self.fs = fs
-        self.mountpoint = mountpoint
-        self.direct_io = direct_io
-        self.options = set(pyfuse3.default_options) | {"fsname=cachefs", "subtype=cachefs"}
-        if read_only:
-            self.options.add("ro")
-        if allow_other:
-            self.options.add("allow_other")
+    async def read(self, req: Request) -> Reply:
+        fh, offset, size = wire.READ_IN.unpack_from(req.body)[:3]
+        if fh == 0 and self.no_open:
+            fh = await self._implicit(req.nodeid)
+        return await self.fs.read(fh, offset, size)
 
-    @staticmethod
-    def enable_asyncio() -> None:
-        """Make pyfuse3 run on asyncio (it defaults to trio); call before the loop starts."""
-        import pyfuse3.asyncio
+    async def _implicit(self, nodeid: int) -> int:
+        """The handle READs of ``nodeid`` use on a mount the kernel opens files of itself."""
+        fh = self.implicit.get(nodeid)
+        if fh is None:
+            opened, _ = await self.fs.open(nodeid, os.O_RDONLY)
+            fh = self.implicit.setdefault(nodeid, opened)
+            if fh != opened:  # another READ of the inode opened one meanwhile
+                self.fs.release(opened)
+        return fh
 
-        pyfuse3.asyncio.enable()
+    def release(self, req: Request) -> Reply:
+        self.fs.release(wire.RELEASE_IN.unpack_from(req.body)[0])
+        return None
 
-    def mount(self) -> None:
-        """Mount; ``OSError`` with a one-line reason if the kernel refuses.
+    async def opendir(self, req: Request) -> Reply:
+        return wire.open_out(await self.fs.opendir(req.nodeid), 0)
 
-        libfuse and fusermount3 say why a mount failed only on file descriptor 2 (``failed to open
-        /dev/fuse: Permission denied``), while pyfuse3 raises a bare ``fuse_session_mount failed``.
-        Their words are captured around the call (``captured_stderr``), written back to stderr (the
-        daemon's log keeps them) and put in the one-line reason the user sees."""
-        failure: RuntimeError | None = None
-        with captured_stderr() as captured:
-            try:
-                pyfuse3.init(FuseOperations(self.fs, direct_io=self.direct_io), self.mountpoint, self.options)
-            except RuntimeError as exc:
-                failure = exc
-        if captured.text:
-            sys.stderr.write(captured.text)
-            sys.stderr.flush()
-        if failure is not None:
-            reason = fuse_failure_reason(captured.text) or str(failure)
-            raise OSError(errno.EIO, f"cannot mount on {self.mountpoint}: {reason}") from failure
+    def readdir(self, req: Request) -> Reply:
+        fh, offset, size = wire.READ_IN.unpack_from(req.body)[:3]
+        plus = req.opcode == wire.READDIRPLUS
+        out = wire.DirentBuffer(size, plus)
+        for item in self.fs.readdir(fh, offset):
+            a = item.attrs
+            if not out.add(item.name, attr_of(a), item.next_id, a.entry_timeout, a.attr_timeout):
+                break
+            if plus:
+                self.fs.add_lookup(a.inode)  # the kernel holds a reference to each entry it was given
+        return out.payload()
 
-    async def serve(self, max_tasks: int) -> None:
-        """Serve requests until the filesystem is unmounted or ``terminate`` is called."""
-        await pyfuse3.main(max_tasks=max_tasks)
+    def releasedir(self, req: Request) -> Reply:
+        self.fs.releasedir(wire.RELEASE_IN.unpack_from(req.body)[0])
+        return None
 
-    @staticmethod
-    def terminate() -> None:
-        pyfuse3.terminate()
+    def statfs(self, req: Request) -> Reply:
+        st = self.fs.statfs()
+        return wire.statfs_out(st.blocks, st.blocks_free, st.blocks_free, st.files, st.files_free, st.block_size,
+                               st.name_max, st.block_size)
 
-    @staticmethod
-    def close() -> None:
-        """End the session and make sure the mount is gone."""
-        pyfuse3.close(unmount=True)
+    def getxattr(self, req: Request) -> Reply:
+        size = wire.GETXATTR_IN.unpack_from(req.body)[0]
+        return sized(self.fs.getxattr(req.nodeid, req.name(wire.GETXATTR_IN.size)), size)
+
+    def listxattr(self, req: Request) -> Reply:
+        size = wire.GETXATTR_IN.unpack_from(req.body)[0]
+        return sized(b"".join(name + b"\0" for name in self.fs.listxattr(req.nodeid)), size)
+
+    async def flush(self, req: Request) -> Reply:
+        fh = wire.FLUSH_IN.unpack_from(req.body)[0]
+        if fh == 0 and self.no_open:
+            raise FuseError(errno.ENOSYS)  # a file the kernel opened itself: nothing to flush, ever
+        await self.fs.flush(fh)
+        return None
+
+    async def fsync(self, req: Request) -> Reply:
+        fh, flags, _ = wire.FSYNC_IN.unpack_from(req.body)
+        if fh == 0 and self.no_open:
+            return None  # a file the kernel opened itself, on a mount that writes nothing
+        await self.fs.fsync(fh, bool(flags & wire.FSYNC_FDATASYNC))
+        return None
+
+    # ------------------------------------------ modifying (EROFS on a read-only mount: the fs decides)
+    async def setattr(self, req: Request) -> Reply:
+        (valid, _, fh, size, _, _, mtime, _, _, mtime_ns, _, mode, _, uid, gid, _) = wire.SETATTR_IN.unpack_from(req.body)
+        changes: dict[str, int | float] = {}
+        if valid & wire.FATTR_SIZE:
+            changes["size"] = size
+        if valid & wire.FATTR_MTIME:
+            changes["mtime"] = time.time() if valid & wire.FATTR_MTIME_NOW else mtime + mtime_ns / 1e9
+        if valid & wire.FATTR_MODE:
+            changes["mode"] = mode
+        if valid & wire.FATTR_UID:
+            changes["uid"] = uid
+        if valid & wire.FATTR_GID:
+            changes["gid"] = gid
+        return attr(await self.fs.setattr(req.nodeid, fh=fh if valid & wire.FATTR_FH else None, **changes))  # type: ignore[arg-type]
+
+    async def mknod(self, req: Request) -> Reply:
+        mode = wire.MKNOD_IN.unpack_from(req.body)[0]
+        return entry(await self.fs.mknod(req.nodeid, req.name(wire.MKNOD_IN.size), mode))
+
+    async def mkdir(self, req: Request) -> Reply:
+        mode = stat.S_IMODE(wire.MKDIR_IN.unpack_from(req.body)[0]) | stat.S_IFDIR
+        return entry(await self.fs.mkdir(req.nodeid, req.name(wire.MKDIR_IN.size), mode))
+
+    async def unlink(self, req: Request) -> Reply:
+        await self.fs.unlink(req.nodeid, req.name())
+        return None
+
+    async def rmdir(self, req: Request) -> Reply:
+        await self.fs.rmdir(req.nodeid, req.name())
+        return None
+
+    async def rename(self, req: Request) -> Reply:
+        old, new = req.names(wire.RENAME_IN.size)
+        await self.fs.rename(req.nodeid, old, wire.RENAME_IN.unpack_from(req.body)[0], new, 0)
+        return None
+
+    async def rename2(self, req: Request) -> Reply:
+        new_parent, flags, _ = wire.RENAME2_IN.unpack_from(req.body)
+        old, new = req.names(wire.RENAME2_IN.size)
+        await self.fs.rename(req.nodeid, old, new_parent, new, flags)
+        return None
+
+    async def create(self, req: Request) -> Reply:
+        flags, mode, _, _ = wire.CREATE_IN.unpack_from(req.body)
+        fh, keep_cache, attrs = await self.fs.create(req.nodeid, req.name(wire.CREATE_IN.size), mode, flags)
+        return entry(attrs), wire.open_out(fh, self._open_flags(keep_cache))
+
+    async def write(self, req: Request) -> Reply:
+        fh, offset, size = wire.WRITE_IN.unpack_from(req.body)[:3]
+        data = req.body[wire.WRITE_IN.size:wire.WRITE_IN.size + size]
+        return wire.write_out(await self.fs.write(fh, offset, data))  # type: ignore[arg-type]
+
+    def symlink(self, req: Request) -> Reply:
+        self.fs.unsupported("symlink")
+        return None
+
+    def link(self, req: Request) -> Reply:
+        self.fs.unsupported("link")
+        return None
+
+    def setxattr(self, req: Request) -> Reply:
+        self.fs.unsupported("setxattr")
+        return None
+
+    def removexattr(self, req: Request) -> Reply:
+        self.fs.unsupported("removexattr")
+        return None

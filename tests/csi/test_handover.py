@@ -106,7 +106,7 @@ def unprivileged_daemon() -> tuple[list[str], int | None, str]:
     if system.exists() and shutil.which("setpriv"):
         probe = subprocess.run(
             ["setpriv", f"--reuid={DAEMON_UID}", f"--regid={DAEMON_UID}", "--clear-groups", str(system), "-c",
-             "import pyfuse3, cachefs.daemon.main"],
+             "import cachefs.daemon.main"],
             capture_output=True, timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath})
         if probe.returncode == 0:
             return [str(system), "-m", "cachefs"], DAEMON_UID, pythonpath
@@ -179,11 +179,11 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
             pytest.fail(f"the plugin failed: {plugin.stderr.read() if plugin.stderr else ''}")
 
         # One FUSE connection for the volume: the staged mount and the pod's bind share one device,
-        # and the mount table shows what a `cachefs mount` by hand shows.
+        # and the mount table shows what a `cachefs mount` by hand shows: the bucket URL as the source.
         lines = mountinfo_lines(staging, pod)
         assert len(lines) == 2 and len({device for _, device, *_ in lines}) == 1, lines
         for _, _, fstype, source, options in lines:
-            assert (fstype, source) == ("fuse.cachefs", "cachefs")
+            assert (fstype, source) == ("fuse.cachefs", context["source"])
             assert options.split(",")[1:] == ["user_id=0", "group_id=0", "default_permissions", "allow_other"]
         names = ProcessLauncher(run_root).names()
         assert names == [daemon_name(staging)]
@@ -292,10 +292,10 @@ def test_a_daemon_that_cannot_start_leaves_no_mount_and_no_process(seaweed, node
 def test_fusefd_mount_looks_like_a_cachefs_mount_and_aborts_with_its_last_fd(tmp_path: Path) -> None:
     target = tmp_path / "mnt"
     target.mkdir()
-    fd = fusefd.mount_fuse(target, read_only=True)
+    fd = fusefd.mount_fuse(target, read_only=True, source="s3://user:secret@bucket/prefix?x=1")
     try:
         lines = mountinfo_lines(target)
-        assert len(lines) == 1 and lines[0][2:4] == ("fuse.cachefs", "cachefs")
+        assert len(lines) == 1 and lines[0][2:4] == ("fuse.cachefs", "s3://bucket/prefix")
         assert mounts.find_mount(target) is not None and mounts.is_cachefs_mount(target)
         assert "ro" in lines[0][4].split(",")
     finally:

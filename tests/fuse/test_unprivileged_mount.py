@@ -1,12 +1,12 @@
-"""Issue 24, item 2: a mount by a non-root user that libfuse or fusermount3 refuses names their
+"""Issue 24, item 2: a mount by a non-root user that the kernel or fusermount3 refuses names their
 reason on the terminal, not only in daemon.log.
 
 ``cachefs mount`` runs as uid 65534 (nobody) through the system's python3.X of the test's version
 with the test's packages on PYTHONPATH (the test interpreter lives under /root, mode 0700, which
 nobody may execute; as ``tests/csi/test_handover.py`` does). Nothing on the machine is changed:
 /dev/fuse and /etc/fuse.conf are only read, to know which refusal to expect: where /dev/fuse is not
-open to other users (mode 0600, as on this project's CI machines), libfuse's
-``failed to open /dev/fuse: Permission denied``; where it is, ``--allow-other`` without
+open to other users (mode 0600, as on this project's CI machines), the session's
+``failed to open /dev/fuse: Permission denied`` (the words libfuse used); where it is, ``--allow-other`` without
 ``user_allow_other`` in /etc/fuse.conf, fusermount3's own words."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def nobody_python() -> tuple[str, str]:
     pythonpath = f"{os.getcwd()}:{sysconfig.get_paths()['purelib']}"
     if not system.exists():
         pytest.skip(f"{system} is not installed: nobody has no interpreter to run cachefs with")
-    probe = subprocess.run([str(system), "-c", "import pyfuse3, cachefs.daemon.main"], user=NOBODY, group=NOBODY,
+    probe = subprocess.run([str(system), "-c", "import cachefs.daemon.main"], user=NOBODY, group=NOBODY,
                            extra_groups=[], cwd="/", capture_output=True, timeout=RUN_TIMEOUT_S,
                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath})
     if probe.returncode != 0:

@@ -43,11 +43,21 @@ def test_import_contracts_hold() -> None:
 def test_third_party_contracts_name_whole_packages() -> None:
     """Each rule on where a client library may be imported covers every package, with the one
     module allowed named in ``ignore_imports``."""
-    external = {"pyfuse3", "s3fs", "grpc", "kubernetes", "prometheus_client"}
+    external = {"s3fs", "grpc", "kubernetes", "prometheus_client"}
     contracts = [c for c in _contracts() if c["type"] == "forbidden" and external & set(c["forbidden_modules"])]
-    assert len(contracts) == 5
+    assert len(contracts) == 4
     for contract in contracts:
         assert contract["source_modules"] == PACKAGES, contract["name"]
+
+
+def test_no_fuse_binding_anywhere() -> None:
+    """cachefs speaks the FUSE protocol itself (cachefs.fuse): no module anywhere may import pyfuse3
+    or trio, with no exception, and the protocol's room is ordered adapter -> session -> wire."""
+    binding = [c for c in _contracts() if c["type"] == "forbidden" and "pyfuse3" in c["forbidden_modules"]]
+    assert len(binding) == 1 and binding[0]["source_modules"] == PACKAGES
+    assert {"pyfuse3", "trio"} <= set(binding[0]["forbidden_modules"]) and not binding[0].get("ignore_imports")
+    rooms = [c for c in _contracts() if c.get("containers") == ["cachefs.fuse"]]
+    assert len(rooms) == 1 and rooms[0]["layers"] == ["adapter", "session", "wire"] and rooms[0]["exhaustive"]
 
 
 @pytest.mark.parametrize("package", ["cachefs", "tiering"])

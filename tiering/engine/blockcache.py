@@ -174,7 +174,7 @@ class BlockCache:
 
         A range inside one block is a read-only view of the cached block, not a copy: a FUSE read
         of 1 MiB is handed to the kernel straight from the buffer the block was received into
-        (pyfuse3 takes any buffer). A range across blocks is joined into new bytes.
+        (the FUSE session writes any buffer). A range across blocks is joined into new bytes.
 
         ``readahead_bytes`` past the end of the read are read ahead (``read_ahead``); the loads this read needs are
         started first, so they get fetch slots before read-ahead does.

@@ -1,0 +1,470 @@
+"""The FUSE session: the mount, the kernel connection's INIT, and serving requests from /dev/fuse.
+
+**Mounting** follows the kernel's rules the way libfuse did, so nothing a user sees changes: open
+``/dev/fuse`` (refused: ``failed to open /dev/fuse: <reason>``), then ``mount(2)`` it with
+``fd=N,rootmode=..,user_id=..,group_id=..,default_permissions[,allow_other]``, type ``fuse.cachefs``,
+``nosuid,nodev`` (``ro`` for a read-only mount); a user without the privilege (EPERM) has the
+setuid ``fusermount3`` mount it instead, which sends the descriptor back over a socket named in
+``_FUSE_COMMFD`` (its refusals are its stderr lines, which become the one-line reason). A handed-over
+descriptor (``cachefs.handover``: the CSI node plugin mounted it) is used as it is, and left mounted
+at the end. The mount's source (``df``, ``findmnt``) is the bucket URL, without credentials or query.
+
+**Serving** runs on the daemon's asyncio loop: ``loop.add_reader`` on the non-blocking descriptor
+reads each request into one reused buffer (``os.readv``; max_write plus a page, the kernel's
+minimum), decodes it (``cachefs.fuse.wire``), and answers with one ``os.writev`` of the reply header
+and the handler's buffers (a read's data is the engine's memoryview: no join, no copy). Handlers the
+filesystem answers without waiting (release, forget, statfs, readdir, xattrs) run inline; the others
+run as tasks, at most ``max_tasks`` at once (reading pauses at the bound). A task's request outlives
+the buffer, so its arguments are copied out first (a few bytes), except a WRITE's payload: its buffer
+is set aside until the write ends and the next read uses another (a small pool).
+
+**The protocol's rules**: INIT is negotiated with the running kernel (``wanted_flags``: only what it
+offers is used; minor ``wire.MIN_KERNEL_MINOR`` at least). FORGET and BATCH_FORGET get no reply.
+INTERRUPT cancels the handler's task when the request only reads (``INTERRUPTIBLE``), which then
+answers EINTR; a modifying request runs to its end (a half-done write-back step is worse than a late
+answer). An opcode no handler takes is answered ENOSYS, which the kernel remembers for most. A read
+that fails with ENODEV means the mount is gone: ``serve`` returns. ENOENT on a reply means the
+kernel gave up on that request (interrupted or aborted): nothing to do.
+
+Growing this: cloned descriptors (``FUSE_DEV_IOC_CLONE``) would each get their own reader and buffer
+(a thread or a process per descriptor, sharing the adapter), and passthrough (``FUSE_PASSTHROUGH``,
+``FUSE_DEV_IOC_BACKING_OPEN``) would add ``flags2`` to INIT and a ``backing_id`` to ``open_out``;
+see docs/architecture.md, "The FUSE layer".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Protocol, Union
+
+from cachefs.fuse import wire
+from cachefs.fuse.wire import FuseError, Request
+from cachefs.mounts import FSTYPE, mount_source
+from cachefs.tuning import FUSE_CONGESTION_THRESHOLD, FUSE_MAX_BACKGROUND
+
+log = logging.getLogger(__name__)
+
+FUSE_DEVICE = "/dev/fuse"
+SUBTYPE = FSTYPE.removeprefix("fuse.")
+FUSERMOUNT = "fusermount3"
+# How long fusermount3 may take to mount or unmount (it checks the mountpoint and calls mount(2)).
+FUSERMOUNT_TIMEOUT_S = 30
+# The largest write the kernel sends and the largest read it asks for: 1 MiB (256 pages, the kernel's
+# default max_pages_limit), what libfuse 3 negotiated; a 1 MiB request costs one round trip where
+# 128 KiB ones cost eight (cachefs.tuning has the measured effect with the read-ahead).
+MAX_WRITE = 1024 * 1024
+MAX_PAGES = MAX_WRITE // 4096
+# One request buffer: the kernel refuses reads of /dev/fuse into less than max_write plus the headers.
+BUFFER_SIZE = MAX_WRITE + 4096
+# WRITE payloads keep their buffer until the write ends; idle buffers kept for reuse (each 1 MiB).
+SPARE_BUFFERS = 4
+# How long the end of serve() waits for the handlers it cancelled (they end at their next await).
+CANCEL_WAIT_S = 10
+# Requests read per wake-up of the loop before it looks at its other work.
+READS_PER_WAKEUP = 16
+# The longest part of fusermount3's stderr that becomes the reason (its messages are one line).
+MAX_REASON_CHARS = 300
+
+# What the kernel may do, and cachefs wants (each used only when the kernel's INIT offers it):
+# reads in parallel and in the background, 1 MiB requests, lookups of one directory in parallel,
+# O_TRUNC in OPEN (CacheFS.open truncates), readdir with attributes (the adapter counts the
+# lookups it hands over), cached pages dropped when a file's mtime or size changes, and the same
+# killpriv and async direct I/O defaults libfuse 3 asked for. No write-back cache (the write path
+# relies on seeing each write), no export support (lookups of "." and ".." by nodeid), no locks
+# (the kernel keeps them local).
+WANTED_FLAGS = (wire.ASYNC_READ | wire.BIG_WRITES | wire.MAX_PAGES | wire.PARALLEL_DIROPS | wire.ATOMIC_O_TRUNC
+                | wire.DO_READDIRPLUS | wire.AUTO_INVAL_DATA | wire.ASYNC_DIO | wire.HANDLE_KILLPRIV
+                | wire.NO_OPEN_SUPPORT)
+# Requests that only read: an interrupt may cancel them (nothing is left half done).
+INTERRUPTIBLE = frozenset({wire.LOOKUP, wire.GETATTR, wire.READ, wire.OPENDIR, wire.READDIR, wire.READDIRPLUS,
+                           wire.STATFS, wire.GETXATTR, wire.LISTXATTR})
+NO_REPLY = frozenset({wire.FORGET, wire.BATCH_FORGET})
+
+Buffer = Union[bytes, bytearray, memoryview]
+Reply = Union[None, Buffer, Sequence[Buffer]]
+
+
+class Operations(Protocol):
+    """What the session needs of the adapter: the handlers by opcode, and the errno of a failure."""
+
+    @property
+    def inline(self) -> dict[int, Callable[[Request], Reply]]: ...
+
+    @property
+    def handlers(self) -> dict[int, Callable[[Request], Awaitable[Reply]]]: ...
+
+    def failure(self, opcode: int, exc: BaseException) -> int: ...
+
+    def negotiated(self, flags: int) -> None: ...
+
+
+# --------------------------------------------------------------------------------------- mounting
+# What a user can do about the failures the kernel and fusermount3 report, by words of their message.
+FUSE_FAILURE_HINTS = (
+    ("/dev/fuse: Permission denied", "the mounting user needs read and write access to /dev/fuse "
+                                     "(through a group that owns it), or mount as root"),
+    ("user_allow_other", "drop --allow-other, or have root add user_allow_other to /etc/fuse.conf"),
+    ("device not found", "load the fuse kernel module (modprobe fuse), or give the container /dev/fuse"),
+)
+
+
+def fuse_failure_reason(text: str) -> str | None:
+    """The last line fusermount3 (or this module) wrote, with what to do about it; None if empty."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return None
+    reason = lines[-1].removeprefix("fuse: ")[:MAX_REASON_CHARS]
+    hint = next((hint for words, hint in FUSE_FAILURE_HINTS if words in reason), None)
+    return f"{reason}; {hint}" if hint else reason
+
+
+def _escape_option(value: str) -> str:
+    # fusermount3 splits -o at commas and takes a backslash as an escape.
+    return value.replace("\\", "\\\\").replace(",", "\\,")
+
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV = 0x1, 0x2, 0x4
+_MNT_DETACH = 0x2
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+
+
+class MountError(OSError):
+    """The mount was refused; ``reason`` is the one line the user sees."""
+
+
+def open_device() -> int:
+    try:
+        return os.open(FUSE_DEVICE, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENODEV):
+            raise MountError(exc.errno, "device not found, try 'modprobe fuse' first") from None
+        raise MountError(exc.errno, f"failed to open {FUSE_DEVICE}: {os.strerror(exc.errno or errno.EIO)}") from None
+
+
+def kernel_options(fd: int, rootmode: int, *, allow_other: bool) -> str:
+    options = [f"fd={fd}", f"rootmode={rootmode:o}", f"user_id={os.getuid()}", f"group_id={os.getgid()}",
+               "default_permissions"]
+    if allow_other:
+        options.append("allow_other")
+    return ",".join(options)
+
+
+def mount_syscall(fd: int, mountpoint: str, fsname: str, *, read_only: bool, allow_other: bool) -> None:
+    """mount(2) the open /dev/fuse ``fd`` at ``mountpoint``; ``OSError`` with the kernel's errno."""
+    rootmode = stat.S_IFMT(os.stat(mountpoint).st_mode)
+    flags = _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if read_only else 0)
+    data = kernel_options(fd, rootmode, allow_other=allow_other)
+    if _libc.mount(fsname.encode(), os.fsencode(mountpoint), FSTYPE.encode(), flags, data.encode()) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def fusermount(mountpoint: str, fsname: str, *, read_only: bool, allow_other: bool) -> int:
+    """Have the setuid fusermount3 mount ``mountpoint``; the /dev/fuse descriptor it sends back."""
+    options = ["default_permissions", f"fsname={_escape_option(fsname)}", f"subtype={SUBTYPE}"]
+    if read_only:
+        options.append("ro")
+    if allow_other:
+        options.append("allow_other")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
+        try:
+            result = subprocess.run([FUSERMOUNT, "-o", ",".join(options), "--", mountpoint], env=env,
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=FUSERMOUNT_TIMEOUT_S)
+        except FileNotFoundError:
+            raise MountError(errno.ENOENT, f"{FUSERMOUNT} is not installed (the fuse3 package has it)") from None
+        except subprocess.TimeoutExpired:
+            raise MountError(errno.ETIMEDOUT, f"{FUSERMOUNT} did not finish in {FUSERMOUNT_TIMEOUT_S} s") from None
+        text = result.stderr.decode(errors="replace")
+        if text:
+            sys.stderr.write(text)  # the daemon's log keeps fusermount3's own words
+            sys.stderr.flush()
+        theirs.close()
+        if result.returncode != 0:
+            raise MountError(errno.EPERM, fuse_failure_reason(text) or f"{FUSERMOUNT} failed")
+        ours.settimeout(FUSERMOUNT_TIMEOUT_S)
+        try:
+            _, fds, _, _ = socket.recv_fds(ours, 1, 1)
+        except OSError as exc:
+            raise MountError(errno.EIO, f"no descriptor from {FUSERMOUNT}: {exc.strerror or exc}") from None
+    if len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise MountError(errno.EIO, f"no descriptor from {FUSERMOUNT}")
+    os.set_inheritable(fds[0], False)
+    return fds[0]
+
+
+def unmount(mountpoint: str, *, privileged: bool) -> None:
+    """Detach the mount (lazily, as libfuse did at the end of a session); failures are logged."""
+    if privileged:
+        if _libc.umount2(os.fsencode(mountpoint), _MNT_DETACH) != 0:
+            code = ctypes.get_errno()
+            if code not in (errno.EINVAL, errno.ENOENT):  # not mounted (any more)
+                log.warning("cannot unmount %s: %s", mountpoint, os.strerror(code))
+        return
+    try:
+        result = subprocess.run([FUSERMOUNT, "-u", "-q", "-z", "--", mountpoint], stdin=subprocess.DEVNULL,
+                                capture_output=True, timeout=FUSERMOUNT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("cannot unmount %s: %s", mountpoint, exc)
+        return
+    if result.returncode != 0:
+        log.warning("cannot unmount %s: %s", mountpoint, result.stderr.decode(errors="replace").strip())
+
+
+# ---------------------------------------------------------------------------------------- session
+class FuseSession:
+    """One mount's connection to the kernel: mount, serve until unmounted or terminated, close."""
+
+    def __init__(self, ops: Operations, mountpoint: str, *, source: str = SUBTYPE, read_only: bool = False,
+                 allow_other: bool = False, fd: int | None = None) -> None:
+        self.ops = ops
+        self.mountpoint = mountpoint
+        self.fsname = mount_source(source)
+        self.read_only = read_only
+        self.allow_other = allow_other
+        self.fd = -1 if fd is None else fd
+        self.handed_over = fd is not None
+        self.privileged = False
+        self.proto_minor = 0
+        self.flags = 0
+        self._buffer = bytearray(BUFFER_SIZE)
+        self._spare: list[bytearray] = []
+        self._tasks: dict[int, tuple[asyncio.Task[None], int]] = {}
+        self._interrupted: set[int] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ended: asyncio.Future[None] | None = None
+        self._reading = False
+        self._max_tasks = 1
+        self._closed = False
+
+    # ---------------------------------------------------------------------------- mount and close
+    def mount(self) -> None:
+        """Mount (unless handed over); ``OSError`` with a one-line reason if refused."""
+        if self.handed_over:
+            return
+        try:
+            fd = open_device()
+            try:
+                mount_syscall(fd, self.mountpoint, self.fsname, read_only=self.read_only, allow_other=self.allow_other)
+                self.privileged = True
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno != errno.EPERM:
+                    raise MountError(exc.errno, f"mount: {exc.strerror}") from None
+                fd = fusermount(self.mountpoint, self.fsname, read_only=self.read_only, allow_other=self.allow_other)
+        except MountError as exc:
+            reason = fuse_failure_reason(exc.strerror or "") or "refused"
+            raise OSError(exc.errno or errno.EIO, f"cannot mount on {self.mountpoint}: {reason}") from None
+        self.fd = fd
+
+    def terminate(self) -> None:
+        """End ``serve`` (the mount stays until ``close``)."""
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+
+    def close(self) -> None:
+        """Make sure the mount is gone (unless it was handed over) and close the descriptor."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.handed_over and self.fd >= 0:
+            unmount(self.mountpoint, privileged=self.privileged)
+        if self.fd >= 0:
+            os.close(self.fd)
+
+    # ------------------------------------------------------------------------------------- serving
+    async def serve(self, max_tasks: int) -> None:
+        """Serve requests until the filesystem is unmounted or ``terminate`` is called."""
+        self._loop = asyncio.get_running_loop()
+        self._ended = self._loop.create_future()
+        self._max_tasks = max(1, max_tasks)
+        os.set_blocking(self.fd, False)
+        self._resume()
+        try:
+            await self._ended
+        finally:
+            self._pause()
+            tasks = [task for task, _ in self._tasks.values()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+
+    def _resume(self) -> None:
+        if not self._reading and self._loop is not None and not self._ended.done():  # type: ignore[union-attr]
+            self._loop.add_reader(self.fd, self._readable)
+            self._reading = True
+
+    def _pause(self) -> None:
+        if self._reading and self._loop is not None:
+            self._loop.remove_reader(self.fd)
+            self._reading = False
+
+    def _end(self) -> None:
+        self._pause()
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+
+    def _readable(self) -> None:
+        for _ in range(READS_PER_WAKEUP):
+            if len(self._tasks) >= self._max_tasks:
+                self._pause()  # resumed when a task ends
+                return
+            try:
+                length = os.readv(self.fd, [self._buffer])
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:  # the request was interrupted before it was read
+                    continue
+                if exc.errno != errno.ENODEV:  # ENODEV: unmounted
+                    log.error("reading %s failed: %s; the session ends", FUSE_DEVICE, exc)
+                self._end()
+                return
+            if length == 0:  # end of file: the connection is gone
+                self._end()
+                return
+            self._dispatch(memoryview(self._buffer)[:length])
+            if self._ended is None or self._ended.done():
+                return
+
+    def _dispatch(self, view: memoryview) -> None:
+        try:
+            req = wire.parse_request(view)
+        except (ValueError, struct.error):
+            log.error("a request of %d bytes could not be decoded; ignored", len(view))
+            return
+        opcode = req.opcode
+        inline = self.ops.inline.get(opcode)
+        if inline is not None:
+            try:
+                reply = inline(req)
+            except FuseError as exc:
+                self.send(req.unique, exc.errno)
+                return
+            except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
+                self.send(req.unique, self.ops.failure(opcode, exc))
+                return
+            if opcode not in NO_REPLY:
+                self.send(req.unique, 0, reply)
+            return
+        handler = self.ops.handlers.get(opcode)
+        if handler is not None:
+            self._start(req, handler)
+        elif opcode == wire.INIT:
+            self._init(req)
+        elif opcode == wire.INTERRUPT:
+            self._interrupt(wire.INTERRUPT_IN.unpack_from(req.body)[0])
+        elif opcode == wire.DESTROY:
+            self.send(req.unique, 0)
+            self._end()
+        elif opcode not in NO_REPLY:
+            self.send(req.unique, errno.ENOSYS)
+
+    def _start(self, req: Request, handler: Callable[[Request], Awaitable[Reply]]) -> None:
+        held = None
+        if req.opcode == wire.WRITE:
+            # The payload stays where it was read; the next request goes into another buffer.
+            held = self._buffer
+            self._buffer = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
+        else:
+            req = req._replace(body=memoryview(req.body.tobytes()))
+        assert self._loop is not None
+        task = self._loop.create_task(self._run(req, handler, held))
+        self._tasks[req.unique] = (task, req.opcode)
+
+    async def _run(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], held: bytearray | None) -> None:
+        unique = req.unique
+        try:
+            reply = await handler(req)
+        except FuseError as exc:
+            self.send(unique, exc.errno)
+        except asyncio.CancelledError:
+            if unique in self._interrupted:
+                self.send(unique, errno.EINTR)
+            else:
+                raise  # the session ends
+        except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
+            self.send(unique, self.ops.failure(req.opcode, exc))
+        else:
+            self.send(unique, 0, reply)
+        finally:
+            self._tasks.pop(unique, None)
+            self._interrupted.discard(unique)
+            if held is not None and len(self._spare) < SPARE_BUFFERS:
+                self._spare.append(held)
+            if not self._reading and len(self._tasks) < self._max_tasks:
+                self._resume()
+
+    def _interrupt(self, unique: int) -> None:
+        entry = self._tasks.get(unique)
+        if entry is not None and entry[1] in INTERRUPTIBLE:
+            self._interrupted.add(unique)
+            entry[0].cancel()
+
+    def _init(self, req: Request) -> None:
+        init = wire.parse_init(req.body)
+        if init.major > wire.KERNEL_MAJOR:
+            # The kernel speaks a newer major: answer with ours, and it sends INIT again in that one.
+            self.send(req.unique, 0, wire.init_out(minor=wire.KERNEL_MINOR, max_readahead=0, flags=0,
+                                                   max_background=0, congestion_threshold=0, max_write=0,
+                                                   max_pages=0))
+            return
+        if init.major < wire.KERNEL_MAJOR or init.minor < wire.MIN_KERNEL_MINOR:
+            log.error("the kernel speaks FUSE %d.%d; cachefs needs %d.%d (Linux 3.15) or later", init.major,
+                      init.minor, wire.KERNEL_MAJOR, wire.MIN_KERNEL_MINOR)
+            self.send(req.unique, errno.EPROTO)
+            self._end()
+            return
+        flags = init.flags & WANTED_FLAGS
+        self.proto_minor = min(init.minor, wire.KERNEL_MINOR)
+        self.flags = flags
+        self.ops.negotiated(flags)
+        self.send(req.unique, 0, wire.init_out(
+            minor=self.proto_minor, max_readahead=init.max_readahead, flags=flags,
+            max_background=FUSE_MAX_BACKGROUND, congestion_threshold=FUSE_CONGESTION_THRESHOLD,
+            max_write=MAX_WRITE, max_pages=MAX_PAGES if flags & wire.MAX_PAGES else 0))
+        log.debug("FUSE %d.%d, flags %#x of %#x offered", wire.KERNEL_MAJOR, init.minor, flags, init.flags)
+
+    def send(self, unique: int, error: int, reply: Reply = None) -> None:
+        """Answer request ``unique``: ``error`` (a positive errno), or 0 and the reply's buffers."""
+        if self._closed:
+            return
+        if error or reply is None:
+            buffers: list[Buffer] = [wire.out_header(unique, error, 0)]
+        elif isinstance(reply, (bytes, bytearray, memoryview)):
+            buffers = [wire.out_header(unique, 0, len(reply)), reply]
+        else:
+            buffers = [wire.out_header(unique, 0, sum(len(part) for part in reply)), *reply]
+        self.write(buffers)
+
+    def write(self, buffers: Sequence[Buffer]) -> None:
+        try:
+            os.writev(self.fd, buffers)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:  # the kernel gave up on the request (interrupted, or aborted)
+                return
+            if exc.errno == errno.ENODEV:
+                self._end()
+                return
+            log.error("a FUSE reply failed: %s", exc)

@@ -1,0 +1,81 @@
+"""The FUSE session's two ways to mount (cachefs.fuse.session), on real mounts: mount(2) as root and
+the setuid fusermount3 (what a non-root daemon uses; called directly here, as root, since this
+machine's /dev/fuse may be closed to other users). Both show the bucket URL as the mount's source,
+type fuse.cachefs and the mount flags, and the session's close removes what it mounted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from cachefs import mounts
+from cachefs.fuse import session as fuse_session
+from cachefs.fuse import wire
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount(2) needs root")
+
+
+def mount_line(target: Path) -> tuple[str, str, list[str]]:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(target):
+            after = fields[fields.index("-") + 1:]
+            return after[0], after[1], fields[5].split(",")
+    raise AssertionError(f"{target} is not mounted")
+
+
+def test_fusermount3_mounts_with_the_source_and_unmounts(tmp_path: Path) -> None:
+    target = tmp_path / "mnt"
+    target.mkdir()
+    fd = fuse_session.fusermount(str(target), "s3://bucket/a,b", read_only=True, allow_other=False)
+    try:
+        fstype, source, options = mount_line(target)
+        assert (fstype, source) == ("fuse.cachefs", "s3://bucket/a,b")  # the comma survived fusermount3's -o
+        assert {"ro", "nosuid", "nodev"} <= set(options)
+    finally:
+        fuse_session.unmount(str(target), privileged=False)
+        os.close(fd)
+    assert mounts.find_mount(target) is None
+
+
+def test_a_refused_fusermount3_names_its_reason(tmp_path: Path) -> None:
+    with pytest.raises(fuse_session.MountError) as info:
+        fuse_session.fusermount(str(tmp_path / "missing"), "s3://b", read_only=True, allow_other=False)
+    assert "failed to access mountpoint" in (info.value.strerror or "")
+
+
+class Ops:
+    """No handlers: every request but INIT is answered ENOSYS."""
+
+    inline: dict = {}
+    handlers: dict = {}
+
+    def failure(self, opcode: int, exc: BaseException) -> int:
+        return 5
+
+    def negotiated(self, flags: int) -> None:
+        self.flags = flags
+
+
+async def test_a_root_mount_negotiates_with_the_kernel_and_ends_at_unmount(tmp_path: Path) -> None:
+    target = tmp_path / "mnt"
+    target.mkdir()
+    ops = Ops()
+    session = fuse_session.FuseSession(ops, str(target), source="gs://bucket/p?token=secret", read_only=True)  # type: ignore[arg-type]
+    session.mount()
+    try:
+        assert mount_line(target)[:2] == ("fuse.cachefs", "gs://bucket/p")
+        serving = asyncio.create_task(session.serve(4))
+        # The kernel asks for INIT on the first access; stat answers ENOSYS from this session.
+        with pytest.raises(OSError):
+            await asyncio.to_thread(os.stat, target)
+        assert session.proto_minor == wire.KERNEL_MINOR and ops.flags & wire.ASYNC_READ
+        assert ops.flags & ~fuse_session.WANTED_FLAGS == 0
+        await asyncio.to_thread(fuse_session.unmount, str(target), privileged=True)
+        await asyncio.wait_for(serving, 30)  # ENODEV: the mount is gone, serve returns
+    finally:
+        session.close()
+    assert mounts.find_mount(target) is None
