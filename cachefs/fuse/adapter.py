@@ -93,6 +93,7 @@ class FuseOperations:
             wire.OPENDIR: self.opendir, wire.FLUSH: self.flush, wire.FSYNC: self.fsync, wire.SETATTR: self.setattr,
             wire.MKNOD: self.mknod, wire.MKDIR: self.mkdir, wire.UNLINK: self.unlink, wire.RMDIR: self.rmdir,
             wire.RENAME: self.rename, wire.RENAME2: self.rename2, wire.CREATE: self.create, wire.WRITE: self.write,
+            wire.FALLOCATE: self.fallocate,
         }
 
     def negotiated(self, flags: int) -> None:
@@ -267,6 +268,11 @@ class FuseOperations:
         fh, offset, size = wire.WRITE_IN.unpack_from(req.body)[:3]
         data = req.body[wire.WRITE_IN.size:wire.WRITE_IN.size + size]
         return wire.write_out(await self.fs.write(fh, offset, data))  # type: ignore[arg-type]
+
+    async def fallocate(self, req: Request) -> Reply:
+        fh, offset, length, mode, _ = wire.FALLOCATE_IN.unpack_from(req.body)
+        await self.fs.fallocate(fh, mode, offset, length)
+        return None
 
     def symlink(self, req: Request) -> Reply:
         self.fs.unsupported("symlink")

@@ -194,6 +194,7 @@ ACCESS_IN = struct.Struct("<II")               # mask pad
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")    # fuse_kstatfs: blocks bfree bavail files ffree bsize namelen frsize pad spare[6]
 DIRENT = struct.Struct("<QQII")                # ino off namelen type, then the name, padded to 8
 LSEEK_IN = struct.Struct("<QQII")              # fh offset whence pad
+FALLOCATE_IN = struct.Struct("<QQQII")         # fh offset length mode pad
 LSEEK_OUT = struct.Struct("<Q")
 NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino off len
 NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")  # parent namelen flags, then the name and a NUL

@@ -375,3 +375,40 @@ def test_write_through_uploads_before_close_returns_and_reports_failures(moto, m
     moto.make_bucket(bucket)
     flush_ok(m)
     assert client.get_object(Bucket=bucket, Key=PREFIX + "fails.txt")["Body"].read() == b"not uploaded"
+
+
+def test_fallocate_through_the_mount(seaweed, bucket: str, mounter) -> None:
+    """fallocate(2) as programs call it (glibc's fallocate, posix_fallocate): grow, keep size, punch a
+    hole, zero a range; collapse is refused with EOPNOTSUPP. The bytes read back and reach the bucket
+    (issue 38, finding 7: EOPNOTSUPP in every mode)."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+
+    def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+        if libc.fallocate(fd, mode, offset, length) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+
+    m = mounter.mount(f"s3://{bucket}/{PREFIX.rstrip('/')}", "--upload-delay", "0", env=s3env(seaweed))
+    path = m.path / "prealloc.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"x" * 10_000)
+        os.posix_fallocate(fd, 0, 20_000)  # grows to 20,000 (zeros)
+        fallocate(fd, 0x01, 0, 1 << 20)  # KEEP_SIZE: nothing changes
+        fallocate(fd, 0x02 | 0x01, 100, 200)  # punch a hole
+        fallocate(fd, 0x10, 25_000, 5_000)  # zero range past the end: grows to 30,000
+        with pytest.raises(OSError) as refused:
+            fallocate(fd, 0x08, 0, 4096)  # collapse range
+        assert refused.value.errno == errno.EOPNOTSUPP
+        assert os.fstat(fd).st_size == 30_000
+    finally:
+        os.close(fd)
+    expected = b"x" * 100 + bytes(200) + b"x" * 9_700 + bytes(20_000)
+    assert path.read_bytes() == expected
+    flush_ok(m)
+    files, _ = bucket_tree(seaweed, bucket)
+    assert files["prealloc.bin"] == expected

@@ -435,6 +435,7 @@ WRITE_REQUESTS = [
     ("link", wire.LINK, wire.LINK_IN.pack(ROOT_INODE) + b"l\0"),
     ("create", wire.CREATE, wire.CREATE_IN.pack(os.O_WRONLY | os.O_CREAT, 0o644, 0, 0) + b"new\0"),
     ("write", wire.WRITE, wire.WRITE_IN.pack(1, 0, 4, 0, 0, 0, 0) + b"data"),
+    ("fallocate", wire.FALLOCATE, wire.FALLOCATE_IN.pack(1, 0, 10, 0, 0)),
     ("setxattr", wire.SETXATTR, wire.SETXATTR_IN.pack(1, 0) + b"user.x\0v"),
     ("removexattr", wire.REMOVEXATTR, b"user.x\0"),
 ]
@@ -496,6 +497,12 @@ async def test_write_path_through_the_adapter(writable) -> None:
         assert error == 0 and stat.S_ISREG(mode) and size == 0 and not flags & wire.FOPEN_KEEP_CACHE
         assert await kernel.call(wire.WRITE, wire.WRITE_IN.pack(fh, 0, 5, 0, 0, 0, 0) + b"hello", nodeid=f) == (
             0, wire.write_out(5))
+        # fallocate: grows the file to 8 bytes (zeros), then punches [1, 3) (KEEP_SIZE | PUNCH_HOLE)
+        assert await kernel.call(wire.FALLOCATE, wire.FALLOCATE_IN.pack(fh, 0, 8, 0, 0), nodeid=f) == (0, b"")
+        assert await kernel.call(wire.FALLOCATE, wire.FALLOCATE_IN.pack(fh, 1, 2, 0x03, 0), nodeid=f) == (0, b"")
+        assert await kernel.call(wire.FALLOCATE, wire.FALLOCATE_IN.pack(fh, 0, 2, 0x08, 0), nodeid=f) == (
+            errno.EOPNOTSUPP, b"")
+        assert (await fs.getattr(f)).size == 8
         assert await kernel.call(wire.FLUSH, wire.FLUSH_IN.pack(fh, 0, 0, 0), nodeid=f) == (0, b"")
         assert await kernel.call(wire.FSYNC, wire.FSYNC_IN.pack(fh, 0, 0), nodeid=f) == (0, b"")
         valid = wire.FATTR_SIZE | wire.FATTR_MTIME | wire.FATTR_FH

@@ -37,7 +37,7 @@ def request(hex_text: str) -> wire.Request:
     (wire.RELEASE_IN, 24), (wire.FLUSH_IN, 24), (wire.FSYNC_IN, 16), (wire.FORGET_IN, 8),
     (wire.BATCH_FORGET_IN, 8), (wire.FORGET_ONE, 16), (wire.INTERRUPT_IN, 8), (wire.MKNOD_IN, 16),
     (wire.MKDIR_IN, 8), (wire.RENAME_IN, 8), (wire.RENAME2_IN, 16), (wire.LINK_IN, 8), (wire.GETXATTR_IN, 8),
-    (wire.GETXATTR_OUT, 8), (wire.STATFS_OUT, 80), (wire.DIRENT, 24), (wire.LSEEK_IN, 24),
+    (wire.GETXATTR_OUT, 8), (wire.STATFS_OUT, 80), (wire.DIRENT, 24), (wire.LSEEK_IN, 24), (wire.FALLOCATE_IN, 32),
     (wire.NOTIFY_INVAL_INODE_OUT, 24), (wire.NOTIFY_INVAL_ENTRY_OUT, 16), (wire.NOTIFY_DELETE_OUT, 24),
 ])
 def test_struct_sizes_are_the_kernels(struct_: struct.Struct, size: int) -> None:
