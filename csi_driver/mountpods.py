@@ -147,6 +147,11 @@ def termination_grace_s(spec: DaemonSpec) -> int:
     return math.ceil(spec.stop_timeout_s + STOP_MARGIN_S)
 
 
+def kubelet_literal(arg: str) -> str:
+    """``arg`` as a container argument the kubelet leaves as it is: ``$(VAR)`` is expanded, ``$$`` is ``$``."""
+    return arg.replace("$", "$$")
+
+
 def label_value(text: str) -> str:
     """``text`` if it is a valid label value, else a readable part of it and a hash (63 chars at most)."""
     if _LABEL_VALUE_RE.fullmatch(text):
@@ -246,8 +251,12 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
             "name": CONTAINER,
             "image": settings.image,
             "imagePullPolicy": settings.image_pull_policy,
-            # The kubelet expands $(POD_IP) from the container's environment.
-            "command": [*settings.command, *spec.args, "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}"],
+            # The kubelet expands $(VAR) in a container's command from its environment: $(POD_IP) here,
+            # and in an argument taken from a volume attribute the daemon's own credentials
+            # ($(AWS_SECRET_ACCESS_KEY) in a source). Every '$' of those is doubled ('$$' is a
+            # literal '$' to the kubelet), so they reach the daemon as written.
+            "command": [*settings.command, *(kubelet_literal(arg) for arg in spec.args),
+                        "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}"],
             "ports": [{"name": STATS_PORT_NAME, "containerPort": STATS_PORT, "protocol": "TCP"}],
             "env": env,
             "resources": resources,

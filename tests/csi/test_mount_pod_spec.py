@@ -249,3 +249,20 @@ def test_the_daemon_serves_its_stats_on_the_pod_ip() -> None:
     assert container["command"][-2:] == ["--stats-addr", "$(POD_IP):9750"]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert container["ports"] == [{"name": "stats", "containerPort": 9750, "protocol": "TCP"}]
+
+
+def test_a_variable_reference_in_an_attribute_reaches_the_daemon_as_written() -> None:
+    """The kubelet expands ``$(VAR)`` in a container's args from its environment: a source naming
+    ``$(AWS_SECRET_ACCESS_KEY)`` would otherwise put the daemon's secret in its argv (issue 34)."""
+    from tests.support.kubelet import expand
+
+    source = "s3://bucket/$(AWS_SECRET_ACCESS_KEY)/$$x"
+    volume = parse_volume_attributes({"source": source, "endpointUrl": "https://s3.example/$(AWS_ACCESS_KEY_ID)"})
+    target = Path("/var/lib/kubelet/t")
+    args = ("mount", volume.source, str(target), "--endpoint-url", volume.endpoint_url or "")
+    (container,) = build_pod(SETTINGS, spec(args=args))["spec"]["containers"]
+    env = {"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ACCESS_KEY_ID": KEY_ID, "POD_IP": "10.0.0.7"}
+    argv = [expand(arg, env) for arg in container["command"]]
+    assert argv[1:6] == list(args)
+    assert SECRET not in " ".join(argv) and KEY_ID not in " ".join(argv)
+    assert argv[-1] == "10.0.0.7:9750"  # the driver's own reference is still expanded
