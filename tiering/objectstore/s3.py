@@ -123,6 +123,15 @@ PRESIGN_CACHE_KEYS = 4096
 PRESIGN_MAX_FALLBACKS = 8
 # Keys per ListObjectsV2 page: S3's maximum. Fewer pages, fewer round trips for large directories.
 LIST_PAGE_SIZE = 1000
+# One listing of one directory ends, with an error naming the directory, after this many pages or
+# this long, whatever the server says: a server that answers every page with a new continuation
+# token (or the same one) would otherwise grow the daemon forever while `ls` waits in the kernel
+# (issue 34: 100 -> 340 MB in 4 minutes). 10,000 pages are 10 million direct children, more than a
+# directory that FUSE can usefully list (the kernel's readdir reads it all, ~1 KiB of memory per
+# entry here); 10 minutes cover those 10,000 pages at 60 ms each, ten times what S3 takes for a page.
+# A repeated continuation token is an error at once: S3 never sends one twice in a listing.
+MAX_LIST_PAGES = 10_000
+LIST_DEADLINE_S = 600.0
 
 MiB = 1024 * 1024
 # Multipart part size (and the size above which an upload is multipart): 16 MiB. S3 wants at least
@@ -315,9 +324,13 @@ class S3ObjectStore:
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_pool_connections: int = DEFAULT_MAX_POOL_CONNECTIONS,
         part_size: int = DEFAULT_PART_SIZE,
+        max_list_pages: int = MAX_LIST_PAGES,
+        list_deadline_s: float = LIST_DEADLINE_S,
         environ: Mapping[str, str],
     ) -> None:
         check_list_prefix(prefix)
+        if max_list_pages < 1 or not list_deadline_s > 0:
+            raise ValueError("a listing needs at least one page and a positive deadline")
         if endpoint_url is not None:
             _check_endpoint(endpoint_url)
         if not (0 < connect_timeout_s <= 600 and 0 < read_timeout_s <= 3600):
@@ -334,6 +347,8 @@ class S3ObjectStore:
         self.read_timeout_s = read_timeout_s
         self.max_pool_connections = max_pool_connections
         self.part_size = part_size
+        self.max_list_pages = max_list_pages
+        self.list_deadline_s = list_deadline_s
         self.stats = ObjectStoreStats()
         self._upload_slots = asyncio.Semaphore(MAX_UPLOAD_PARTS_IN_FLIGHT)
         self._environ = dict(environ)
@@ -430,11 +445,23 @@ class S3ObjectStore:
         return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
     async def list_dir(self, prefix: str) -> Listing:
+        """The direct children of ``prefix``: every page of ListObjectsV2, within ``max_list_pages``
+        pages and ``list_deadline_s`` seconds, no continuation token twice (``ObjectStoreError``, EIO)."""
         check_list_prefix(prefix)
+        try:
+            async with asyncio.timeout(self.list_deadline_s):
+                return await self._list_pages(prefix)
+        except TimeoutError:
+            self.stats.errors += 1
+            raise ObjectStoreError(f"LIST {self._where(prefix)}: not finished after {self.list_deadline_s:g} s "
+                                   f"(a listing's limit); the server may be sending pages without end") from None
+
+    async def _list_pages(self, prefix: str) -> Listing:
         full = self.prefix + prefix
         listing = Listing()
         token: str | None = None
-        while True:
+        seen: set[str] = set()
+        for _page in range(self.max_list_pages):
             kwargs: dict[str, Any] = {"Prefix": full, "Delimiter": "/", "MaxKeys": LIST_PAGE_SIZE}
             if token is not None:
                 kwargs["ContinuationToken"] = token
@@ -464,6 +491,14 @@ class S3ObjectStore:
             if not token:
                 self.stats.errors += 1
                 raise ObjectStoreError(f"LIST {self._where(prefix)}: truncated page without a continuation token")
+            if token in seen:
+                self.stats.errors += 1
+                raise ObjectStoreError(f"LIST {self._where(prefix)}: the server sent a continuation token a second "
+                                       f"time (the listing would never end)")
+            seen.add(token)
+        self.stats.errors += 1
+        raise ObjectStoreError(f"LIST {self._where(prefix)}: more than {self.max_list_pages} pages of "
+                               f"{LIST_PAGE_SIZE} keys (a listing's limit); the server may be sending pages without end")
 
     def _check_returned_etag(self, returned: str | None, etag: str, where: str) -> None:
         """For servers that ignore If-Match: a GET answered with another version is a change."""
