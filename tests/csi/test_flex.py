@@ -34,7 +34,7 @@ def run_flex(env: dict[str, str], *argv: str) -> tuple[int, dict]:
 @pytest.fixture
 def flex_env(tmp_path: Path) -> dict[str, str]:
     return {**driver_environ(), "CACHEFS_FLEX_CACHE_ROOT": str(tmp_path / "flex-cache"),
-            "CACHEFS_FLEX_LOG": str(tmp_path / "flex.log")}
+            "CACHEFS_FLEX_LOG": str(tmp_path / "flex.log"), "CACHEFS_FLEX_ALLOW_LOCAL_ENDPOINTS": "true"}
 
 
 def test_init_and_unsupported_calls(flex_env) -> None:

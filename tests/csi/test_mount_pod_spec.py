@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from pathlib import Path
 
@@ -107,7 +108,14 @@ def test_resources_from_attributes_and_defaults() -> None:
     assert pod["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"},
                                                          "limits": {"cpu": "2", "memory": "4Gi"}}
     default = build_pod(SETTINGS, spec(ram_cache_bytes=512 << 20))["spec"]["containers"][0]["resources"]
-    assert default == {"requests": {"cpu": "100m", "memory": "832Mi"}}  # no limits unless asked
+    # A memory limit by default (issue 34: none, so a 64Mi request could carry a 20 GiB RAM tier).
+    assert default == {"requests": {"cpu": "100m", "memory": "832Mi"}, "limits": {"memory": "832Mi"}}
+    only_requests = parse_volume_attributes({"source": "s3://bucket/p", "ramCache": "2GiB", "mountPodMemoryRequest": "64Mi"})
+    pod = build_pod(SETTINGS, spec(ram_cache_bytes=2 << 30, pod_resources=only_requests.mount_pod))
+    assert pod["spec"]["containers"][0]["resources"] == {"requests": {"memory": "64Mi"}, "limits": {"memory": "2368Mi"}}
+    capped = dataclasses.replace(SETTINGS, default_cpu_limit="4000m")  # --max-mount-pod-cpu 4
+    assert build_pod(capped, spec())["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "4000m",
+                                                                                         "memory": "1344Mi"}
     assert parse_provision_parameters({"bucket": "bucket", "mountPodMemoryLimit": "8Gi"}).cache_attributes == {
         "mountPodMemoryLimit": "8Gi"}
 
