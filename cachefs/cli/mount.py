@@ -299,11 +299,15 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
 
 
 def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> str | None:
-    """The source's endpoint: ``--endpoint-url``, else ``$AWS_ENDPOINT_URL``, for s3:// sources only.
+    """The source's endpoint: ``--endpoint-url``, else the one botocore would find for S3
+    (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the AWS config file's ``endpoint_url``:
+    ``tiering.objectstore.s3.configured_endpoint_url``), for s3:// sources only. It is part of the
+    source's identity (cache directory, cluster-tier keys), so it is resolved here and given to the
+    store, which uses exactly it.
 
-    ``AWS_ENDPOINT_URL`` is an environment-wide AWS setting (a shell that also talks to a local
-    S3 server has it): it says nothing about an http:// or file:// source, which ignores it. An
-    explicit ``--endpoint-url`` with such a source is a mistake, refused with one line."""
+    These are environment-wide AWS settings (a shell that also talks to a local S3 server has them):
+    they say nothing about an http:// or file:// source, which ignores them. An explicit
+    ``--endpoint-url`` with such a source is a mistake, refused with one line."""
     from tiering.objectstore import parse_source
 
     try:
@@ -314,7 +318,14 @@ def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> st
         if given:
             raise UsageError(f"--endpoint-url applies only to s3:// sources, not {scheme}:// (drop it)")
         return None
-    return given or environ.get("AWS_ENDPOINT_URL") or None
+    if given:
+        return given
+    from tiering.objectstore.s3 import configured_endpoint_url
+
+    try:
+        return configured_endpoint_url(environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:

@@ -72,7 +72,12 @@ def cmd_recover(args: argparse.Namespace, environ: dict[str, str]) -> int:
                                   profile=args.cluster_profile)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
+    from tiering.objectstore.s3 import configured_endpoint_url
+
+    try:  # the endpoint the mount's identity names (cachefs.cli.mount._endpoint_url)
+        endpoint = args.endpoint_url or configured_endpoint_url(environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     volume = source_hash(args.source, endpoint)
     if args.prefix is not None and not args.prefix.startswith(f"writeback/{volume}/"):
         raise UsageError(f"--prefix {args.prefix!r} is not a journal of {args.source} (expected "

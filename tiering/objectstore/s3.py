@@ -73,7 +73,7 @@ import botocore.exceptions as bexc
 import s3fs
 from aiobotocore.credentials import AioEnvProvider
 from aiobotocore.session import AioSession
-from botocore.configprovider import ConfigChainFactory
+from botocore.configprovider import ConfigChainFactory, ConfiguredEndpointProvider
 
 from tiering.errors import (
     AccessDeniedError,
@@ -311,6 +311,30 @@ def aws_session(environ: Mapping[str, str]) -> AioSession:
     return session
 
 
+def configured_endpoint_url(environ: Mapping[str, str]) -> str | None:
+    """The S3 endpoint botocore would use for a client given none, from ``environ`` and the AWS config
+    file it names: ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``, then the profile's ``services``
+    section's ``s3.endpoint_url``, then its ``endpoint_url``; None where none is set or
+    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``/``ignore_configured_endpoint_urls`` is true (AWS's order for
+    service-specific endpoints, read by botocore's own provider over ``environ``).
+
+    Resolved once, here, so that the source's identity (``cachefs.settings.source_identity``: its cache
+    directory and cluster-tier keys) names the server the store talks to: the store passes this URL to
+    its client, and a store without one tells botocore to ignore configured endpoints (issue 34:
+    ``AWS_ENDPOINT_URL_S3`` was used by botocore and missing from the identity, so another server's
+    data was cached and shared as the AWS bucket's). ``ValueError`` for a config file that names a
+    ``services`` section it does not have."""
+    session = aws_session(environ)
+    try:
+        if session.get_config_variable("ignore_configured_endpoint_urls"):
+            return None
+        url = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=session.get_scoped_config(),
+                                         client_name="s3", environ=dict(environ)).provide()
+    except (bexc.InvalidConfigError, bexc.ProfileNotFound, bexc.ConfigParseError) as exc:
+        raise ValueError(f"the AWS config file: {exc}") from None
+    return str(url) if url else None
+
+
 class S3ObjectStore:
     """An ``ObjectStore`` over ``s3://bucket/prefix``. Use from one event loop; ``close()`` when done."""
 
@@ -331,6 +355,8 @@ class S3ObjectStore:
         check_list_prefix(prefix)
         if max_list_pages < 1 or not list_deadline_s > 0:
             raise ValueError("a listing needs at least one page and a positive deadline")
+        if endpoint_url is None:
+            endpoint_url = configured_endpoint_url(environ)  # and told to botocore: one place decides
         if endpoint_url is not None:
             _check_endpoint(endpoint_url)
         if not (0 < connect_timeout_s <= 600 and 0 < read_timeout_s <= 3600):
@@ -396,6 +422,9 @@ class S3ObjectStore:
                     # Requests are signed with SigV4 anyway; presigned URLs would default to the
                     # deprecated SigV2 query signature, which new AWS regions refuse.
                     "signature_version": "s3v4",
+                    # The endpoint is the one given or configured_endpoint_url's, never one botocore
+                    # finds later in the process's own environment (the identity must name it).
+                    "ignore_configured_endpoint_urls": True,
                     **NO_REDIRECT_CONFIG,  # credentials never follow a redirect (tiering.objectstore.redirects)
                 },
             )
