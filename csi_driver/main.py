@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="without --allowed-endpoints, let volumes name loopback and link-local addresses "
                             "(a one-node cluster whose store runs on the node; never where pod authors are untrusted)")
     trust.add_argument("--cluster-store-endpoint", default="", metavar="URLS",
-                       help="the cluster store's endpoint(s): without --allowed-endpoints a volume may name it only "
+                       help="the cluster store's endpoint(s): a volume may name it only "
                             "as its clusterEndpointUrl, never as its source's endpointUrl")
     trust.add_argument("--max-ram-cache", default="", metavar="SIZE",
                        help="the largest ramCache a volume may ask for, e.g. 8GiB (default: no cap)")

@@ -26,13 +26,14 @@ using the node plugin as a confused deputy:
   An endpoint path with a ``.``/``..`` segment, a ``%`` escape or a backslash is never allowed by a
   path entry: the server, not this check, would decide what it means. The cluster-tier endpoint is
   checked like the source's. The shipped overlays set a list (deploy/README.md).
+- **The cluster store is never a source.** The origins of ``--cluster-store-endpoint`` may be a
+  volume's ``clusterEndpointUrl`` (where listed), never its ``endpointUrl``, list or no list: the
+  store holds every tenant's cached blocks, and a mount pod may hold the store's own key.
 - **No list: any endpoint but the node's own and the cluster store.** Without ``--allowed-endpoints``
   a volume may not name a loopback address (127.0.0.0/8, ::1, ``localhost``), a link-local one
   (169.254.0.0/16, the cloud metadata services among them; fe80::/10) or the unspecified address
   (0.0.0.0, ::, which reaches this host), in any spelling the resolver accepts (``127.1``,
-  ``0x7f.0.0.1``, ``2130706433``, ``::ffff:127.0.0.1``), nor name the cluster store
-  (``--cluster-store-endpoint``) as its source's ``endpointUrl`` (it remains its
-  ``clusterEndpointUrl``). ``--allow-local-endpoints`` lifts the address rule (a one-node cluster whose
+  ``0x7f.0.0.1``, ``2130706433``, ``::ffff:127.0.0.1``). ``--allow-local-endpoints`` lifts the address rule (a one-node cluster whose
   store runs on the node, the tests). Host names are not resolved: a name can resolve to a public address now
   and to 169.254.169.254 when the daemon connects (DNS rebinding), so a check of its address here
   would prove nothing; where pod authors are not trusted, the allow-list is the control (and a
@@ -188,7 +189,7 @@ class VolumeTrust:
     # "origin/path/" entries (endpoint_origin + endpoint_path), or "aws"; None: any but local ones
     allowed_endpoints: frozenset[str] | None = None
     allowed_buckets: frozenset[str] | None = None  # None: any
-    cluster_store_origins: frozenset[str] = frozenset()  # never a source's endpoint unless listed
+    cluster_store_origins: frozenset[str] = frozenset()  # never a source's endpoint
     caps: VolumeCaps = VolumeCaps()
     allow_local_endpoints: bool = False  # loopback/link-local without a list (a one-node test cluster)
 
@@ -259,6 +260,10 @@ class VolumeTrust:
 
 
     def _check_endpoint(self, volume_id: str, key: str, url: str | None) -> None:
+        if key == "endpointUrl" and url and endpoint_origin(url) in self.cluster_store_origins:
+            raise CsiError(Code.PERMISSION_DENIED,
+                           f"volume {volume_id}: endpointUrl {endpoint_origin(url)} is the cluster store "
+                           f"(--cluster-store-endpoint), which a volume may name only as its clusterEndpointUrl")
         if self.allowed_endpoints is not None:
             if not self.endpoint_allowed(url):
                 shown = url if url else "the default AWS S3 endpoint (aws)"
@@ -274,11 +279,6 @@ class VolumeTrust:
             raise CsiError(Code.PERMISSION_DENIED,
                            f"volume {volume_id}: {key} {endpoint_origin(url)} is a {why} address, which volumes may "
                            f"not name unless the admin lists it in --allowed-endpoints")
-        if key == "endpointUrl" and endpoint_origin(url) in self.cluster_store_origins:
-            raise CsiError(Code.PERMISSION_DENIED,
-                           f"volume {volume_id}: endpointUrl {endpoint_origin(url)} is the cluster store, which a "
-                           f"volume may name only as its clusterEndpointUrl unless the admin lists it in "
-                           f"--allowed-endpoints")
 
 
 def _endpoint_entry(entry: str, flag: str = "--allowed-endpoints") -> str:

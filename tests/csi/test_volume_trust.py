@@ -157,12 +157,13 @@ def test_without_a_list_other_addresses_and_names_pass() -> None:
         assert local_address(url.split("//")[1].split("/")[0].split(":")[0].strip("[]")) is None
 
 
-def test_the_cluster_store_is_never_a_volumes_source_endpoint_unless_listed() -> None:
-    trust = VolumeTrust.from_flags(False, "", "", "http://cachefs-cluster-store.cachefs.svc:8333")
+def test_the_cluster_store_is_never_a_volumes_source_endpoint() -> None:
     store = "http://cachefs-cluster-store.cachefs.svc:8333"
-    assert "is the cluster store" in refused(trust, {"endpointUrl": store + "/"}, KEYS)
-    trust.check("v", volume(clusterCache="s3://cachefs-cluster/", clusterEndpointUrl=store), KEYS)
-    VolumeTrust.from_flags(False, store, "", store).check("v", volume(endpointUrl=store), KEYS)
+    for endpoints in ("", f"{store}/,https://s3.example/"):  # no list, and the overlay's list
+        trust = VolumeTrust.from_flags(False, endpoints, "", store)
+        assert "is the cluster store" in refused(trust, {"endpointUrl": store + "/x"}, KEYS)
+        trust.check("v", volume(endpointUrl="https://s3.example", clusterCache="s3://cachefs-cluster/",
+                                clusterEndpointUrl=store), KEYS)
 
 
 CAPS = VolumeCaps(max_ram_cache_bytes=4 << 30, max_mount_pod_memory_bytes=6 << 30, max_mount_pod_cpu_milli=4000,
