@@ -1,6 +1,6 @@
 """The S3 store against servers that never finish: listings without end and answers a byte a second.
 
-A tiny misbehaving HTTP server on 127.0.0.1 (``HostileS3``, below) plays the store; nothing else is
+A tiny misbehaving HTTP server on 127.0.0.1 (``tests/support/hostile_s3.py``) plays the store; nothing else is
 needed, since what is tested is what the store does with what it is sent (issue 34):
 
 - a ListObjectsV2 that says ``IsTruncated`` on every page, with a new continuation token each time,
@@ -15,99 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from tests.support.hostile_s3 import BUCKET, ENVIRON, WAIT_S, HostileS3
 from tiering.errors import ObjectStoreError
 from tiering.objectstore import S3ObjectStore
 
 pytestmark = [pytest.mark.timeout(120)]
-
-BUCKET = "hostile"
-WAIT_S = 10.0  # bound on waiting for the server to see a client go (milliseconds when it works)
-ENVIRON = {"AWS_ACCESS_KEY_ID": "AKIDHOSTILETEST", "AWS_SECRET_ACCESS_KEY": "hostile-test-secret",
-           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-
-
-def list_page(token: str, n: int) -> bytes:
-    return (f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
-            f"<Name>{BUCKET}</Name><Prefix>d/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
-            f"<Delimiter>/</Delimiter><IsTruncated>true</IsTruncated>"
-            f"<Contents><Key>d/f{n}</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
-            f'<ETag>"e{n}"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass></Contents>'
-            f"<NextContinuationToken>{token}</NextContinuationToken></ListBucketResult>").encode()
-
-
-class HostileS3:
-    """``mode``: ``new-token``/``same-token`` (listings), ``trickle-headers``/``trickle-body`` (GETs)."""
-
-    def __init__(self, mode: str, page_delay_s: float = 0.0) -> None:
-        self.mode = mode
-        self.page_delay_s = page_delay_s
-        self.pages = 0
-        self.gone = threading.Event()  # a trickled-to client closed its connection
-        self.stop = threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                query = parse_qs(urlsplit(self.path).query)
-                if "list-type" in query:
-                    outer.pages += 1
-                    time.sleep(outer.page_delay_s)
-                    token = "same" if outer.mode == "same-token" else uuid.uuid4().hex
-                    body = list_page(token, outer.pages)
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                    return
-                head = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1048576\r\nETag: \"e\"\r\n\r\n"
-                if outer.mode == "trickle-body":
-                    self.wfile.write(head)
-                    head = b"x" * 1048576
-                try:
-                    for byte in head:
-                        if outer.stop.is_set():
-                            return
-                        self.wfile.write(bytes([byte]))
-                        self.wfile.flush()
-                        if outer.stop.wait(1.0):
-                            return
-                except OSError:
-                    outer.gone.set()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint_url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> HostileS3:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(WAIT_S)
-
 
 async def listing_error(server: HostileS3, **limits: float) -> ObjectStoreError:
     store = S3ObjectStore(BUCKET, "", endpoint_url=server.endpoint_url, environ=ENVIRON, **limits)  # type: ignore[arg-type]

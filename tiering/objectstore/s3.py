@@ -10,7 +10,11 @@ cache is off: the filesystem keeps its own TTL caches and must see a fresh listi
 Retries and time limits. botocore's "standard" retry mode retries throttling, 5xx and connection
 errors with jittered backoff, ``S3_MAX_ATTEMPTS`` attempts in all; s3fs's own retry loop is cut to
 one pass so the two do not multiply. Connect and read timeouts bound every attempt, so a dead
-endpoint fails in seconds (``check()``) and a reader is never parked on a hung socket.
+endpoint fails in seconds (``check()``) and a reader is never parked on a hung socket. A listing is
+bounded as a whole too, whatever the server answers: ``MAX_LIST_PAGES`` pages, ``LIST_DEADLINE_S``
+seconds, and no continuation token twice (``list_dir``; an ``ObjectStoreError``, EIO, naming the
+directory). A ranged GET is bounded by its caller's deadline however slowly the body comes
+(``tiering.objectstore.rangedget``).
 
 Consistency. ``get_range`` sends ``If-Match: <etag>`` with the ``Range``: a server that has a newer
 object answers 412 and we raise ``ObjectChangedError``; the returned ``ETag`` header is checked too,
