@@ -3,7 +3,8 @@
 ``HostileS3(mode)``: ``new-token`` answers every ListObjectsV2 with a truncated page and a new
 continuation token, ``same-token`` with the same token every time (``page_delay_s`` before each
 page); ``trickle-headers`` answers a GET one byte a second from its status line on,
-``trickle-body`` sends the headers of a 1 MiB answer and then its body a byte a second. ``pages``
+``trickle-body`` sends the headers of a 1 MiB answer and then its body a byte a second (in these
+two modes a listing shows one object, ``f``, of that size, and a HEAD of anything describes it). ``pages``
 counts the listing pages served; ``gone`` is set when a trickled-to client closed its connection.
 Plain ``http.server`` threads, stopped (bounded) on exit.
 """
@@ -33,6 +34,18 @@ def list_page(token: str, n: int) -> bytes:
             f"<NextContinuationToken>{token}</NextContinuationToken></ListBucketResult>").encode()
 
 
+FILE_SIZE = 1048576  # the trickled object's size: one block
+
+
+def one_file_page() -> bytes:
+    return (f'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            f"<Name>{BUCKET}</Name><Prefix></Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+            f"<Delimiter>/</Delimiter><IsTruncated>false</IsTruncated>"
+            f"<Contents><Key>f</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+            f'<ETag>"e"</ETag><Size>{FILE_SIZE}</Size><StorageClass>STANDARD</StorageClass></Contents>'
+            f"</ListBucketResult>").encode()
+
+
 class HostileS3:
     """``mode``: ``new-token``/``same-token`` (listings), ``trickle-headers``/``trickle-body`` (GETs)."""
 
@@ -50,8 +63,23 @@ class HostileS3:
             def log_message(self, *args: object) -> None:
                 pass
 
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+                self.send_response(200)
+                self.send_header("Content-Length", str(FILE_SIZE))
+                self.send_header("ETag", '"e"')
+                self.send_header("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT")
+                self.end_headers()
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 query = parse_qs(urlsplit(self.path).query)
+                if "list-type" in query and outer.mode.startswith("trickle"):
+                    body = one_file_page()  # one object, "f", whose GET trickles
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 if "list-type" in query:
                     outer.pages += 1
                     time.sleep(outer.page_delay_s)
