@@ -451,25 +451,29 @@ def mount_pod_memory_bytes(ram_bytes: int | None) -> int:
     return (DEFAULT_RAM_CACHE_BYTES if ram_bytes is None else ram_bytes) + DAEMON_OVERHEAD_BYTES
 
 
-def cpu_milli(key: str, value: str) -> int:
+def cpu_milli(key: str, value: str, what: str | None = None) -> int:
+    """Millicores of a CPU quantity; INVALID_ARGUMENT naming ``what`` (default: the attribute ``key``)."""
+    what = what or f"volume attribute {key!r}"
     match = _CPU_RE.fullmatch(value)
     if match is None or (match["milli"] and "." in match["num"]):
-        raise invalid(f"volume attribute {key!r} must be a CPU quantity such as '500m' or '2', got {_quote(value)}")
+        raise invalid(f"{what} must be a CPU quantity such as '500m' or '2', got {_quote(value)}")
     milli = int(match["num"]) if match["milli"] else round(float(match["num"]) * 1000)
     if not 0 < milli <= MAX_MOUNT_POD_CPU_MILLI:
-        raise invalid(f"volume attribute {key!r} must be more than 0 and at most {MAX_MOUNT_POD_CPU_MILLI // 1000} "
+        raise invalid(f"{what} must be more than 0 and at most {MAX_MOUNT_POD_CPU_MILLI // 1000} "
                       f"cores, got {_quote(value)}")
     return milli
 
 
-def memory_bytes(key: str, value: str) -> int:
+def memory_bytes(key: str, value: str, what: str | None = None) -> int:
+    """Bytes of a memory quantity; INVALID_ARGUMENT naming ``what`` (default: the attribute ``key``)."""
+    what = what or f"volume attribute {key!r}"
     match = _MEMORY_RE.fullmatch(value)
     if match is None:
-        raise invalid(f"volume attribute {key!r} must be a memory quantity such as '512Mi' or '2Gi', "
+        raise invalid(f"{what} must be a memory quantity such as '512Mi' or '2Gi', "
                       f"got {_quote(value)}")
     size = int(match["num"]) * _MEMORY_UNITS[match["unit"]]
     if size < MIN_MOUNT_POD_MEMORY:
-        raise invalid(f"volume attribute {key!r} must be at least 64Mi (a cachefs daemon needs more), "
+        raise invalid(f"{what} must be at least 64Mi (a cachefs daemon needs more), "
                       f"got {_quote(value)}")
     return size
 

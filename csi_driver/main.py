@@ -229,15 +229,21 @@ def volume_caps(args: argparse.Namespace) -> VolumeCaps:
             raise ValueError(f"{flag} {text!r}: {exc}") from None
 
     def seconds(flag: str, text: str) -> float:
-        value = float(text)
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
         if not 0 <= value <= 86400:
             raise ValueError("expected seconds from 0 to 86400")
         return value
 
+    def quantity(parse: Callable[[str, str, str], int]) -> Callable[[str, str], int]:
+        return lambda flag, text: parse(flag, text, "it")
+
     return VolumeCaps(max_ram_cache_bytes=parsed("--max-ram-cache", args.max_ram_cache, lambda f, t: admin.parse_size(t)),
                       max_mount_pod_memory_bytes=parsed("--max-mount-pod-memory", args.max_mount_pod_memory,
-                                                        memory_bytes),
-                      max_mount_pod_cpu_milli=parsed("--max-mount-pod-cpu", args.max_mount_pod_cpu, cpu_milli),
+                                                        quantity(memory_bytes)),
+                      max_mount_pod_cpu_milli=parsed("--max-mount-pod-cpu", args.max_mount_pod_cpu, quantity(cpu_milli)),
                       max_stop_timeout_s=parsed("--max-stop-timeout", args.max_stop_timeout, seconds))
 
 
