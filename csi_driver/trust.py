@@ -1,7 +1,7 @@
 """What a volume may ask of the node plugin: whose cloud identity, which endpoints, which buckets.
 
 Whoever may create a pod may write a volume's attributes (an inline ephemeral volume is part of the
-pod spec), so the attributes are the pod author's, not the cluster admin's. Three rules, set once
+pod spec), so the attributes are the pod author's, not the cluster admin's. These rules, set once
 per driver install by the admin (node plugin flags, see ``deploy/README.md``), keep a pod author from
 using the node plugin as a confused deputy:
 
@@ -29,23 +29,24 @@ using the node plugin as a confused deputy:
 - **The cluster store is never a source.** The origins of ``--cluster-store-endpoint`` may be a
   volume's ``clusterEndpointUrl`` (where listed), never its ``endpointUrl``, list or no list: the
   store holds every tenant's cached blocks, and a mount pod may hold the store's own key.
-- **No list: any endpoint but the node's own and the cluster store.** Without ``--allowed-endpoints``
-  a volume may not name a loopback address (127.0.0.0/8, ::1, ``localhost``), a link-local one
+- **No list: any endpoint but the node's own addresses.** Without ``--allowed-endpoints`` a volume
+  may not name a loopback address (127.0.0.0/8, ::1, ``localhost``), a link-local one
   (169.254.0.0/16, the cloud metadata services among them; fe80::/10) or the unspecified address
   (0.0.0.0, ::, which reaches this host), in any spelling the resolver accepts (``127.1``,
-  ``0x7f.0.0.1``, ``2130706433``, ``::ffff:127.0.0.1``). ``--allow-local-endpoints`` lifts the address rule (a one-node cluster whose
-  store runs on the node, the tests). Host names are not resolved: a name can resolve to a public address now
-  and to 169.254.169.254 when the daemon connects (DNS rebinding), so a check of its address here
-  would prove nothing; where pod authors are not trusted, the allow-list is the control (and a
-  NetworkPolicy on the driver's namespace is the one that also holds for names).
+  ``0x7f.0.0.1``, ``2130706433``, ``::ffff:127.0.0.1``). ``--allow-local-endpoints`` lifts this
+  rule (a one-node cluster whose store runs on the node; the tests). Host names are not resolved: a
+  name can resolve to a public address now and to 169.254.169.254 when the daemon connects (DNS
+  rebinding), so a check of its address here would prove nothing; where pod authors are not
+  trusted, the allow-list is the control (and a NetworkPolicy on the driver's namespace the one
+  that also holds for names at connect time).
 - **Admin caps on what a volume may make a node spend** (``--max-ram-cache``,
   ``--max-mount-pod-memory``, ``--max-mount-pod-cpu``, ``--max-stop-timeout``): a volume asking for
   more (``ramCache``, a ``mountPod*`` request or limit, ``stopTimeout``, or a ``ramCache`` whose mount
   pod's default memory limit, ``ramCache`` + the daemon's overhead, would pass the memory cap) is
   refused with INVALID_ARGUMENT naming the attribute, its value and the cap. No cap: as before.
 
-A refusal is a ``CsiError`` with a one-line message naming the volume's value and the flag that would
-allow it; the kubelet shows it in the pod's ``FailedMount`` Event. The check runs where a daemon is
+A refusal is a ``CsiError`` (PERMISSION_DENIED; INVALID_ARGUMENT for a cap) with a one-line message
+naming the volume's value and the flag that would allow it; the kubelet shows it in the pod's ``FailedMount`` Event. The check runs where a daemon is
 about to be started with the request's credentials (``NodeOps``), so a stage without secrets (whose
 first publish mounts) and a direct publish are checked the same way. Separate from
 ``csi_driver.attributes``, which parses keys; this module judges them.
