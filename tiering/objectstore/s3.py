@@ -129,12 +129,13 @@ LIST_PAGE_SIZE = 1000
 # One listing of one directory ends, with an error naming the directory, after this many pages or
 # this long, whatever the server says: a server that answers every page with a new continuation
 # token (or the same one) would otherwise grow the daemon forever while `ls` waits in the kernel
-# (issue 34: 100 -> 340 MB in 4 minutes). 10,000 pages are 10 million direct children, more than a
-# directory that FUSE can usefully list (the kernel's readdir reads it all, ~1 KiB of memory per
-# entry here); 10 minutes cover those 10,000 pages at 60 ms each, ten times what S3 takes for a page.
-# A repeated continuation token is an error at once: S3 never sends one twice in a listing.
-MAX_LIST_PAGES = 10_000
-LIST_DEADLINE_S = 600.0
+# (issue 34: 100 -> 340 MB in 4 minutes). 1,000 pages are a million direct children, ~390 bytes each
+# in the listing (measured: ObjectInfo and its name) and as much again in the listing cache: ~0.8 GB,
+# the most one directory may cost a daemon whose default mount pod has 1.3 GiB. 300 s covers those
+# pages at 300 ms each, five times the ~60 ms S3 takes for a page of 1,000 keys. A repeated
+# continuation token is an error at once: S3 never sends one twice in a listing.
+MAX_LIST_PAGES = 1_000
+LIST_DEADLINE_S = 300.0
 
 MiB = 1024 * 1024
 # Multipart part size (and the size above which an upload is multipart): 16 MiB. S3 wants at least
