@@ -110,7 +110,8 @@ examples:
 
 Each option above may come from its CACHEFS_* variable (--disk-cache is CACHEFS_DISK_CACHE); a flag
 wins. Credentials: the AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance
-roles); AWS_ENDPOINT_URL applies to s3:// sources. The daemon's log is daemon.log in the cache dir.
+roles); AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL and the config file's endpoint_url apply to s3://
+sources, in botocore's order. The daemon's log is daemon.log in the cache dir.
 """
 
 
@@ -126,7 +127,8 @@ def register(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
-    m.add_argument("--endpoint-url", help="S3-compatible endpoint of an s3:// source (default: $AWS_ENDPOINT_URL, else AWS)")
+    m.add_argument("--endpoint-url", help="S3-compatible endpoint of an s3:// source (default: $AWS_ENDPOINT_URL_S3, "
+                                           "$AWS_ENDPOINT_URL, the AWS config file's endpoint_url, else AWS)")
     m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: /var/cache/cachefs as root, else ~/.cache/cachefs)")
     m.add_argument("--ram-cache", type=size, default=DEFAULT_RAM_BYTES, metavar="SIZE",
                    help=f"RAM tier capacity, e.g. 2GiB (default {format_size(DEFAULT_RAM_BYTES)}; 0 disables)")
