@@ -150,6 +150,12 @@ _MEMORY_RE = re.compile(r"(?P<num>[0-9]+)(?P<unit>Ki|Mi|Gi|Ti|k|M|G|T)?")
 _MEMORY_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
                  "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 MIN_MOUNT_POD_MEMORY = 64 << 20
+# A mount pod's memory when its volume sets none (its request, and its limit unless the volume sets
+# one): the RAM tier (cachefs's default 1 GiB, which also counts the blocks being received) plus the
+# interpreter and S3 client (~80 MiB at rest), idle block buffers and blocks still being written to
+# disk, with room to spare (`make bench`'s run of record: 1,120 MiB of RSS at a 1 GiB RAM tier).
+DEFAULT_RAM_CACHE_BYTES = 1 << 30
+DAEMON_OVERHEAD_BYTES = 320 << 20
 MAX_MOUNT_POD_CPU_MILLI = 1024 * 1000  # 1024 cores: anything above is a typo
 
 # Limits of values we check ourselves (cachefs checks the rest when it builds its settings).
@@ -440,34 +446,43 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
     return options
 
 
-def _cpu_milli(key: str, value: str) -> int:
+def mount_pod_memory_bytes(ram_bytes: int | None) -> int:
+    """The memory a mount pod gets by default for a RAM tier of ``ram_bytes`` (None: the default)."""
+    return (DEFAULT_RAM_CACHE_BYTES if ram_bytes is None else ram_bytes) + DAEMON_OVERHEAD_BYTES
+
+
+def cpu_milli(key: str, value: str, what: str | None = None) -> int:
+    """Millicores of a CPU quantity; INVALID_ARGUMENT naming ``what`` (default: the attribute ``key``)."""
+    what = what or f"volume attribute {key!r}"
     match = _CPU_RE.fullmatch(value)
     if match is None or (match["milli"] and "." in match["num"]):
-        raise invalid(f"volume attribute {key!r} must be a CPU quantity such as '500m' or '2', got {_quote(value)}")
+        raise invalid(f"{what} must be a CPU quantity such as '500m' or '2', got {_quote(value)}")
     milli = int(match["num"]) if match["milli"] else round(float(match["num"]) * 1000)
     if not 0 < milli <= MAX_MOUNT_POD_CPU_MILLI:
-        raise invalid(f"volume attribute {key!r} must be more than 0 and at most {MAX_MOUNT_POD_CPU_MILLI // 1000} "
+        raise invalid(f"{what} must be more than 0 and at most {MAX_MOUNT_POD_CPU_MILLI // 1000} "
                       f"cores, got {_quote(value)}")
     return milli
 
 
-def _memory_bytes(key: str, value: str) -> int:
+def memory_bytes(key: str, value: str, what: str | None = None) -> int:
+    """Bytes of a memory quantity; INVALID_ARGUMENT naming ``what`` (default: the attribute ``key``)."""
+    what = what or f"volume attribute {key!r}"
     match = _MEMORY_RE.fullmatch(value)
     if match is None:
-        raise invalid(f"volume attribute {key!r} must be a memory quantity such as '512Mi' or '2Gi', "
+        raise invalid(f"{what} must be a memory quantity such as '512Mi' or '2Gi', "
                       f"got {_quote(value)}")
     size = int(match["num"]) * _MEMORY_UNITS[match["unit"]]
     if size < MIN_MOUNT_POD_MEMORY:
-        raise invalid(f"volume attribute {key!r} must be at least 64Mi (a cachefs daemon needs more), "
+        raise invalid(f"{what} must be at least 64Mi (a cachefs daemon needs more), "
                       f"got {_quote(value)}")
     return size
 
 
 def parse_mount_pod_resources(values: Mapping[str, str]) -> MountPodResources:
     """The ``mountPod*`` keys of ``values``: each a valid quantity, each request at most its limit."""
-    cpu = {key: _cpu_milli(key, values[key]) for key in (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT)
+    cpu = {key: cpu_milli(key, values[key]) for key in (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT)
            if key in values}
-    memory = {key: _memory_bytes(key, values[key])
+    memory = {key: memory_bytes(key, values[key])
               for key in (ATTR_MOUNT_POD_MEMORY_REQUEST, ATTR_MOUNT_POD_MEMORY_LIMIT) if key in values}
     for numbers, request, limit in ((cpu, ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT),
                                     (memory, ATTR_MOUNT_POD_MEMORY_REQUEST, ATTR_MOUNT_POD_MEMORY_LIMIT)):

@@ -23,9 +23,19 @@ either; its log goes to ``$CACHEFS_FLEX_LOG`` (default ``/var/log/cachefs-flex.l
 redacting formatter. The cache root is ``$CACHEFS_FLEX_CACHE_ROOT`` (default
 ``/var/cache/cachefs-flex``); neither can be set from a volume's options, which any pod author
 writes. Nor can what a volume may ask of the node (``csi_driver.trust``): the kubelet's environment
-for this program sets it, ``CACHEFS_FLEX_ALLOW_NODE_IDENTITY=true`` (off by default),
-``CACHEFS_FLEX_ALLOWED_ENDPOINTS`` and ``CACHEFS_FLEX_ALLOWED_BUCKETS`` (comma-separated), as the
-node plugin's flags of the same names do.
+for this program sets it, ``CACHEFS_FLEX_ALLOWED_ENDPOINTS`` and ``CACHEFS_FLEX_ALLOWED_BUCKETS``
+(comma-separated) and ``CACHEFS_FLEX_ALLOW_LOCAL_ENDPOINTS=true``, as the node plugin's flags of the
+same names do.
+
+**The node's identity** (``CACHEFS_FLEX_ALLOW_NODE_IDENTITY``) cannot be kept to volumes an admin
+wrote, as the CSI driver keeps it from inline volumes: a FlexVolume driver is handed the same
+options for a PersistentVolume and for a volume written into a pod spec (``pvOrVolumeName`` is the
+PV's name or the pod's volume's name alike, and nothing else in them is out of a pod author's
+reach). So lending it is lending it to every pod author who may use a flexVolume on the node, and
+the variable says so: only ``every-pod-author`` lends it; ``true`` (what it took before issue 34)
+is refused at every mount with a message saying why, so an install that had it fails loudly instead
+of lending on. Keep it off where pod authors are not trusted (and forbid ``flexVolume`` in their pods
+with the Pod Security ``restricted`` profile, or give every volume a Secret).
 """
 
 from __future__ import annotations
@@ -186,6 +196,24 @@ def configure_logging(path: str) -> None:
     root.addHandler(handler)
 
 
+# Lends the node plugin's cloud identity to volumes without a Secret; see the module docstring for
+# why its only "yes" names whom it is lent to.
+NODE_IDENTITY_VARIABLE = "CACHEFS_FLEX_ALLOW_NODE_IDENTITY"
+LEND_TO_EVERY_POD_AUTHOR = "every-pod-author"
+
+
+def lends_node_identity(value: str) -> bool:
+    """``CACHEFS_FLEX_ALLOW_NODE_IDENTITY``: "" or "false" no, ``every-pod-author`` yes; ValueError else."""
+    if value.strip().lower() in ("", "false"):
+        return False
+    if value.strip() == LEND_TO_EVERY_POD_AUTHOR:
+        return True
+    raise ValueError(f"{NODE_IDENTITY_VARIABLE}={value!r} is not accepted: a FlexVolume driver cannot tell a "
+                     f"PersistentVolume an admin wrote from a volume in a pod spec, so the node's identity would go to "
+                     f"every pod author; set it to {LEND_TO_EVERY_POD_AUTHOR!r} to lend it so, or give the volumes "
+                     f"a Secret (secretRef) and unset it")
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
          mounter: Mounter | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -193,9 +221,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     configure_logging(env.get("CACHEFS_FLEX_LOG", DEFAULT_LOG))
     cache_root = Path(env.get("CACHEFS_FLEX_CACHE_ROOT", DEFAULT_CACHE_ROOT))
     try:
-        trust = VolumeTrust.from_flags(env.get("CACHEFS_FLEX_ALLOW_NODE_IDENTITY", "").lower() == "true",
+        trust = VolumeTrust.from_flags(lends_node_identity(env.get(NODE_IDENTITY_VARIABLE, "")),
                                        env.get("CACHEFS_FLEX_ALLOWED_ENDPOINTS", ""),
-                                       env.get("CACHEFS_FLEX_ALLOWED_BUCKETS", ""))
+                                       env.get("CACHEFS_FLEX_ALLOWED_BUCKETS", ""),
+                                       allow_local_endpoints=env.get("CACHEFS_FLEX_ALLOW_LOCAL_ENDPOINTS", "").lower()
+                                       == "true")
     except ValueError as exc:
         result = {"status": FAILURE, "message": str(exc)}
     else:

@@ -5,6 +5,8 @@
                 [--metrics-addr HOST:PORT] [--log-level LEVEL] [--max-volumes N]
                 [--namespace NS] [--node-name NODE] [--mount-pod-image IMAGE] [--kubeconfig PATH]
                 [--mount-pod-priority-class NAME] [--mount-pod-service-account NAME]
+                [--allowed-endpoints URLS] [--allowed-buckets BUCKETS] [--cluster-store-endpoint URLS]
+                [--max-ram-cache SIZE] [--max-mount-pod-memory Q] [--max-mount-pod-cpu Q] [--max-stop-timeout S]
 
 ``--mode node`` runs in the node DaemonSet (Identity + Node), ``--mode controller`` next to the
 external-provisioner (Identity + Controller), ``--mode all`` both (for tests and single-node
@@ -33,7 +35,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from cachefs.cli.parsing import CliParser
 from csi_driver import DRIVER_NAME
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from csi_driver.launchers import DaemonLauncher
     from csi_driver.mounter import Mounter
     from csi_driver.mountpods import PodLauncher
+    from csi_driver.trust import VolumeCaps
 
 log = logging.getLogger("csi_driver")
 
@@ -118,11 +121,29 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("--allow-node-identity", action="store_true",
                        help="let volumes without a Secret use this plugin's cloud identity (IRSA, Pod Identity, "
                             "instance profile); inline ephemeral volumes always need a Secret")
-    trust.add_argument("--allowed-endpoints", default="", metavar="ORIGINS",
-                       help="comma-separated http(s)://host[:port] a volume's endpointUrl may name, 'aws' for "
-                            "the default AWS endpoint (default: any)")
+    trust.add_argument("--allowed-endpoints", default="", metavar="URLS",
+                       help="comma-separated http(s)://host[:port][/path/] a volume's endpointUrl and "
+                            "clusterEndpointUrl may name (that origin, at or below that path), 'aws' for the default "
+                            "AWS endpoint (default: any but loopback, link-local and the cluster store)")
     trust.add_argument("--allowed-buckets", default="", metavar="BUCKETS",
                        help="comma-separated buckets a volume may mount (default: any)")
+    trust.add_argument("--allow-local-endpoints", action="store_true",
+                       help="without --allowed-endpoints, let volumes name loopback and link-local addresses "
+                            "(a one-node cluster whose store runs on the node; never where pod authors are untrusted)")
+    trust.add_argument("--cluster-store-endpoint", default="", metavar="URLS",
+                       help="the cluster store's endpoint(s): a volume may name it only "
+                            "as its clusterEndpointUrl, never as its source's endpointUrl")
+    trust.add_argument("--max-ram-cache", default="", metavar="SIZE",
+                       help="the largest ramCache a volume may ask for, e.g. 8GiB (default: no cap)")
+    trust.add_argument("--max-mount-pod-memory", default="", metavar="QUANTITY",
+                       help="the largest mountPodMemoryRequest/Limit, and mount pod memory limit (ramCache + the "
+                            "daemon's 320Mi), a volume may ask for, e.g. 10Gi (default: no cap)")
+    trust.add_argument("--max-mount-pod-cpu", default="", metavar="QUANTITY",
+                       help="the largest mountPodCPURequest/Limit a volume may ask for, e.g. 4; also the CPU limit "
+                            "of mount pods whose volume sets none (default: no cap, no CPU limit)")
+    trust.add_argument("--max-stop-timeout", default="", metavar="SECONDS",
+                       help="the largest stopTimeout a volume may ask for (it sets its mount pod's grace period; "
+                            "default: no cap)")
     pods.add_argument("--cache-sweep-seconds", type=_sweep_seconds, default=None, metavar="S",
                       help="remove the node caches of volumes no PersistentVolume names any more, every S seconds "
                            "(default 600; 0 disables; needs the API, as mount pods do: csi_driver.janitor)")
@@ -198,6 +219,39 @@ def _sweep_seconds(text: str) -> float:
     return value
 
 
+def volume_caps(args: argparse.Namespace) -> VolumeCaps:
+    """The ``--max-*`` flags; ValueError naming a bad one."""
+    from cachefs import admin
+    from csi_driver.attributes import cpu_milli, memory_bytes
+    from csi_driver.trust import VolumeCaps
+
+    def parsed(flag: str, text: str, parse: Callable[[str, str], Any]) -> Any:
+        if not text:
+            return None
+        try:
+            return parse(flag, text)
+        except (ValueError, CsiError) as exc:
+            raise ValueError(f"{flag} {text!r}: {exc}") from None
+
+    def seconds(flag: str, text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value <= 86400:
+            raise ValueError("expected seconds from 0 to 86400")
+        return value
+
+    def quantity(parse: Callable[[str, str, str], int]) -> Callable[[str, str], int]:
+        return lambda flag, text: parse(flag, text, "it")
+
+    return VolumeCaps(max_ram_cache_bytes=parsed("--max-ram-cache", args.max_ram_cache, lambda f, t: admin.parse_size(t)),
+                      max_mount_pod_memory_bytes=parsed("--max-mount-pod-memory", args.max_mount_pod_memory,
+                                                        quantity(memory_bytes)),
+                      max_mount_pod_cpu_milli=parsed("--max-mount-pod-cpu", args.max_mount_pod_cpu, quantity(cpu_milli)),
+                      max_stop_timeout_s=parsed("--max-stop-timeout", args.max_stop_timeout, seconds))
+
+
 def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
     """The mount pods' launcher from the flags; ValueError naming a missing flag."""
     from csi_driver.mountpods import WATCH_S, MountPodSettings, PodLauncher, api_client, own_image
@@ -215,7 +269,9 @@ def build_pod_launcher(args: argparse.Namespace) -> PodLauncher:
     settings = MountPodSettings(namespace=args.namespace, node_name=node_name, image=image,
                                 priority_class=args.mount_pod_priority_class,
                                 service_account=args.mount_pod_service_account,
-                                cluster_store_secret=args.cluster_store_secret)
+                                cluster_store_secret=args.cluster_store_secret,
+                                default_cpu_limit=(f"{caps.max_mount_pod_cpu_milli}m"
+                                                   if (caps := volume_caps(args)).max_mount_pod_cpu_milli else ""))
     return PodLauncher(settings, api, watch_s=args.mount_pod_watch_seconds or WATCH_S)
 
 
@@ -243,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     environ = dict(os.environ)
     try:
-        trust = VolumeTrust.from_flags(args.allow_node_identity, args.allowed_endpoints, args.allowed_buckets)
+        trust = VolumeTrust.from_flags(args.allow_node_identity, args.allowed_endpoints, args.allowed_buckets,
+                                       args.cluster_store_endpoint, volume_caps(args), args.allow_local_endpoints)
     except ValueError as exc:
         print(f"cachefs-csi: error: {exc}", file=sys.stderr)
         return 2

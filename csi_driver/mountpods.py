@@ -55,6 +55,7 @@ PERMISSION_DENIED (naming the RBAC rule that is missing), anything else INTERNAL
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -74,7 +75,7 @@ from kubernetes.client.rest import ApiException
 
 from cachefs.settings import DEFAULT_STOP_TIMEOUT_S, STOP_MARGIN_S
 from csi_driver import metrics
-from csi_driver.attributes import MountPodResources
+from csi_driver.attributes import MountPodResources, memory_bytes, mount_pod_memory_bytes
 from csi_driver.errors import Code, CsiError
 from csi_driver.launchers import DaemonSpec
 from csi_driver.redact import REGISTRY
@@ -112,13 +113,10 @@ DELETE_WAIT_S = 60.0
 POLL_S = 0.2
 # A deletion waits for the pod this much longer than its grace period (the kubelet's own latency).
 DELETE_SLACK_S = 15.0
-# Requests of a volume that sets no mountPod* attribute: the RAM tier (cachefs's default 1 GiB, which
-# also counts the blocks being received) plus the interpreter and S3 client (~80 MiB at rest), idle
-# block buffers and blocks still being written to disk, with room to spare; a tenth of a
-# core idles the daemon and keeps it scheduled. No limits (see default_resources).
+# Resources of a volume that sets no mountPod* attribute: memory, requested and limited, for the RAM
+# tier plus the daemon's own needs (attributes.mount_pod_memory_bytes); a tenth of a core idles the
+# daemon and keeps it scheduled (see pod_resources for the limits).
 MiB = 1 << 20
-DEFAULT_RAM_CACHE_BYTES = 1 << 30
-DAEMON_OVERHEAD_BYTES = 320 * MiB
 DEFAULT_CPU_REQUEST = "100m"
 # /tmp of a mount pod (its root filesystem is read-only): the daemon writes nothing there itself.
 TMP_SIZE = "64Mi"
@@ -150,6 +148,11 @@ def termination_grace_s(spec: DaemonSpec) -> int:
 # Where a mount pod sees the driver's cluster-store Secret (``cluster_store_volume``).
 CLUSTER_STORE_VOLUME = "cluster-store"
 CLUSTER_STORE_DIR = "/etc/cachefs/cluster-store"
+
+
+def kubelet_literal(arg: str) -> str:
+    """``arg`` as a container argument the kubelet leaves as it is: ``$(VAR)`` is expanded, ``$$`` is ``$``."""
+    return arg.replace("$", "$$")
 
 
 def label_value(text: str) -> str:
@@ -186,6 +189,7 @@ class MountPodSettings:
     # The driver's Secret with the cluster store's credentials and the cluster key (``--cluster-store-secret``):
     # mounted into the pods of volumes with a cluster tier; a volume's own Secret never carries them.
     cluster_store_secret: str = ""
+    default_cpu_limit: str = ""  # the CPU limit of a volume that sets none ("": none; --max-mount-pod-cpu)
 
     def node_selector(self) -> str:
         return f"{LABEL_APP}={APP},{LABEL_NODE}={label_value(self.node_name)}"
@@ -201,11 +205,26 @@ def _annotations(spec: DaemonSpec) -> dict[str, str]:
 
 
 def default_resources(spec: DaemonSpec) -> MountPodResources:
-    """Requests when the volume sets none: the RAM tier plus the daemon's own needs; no limits (a
-    memory limit that is hit kills the daemon and breaks the mount; a CPU limit stalls readers)."""
-    ram = spec.ram_cache_bytes if spec.ram_cache_bytes is not None else DEFAULT_RAM_CACHE_BYTES
-    return MountPodResources(cpu_request=DEFAULT_CPU_REQUEST,
-                             memory_request=f"{(ram + DAEMON_OVERHEAD_BYTES) // MiB}Mi")
+    """Resources when the volume sets none: memory for the RAM tier and the daemon, as request and
+    limit (issue 34: without a limit a 64Mi request could carry a 20 GiB RAM tier, outside any quota)."""
+    memory = f"{mount_pod_memory_bytes(spec.ram_cache_bytes) // MiB}Mi"
+    return MountPodResources(cpu_request=DEFAULT_CPU_REQUEST, memory_request=memory, memory_limit=memory)
+
+
+def pod_resources(settings: MountPodSettings, spec: DaemonSpec) -> MountPodResources:
+    """The volume's mountPod* resources, else the defaults; a memory limit always (the larger of the
+    default and the volume's request, where the volume sets none), a CPU limit where the admin caps
+    CPU (``--max-mount-pod-cpu``, the limit of a volume that sets none). A memory limit that is hit
+    kills the daemon and breaks the mount; the default one is sized so that it is not."""
+    wanted = spec.pod_resources
+    chosen = wanted if wanted.requests() or wanted.limits() else default_resources(spec)
+    memory_limit = chosen.memory_limit
+    if memory_limit is None:
+        memory = mount_pod_memory_bytes(spec.ram_cache_bytes)
+        request = chosen.memory_request
+        memory_limit = request if request and memory_bytes("memory", request) > memory else f"{memory // MiB}Mi"
+    return dataclasses.replace(chosen, memory_limit=memory_limit,
+                               cpu_limit=chosen.cpu_limit or settings.default_cpu_limit or None)
 
 
 def build_secret(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
@@ -245,8 +264,7 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
     env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if settings.cluster_store_secret and "--cluster-cache" in spec.args:
         cluster_store_volume(settings.cluster_store_secret, volumes, mounts, env)
-    wanted = spec.pod_resources
-    chosen = wanted if wanted.requests() or wanted.limits() else default_resources(spec)
+    chosen = pod_resources(settings, spec)
     resources: dict[str, dict[str, str]] = {}
     if chosen.requests():
         resources["requests"] = chosen.requests()
@@ -268,8 +286,12 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
             "name": CONTAINER,
             "image": settings.image,
             "imagePullPolicy": settings.image_pull_policy,
-            # The kubelet expands $(POD_IP) from the container's environment.
-            "command": [*settings.command, *spec.args, "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}"],
+            # The kubelet expands $(VAR) in a container's command from its environment: $(POD_IP) here,
+            # and in an argument taken from a volume attribute the daemon's own credentials
+            # ($(AWS_SECRET_ACCESS_KEY) in a source). Every '$' of those is doubled ('$$' is a
+            # literal '$' to the kubelet), so they reach the daemon as written.
+            "command": [*settings.command, *(kubelet_literal(arg) for arg in spec.args),
+                        "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}"],
             "ports": [{"name": STATS_PORT_NAME, "containerPort": STATS_PORT, "protocol": "TCP"}],
             "env": env,
             "resources": resources,

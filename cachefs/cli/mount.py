@@ -111,7 +111,8 @@ examples:
 
 Each option above may come from its CACHEFS_* variable (--disk-cache is CACHEFS_DISK_CACHE); a flag
 wins. Credentials: the AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance
-roles); AWS_ENDPOINT_URL applies to s3:// sources. The daemon's log is daemon.log in the cache dir.
+roles); AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL and the config file's endpoint_url apply to s3://
+sources, in botocore's order. The daemon's log is daemon.log in the cache dir.
 """
 
 
@@ -127,7 +128,8 @@ def register(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
-    m.add_argument("--endpoint-url", help="S3-compatible endpoint of an s3:// source (default: $AWS_ENDPOINT_URL, else AWS)")
+    m.add_argument("--endpoint-url", help="S3-compatible endpoint of an s3:// source (default: $AWS_ENDPOINT_URL_S3, "
+                                           "$AWS_ENDPOINT_URL, the AWS config file's endpoint_url, else AWS)")
     m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: /var/cache/cachefs as root, else ~/.cache/cachefs)")
     m.add_argument("--ram-cache", type=size, default=DEFAULT_RAM_BYTES, metavar="SIZE",
                    help=f"RAM tier capacity, e.g. 2GiB (default {format_size(DEFAULT_RAM_BYTES)}; 0 disables)")
@@ -304,11 +306,15 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
 
 
 def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> str | None:
-    """The source's endpoint: ``--endpoint-url``, else ``$AWS_ENDPOINT_URL``, for s3:// sources only.
+    """The source's endpoint: ``--endpoint-url``, else the one botocore would find for S3
+    (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the AWS config file's ``endpoint_url``:
+    ``tiering.objectstore.s3.configured_endpoint_url``), for s3:// sources only. It is part of the
+    source's identity (cache directory, cluster-tier keys), so it is resolved here and given to the
+    store, which uses exactly it.
 
-    ``AWS_ENDPOINT_URL`` is an environment-wide AWS setting (a shell that also talks to a local
-    S3 server has it): it says nothing about an http:// or file:// source, which ignores it. An
-    explicit ``--endpoint-url`` with such a source is a mistake, refused with one line."""
+    These are environment-wide AWS settings (a shell that also talks to a local S3 server has them):
+    they say nothing about an http:// or file:// source, which ignores them. An explicit
+    ``--endpoint-url`` with such a source is a mistake, refused with one line."""
     from tiering.objectstore import parse_source
 
     try:
@@ -319,7 +325,14 @@ def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> st
         if given:
             raise UsageError(f"--endpoint-url applies only to s3:// sources, not {scheme}:// (drop it)")
         return None
-    return given or environ.get("AWS_ENDPOINT_URL") or None
+    if given:
+        return given
+    from tiering.objectstore.s3 import configured_endpoint_url
+
+    try:
+        return configured_endpoint_url(environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:

@@ -91,7 +91,12 @@ def cmd_recover(args: argparse.Namespace, environ: dict[str, str]) -> int:
                                   key_file=cluster_key_file(args.cluster_key_file or environ.get(KEY_FILE_VARIABLE)))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    endpoint = args.endpoint_url or environ.get("AWS_ENDPOINT_URL") or None
+    from tiering.objectstore.s3 import configured_endpoint_url
+
+    try:  # the endpoint the mount's identity names (cachefs.cli.mount._endpoint_url)
+        endpoint = args.endpoint_url or configured_endpoint_url(environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     volume = source_hash(args.source, endpoint)
     if args.prefix is not None and not args.prefix.startswith(f"writeback/{volume}/"):
         raise UsageError(f"--prefix {args.prefix!r} is not a journal of {args.source} (expected "

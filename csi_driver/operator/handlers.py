@@ -138,8 +138,12 @@ def reconcile(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, st
     patch.status["observedGeneration"] = generation
     if _taken("PersistentVolumeClaim", claim, meta["uid"], status, patch, generation, now):
         return
-    pv, _ = state.kube.ensure(m.persistent_volume(body, settings))
-    wanted = m.persistent_volume(body, settings)["spec"]["csi"]["volumeAttributes"]
+    # A claim created by an earlier release is bound to a volume of the earlier naming
+    # (``cachefs-NS-NAME``): keep using it (its volumeName is immutable), or the claim and the PV
+    # would part. Whose that volume is, is checked below like any other.
+    bound = (claim.get("spec") or {}).get("volumeName") or None
+    pv, _ = state.kube.ensure(m.persistent_volume(body, settings, bound))
+    wanted = m.persistent_volume(body, settings, bound)["spec"]["csi"]["volumeAttributes"]
     have = ((pv.get("spec") or {}).get("csi") or {}).get("volumeAttributes") or {}
     if _taken("PersistentVolume", pv, meta["uid"], status, patch, generation, now):
         return

@@ -2,7 +2,7 @@
 
 Per Dataset ``NS/NAME``:
 
-- a **PersistentVolume** ``cachefs-NS-NAME`` (shortened with a hash past 253 characters) of the CSI
+- a **PersistentVolume** ``cachefs-NS.NAME`` (shortened with a hash past 253 characters) of the CSI
   driver, read-only, ``Retain`` (deleting it never touches the bucket: only DeleteVolume of a
   provisioned volume could, and this one is static), pre-bound to
 - a **PersistentVolumeClaim** ``NAME`` in ``NS``: the claim a training pod names;
@@ -55,7 +55,14 @@ def _shortened(name: str, limit: int) -> str:
 
 
 def pv_name(namespace: str, name: str) -> str:
-    return _shortened(f"cachefs-{namespace}-{name}", MAX_NAME)
+    """The Dataset's PersistentVolume (cluster-scoped, so one name space for every namespace's Datasets).
+
+    A namespace is a DNS label (no '.'), so the first '.' ends it: ``team-a/data`` and ``team/a-data``
+    get ``cachefs-team-a.data`` and ``cachefs-team.a-data``, never the same name (with '-' between them
+    both were ``cachefs-team-a-data``, and the second Dataset failed with NameTaken, issue 34). A name
+    past 253 characters keeps a hash of the whole, so the shortened names stay apart too.
+    """
+    return _shortened(f"cachefs-{namespace}.{name}", MAX_NAME)
 
 
 def job_name(name: str, run: int, node: str | None = None) -> str:
@@ -72,9 +79,10 @@ def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
             "uid": body["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
 
 
-def persistent_volume(body: Mapping[str, Any], settings: DatasetSettings) -> dict[str, Any]:
+def persistent_volume(body: Mapping[str, Any], settings: DatasetSettings, name: str | None = None) -> dict[str, Any]:
+    """The Dataset's PV, named ``name`` (the claim's bound volume) or ``pv_name``."""
     meta = body["metadata"]
-    name = pv_name(meta["namespace"], meta["name"])
+    name = name or pv_name(meta["namespace"], meta["name"])
     csi: dict[str, Any] = {"driver": DRIVER_NAME, "volumeHandle": name, "readOnly": True,
                            "volumeAttributes": dict(settings.volume_attributes)}
     if settings.secret_name:

@@ -34,7 +34,7 @@ def run_flex(env: dict[str, str], *argv: str) -> tuple[int, dict]:
 @pytest.fixture
 def flex_env(tmp_path: Path) -> dict[str, str]:
     return {**driver_environ(), "CACHEFS_FLEX_CACHE_ROOT": str(tmp_path / "flex-cache"),
-            "CACHEFS_FLEX_LOG": str(tmp_path / "flex.log")}
+            "CACHEFS_FLEX_LOG": str(tmp_path / "flex.log"), "CACHEFS_FLEX_ALLOW_LOCAL_ENDPOINTS": "true"}
 
 
 def test_init_and_unsupported_calls(flex_env) -> None:
@@ -90,3 +90,18 @@ def test_mount_read_unmount_as_the_kubelet_does(flex_env, seaweed, tmp_path: Pat
     assert "published volume" in log
     for value in (seaweed.secret_key, seaweed.access_key, "WRONG-secret-value"):
         assert value not in log
+
+
+def test_the_node_identity_is_not_lent_to_inline_volumes_on_a_true(flex_env, tmp_path: Path) -> None:
+    """Issue 34: with CACHEFS_FLEX_ALLOW_NODE_IDENTITY=true every inline flexVolume without a Secret got the
+    node's identity. A FlexVolume driver cannot tell such a volume from an admin's PersistentVolume (the
+    kubelet hands both the same options), so 'true' now fails every mount, saying why."""
+    target = tmp_path / "pods" / "p1" / "volumes" / "cachefs.io~cachefs" / "inline"
+    target.mkdir(parents=True)
+    options = {"source": "s3://some-bucket/ds", "kubernetes.io/readwrite": "ro",
+               "kubernetes.io/pvOrVolumeName": "inline", "kubernetes.io/pod.name": "p1"}
+    code, reply = run_flex({**flex_env, "CACHEFS_FLEX_ALLOW_NODE_IDENTITY": "true"}, "mount", str(target),
+                           json.dumps(options))
+    assert code == 1 and reply["status"] == "Failure"
+    assert "CACHEFS_FLEX_ALLOW_NODE_IDENTITY='true' is not accepted" in reply["message"]
+    assert "every-pod-author" in reply["message"] and not os.path.ismount(target)

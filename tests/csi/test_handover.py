@@ -40,6 +40,7 @@ from csi_driver.handover import HandoverMounter
 from csi_driver.launchers import FakeLauncher, ProcessLauncher, daemon_name
 from csi_driver.mounter import MountRequest
 from csi_driver.node import NodeOps, NodeSettings, PublishRequest
+from csi_driver.trust import VolumeTrust
 from tests.csi.conftest import driver_environ
 from tests.csi.test_node_service import context_for, read_tree
 from tests.support.kubelet import runtime_environ
@@ -61,11 +62,14 @@ PLUGIN = textwrap.dedent("""
     from csi_driver.handover import HandoverMounter
     from csi_driver.launchers import ProcessLauncher
     from csi_driver.node import NodeOps, NodeSettings, PublishRequest
+    from csi_driver.trust import VolumeTrust
 
     cfg = json.loads(sys.stdin.read())
     env = {k: v for k, v in os.environ.items() if k not in ("TEST_KEY", "TEST_SECRET")}
     launcher = ProcessLauncher(Path(cfg["run_root"]), command=cfg["daemon_command"], environ=env)
-    ops = NodeOps(NodeSettings("node", Path(cfg["cache_root"]), 0, Path(cfg["state_dir"])),
+    # The test's store listens on 127.0.0.1, as a one-node cluster's might (csi_driver.trust).
+    ops = NodeOps(NodeSettings("node", Path(cfg["cache_root"]), 0, Path(cfg["state_dir"]),
+                               VolumeTrust(allow_local_endpoints=True)),
                   HandoverMounter(launcher, Path(cfg["run_root"]), environ=env, daemon_uid=cfg["uid"],
                                   daemon_gid=cfg["uid"]))
     creds = Credentials(os.environ["TEST_KEY"], os.environ["TEST_SECRET"])
@@ -244,7 +248,8 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
         # A restarted plugin: reports the broken volume, and the next publish recovers it.
         restarted_env = {**runtime_environ(driver_environ(), uid or 0), "PYTHONPATH": pythonpath}
         launcher = ProcessLauncher(run_root, command=daemon_command, environ=restarted_env)
-        ops = NodeOps(NodeSettings("node", node_dirs["cache_root"], 0, node_dirs["state_dir"]),
+        ops = NodeOps(NodeSettings("node", node_dirs["cache_root"], 0, node_dirs["state_dir"],
+                                   VolumeTrust(allow_local_endpoints=True)),
                       HandoverMounter(launcher, run_root, environ=restarted_env, daemon_uid=uid, daemon_gid=uid))
         assert [r.volume_id for r in ops.adopt()] == ["vol-h"]
         creds = Credentials(seaweed.access_key, seaweed.secret_key)

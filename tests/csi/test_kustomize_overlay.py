@@ -129,6 +129,41 @@ def test_an_overlay_namespace_moves_subjects_and_the_provisioner_secret(tmp_path
     assert_installed_in(rendered_overlay(tmp_path, "storage-system"), "storage-system", version)
 
 
+@pytest.mark.parametrize("overlay", ["example", "with-cluster-store", "with-datasets"])
+def test_every_shipped_overlay_lists_its_endpoints_and_caps_what_a_volume_may_ask(overlay: str) -> None:
+    """Issue 34: the default install let a pod author's endpointUrl reach any host, port and path, and
+    left ramCache, the mount pod's resources and stopTimeout uncapped."""
+    from csi_driver.attributes import Credentials, parse_provision_parameters, parse_volume_attributes
+    from csi_driver.errors import CsiError
+    from csi_driver.main import build_parser, volume_caps
+    from csi_driver.trust import VolumeTrust
+
+    objects = kustomize_build(DEPLOY / "overlays" / overlay)
+    (node,) = [obj for obj in by_kind(objects, "DaemonSet") if obj["metadata"]["name"] == "cachefs-csi-node"]
+    (plugin,) = [c for c in containers(node) if c["name"] == "cachefs-csi"]
+    args = build_parser().parse_args(plugin["args"])
+    caps = volume_caps(args)
+    assert None not in (caps.max_ram_cache_bytes, caps.max_mount_pod_memory_bytes, caps.max_mount_pod_cpu_milli,
+                        caps.max_stop_timeout_s)
+    trust = VolumeTrust.from_flags(args.allow_node_identity, args.allowed_endpoints, args.allowed_buckets,
+                                   args.cluster_store_endpoint, caps)
+    assert trust.allowed_endpoints is not None
+    keys = Credentials("AKIDEXAMPLE", "secret")
+    for storage_class in by_kind(objects, "StorageClass"):  # what the overlay's own classes name passes
+        parameters = {k: v for k, v in storage_class.get("parameters", {}).items() if "/" not in k}
+        provision = parse_provision_parameters(parameters)
+        context = {"source": f"s3://{provision.bucket}/pvc-1", **provision.cache_attributes}
+        if provision.endpoint_url:
+            context["endpointUrl"] = provision.endpoint_url
+        trust.check("v", parse_volume_attributes(context), keys)
+    for hostile in ("http://169.254.169.254/latest", "http://10.0.0.1:6443/", "https://s3.storage.example.com.evil/"):
+        with pytest.raises(CsiError, match="not among this driver's allowed endpoints"):
+            trust.check("v", parse_volume_attributes({"source": "s3://ml-volumes/p", "endpointUrl": hostile}), keys)
+    with pytest.raises(CsiError, match="above this driver's cap"):
+        trust.check("v", parse_volume_attributes({"source": "s3://ml-volumes/p", "endpointUrl":
+                                                  "https://s3.storage.example.com", "ramCache": "20GiB"}), keys)
+
+
 def test_the_base_renders_with_its_own_image() -> None:
     images = {c["image"] for obj in kustomize_build(DEPLOY / "base") if obj["kind"] in ("DaemonSet", "Deployment")
               for c in containers(obj) if c["name"] == "cachefs-csi"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from pathlib import Path
 
@@ -107,7 +108,14 @@ def test_resources_from_attributes_and_defaults() -> None:
     assert pod["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"},
                                                          "limits": {"cpu": "2", "memory": "4Gi"}}
     default = build_pod(SETTINGS, spec(ram_cache_bytes=512 << 20))["spec"]["containers"][0]["resources"]
-    assert default == {"requests": {"cpu": "100m", "memory": "832Mi"}}  # no limits unless asked
+    # A memory limit by default (issue 34: none, so a 64Mi request could carry a 20 GiB RAM tier).
+    assert default == {"requests": {"cpu": "100m", "memory": "832Mi"}, "limits": {"memory": "832Mi"}}
+    only_requests = parse_volume_attributes({"source": "s3://bucket/p", "ramCache": "2GiB", "mountPodMemoryRequest": "64Mi"})
+    pod = build_pod(SETTINGS, spec(ram_cache_bytes=2 << 30, pod_resources=only_requests.mount_pod))
+    assert pod["spec"]["containers"][0]["resources"] == {"requests": {"memory": "64Mi"}, "limits": {"memory": "2368Mi"}}
+    capped = dataclasses.replace(SETTINGS, default_cpu_limit="4000m")  # --max-mount-pod-cpu 4
+    assert build_pod(capped, spec())["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "4000m",
+                                                                                         "memory": "1344Mi"}
     assert parse_provision_parameters({"bucket": "bucket", "mountPodMemoryLimit": "8Gi"}).cache_attributes == {
         "mountPodMemoryLimit": "8Gi"}
 
@@ -249,3 +257,20 @@ def test_the_daemon_serves_its_stats_on_the_pod_ip() -> None:
     assert container["command"][-2:] == ["--stats-addr", "$(POD_IP):9750"]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert container["ports"] == [{"name": "stats", "containerPort": 9750, "protocol": "TCP"}]
+
+
+def test_a_variable_reference_in_an_attribute_reaches_the_daemon_as_written() -> None:
+    """The kubelet expands ``$(VAR)`` in a container's args from its environment: a source naming
+    ``$(AWS_SECRET_ACCESS_KEY)`` would otherwise put the daemon's secret in its argv (issue 34)."""
+    from tests.support.kubelet import expand
+
+    source = "s3://bucket/$(AWS_SECRET_ACCESS_KEY)/$$x"
+    volume = parse_volume_attributes({"source": source, "endpointUrl": "https://s3.example/$(AWS_ACCESS_KEY_ID)"})
+    target = Path("/var/lib/kubelet/t")
+    args = ("mount", volume.source, str(target), "--endpoint-url", volume.endpoint_url or "")
+    (container,) = build_pod(SETTINGS, spec(args=args))["spec"]["containers"]
+    env = {"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ACCESS_KEY_ID": KEY_ID, "POD_IP": "10.0.0.7"}
+    argv = [expand(arg, env) for arg in container["command"]]
+    assert argv[1:6] == list(args)
+    assert SECRET not in " ".join(argv) and KEY_ID not in " ".join(argv)
+    assert argv[-1] == "10.0.0.7:9750"  # the driver's own reference is still expanded

@@ -190,7 +190,7 @@ async def test_create_warm_up_progress_and_gate_release(api: OperatorApiServer) 
         await k.create_dataset("imagenet", CLUSTER_SPEC)
         await k.create_gated_pod("trainer-0", "imagenet")
         (job,) = await eventually(k.jobs, "the warm-up Job")
-        pv = await eventually(lambda: k.get("v1/persistentvolumes", None, "cachefs-ml-imagenet"), "the PV")
+        pv = await eventually(lambda: k.get("v1/persistentvolumes", None, "cachefs-ml.imagenet"), "the PV")
         pvc = k.get("v1/persistentvolumeclaims", NS, "imagenet")
 
         # The volume is the driver's, read-only, retained, pre-bound both ways, and its attributes parse.
@@ -418,7 +418,7 @@ async def test_spec_change_starts_a_new_run_and_a_volume_change_is_refused(api: 
                                                if c["type"] == "Ready" and c["reason"] == "VolumeChanged"), None),
                                  "Ready False: VolumeChanged")
         assert ready["status"] == "False" and "delete the Dataset and create it again" in ready["message"]
-        pv = k.get("v1/persistentvolumes", None, "cachefs-ml-ds")
+        pv = k.get("v1/persistentvolumes", None, "cachefs-ml.ds")
         assert pv["spec"]["csi"]["volumeAttributes"]["ramCache"] == "1GiB"
 
 
@@ -476,6 +476,31 @@ async def test_a_claim_of_the_same_name_is_not_taken_over(api: OperatorApiServer
         await eventually(lambda: k.dataset("taken") is None, "the Dataset deleted")
         claim = k.get("v1/persistentvolumeclaims", NS, "taken")
         assert claim is not None and "labels" not in claim["metadata"]  # theirs: left as it was
+
+
+async def test_datasets_of_two_namespaces_never_share_a_volume_name(api: OperatorApiServer) -> None:
+    """``team-a/data`` and ``team/a-data``: one name with '-' between namespace and name, so the second
+    Dataset failed with NameTaken (issue 34). Each gets its own PersistentVolume now."""
+    k = Cluster(api)
+    spec = {key: value for key, value in CLUSTER_SPEC.items() if key != "warmUp"}
+    async with running_operator(api):
+        for namespace, name in (("team-a", "data"), ("team", "a-data")):
+            body = {"apiVersion": "cachefs.io/v1alpha1", "kind": "Dataset",
+                    "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+            await k.call(k.custom.create_namespaced_custom_object, m.GROUP, m.VERSION, namespace, m.PLURAL, body)
+
+        def bound(namespace: str, name: str) -> str | None:
+            status = (k.get("cachefs.io/v1alpha1/datasets", namespace, name) or {}).get("status") or {}
+            assert status.get("phase") != "Failed", status
+            return status.get("volumeName")
+
+        first = await eventually(lambda: bound("team-a", "data"), "team-a/data bound")
+        second = await eventually(lambda: bound("team", "a-data"), "team/a-data bound")
+        assert first != second
+        claims = {(c["metadata"]["namespace"], c["spec"]["volumeName"]) for c in k.all("v1/persistentvolumeclaims")}
+        assert claims == {("team-a", first), ("team", second)}
+        refs = {(pv["spec"]["claimRef"]["namespace"], pv["metadata"]["name"]) for pv in k.all("v1/persistentvolumes")}
+        assert refs == {("team-a", first), ("team", second)}
 
 
 async def test_a_warm_dataset_stays_warm_across_an_operator_restart(api: OperatorApiServer) -> None:

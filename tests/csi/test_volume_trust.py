@@ -17,7 +17,7 @@ import pytest
 
 from csi_driver.attributes import Credentials, parse_volume_attributes
 from csi_driver.errors import Code, CsiError
-from csi_driver.trust import VolumeTrust, endpoint_origin
+from csi_driver.trust import VolumeCaps, VolumeTrust, endpoint_origin, local_address
 from tests.csi.conftest import Driver, expect_rpc_error, start_driver, stop_driver
 
 ATTACKER = "http://127.0.0.1:9"  # nothing listens on the discard port; nothing may try it either
@@ -79,7 +79,7 @@ def test_the_node_identity_is_lent_only_when_allowed_and_never_to_inline_volumes
 
 def test_allow_lists_cover_the_source_and_the_cluster_tier() -> None:
     trust = VolumeTrust.from_flags(False, "https://S3.internal.example:443/, aws", "bkt,shared")
-    assert trust.allowed_endpoints == {"https://s3.internal.example", "aws"}
+    assert trust.allowed_endpoints == {"https://s3.internal.example/", "aws"}
     trust.check("v", volume(), KEYS)  # the default AWS endpoint, named "aws"
     trust.check("v", volume(endpointUrl="https://s3.internal.example"), KEYS)
     assert "endpointUrl http://127.0.0.1:9" in refused(trust, {"endpointUrl": ATTACKER}, KEYS)
@@ -121,3 +121,101 @@ def test_the_mount_pod_runs_as_nobody_by_default(tmp_path: Path) -> None:
     pod = build_pod(MountPodSettings(namespace="ns", node_name="n1", image="img:1"), spec)
     assert pod["spec"]["securityContext"]["runAsUser"] == 65534
     assert pod["spec"]["securityContext"]["runAsGroup"] == 65534
+
+
+# ------------------------------------------------------------------------- what a pod author can steer
+def test_an_allow_list_entry_with_a_path_allows_that_path_and_below_only() -> None:
+    """An entry compares the path too (issue 34: only the origin was, so any path of an allowed host passed)."""
+    trust = VolumeTrust.from_flags(False, "https://gw.example/s3/,https://s3.example", "")
+    for allowed in ("https://gw.example/s3", "https://gw.example/s3/", "https://gw.example:443/s3/eu/",
+                    "https://s3.example/anything/at/all"):
+        trust.check("v", volume(endpointUrl=allowed), KEYS)
+    for other in ("https://gw.example/", "https://gw.example/s3-other/", "https://gw.example/other/s3/",
+                  "https://gw.example/s3/../admin/", "https://gw.example/s3/%2e%2e/admin", "http://gw.example/s3/",
+                  "https://gw.example:8443/s3/"):
+        assert "not among this driver's allowed endpoints" in refused(trust, {"endpointUrl": other}, KEYS), other
+    with pytest.raises(ValueError, match="--allowed-endpoints entry 'https://gw.example/a/../b'"):
+        VolumeTrust.from_flags(False, "https://gw.example/a/../b", "")
+
+
+@pytest.mark.parametrize("url", [
+    "http://127.0.0.1:9000", "http://127.1:9000", "http://2130706433/", "http://0x7f.0.0.1/", "http://localhost:80",
+    "http://api.localhost./", "http://[::1]:9000", "http://[::ffff:127.0.0.1]/", "http://169.254.169.254/latest",
+    "http://[fe80::1]/", "http://0.0.0.0:8333", "http://[::]/", "http://169.254.170.23/v1/credentials"])
+def test_without_a_list_the_nodes_own_and_link_local_addresses_are_refused(url: str) -> None:
+    """Issue 34: with no --allowed-endpoints a pod author's endpointUrl reached any host, port and path."""
+    assert "volumes may not name" in refused(VolumeTrust(), {"endpointUrl": url}, KEYS)
+    assert "volumes may not name" in refused(VolumeTrust(), {"clusterCache": "s3://cache/p", "clusterEndpointUrl": url},
+                                             KEYS)
+    VolumeTrust(allow_local_endpoints=True).check("v", volume(endpointUrl=url), KEYS)
+    VolumeTrust.from_flags(False, url, "").check("v", volume(endpointUrl=url), KEYS)  # listed: allowed
+
+
+def test_without_a_list_other_addresses_and_names_pass() -> None:
+    for url in ("https://s3.example.com", "http://10.0.0.5:9000", "http://[2001:db8::1]/", "http://localhost.example/"):
+        VolumeTrust().check("v", volume(endpointUrl=url), KEYS)
+        assert local_address(url.split("//")[1].split("/")[0].split(":")[0].strip("[]")) is None
+
+
+def test_the_cluster_store_is_never_a_volumes_source_endpoint() -> None:
+    store = "http://cachefs-cluster-store.cachefs.svc:8333"
+    for endpoints in ("", f"{store}/,https://s3.example/"):  # no list, and the overlay's list
+        trust = VolumeTrust.from_flags(False, endpoints, "", store)
+        assert "is the cluster store" in refused(trust, {"endpointUrl": store + "/x"}, KEYS)
+        trust.check("v", volume(endpointUrl="https://s3.example", clusterCache="s3://cachefs-cluster/",
+                                clusterEndpointUrl=store), KEYS)
+
+
+CAPS = VolumeCaps(max_ram_cache_bytes=4 << 30, max_mount_pod_memory_bytes=6 << 30, max_mount_pod_cpu_milli=4000,
+                  max_stop_timeout_s=120)
+
+
+@pytest.mark.parametrize(("attributes", "fragment"), [
+    ({"ramCache": "5GiB"}, "'ramCache' is 5368709120 bytes, above this driver's cap of 4294967296 bytes (--max-ram-cache)"),
+    ({"stopTimeout": "86400"}, "'stopTimeout' is 86400 s, above this driver's cap of 120 s (--max-stop-timeout)"),
+    ({"mountPodMemoryRequest": "8Gi"}, "'mountPodMemoryRequest' is 8Gi, above this driver's cap of 6144Mi"),
+    ({"mountPodMemoryLimit": "7Gi"}, "'mountPodMemoryLimit' is 7Gi, above this driver's cap of 6144Mi"),
+    ({"mountPodCPURequest": "8"}, "'mountPodCPURequest' is 8, above this driver's cap of 4000m (--max-mount-pod-cpu)"),
+    ({"mountPodCPULimit": "4500m"}, "'mountPodCPULimit' is 4500m, above this driver's cap of 4000m"),
+])
+def test_a_volume_asking_above_a_cap_is_refused_naming_the_attribute_value_and_cap(attributes: dict[str, str],
+                                                                                     fragment: str) -> None:
+    """Issue 34: ramCache, the mount pod's requests and limits and stopTimeout were the pod author's alone."""
+    trust = VolumeTrust(caps=CAPS)
+    with pytest.raises(CsiError) as info:
+        trust.check("v", volume(**attributes), KEYS)
+    assert info.value.code is Code.INVALID_ARGUMENT and fragment in info.value.message
+
+
+def test_caps_leave_what_fits_and_count_the_ram_tier_in_the_default_memory_limit() -> None:
+    trust = VolumeTrust(caps=CAPS)
+    trust.check("v", volume(ramCache="4GiB", stopTimeout="120", mountPodCPURequest="4", mountPodMemoryRequest="6Gi"),
+                KEYS)
+    tight = VolumeTrust(caps=VolumeCaps(max_mount_pod_memory_bytes=1 << 30))
+    with pytest.raises(CsiError, match="its mount pod's memory limit would be 1344Mi"):
+        tight.check("v", volume(), KEYS)  # the default 1 GiB RAM tier + 320 MiB does not fit in 1Gi
+    tight.check("v", volume(ramCache="512MiB"), KEYS)
+    tight.check("v", volume(mountPodMemoryLimit="1Gi"), KEYS)  # the volume's own limit, within the cap
+
+
+def test_the_cap_flags_reach_the_driver_and_bad_ones_are_refused() -> None:
+    from csi_driver.main import build_parser, volume_caps
+
+    base = ["--endpoint", "unix:///csi/csi.sock"]
+    args = build_parser().parse_args([*base, "--max-ram-cache", "8GiB", "--max-mount-pod-memory", "10Gi",
+                                      "--max-mount-pod-cpu", "4", "--max-stop-timeout", "300"])
+    assert volume_caps(args) == VolumeCaps(8 << 30, 10 << 30, 4000, 300.0)
+    assert volume_caps(build_parser().parse_args(base)) == VolumeCaps()
+    with pytest.raises(ValueError, match="--max-mount-pod-memory '10GB'"):
+        volume_caps(build_parser().parse_args([*base, "--max-mount-pod-memory", "10GB"]))
+
+
+def test_flex_lends_the_node_identity_only_when_told_it_goes_to_every_pod_author() -> None:
+    """Issue 34: CACHEFS_FLEX_ALLOW_NODE_IDENTITY=true lent it to every inline flexVolume without a Secret;
+    a FlexVolume driver cannot tell them from an admin's PersistentVolume, so 'true' is refused."""
+    from csi_driver import flex
+
+    assert not flex.lends_node_identity("") and not flex.lends_node_identity("false")
+    assert flex.lends_node_identity("every-pod-author")
+    with pytest.raises(ValueError, match="cannot tell a PersistentVolume an admin wrote from a volume in a pod spec"):
+        flex.lends_node_identity("true")

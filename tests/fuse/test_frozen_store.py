@@ -121,7 +121,7 @@ def test_a_frozen_store_never_freezes_the_mount(mounter, how: str) -> None:
         if how == "blackhole":
             proxy = LoopbackProxy(server.s3_port)
             stack.callback(proxy.close)
-            env["AWS_ENDPOINT_URL"] = proxy.endpoint_url
+            env["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url  # _S3 wins, as for botocore
             freeze, thaw = proxy.freeze, proxy.thaw
         else:
             freeze = stack.enter_context(frozen_by_sigstop(server))

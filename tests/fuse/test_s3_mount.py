@@ -119,7 +119,8 @@ def test_mount_refusals_name_the_problem(seaweed, bucket: str, mounter) -> None:
     msg = _refused(mounter, f"s3://{bucket}", {**env, "AWS_SECRET_ACCESS_KEY": "wrong-secret-value"})
     assert ("denied" in msg.lower() or "credential" in msg.lower() or "signature" in msg.lower())
     assert "wrong-secret-value" not in msg and secret not in msg
-    msg = _refused(mounter, f"s3://{bucket}", {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}"},
+    closed = f"http://127.0.0.1:{_closed_port()}"  # AWS_ENDPOINT_URL_S3 wins over AWS_ENDPOINT_URL, as for botocore
+    msg = _refused(mounter, f"s3://{bucket}", {**env, "AWS_ENDPOINT_URL": closed, "AWS_ENDPOINT_URL_S3": closed},
                    "--connect-timeout", "1")
     assert "reach" in msg.lower() or "connect" in msg.lower()
     msg = _refused(mounter, "ftp://host/x", env)

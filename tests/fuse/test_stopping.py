@@ -82,7 +82,7 @@ def test_sigterm_with_the_store_frozen_serves_during_the_drain_then_says_what_st
     bucket = _bucket(seaweed, "stopfrozen")
     proxy = LoopbackProxy(seaweed.s3_port)
     try:
-        env = {**s3env(seaweed), "AWS_ENDPOINT_URL": proxy.endpoint_url}
+        env = {**s3env(seaweed), "AWS_ENDPOINT_URL": proxy.endpoint_url, "AWS_ENDPOINT_URL_S3": proxy.endpoint_url}
         cache = tmp_path / "frozen-cache"
         m = mounter.mount(f"s3://{bucket}", "--upload-delay", "600", "--stop-timeout", "4", env=env,
                           cache_dir=cache)

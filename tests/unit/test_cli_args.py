@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tests.support.clusterkeys import write_key_file
 from cachefs.cli import mount as cli_mount
 from cachefs.cli.main import build_parser, main
 from cachefs.cli.mount import mount_settings, preflight
+from cachefs.client import UsageError
 from tiering.settings import DEFAULT_BLOCK_SIZE
 
 
@@ -307,3 +309,57 @@ def test_cluster_options_become_typed_settings(mnt: Path, cache_dir: Path, tmp_p
         "s3://shared/cache", "http://seaweed:8333", "cl", 2.0)
     env = cluster.environ({"AWS_ACCESS_KEY_ID": "source-key", "AWS_SECRET_ACCESS_KEY": "s", "HOME": "/h"})
     assert env == {"AWS_PROFILE": "cl", "HOME": "/h"}  # the profile's keys, not the source's
+
+
+def test_every_endpoint_setting_botocore_honours_is_in_the_source_identity(mnt: Path, cache_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """Issue 34: AWS_ENDPOINT_URL_S3 steered botocore but not the identity (cache directory, cluster-tier
+    keys), so another server's data was cached and shared as the AWS bucket's."""
+    from cachefs.settings import source_hash
+
+    args = build_parser().parse_args(mount_args("s3://my-bucket/train/", mnt, cache_dir))
+    base = {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+    def endpoint(**env: str) -> str | None:
+        settings = mount_settings(args, {**base, **env})
+        assert settings.source_label() == source_hash("s3://my-bucket/train/", settings.endpoint_url)
+        return settings.endpoint_url
+
+    assert endpoint() is None
+    assert endpoint(AWS_ENDPOINT_URL_S3="http://s3-only:1") == "http://s3-only:1"
+    assert endpoint(AWS_ENDPOINT_URL="http://all:2", AWS_ENDPOINT_URL_S3="http://s3-only:1") == "http://s3-only:1"
+    assert endpoint(AWS_ENDPOINT_URL="http://all:2") == "http://all:2"
+    assert endpoint(AWS_ENDPOINT_URL="http://all:2", AWS_IGNORE_CONFIGURED_ENDPOINT_URLS="true") is None
+    config = tmp_path / "config"
+    config.write_text("[default]\nendpoint_url = http://from-profile:3\n")
+    assert endpoint(AWS_CONFIG_FILE=str(config)) == "http://from-profile:3"
+    config.write_text("[default]\nendpoint_url = http://from-profile:3\nservices = local\n\n"
+                      "[services local]\ns3 =\n  endpoint_url = http://from-services:4\n")
+    assert endpoint(AWS_CONFIG_FILE=str(config)) == "http://from-services:4"
+    assert endpoint(AWS_CONFIG_FILE=str(config), AWS_ENDPOINT_URL="http://all:2") == "http://all:2"
+    config.write_text("[default]\nservices = missing\n")
+    with pytest.raises(UsageError, match="services"):
+        mount_settings(args, {**base, "AWS_CONFIG_FILE": str(config)})
+
+
+def test_the_store_talks_to_the_endpoint_its_identity_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's client uses the resolved endpoint, and never one only the process's environment has."""
+    import asyncio
+
+    from tiering.objectstore import S3ObjectStore
+
+    base = {"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "AKIDTEST", "AWS_SECRET_ACCESS_KEY": "secret"}
+
+    async def client_endpoint(environ: dict[str, str]) -> tuple[str | None, str]:
+        store = S3ObjectStore("my-bucket", "", environ=environ)
+        try:
+            return store.endpoint_url, (await store._session()).meta.endpoint_url
+        finally:
+            await store.close()
+
+    assert asyncio.run(client_endpoint({**base, "AWS_ENDPOINT_URL_S3": "http://127.0.0.1:9"})) == (
+        "http://127.0.0.1:9", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # the process's, not the store's environ
+    named, used = asyncio.run(client_endpoint(base))
+    assert named is None and "amazonaws.com" in used

@@ -149,6 +149,7 @@ def test_names_fit_kubernetes_limits() -> None:
     assert m.job_name(long, 1) != m.job_name(long, 2)
     assert m.job_name("ds", 1, node="a") != m.job_name("ds", 1, node="b")
     assert m.pv_name("ml", long) != m.pv_name("ml", long[:-1] + "e")
+    assert m.pv_name("team-a", "data") != m.pv_name("team", "a-data")  # issue 34
 
 
 def test_last_document_skips_cut_and_foreign_lines() -> None:

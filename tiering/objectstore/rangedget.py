@@ -37,9 +37,16 @@ URLs (they hold the signature and any session token) are never logged or put in 
 
 Deadlines. Each connection has the connect timeout for connecting and the read timeout for every
 socket read after, as botocore's (``SO_RCVTIMEO`` for the ``MSG_WAITALL`` receive, which the kernel
-counts over the whole call); a caller that stops waiting (its deadline, a cancelled read) sets the
-request's ``cancelled`` flag, and the thread stops before its next read and closes the connection,
-so an abandoned request holds neither a thread nor a buffer for longer than one socket read.
+counts over the whole call). A read timeout bounds one read, not the answer: a server that sends a
+byte a second never lets one expire (issue 34: such a server pinned a worker past the fetch
+deadline, and kept the daemon alive after its unmount, since the interpreter waits for the pool's
+threads before it exits). So the whole request is bounded by its caller: ``get`` runs under the
+caller's store deadline (``tiering.storehealth.request_timeout``, the fetch timeout for a block),
+and a caller that stops waiting (that deadline, a cancelled read, ``close()``) *aborts* the request:
+its ``cancelled`` flag is set and its socket is shut down from the caller's thread, which wakes the
+worker from whatever read it is blocked in (headers, body, an error document); the worker drops the
+buffer and the connection at once. An abandoned request holds neither a thread nor a buffer once its
+caller has given up, and ``close()`` leaves no worker that a slow server could keep alive.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from typing import Mapping
 from urllib.parse import urlsplit
 
 from tiering.buffers import BLOCK_BUFFERS, BufferPool
+from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +95,34 @@ class RangeAnswer:
     error_code: str | None = None  # the S3 error document's <Code>, where the body was one
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     url: str
     headers: Mapping[str, str]
     length: int
     cancelled: bool = False  # set by the awaiting caller when it stops waiting
+    sock: socket.socket | None = None  # the connection's socket while the worker uses it
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def attach(self, sock: socket.socket | None) -> None:
+        """The worker is about to use ``sock`` for this request (RequestAbandoned if it was aborted)."""
+        with self.lock:
+            if self.cancelled:
+                raise RequestAbandoned()
+            self.sock = sock
+
+    def abort(self) -> None:
+        """From any thread: stop the request; a worker blocked reading its socket wakes up now."""
+        with self.lock:
+            self.cancelled = True
+            sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                # The plain socket's shutdown, also under TLS (SSLSocket's own would tear down its
+                # state while the worker is inside it): the peer and the blocked recv see the end.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed already: the worker is done with it
 
 
 @dataclass
@@ -121,18 +151,25 @@ class RangedGetter:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._all: list[_Connections] = []  # every thread's, for close()
+        self._inflight: set[_Request] = set()  # for close(): aborted, so no worker outlives it
         self.buffers: BufferPool = BLOCK_BUFFERS  # shared with the disk tier (tiering.buffers)
         self._closed = False
 
     async def get(self, url: str, headers: Mapping[str, str], length: int) -> RangeAnswer:
         """GET ``url`` with ``headers`` in a worker thread; raises ``OSError``/``http.client`` errors."""
         request = _Request(url, headers, length)
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self._run, request)
+        with self._lock:
+            self._inflight.add(request)
         try:
-            return await future
+            future = asyncio.get_running_loop().run_in_executor(self._pool, self._run, request)
+            async with asyncio.timeout(request_timeout()):  # the caller's deadline, however slow the server
+                return await future
         except BaseException:
-            request.cancelled = True  # the thread stops at its next read and drops the buffer
+            request.abort()  # the thread wakes from its read, drops the buffer and the connection
             raise
+        finally:
+            with self._lock:
+                self._inflight.discard(request)
 
     def close(self) -> None:
         """Stop taking requests and close every idle connection (running requests end by themselves)."""
@@ -140,6 +177,9 @@ class RangedGetter:
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             groups, self._all = self._all, []
+            running, self._inflight = list(self._inflight), set()
+        for request in running:
+            request.abort()
         for group in groups:
             for conn in list(group.by_origin.values()):
                 conn.close()
@@ -193,11 +233,12 @@ class RangedGetter:
             if conn is None:
                 conn = self._connect(scheme, host, port)
             try:
+                request.attach(conn.sock)
                 conn.request("GET", target, headers=dict(request.headers))
                 response = conn.getresponse()
             except STALE_CONNECTION_ERRORS:
                 conn.close()
-                if reused and attempt == 0:
+                if reused and attempt == 0 and not request.cancelled:
                     continue
                 raise
             except BaseException:
@@ -205,6 +246,7 @@ class RangedGetter:
                 raise
             try:
                 answer, keep = self._receive(response, conn.sock, request)
+                request.attach(None)  # done with the socket: an abort from now on leaves it be
             except BaseException:
                 conn.close()
                 raise

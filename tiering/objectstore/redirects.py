@@ -9,7 +9,7 @@ path of a plain-http endpoint) would receive the session token at the other orig
 needs an HTTP-level redirect followed: a bucket in another region answers 301/307 with
 ``x-amz-bucket-region``, which botocore handles itself by signing a new request for that region.
 So the session built here refuses every redirect; a 3xx reaches botocore as an error response and
-is classified like any other (``tiering.objectstore.s3.classify_error``).
+is classified like any other (``tiering.objectstore.s3errors.classify_error``).
 
 The presigned ranged GETs of ``tiering.objectstore.s3`` go on their own aiohttp session with
 ``allow_redirects=False`` for the same reason (the URL is the credential). fsspec http(s) sources

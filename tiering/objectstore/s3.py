@@ -10,7 +10,11 @@ cache is off: the filesystem keeps its own TTL caches and must see a fresh listi
 Retries and time limits. botocore's "standard" retry mode retries throttling, 5xx and connection
 errors with jittered backoff, ``S3_MAX_ATTEMPTS`` attempts in all; s3fs's own retry loop is cut to
 one pass so the two do not multiply. Connect and read timeouts bound every attempt, so a dead
-endpoint fails in seconds (``check()``) and a reader is never parked on a hung socket.
+endpoint fails in seconds (``check()``) and a reader is never parked on a hung socket. A listing is
+bounded as a whole too, whatever the server answers: ``MAX_LIST_PAGES`` pages, ``LIST_DEADLINE_S``
+seconds, and no continuation token twice (``list_dir``; an ``ObjectStoreError``, EIO, naming the
+directory). A ranged GET is bounded by its caller's deadline however slowly the body comes
+(``tiering.objectstore.rangedget``).
 
 Consistency. ``get_range`` sends ``If-Match: <etag>`` with the ``Range``: a server that has a newer
 object answers 412 and we raise ``ObjectChangedError``; the returned ``ETag`` header is checked too,
@@ -60,7 +64,6 @@ are the standard ones and read the process environment.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import time
 import urllib.request
@@ -68,20 +71,13 @@ from collections import OrderedDict
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-import aiohttp
 import botocore.exceptions as bexc
 import s3fs
 from aiobotocore.credentials import AioEnvProvider
 from aiobotocore.session import AioSession
-from botocore.configprovider import ConfigChainFactory
+from botocore.configprovider import ConfigChainFactory, ConfiguredEndpointProvider
 
-from tiering.errors import (
-    AccessDeniedError,
-    ObjectChangedError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    ObjectStoreUnavailableError,
-)
+from tiering.errors import ObjectNotFoundError, ObjectStoreError
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 from tiering.objectstore.keys import (
     check_key,
@@ -92,6 +88,13 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
+from tiering.objectstore.s3errors import (
+    INVALID_RANGE_CODES,
+    NOT_FOUND_CODES,
+    changed_error,
+    classify_error,
+    client_error_code,
+)
 from tiering.objectstore.rangedget import RangedGetter
 from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
 from tiering.blocks import BlockData
@@ -123,6 +126,16 @@ PRESIGN_CACHE_KEYS = 4096
 PRESIGN_MAX_FALLBACKS = 8
 # Keys per ListObjectsV2 page: S3's maximum. Fewer pages, fewer round trips for large directories.
 LIST_PAGE_SIZE = 1000
+# One listing of one directory ends, with an error naming the directory, after this many pages or
+# this long, whatever the server says: a server that answers every page with a new continuation
+# token (or the same one) would otherwise grow the daemon forever while `ls` waits in the kernel
+# (issue 34: 100 -> 340 MB in 4 minutes). 1,000 pages are a million direct children, ~390 bytes each
+# in the listing (measured: ObjectInfo and its name) and as much again in the listing cache: ~0.8 GB,
+# the most one directory may cost a daemon whose default mount pod has 1.3 GiB. 300 s covers those
+# pages at 300 ms each, five times the ~60 ms S3 takes for a page of 1,000 keys. A repeated
+# continuation token is an error at once: S3 never sends one twice in a listing.
+MAX_LIST_PAGES = 1_000
+LIST_DEADLINE_S = 300.0
 
 MiB = 1024 * 1024
 # Multipart part size (and the size above which an upload is multipart): 16 MiB. S3 wants at least
@@ -141,113 +154,6 @@ COPY_PART_SIZE = 512 * MiB
 # How long aborting a failed multipart upload may take; it is a courtesy (the upload is invisible),
 # so it must never hold up the error the caller is waiting for.
 ABORT_TIMEOUT_S = 10.0
-
-# S3 error codes, grouped by what they mean to a reader.
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
-_NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
-_DENIED_CODES = frozenset({
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-    "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidSecurity",
-    "AuthorizationHeaderMalformed", "RequestTimeTooSkewed", "403", "Forbidden", "401",
-})
-_CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
-_UNAVAILABLE_CODES = frozenset({
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-    "ThrottlingException", "RequestLimitExceeded", "BadGateway", "GatewayTimeout",
-})
-_INVALID_RANGE_CODES = frozenset({"InvalidRange", "416"})
-_UNAVAILABLE_ERRNOS = frozenset({
-    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-    errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.EPIPE,
-})
-# botocore: any failure to get an answer (connection refused, DNS, TLS, timeouts, dropped streams).
-_UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
-    bexc.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError, SSLError, ProxyConnectionError
-    bexc.HTTPClientError,  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError
-    bexc.IncompleteReadError,
-    aiohttp.ClientError,
-    asyncio.TimeoutError,
-    TimeoutError,
-)
-_CREDENTIAL_TYPES: tuple[type[BaseException], ...] = (
-    bexc.NoCredentialsError,
-    bexc.PartialCredentialsError,
-    bexc.CredentialRetrievalError,
-    bexc.ProfileNotFound,
-    bexc.UnknownCredentialError,
-)
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and its causes (s3fs re-raises ClientErrors as OSErrors with the original as cause)."""
-    out: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in out and len(out) < 10:
-        out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out
-
-
-def client_error_code(exc: BaseException) -> tuple[str, int] | None:
-    """``(code, http_status)`` of the first botocore ClientError in the chain, if any."""
-    for e in _chain(exc):
-        if isinstance(e, bexc.ClientError):
-            response = e.response or {}
-            code = str(response.get("Error", {}).get("Code", ""))
-            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            return code, status
-    return None
-
-
-def _changed(where: str) -> ObjectChangedError:
-    return ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
-
-
-def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endpoint: str) -> ObjectStoreError:
-    """Map any failure of an S3 call to a ``tiering.errors`` type, by exception type and error code.
-
-    ``op`` names the operation (``"GET"``), ``where`` the object (``"s3://b/k"``). Messages carry
-    only these, the bucket, the endpoint, the S3 error code and the HTTP status: never the server's
-    message text, request details or credentials.
-    """
-    if isinstance(exc, ObjectStoreError):
-        return exc
-    coded = client_error_code(exc)
-    if coded is not None:
-        code, status = coded
-        detail = f"{code or 'error'} (HTTP {status})" if status else code or "error"
-        if code in _NO_BUCKET_CODES:
-            return ObjectNotFoundError(f"bucket {bucket!r} does not exist at {endpoint}")
-        if code in _CHANGED_CODES or status == 412:
-            return _changed(where)
-        if code in _NOT_FOUND_CODES or status == 404:
-            return ObjectNotFoundError(f"{op} {where}: not found")
-        if code in _DENIED_CODES or status in (401, 403):
-            return AccessDeniedError(f"{op} {where}: access denied: {detail}")
-        if code in _UNAVAILABLE_CODES or status >= 500 or status == 429:
-            return ObjectStoreUnavailableError(f"{op} {where}: {endpoint} unavailable: {detail}")
-        return ObjectStoreError(f"{op} {where}: S3 error {detail}")
-    for e in _chain(exc):
-        if isinstance(e, _CREDENTIAL_TYPES):
-            return AccessDeniedError(
-                f"{op} {where}: no usable AWS credentials ({type(e).__name__}); "
-                "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
-            )
-        if isinstance(e, (bexc.ReadTimeoutError, asyncio.TimeoutError, TimeoutError)):
-            return ObjectStoreUnavailableError(f"{op} {where}: endpoint {endpoint} did not answer in time")
-        if isinstance(e, _UNAVAILABLE_TYPES):
-            return ObjectStoreUnavailableError(f"{op} {where}: cannot reach endpoint {endpoint} ({type(e).__name__})")
-    for e in _chain(exc):
-        if isinstance(e, OSError) and e.errno is not None:
-            if e.errno == errno.ENOENT:
-                return ObjectNotFoundError(f"{op} {where}: not found")
-            if e.errno in (errno.EACCES, errno.EPERM):
-                return AccessDeniedError(f"{op} {where}: access denied")
-            if e.errno in _UNAVAILABLE_ERRNOS:
-                return ObjectStoreUnavailableError(f"{op} {where}: cannot reach endpoint {endpoint} "
-                                                   f"({errno.errorcode.get(e.errno, e.errno)})")
-    return ObjectStoreError(f"{op} {where}: unexpected {type(exc).__name__}")
-
 
 def _check_endpoint(endpoint_url: str) -> None:
     parts = urlsplit(endpoint_url)
@@ -302,6 +208,30 @@ def aws_session(environ: Mapping[str, str]) -> AioSession:
     return session
 
 
+def configured_endpoint_url(environ: Mapping[str, str]) -> str | None:
+    """The S3 endpoint botocore would use for a client given none, from ``environ`` and the AWS config
+    file it names: ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``, then the profile's ``services``
+    section's ``s3.endpoint_url``, then its ``endpoint_url``; None where none is set or
+    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``/``ignore_configured_endpoint_urls`` is true (AWS's order for
+    service-specific endpoints, read by botocore's own provider over ``environ``).
+
+    Resolved once, here, so that the source's identity (``cachefs.settings.source_identity``: its cache
+    directory and cluster-tier keys) names the server the store talks to: the store passes this URL to
+    its client, and a store without one tells botocore to ignore configured endpoints (issue 34:
+    ``AWS_ENDPOINT_URL_S3`` was used by botocore and missing from the identity, so another server's
+    data was cached and shared as the AWS bucket's). ``ValueError`` for a config file that names a
+    ``services`` section it does not have."""
+    session = aws_session(environ)
+    try:
+        if session.get_config_variable("ignore_configured_endpoint_urls"):
+            return None
+        url = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=session.get_scoped_config(),
+                                         client_name="s3", environ=dict(environ)).provide()
+    except (bexc.InvalidConfigError, bexc.ProfileNotFound, bexc.ConfigParseError) as exc:
+        raise ValueError(f"the AWS config file: {exc}") from None
+    return str(url) if url else None
+
+
 class S3ObjectStore:
     """An ``ObjectStore`` over ``s3://bucket/prefix``. Use from one event loop; ``close()`` when done."""
 
@@ -315,9 +245,15 @@ class S3ObjectStore:
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_pool_connections: int = DEFAULT_MAX_POOL_CONNECTIONS,
         part_size: int = DEFAULT_PART_SIZE,
+        max_list_pages: int = MAX_LIST_PAGES,
+        list_deadline_s: float = LIST_DEADLINE_S,
         environ: Mapping[str, str],
     ) -> None:
         check_list_prefix(prefix)
+        if max_list_pages < 1 or not list_deadline_s > 0:
+            raise ValueError("a listing needs at least one page and a positive deadline")
+        if endpoint_url is None:
+            endpoint_url = configured_endpoint_url(environ)  # and told to botocore: one place decides
         if endpoint_url is not None:
             _check_endpoint(endpoint_url)
         if not (0 < connect_timeout_s <= 600 and 0 < read_timeout_s <= 3600):
@@ -334,6 +270,8 @@ class S3ObjectStore:
         self.read_timeout_s = read_timeout_s
         self.max_pool_connections = max_pool_connections
         self.part_size = part_size
+        self.max_list_pages = max_list_pages
+        self.list_deadline_s = list_deadline_s
         self.stats = ObjectStoreStats()
         self._upload_slots = asyncio.Semaphore(MAX_UPLOAD_PARTS_IN_FLIGHT)
         self._aborts: set[asyncio.Task[None]] = set()  # multipart aborts under way (``_abort_later``)
@@ -382,6 +320,9 @@ class S3ObjectStore:
                     # Requests are signed with SigV4 anyway; presigned URLs would default to the
                     # deprecated SigV2 query signature, which new AWS regions refuse.
                     "signature_version": "s3v4",
+                    # The endpoint is the one given or configured_endpoint_url's, never one botocore
+                    # finds later in the process's own environment (the identity must name it).
+                    "ignore_configured_endpoint_urls": True,
                     **NO_REDIRECT_CONFIG,  # credentials never follow a redirect (tiering.objectstore.redirects)
                 },
             )
@@ -431,11 +372,23 @@ class S3ObjectStore:
         return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
     async def list_dir(self, prefix: str) -> Listing:
+        """The direct children of ``prefix``: every page of ListObjectsV2, within ``max_list_pages``
+        pages and ``list_deadline_s`` seconds, no continuation token twice (``ObjectStoreError``, EIO)."""
         check_list_prefix(prefix)
+        try:
+            async with asyncio.timeout(self.list_deadline_s):
+                return await self._list_pages(prefix)
+        except TimeoutError:
+            self.stats.errors += 1
+            raise ObjectStoreError(f"LIST {self._where(prefix)}: not finished after {self.list_deadline_s:g} s "
+                                   f"(a listing's limit); the server may be sending pages without end") from None
+
+    async def _list_pages(self, prefix: str) -> Listing:
         full = self.prefix + prefix
         listing = Listing()
         token: str | None = None
-        while True:
+        seen: set[str] = set()
+        for _page in range(self.max_list_pages):
             kwargs: dict[str, Any] = {"Prefix": full, "Delimiter": "/", "MaxKeys": LIST_PAGE_SIZE}
             if token is not None:
                 kwargs["ContinuationToken"] = token
@@ -465,12 +418,20 @@ class S3ObjectStore:
             if not token:
                 self.stats.errors += 1
                 raise ObjectStoreError(f"LIST {self._where(prefix)}: truncated page without a continuation token")
+            if token in seen:
+                self.stats.errors += 1
+                raise ObjectStoreError(f"LIST {self._where(prefix)}: the server sent a continuation token a second "
+                                       f"time (the listing would never end)")
+            seen.add(token)
+        self.stats.errors += 1
+        raise ObjectStoreError(f"LIST {self._where(prefix)}: more than {self.max_list_pages} pages of "
+                               f"{LIST_PAGE_SIZE} keys (a listing's limit); the server may be sending pages without end")
 
     def _check_returned_etag(self, returned: str | None, etag: str, where: str) -> None:
         """For servers that ignore If-Match: a GET answered with another version is a change."""
         if returned is not None and _strip_etag(returned) != _strip_etag(etag):
             self.stats.errors += 1
-            raise _changed(where)
+            raise changed_error(where)
 
     async def _presign(self, key: str) -> str | None:
         """A presigned GetObject URL for ``key`` (cached), or None where the store cannot presign."""
@@ -532,10 +493,10 @@ class S3ObjectStore:
             status = answer.status
             if status == 412:
                 self.stats.errors += 1
-                raise _changed(where)
+                raise changed_error(where)
             if status == 416:
                 return b""
-            if status == 404 and answer.error_code in _NOT_FOUND_CODES:
+            if status == 404 and answer.error_code in NOT_FOUND_CODES:
                 # Absent: final, and the cheap miss of the cluster tier (one request, not two).
                 self.stats.errors += 1
                 raise ObjectNotFoundError(f"GET {where}: not found")
@@ -586,7 +547,7 @@ class S3ObjectStore:
             return fast
         condition = {} if etag == ANY_VERSION else {"IfMatch": etag}
         response = await self._call(
-            "get_object", op="GET", where=where, tolerate=_INVALID_RANGE_CODES,
+            "get_object", op="GET", where=where, tolerate=INVALID_RANGE_CODES,
             Key=self.prefix + key, Range=f"bytes={start}-{end - 1}", **condition,
         )
         if response is None:
@@ -759,7 +720,7 @@ class S3ObjectStore:
         check_write_key(dst)
         source = await self.head(src)  # the size decides CopyObject or UploadPartCopy
         if _strip_etag(source.etag) != _strip_etag(etag):
-            raise _changed(self._where(src))
+            raise changed_error(self._where(src))
         where = self._where(dst)
         copy_source = {"Bucket": self.bucket, "Key": self.prefix + src}
         self.stats.copy_requests += 1
