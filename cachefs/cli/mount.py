@@ -328,10 +328,18 @@ def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
 
 def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint: str | None, cache: CacheSettings,
                     fs: FsSettings, writeback: WriteBackSettings, cluster: ClusterSettings | None) -> MountSettings:
+    from cachefs.sourcedir import SourceDirError, find_source_dir
+
+    cache_dir = Path(os.path.abspath(args.cache_dir or default_cache_dir(environ)))
+    try:  # the cache directory an older spelling of this source left, if any (cachefs.sourcedir)
+        source_dir = find_source_dir(cache_dir, args.source, endpoint)
+    except SourceDirError as exc:
+        raise UsageError(str(exc)) from None
     return MountSettings(
         source=args.source,
         mountpoint=Path(os.path.abspath(args.mountpoint)),
-        cache_dir=Path(os.path.abspath(args.cache_dir or default_cache_dir(environ))),
+        cache_dir=cache_dir,
+        source_dir_name=source_dir,
         endpoint_url=endpoint,
         cache=cache,
         fs=fs,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from cachefs.cli.argtypes import seconds
-from cachefs.client import call
+from cachefs.client import call, mount_holding
 from tiering.units import format_size
 
 # Shortest sampling interval: each sample is one control request answered from memory; five a second
@@ -33,7 +33,7 @@ MIN_WATCH_INTERVAL_S = 0.2
 
 def register(sub: Any) -> None:
     s = sub.add_parser("stats", help="show cache statistics of a mount")
-    s.add_argument("mountpoint", type=Path)
+    s.add_argument("mountpoint", type=Path, metavar="PATH", help="the mountpoint, or any path inside the mount")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=seconds, default=None, metavar="S",
                    help="sample every S seconds and show per-second rates (plain lines when not on a terminal)")
@@ -157,6 +157,7 @@ def watch_plain(sample: Callable[[], dict[str, Any]], interval_s: float, out: Te
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    args.mountpoint = mount_holding(args.mountpoint)  # any path inside the mount names it
     if args.watch is None:
         if args.json:
             print(json.dumps(fetch_stats(args.mountpoint), indent=2, sort_keys=True))

@@ -45,6 +45,7 @@ from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseSession
 from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
+from cachefs.sourcedir import has_staged_changes
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
 from tiering.tiers.cluster import ClusterTier, WriteBehind
@@ -189,7 +190,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         except TimeoutError as exc:
             raise SetupError(f"object store at {_store_name(settings)} did not answer within "
                              f"{CHECK_TIMEOUT_S:g} s (checking {settings.source})") from exc
-        if not has_objects:  # likely a typo in the prefix: worth a line, not a refusal
+        # An empty prefix is likely a typo: worth a line, not a refusal; but not when this mount is about
+        # to upload changes an earlier one left staged there (a new output prefix after a crash).
+        if not has_objects and (settings.fs.read_only or not has_staged_changes(settings.source_cache_dir())):
             message = f"{settings.source} holds no objects yet (check the prefix for a typo)"
             log.warning("%s", message)
             if warn is not None:

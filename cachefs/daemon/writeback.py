@@ -36,6 +36,7 @@ from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.errors import SetupError
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import CacheFS
+from cachefs.sourcedir import STAGING_DIRNAME
 from tiering.tiers.cluster import ClusterTier
 from tiering.errors import CacheError
 from tiering.protocols import ObjectInfo
@@ -46,7 +47,6 @@ from tiering.writeback.journal import RECORD_SUFFIX, RECORDS_DIR, StagingFormatE
 
 log = logging.getLogger(__name__)
 
-STAGING_DIRNAME = "staging"
 # The longest flush a control request may ask for; `cachefs flush` and `unmount` pass their own.
 MAX_FLUSH_TIMEOUT_S = 24 * 3600.0
 # Paths per status request.

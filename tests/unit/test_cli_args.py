@@ -169,9 +169,9 @@ def test_cache_dir_that_is_a_file(tmp_path: Path, mnt: Path, capsys) -> None:
 
 def test_stats_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) -> None:
     code, err = run(["stats", str(tmp_path)], capsys)
-    assert_one_line_error(code, err, str(tmp_path), "not a mountpoint")
+    assert_one_line_error(code, err, str(tmp_path), "is not inside a cachefs mount")
     code, err = run(["stats", "--json", str(tmp_path)], capsys)
-    assert_one_line_error(code, err, "not a mountpoint")
+    assert_one_line_error(code, err, "is not inside a cachefs mount")
 
 
 def test_stats_of_a_mount_that_is_not_cachefs(capsys) -> None:
@@ -279,9 +279,11 @@ def test_direct_io_is_off_unless_asked_and_works_on_both_kinds_of_mount(mnt: Pat
 
 def test_flush_and_status_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) -> None:
     code, err = run(["flush", str(tmp_path)], capsys)
-    assert_one_line_error(code, err, "not a mountpoint")
-    code, err = run(["status", str(tmp_path / "x")], capsys)
+    assert_one_line_error(code, err, "is not inside a cachefs mount")
+    code, err = run(["status", str(tmp_path)], capsys)
     assert_one_line_error(code, err, "not inside a cachefs mount")
+    code, err = run(["status", str(tmp_path / "x")], capsys)  # a missing path says so (issue 37, item 2)
+    assert_one_line_error(code, err, f"{tmp_path / 'x'}: no such file or directory")
 
 
 def test_flush_timeout_must_be_a_duration(tmp_path: Path, capsys) -> None:

@@ -32,9 +32,24 @@ def test_paths_become_mount_relative() -> None:
 
 def test_paths_are_relative_to_the_working_directory() -> None:
     assert body("a.bin", "../val", cwd="/mnt/x/train")["paths"] == ["train/a.bin", "val"]
-    assert body("x/train", cwd="/mnt")["paths"] == ["train"]
-    with pytest.raises(UsageError, match=r"^train is outside the mount /mnt/x$"):
-        body("train", cwd="/home/u")
+    assert body("x/train", cwd="/mnt")["paths"] == ["x/train"]  # from outside the mount: from its root
+    # Typed in one's home, `cachefs prefetch /mnt/x train` means /mnt/x/train (issue 37, item 2).
+    assert body("train", cwd="/home/u")["paths"] == ["train"]
+    with pytest.raises(UsageError, match=r"^\.\./train is outside the mount /mnt/x$"):
+        body("../train", cwd="/home/u")
+
+
+def test_a_first_argument_inside_the_mount_is_warmed_with_everything_below_it() -> None:
+    """`cachefs prefetch /mnt/x/train` (the README's example): the mount is found by walking up, and the
+    directory named is warmed recursively, as a bare prefetch of the mountpoint warms the whole mount."""
+    args = parse("prefetch", "/mnt/x/train")
+    args.target = "/mnt/x/train"  # what _mountpoint sets once the mount is found
+    got = prefetch_body(args, "/mnt/x", "/home/u")
+    assert got["paths"] == ["train"] and got["recursive"] is True
+    args = parse("prefetch", "/mnt/x/train", "/mnt/x/val")
+    args.target = "/mnt/x/train"
+    got = prefetch_body(args, "/mnt/x", "/home/u")
+    assert got["paths"] == ["train", "val"] and got["recursive"] is False  # PATHs named: directories need -r
 
 
 def test_a_bare_prefetch_warms_the_whole_mount_recursively() -> None:
@@ -88,7 +103,11 @@ def test_a_directory_that_is_not_a_mount(tmp_path: Path, capsys: pytest.CaptureF
                  ["evict", str(tmp_path)]):
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert err == f"cachefs: error: {tmp_path} is not a mountpoint\n"
+        assert err == f"cachefs: error: {tmp_path} is not inside a cachefs mount\n"
+    missing = tmp_path / "nope"
+    for argv in (["prefetch", str(missing)], ["stats", str(missing)], ["flush", str(missing)], ["evict", str(missing)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"cachefs: error: {missing}: no such file or directory\n"
 
 
 def test_parallel_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
