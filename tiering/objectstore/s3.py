@@ -199,6 +199,33 @@ def client_error_code(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def not_s3_answer(exc: BaseException) -> int | None:
+    """The HTTP status of an error answer that did not come from an S3 server, else None: botocore
+    found no S3 error code in it (none, or the bare status), it carries no ``x-amz-*``
+    header, and a content type that is not XML. Every S3 implementation (AWS, MinIO, SeaweedFS, Ceph, moto) answers a failed
+    request with an XML error document; a web server on a wrong port answers with an HTML page. Only
+    meaningful for requests whose errors have a body (not HEAD)."""
+    for e in _chain(exc):
+        if isinstance(e, bexc.ClientError):
+            response = e.response or {}
+            code = str(response.get("Error", {}).get("Code", ""))
+            meta = response.get("ResponseMetadata", {})
+            headers = {str(k).lower(): str(v) for k, v in (meta.get("HTTPHeaders") or {}).items()}
+            status = int(meta.get("HTTPStatusCode") or 0)
+            if (code and not code.isdigit()) or any(name.startswith("x-amz-") for name in headers):
+                return None
+            kind = headers.get("content-type", "")
+            if not kind or "xml" in kind or meta.get("RequestId"):
+                return None
+            return status
+    return None
+
+
+def _not_s3(op: str, where: str, endpoint: str, answer: str) -> ObjectStoreError:
+    return ObjectStoreError(f"{op} {where}: {endpoint} does not speak S3 ({answer}): check the endpoint URL "
+                            f"and its port")
+
+
 def _changed(where: str) -> ObjectChangedError:
     return ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
 
@@ -213,6 +240,8 @@ def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endp
     if isinstance(exc, ObjectStoreError):
         return exc
     coded = client_error_code(exc)
+    if coded is not None and op != "HEAD" and (plain := not_s3_answer(exc)) is not None:
+        return _not_s3(op, where, endpoint, f"it answered HTTP {plain} without an S3 error document")
     if coded is not None:
         code, status = coded
         detail = f"{code or 'error'} (HTTP {status})" if status else code or "error"
@@ -427,6 +456,8 @@ class S3ObjectStore:
         and tells whether anything lies under the prefix."""
         self.stats.list_requests += 1
         page = await self._call("list_objects_v2", op="LIST", where=self._where(), Prefix=self.prefix, MaxKeys=1)
+        if "Name" not in page and "MaxKeys" not in page:  # every ListBucketResult names its bucket
+            raise _not_s3("LIST", self._where(), self._endpoint_name, "its answer to a LIST is not an S3 listing")
         return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
     async def list_dir(self, prefix: str) -> Listing:
