@@ -208,7 +208,8 @@ def register(sub: Any) -> None:
                    help="a shared cluster tier between the disk cache and the source: an S3 store inside the "
                         "cluster that every node reads blocks from and writes fetched blocks to")
     m.add_argument("--cluster-endpoint-url", default=None, metavar="URL",
-                   help="endpoint of the cluster store (default: AWS)")
+                   help="endpoint of the cluster store (default: the source's endpoint, --endpoint-url or "
+                        "$AWS_ENDPOINT_URL, else AWS)")
     m.add_argument("--cluster-profile", default=None, metavar="NAME",
                    help="AWS profile whose credentials the cluster store uses (default: the standard chain)")
     m.add_argument("--cluster-timeout", type=seconds, default=DEFAULT_CLUSTER_TIMEOUT_S, metavar="S",
@@ -277,7 +278,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
                                       space_wait_s=args.dirty_wait, write_through=args.write_through,
                                       upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout,
                                       durability=args.write_durability, lease_ttl_s=args.write_lease_ttl)
-        cluster = _cluster_settings(args)
+        cluster = _cluster_settings(args, _endpoint_url(args.source, args.endpoint_url, environ))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not args.read_only and (problem := read_only_source_problem(args.source)):
@@ -317,12 +318,15 @@ def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> st
     return given or environ.get("AWS_ENDPOINT_URL") or None
 
 
-def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
+def _cluster_settings(args: argparse.Namespace, source_endpoint: str | None) -> ClusterSettings | None:
+    """The cluster tier's settings. Its endpoint defaults to the source's (``--endpoint-url``, else
+    ``$AWS_ENDPOINT_URL``): a cluster store beside an S3-compatible source is most often a bucket of the
+    same kind of server, and the mount's credentials then go nowhere they did not already go."""
     if args.cluster_cache is None:
         if args.cluster_endpoint_url is not None or args.cluster_profile is not None:
             raise ValueError("--cluster-endpoint-url and --cluster-profile need --cluster-cache s3://BUCKET[/PREFIX]")
         return None
-    return ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url,
+    return ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url or source_endpoint,
                            profile=args.cluster_profile, timeout_s=args.cluster_timeout)
 
 

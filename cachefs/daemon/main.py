@@ -149,6 +149,10 @@ async def open_cluster_tier(settings: MountSettings, environ: dict[str, str],
         await asyncio.wait_for(store.check(), max(cluster.timeout_s, CLUSTER_CHECK_TIMEOUT_S))
     except (ObjectStoreUnavailableError, TimeoutError) as exc:
         reason = str(exc) if isinstance(exc, CacheError) else "it did not answer in time"
+        if cluster.endpoint_url is None:  # AWS itself, unreachable from here: no restart brings it back
+            await tier.close()
+            raise SetupError(f"cluster cache {cluster.url} at the default AWS S3 endpoint is unreachable ({reason}): "
+                             f"give the in-cluster store's URL with --cluster-endpoint-url") from exc
         message = (f"cluster cache {cluster.url} at {where} is unreachable ({reason}); mounting without it: "
                    f"blocks come from the source until it answers, then the tier is used again")
         log.warning("%s", message)
