@@ -40,13 +40,19 @@ class SourceDirError(ValueError):
     """Several directories hold staged changes of one source. One-line message."""
 
 
-def has_staged_changes(directory: Path) -> bool:
-    """Whether ``directory`` (a source's cache directory) holds journaled changes not yet uploaded."""
+def staged_changes(directory: Path) -> int:
+    """How many journaled changes (one per object key) ``directory``, a source's cache directory,
+    holds that are not in the object store yet."""
     try:
         with os.scandir(directory / STAGING_DIRNAME / RECORDS_DIR) as entries:
-            return any(entry.name.endswith(RECORD_SUFFIX) for entry in entries)
+            return sum(1 for entry in entries if entry.name.endswith(RECORD_SUFFIX))
     except OSError:
-        return False
+        return 0
+
+
+def has_staged_changes(directory: Path) -> bool:
+    """Whether ``directory`` (a source's cache directory) holds journaled changes not yet uploaded."""
+    return staged_changes(directory) > 0
 
 
 def recorded_identity(directory: Path) -> str | None:

@@ -619,7 +619,8 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         if pid is None:  # the daemon is gone: detach the dead mount lazily
             lazy = subprocess.run([fusermount, "-u", "-z", str(path)], capture_output=True, text=True, timeout=args.timeout)
             if lazy.returncode == 0:
-                print(f"cachefs: unmounted {path} (its daemon was not running)", file=sys.stderr)
+                print(f"cachefs: unmounted {path} (its daemon was not running){_still_staged(path, info)}",
+                      file=sys.stderr)
                 return 0
         print(f"cachefs: error: cannot unmount {path}: {detail}", file=sys.stderr)
         return 1
@@ -633,8 +634,27 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {wait_s:g} s",
               file=sys.stderr)
         return 1
-    print(f"cachefs: unmounted {path}", file=sys.stderr)
+    dead = " (its daemon was not running)" if pid is None else ""
+    print(f"cachefs: unmounted {path}{dead}{_still_staged(path, info)}", file=sys.stderr)
     return 0
+
+
+def _still_staged(path: Path, info: dict[str, Any]) -> str:
+    """``; N changes are still staged ...`` when the stopped daemon (``info``: its /info, or for a dead
+    one the record it left, ``cachefs.mounts.last_record``) left changes that are not in the object
+    store (``--force``, a crash, a stop deadline), with how to get them uploaded; else ``""``."""
+    from cachefs.sourcedir import staged_changes
+
+    known = info or mounts.last_record(path)
+    cache_dir, source = known.get("cache_dir"), known.get("source")
+    if not isinstance(cache_dir, str) or not isinstance(source, str):
+        return ""
+    left = staged_changes(Path(cache_dir))
+    if not left:
+        return ""
+    what = "1 change is" if left == 1 else f"{left} changes are"
+    return (f"; {what} still staged in {cache_dir}, not in the object store: mount {source} again "
+            f"(writable) to upload {'it' if left == 1 else 'them'}")
 
 
 def _detach(fusermount: str, path: Path, timeout_s: float) -> int:

@@ -12,12 +12,14 @@ yet (check the prefix for a typo)" when it is about to upload pending changes th
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from pathlib import Path
 
 import pytest
 
 from cachefs.settings import legacy_source_hash
+from tests.fuse.conftest import run_cli
 from tests.fuse.writeback_support import clear_dead_mount, flush_ok, get_bytes, kill9, list_keys, s3env
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -55,3 +57,36 @@ def test_a_change_staged_under_one_spelling_is_uploaded_by_a_mount_with_the_othe
     assert get_bytes(client, bucket, "out/ckpt.bin") == data
     assert [p.name for p in cache.iterdir() if p.is_dir()] == [old_name], "a second cache directory was made"
     assert "holds no objects yet" not in m2.stderr, m2.stderr  # it was about to upload there (item 5)
+
+
+def test_unmount_says_when_changes_are_still_staged_and_how_to_upload_them(mounter, seaweed, tmp_path: Path) -> None:
+    """Issue 37, item 5: ``unmount --force``, and clearing the mount of a killed daemon, used to print
+    only "unmounted" while changes stayed staged (only daemon.log said so)."""
+    bucket = f"left-{uuid.uuid4().hex[:10]}"
+    seaweed.make_bucket(bucket)
+    env = s3env(seaweed)
+    cache = tmp_path / "cache"
+    source = f"s3://{bucket}/out"
+
+    m1 = mounter.mount(source, *HOLD, env=env, cache_dir=cache)
+    (m1.path / "a.bin").write_bytes(b"a" * 1000)
+    forced = run_cli("unmount", str(m1.path), "--force", env=env)
+    assert forced.returncode == 0 and forced.stderr.count("\n") == 1, forced
+    assert f"1 change is still staged in {cache}/" in forced.stderr, forced.stderr
+    assert f"mount {source} again (writable) to upload it" in forced.stderr
+
+    m2 = mounter.mount(source, *HOLD, env=env, cache_dir=cache)
+    (m2.path / "b.bin").write_bytes(b"b" * 1000)
+    kill9(m2)
+    cleared = run_cli("unmount", str(m2.path), env=env)
+    assert cleared.returncode == 0 and not m2.mounted, cleared
+    # b.bin at least (the second mount may have uploaded a.bin, which it replayed, before the kill).
+    assert re.search(r"\(its daemon was not running\); (1 change is|2 changes are) still staged in ", cleared.stderr), \
+        cleared.stderr
+
+    m3 = mounter.mount(source, env=env, cache_dir=cache)
+    flush_ok(m3)
+    done = m3.unmount()
+    assert done.returncode == 0 and "still staged" not in done.stderr, done.stderr
+    client = seaweed.client()
+    assert get_bytes(client, bucket, "out/a.bin") == b"a" * 1000 and get_bytes(client, bucket, "out/b.bin") == b"b" * 1000
