@@ -7,8 +7,22 @@ Every block request answered by RAM, disk or the cluster tier is one ranged GET 
 get, and its bytes are bytes not pulled from the source: that is what ``avoided_*`` sums, and what
 the operator adds up per Dataset (``csi_driver.operator.usage``).
 
+**Read-ahead is a fetch, not a saving.** A block that a load brought from the source (or the
+cluster tier) with no reader waiting on it (read-ahead, a warm) is remembered with that place; the
+first read that then finds it in RAM or on disk is credited to the place that loaded it, not to the
+tier that held it: a cold pass the source served whole shows no saving, however much of it
+read-ahead fetched early. Later reads of the block are hits. The memory is bounded
+(``MAX_UNREAD_BLOCKS``, oldest forgotten first) and lasts as long as the daemon: a block warmed by an
+earlier daemon counts as a hit when first read.
+
+**The hit ratio** (``hit_ratio``, docs/statistics.md) is the share of the bytes read that did not come
+from the source: (RAM + disk + cluster) / all. The same definition is behind ``cachefs stats``,
+``/metrics`` (``cachefs_hit_ratio``, ``cachefs_volume_hit_ratio{scope="all"}``), the Dataset's
+``HIT`` column and the dashboard; ``hit_ratios`` breaks it down (local = RAM + disk, cluster) with
+the source's share beside them.
+
 The seam is deliberately narrow, so the engine can change around it: the block cache calls
-``served`` for a block found in RAM, ``waiting`` for a reader that starts or joins a load, then
+``hit`` for a block found in RAM, ``waiting`` for a reader that starts or joins a load, then
 ``settle`` when that load's bytes are in (naming the place they came from: every reader that
 waited on it is credited to that place) or ``drop`` when it failed (nothing was served; the block
 cache drops from its load futures' done-callback). A load
@@ -22,12 +36,18 @@ invisible here (and cost the source nothing either).
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 RAM, DISK, CLUSTER, SOURCE = "ram", "disk", "cluster", "source"
 PLACES = (RAM, DISK, CLUSTER, SOURCE)
 LOCAL_PLACES = (RAM, DISK)
+# Blocks loaded with no reader waiting and not read yet, remembered with the place they came from.
+# Each entry is a block key and a place (~200 bytes): 131,072 of them (~25 MiB at most) cover 1 TiB
+# of 8 MiB blocks read ahead or warmed and not read yet; beyond it the oldest are forgotten, and
+# their first read counts as a hit (an overstatement bounded by what was forgotten).
+MAX_UNREAD_BLOCKS = 131_072
 
 
 @dataclass
@@ -38,25 +58,42 @@ class ReadTraffic:
     served_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLACES, 0))
     # Readers waiting on a load, per block: (bytes they asked for, how many readers).
     _pending: dict[Hashable, tuple[int, int]] = field(default_factory=dict, repr=False)
+    # Blocks a load brought from the source or the cluster tier that no reader has read yet.
+    _unread: OrderedDict[Hashable, str] = field(default_factory=OrderedDict, repr=False)
+    unread_limit: int = MAX_UNREAD_BLOCKS
 
     def served(self, place: str, nbytes: int, blocks: int = 1) -> None:
         self.served_bytes[place] += nbytes
         self.served_blocks[place] += blocks
 
+    def hit(self, key: Hashable, place: str, nbytes: int) -> None:
+        """A read found ``key`` in ``place`` (RAM): a hit, unless no read has had the block since a
+        load brought it from the source or the cluster tier (then it is credited there)."""
+        self.served(self._unread.pop(key, None) or place, nbytes)
+
     def waiting(self, key: Hashable, nbytes: int, *, ready: bool = False) -> None:
         """A reader started or joined the load of ``key``, for ``nbytes`` of the block. ``ready``: the
         load has its bytes already (a warm load holds them until they are on disk): served from memory."""
         if ready:
-            self.served(RAM, nbytes)
+            self.hit(key, RAM, nbytes)
             return
         wanted, readers = self._pending.get(key, (0, 0))
         self._pending[key] = (wanted + nbytes, readers + 1)
 
     def settle(self, key: Hashable, place: str) -> None:
-        """The load of ``key`` got its bytes from ``place``: credit every reader that waited on it."""
+        """The load of ``key`` got its bytes from ``place``: credit every reader that waited on it (to
+        the place that first brought the block, if none has read it since). A load nobody waited on
+        (read-ahead, a warm) that brought the block from the source or the cluster tier is remembered."""
         wanted, readers = self._pending.pop(key, (0, 0))
+        origin = self._unread.pop(key, None) if place in LOCAL_PLACES else None
         if readers:
-            self.served(place, wanted, readers)
+            self.served(origin or place, wanted, readers)
+            return
+        remembered = origin or (place if place not in LOCAL_PLACES else None)
+        if remembered is not None:
+            self._unread[key] = remembered
+            if len(self._unread) > self.unread_limit:
+                self._unread.popitem(last=False)
 
     def drop(self, key: Hashable) -> None:
         """The load of ``key`` failed: its readers got an error, nothing was served."""
@@ -86,5 +123,6 @@ class ReadTraffic:
             "served_blocks": dict(self.served_blocks),
             "avoided_source_bytes": total - self.served_bytes[SOURCE],
             "avoided_source_requests": sum(self.served_blocks.values()) - self.served_blocks[SOURCE],
+            "hit_ratio": ratio((RAM, DISK, CLUSTER)),
             "hit_ratios": {"local": ratio(LOCAL_PLACES), "cluster": ratio((CLUSTER,)), "source": ratio((SOURCE,))},
         }
