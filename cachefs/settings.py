@@ -111,13 +111,14 @@ class FsSettings:
 
     def __post_init__(self) -> None:
         if not 0 < self.metadata_timeout_s <= 600:
-            raise ValueError("metadata-timeout must be between 0 and 600 seconds (0 excluded)")
+            raise ValueError(f"--metadata-timeout {self.metadata_timeout_s:g} must be more than 0 and at most 600 seconds")
         for name in ("attr_ttl_s", "dir_ttl_s"):
             value = getattr(self, name)
             if not 0 <= value <= MAX_TTL_S:
-                raise ValueError(f"{name.replace('_s', '').replace('_', '-')} must be between 0 and {MAX_TTL_S:g} seconds")
+                raise ValueError(f"--{name.replace('_s', '').replace('_', '-')} {value:g} must be between 0 and "
+                                 f"{MAX_TTL_S:g} seconds")
         if not 0 <= self.rename_dir_limit <= 10_000_000:
-            raise ValueError("rename-dir-limit must be between 0 and 10000000 entries")
+            raise ValueError(f"--rename-dir-limit {self.rename_dir_limit} must be between 0 and 10000000 entries")
         check_id("uid", self.uid)
         check_id("gid", self.gid)
         if self.file_mode is None:
@@ -153,7 +154,7 @@ class ClusterSettings:
         if self.profile is not None and (not self.profile.strip() or any(c.isspace() for c in self.profile)):
             raise ValueError(f"invalid --cluster-profile {self.profile!r}: expected a profile name")
         if not 0 < self.timeout_s <= 600:
-            raise ValueError("cluster-timeout must be between 0 and 600 seconds (0 excluded)")
+            raise ValueError(f"--cluster-timeout {self.timeout_s:g} must be more than 0 and at most 600 seconds")
         if self.write_behind_bytes < 1 or self.write_behind_blocks < 1:
             raise ValueError("the cluster write-behind queue needs room for at least one block")
 

@@ -286,8 +286,9 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
     if not args.read_only and args.disk_cache == 0:
         raise UsageError("a writable mount stages writes in the disk cache: give --disk-cache a size, or use --read-only")
     if not args.read_only and args.disk_cache < args.block_size:
-        raise UsageError(f"--disk-cache ({args.disk_cache} bytes) is smaller than one block (--block-size, "
-                         f"{args.block_size} bytes): a writable mount stages writes there; give it at least one block")
+        raise UsageError(f"--disk-cache {format_size(args.disk_cache)} is smaller than one block (--block-size "
+                         f"{format_size(args.block_size)}): a writable mount stages writes there; give it at least "
+                         f"one block")
     if args.read_only and args.write_through:
         raise UsageError("--write-through applies to writable mounts only (drop --read-only or --write-through)")
     if args.connect_timeout <= 0 or args.read_timeout <= 0:

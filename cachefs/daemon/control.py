@@ -12,6 +12,7 @@ importing the daemon.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,17 @@ MAX_REQUEST_BYTES = 256 * 1024 * 1024
 
 JsonHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 RawHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _bind_problem(code: int) -> str:
+    """Why a listening socket could not be bound, in words (no Python tuple of the address)."""
+    if code == errno.EADDRINUSE:
+        return "the port is in use by another process: pick another port"
+    if code == errno.EADDRNOTAVAIL:
+        return "no interface of this machine has that address"
+    if code == errno.EACCES:
+        return "permission denied (ports below 1024 need privilege)"
+    return os.strerror(code)
 
 
 class ControlRequestError(Exception):
@@ -120,7 +132,12 @@ class ControlServer:
             self._tcp_runner = web.AppRunner(self._app(public_only=True), access_log=None)
             await self._tcp_runner.setup()
             site = web.TCPSite(self._tcp_runner, tcp_host, tcp_port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:  # asyncio words it with the address as a Python tuple: the caller names it
+                if exc.errno is None:
+                    raise
+                raise OSError(exc.errno, _bind_problem(exc.errno)) from exc
             server = site._server  # aiohttp exposes the bound port only here
             if isinstance(server, asyncio.Server) and server.sockets:
                 self.tcp_port = server.sockets[0].getsockname()[1]

@@ -75,29 +75,29 @@ def mount_args(source: str, mountpoint: Path, cache_dir: Path, *extra: str) -> l
         (["--cluster-cache", "s3://ok-bucket", "--cluster-timeout", "40"], ["--cluster-timeout", "shorter than --fetch-timeout"]),
         (["--disk-cache", "lots"], ["--disk-cache", "'lots'"]),
         (["--readahead", "1.5B"], ["--readahead", "'1.5B'"]),
-        (["--block-size", "4k"], ["block size 4096"]),
-        (["--block-size", "1GiB"], ["block size"]),
-        (["--ram-cache", "64k", "--block-size", "1MiB"], ["RAM cache", "smaller than one block"]),
+        (["--block-size", "4k"], ["--block-size 4.0 KiB is outside 64.0 KiB to 256.0 MiB"]),
+        (["--block-size", "1GiB"], ["--block-size 1.0 GiB"]),
+        (["--ram-cache", "64k", "--block-size", "1MiB"], ["--ram-cache 64.0 KiB is smaller than one block (--block-size 1.0 MiB)"]),
         (["--stats-addr", "nope"], ["--stats-addr", "'nope'"]),
         (["--stats-addr", "127.0.0.1:99999"], ["'127.0.0.1:99999'"]),
         (["--stats-addr", "127.0.0.1:"], ["--stats-addr"]),
         (["--fetch-timeout", "-1"], ["--fetch-timeout", "negative"]),
-        (["--fetch-timeout", "0"], ["fetch timeout"]),
+        (["--fetch-timeout", "0"], ["--fetch-timeout 0 must be more than 0"]),
         (["--fetch-timeout", "soon"], ["--fetch-timeout", "'soon'"]),
         (["--dir-ttl", "-5"], ["--dir-ttl", "negative"]),
         (["--attr-ttl", "100000"], ["attr-ttl"]),
-        (["--max-fetches", "0"], ["concurrent fetches"]),
+        (["--max-fetches", "0"], ["--max-fetches 0 must be between 1 and 1024"]),
         (["--max-fetches", "many"], ["--max-fetches"]),
         (["--log-level", "LOUD"], ["--log-level"]),
         (["--endpoint-url", "ftp://host"], ["endpoint URL", "'ftp://host'"]),
         (["--no-such-flag"], ["--no-such-flag"]),
         (["--disk-cache", "0"], ["writable mount", "--disk-cache", "--read-only"]),
-        (["--disk-cache", "1KiB"], ["--disk-cache (1024 bytes)", "one block", "8388608 bytes"]),
+        (["--disk-cache", "1KiB"], ["--disk-cache 1.0 KiB is smaller than one block (--block-size 8.0 MiB)"]),
         (["--read-only", "--write-through"], ["--write-through", "writable"]),
         (["--upload-delay", "-1"], ["--upload-delay", "negative"]),
-        (["--upload-delay", "99999"], ["upload delay"]),
-        (["--max-uploads", "0"], ["max uploads"]),
-        (["--dirty-wait", "7200"], ["dirty-data wait"]),
+        (["--upload-delay", "99999"], ["--upload-delay 99999 must be between 0 and 3600 seconds"]),
+        (["--max-uploads", "0"], ["--max-uploads 0"]),
+        (["--dirty-wait", "7200"], ["--dirty-wait 7200"]),
         (["--rename-dir-limit", "-1"], ["rename-dir-limit"]),
     ],
 )
@@ -303,3 +303,22 @@ def test_cluster_options_become_typed_settings(mnt: Path, cache_dir: Path) -> No
         "s3://shared/cache", "http://seaweed:8333", "cl", 2.0)
     env = cluster.environ({"AWS_ACCESS_KEY_ID": "source-key", "AWS_SECRET_ACCESS_KEY": "s", "HOME": "/h"})
     assert env == {"AWS_PROFILE": "cl", "HOME": "/h"}  # the profile's keys, not the source's
+
+
+@pytest.mark.parametrize(("extra", "line"), [
+    (["--fetch-timeout", "0"], "--fetch-timeout 0 must be more than 0 and at most 3600 seconds"),
+    (["--ram-cache", "512"], "--ram-cache 512 B is smaller than one block (--block-size 8.0 MiB): give at least "
+                             "8.0 MiB, or 0 to turn the RAM tier off"),
+    (["--block-size", "512MiB"], "--block-size 512.0 MiB is outside 64.0 KiB to 256.0 MiB"),
+    (["--max-fetches", "5000"], "--max-fetches 5000 must be between 1 and 1024"),
+    (["--upload-max-delay", "100000"], "--upload-max-delay 100000 must be between 0 and 86400 seconds"),
+    (["--upload-delay", "60", "--upload-max-delay", "10"], "--upload-max-delay 10 must not be shorter than "
+                                                            "--upload-delay (60 seconds)"),
+    (["--stop-timeout", "90000"], "--stop-timeout 90000 must be between 0 and 86400 seconds"),
+])
+def test_limit_errors_name_the_option_and_show_the_value_in_the_users_unit(extra: list[str], line: str, mnt: Path,
+                                                                           cache_dir: Path, capsys) -> None:
+    """Issue 37, item 9: "fetch timeout must be between 0 and 3600 seconds", "RAM cache (512 bytes) is
+    smaller than one block (8388608 bytes)" named neither the option nor the value as typed."""
+    code, err = run(mount_args("s3://my-bucket", mnt, cache_dir, *extra), capsys)
+    assert code == 2 and err == f"cachefs: error: {line}\n"

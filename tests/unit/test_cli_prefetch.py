@@ -130,7 +130,7 @@ def test_max_pinned_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert settings("30%").pin_limit_bytes == 3 * gib
     assert settings("2GiB").pin_limit_bytes == 2 * gib
     assert settings("0").pin_limit_bytes == 0
-    with pytest.raises(UsageError, match="exceeds 85% of the disk cache"):
+    with pytest.raises(UsageError, match="exceeds 85% of --disk-cache"):
         settings("0.9")
     for bad in ("7", "1.5", "-1", "lots"):
         with pytest.raises(SystemExit):
