@@ -69,7 +69,7 @@ class ReadTraffic:
     def hit(self, key: Hashable, place: str, nbytes: int) -> None:
         """A read found ``key`` in ``place`` (RAM): a hit, unless no read has had the block since a
         load brought it from the source or the cluster tier (then it is credited there)."""
-        self.served(self._unread.pop(key, None) or place, nbytes)
+        self.served(self._unread.pop(key, place), nbytes)
 
     def waiting(self, key: Hashable, nbytes: int, *, ready: bool = False) -> None:
         """A reader started or joined the load of ``key``, for ``nbytes`` of the block. ``ready``: the
@@ -85,7 +85,7 @@ class ReadTraffic:
         the place that first brought the block, if none has read it since). A load nobody waited on
         (read-ahead, a warm) that brought the block from the source or the cluster tier is remembered."""
         wanted, readers = self._pending.pop(key, (0, 0))
-        origin = self._unread.pop(key, None) if place in LOCAL_PLACES else None
+        origin = self._unread.pop(key, "") if place in LOCAL_PLACES else ""
         if readers:
             self.served(origin or place, wanted, readers)
             return
