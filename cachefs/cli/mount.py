@@ -114,6 +114,13 @@ roles); AWS_ENDPOINT_URL applies to s3:// sources. The daemon's log is daemon.lo
 """
 
 
+# Every scheme parse_source accepts (SUPPORTED_SCHEMES), as `mount --help` names them; a test keeps
+# the two in step.
+SOURCE_HELP = ("s3://bucket[/prefix] or file:///path (writable), or read-only (--read-only): gs://bucket[/prefix], "
+               "az://container[/prefix], hf://datasets/OWNER/NAME[/path], http://HOST/dir/, https://HOST/dir/, "
+               "memory://ROOT (docs/configuration.md, Sources)")
+
+
 def default_cache_dir(environ: dict[str, str]) -> Path:
     if os.geteuid() == 0:
         return Path("/var/cache/cachefs")
@@ -124,7 +131,7 @@ def default_cache_dir(environ: dict[str, str]) -> Path:
 def register(sub: Any) -> None:
     m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory", epilog=MOUNT_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
+    m.add_argument("source", help=SOURCE_HELP)
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     m.add_argument("--endpoint-url", help="S3-compatible endpoint of an s3:// source (default: $AWS_ENDPOINT_URL, else AWS)")
     m.add_argument("--cache-dir", type=Path, default=None, help="local cache directory (default: /var/cache/cachefs as root, else ~/.cache/cachefs)")
