@@ -34,8 +34,9 @@ classification and messages are those of every other request. A presigned URL ca
 ID, the signature and any session token: it is kept in memory only and never logged or put in an
 error message.
 
-Errors. Every failure goes through ``classify_error``, which maps exception *types* and S3 error
-*codes* / HTTP statuses (never message text) to a ``tiering.errors`` type with a one-line message.
+Errors. Every failure goes through ``classify_error`` (``tiering.objectstore.s3errors``), which maps
+exception *types* and S3 error *codes* / HTTP statuses (never message text) to a ``tiering.errors``
+type with a one-line message.
 Messages name the bucket, the key and the endpoint, never credentials: those come only from the
 standard AWS chain, are never passed, logged or formatted by this module.
 
@@ -60,7 +61,6 @@ are the standard ones and read the process environment.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import time
 import urllib.request
@@ -69,18 +69,15 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
-import botocore.exceptions as bexc
 import s3fs
 from aiobotocore.credentials import AioEnvProvider
 from aiobotocore.session import AioSession
 from botocore.configprovider import ConfigChainFactory
 
 from tiering.errors import (
-    AccessDeniedError,
     ObjectChangedError,
     ObjectNotFoundError,
     ObjectStoreError,
-    ObjectStoreUnavailableError,
 )
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 from tiering.objectstore.keys import (
@@ -94,6 +91,14 @@ from tiering.objectstore.keys import (
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
 from tiering.objectstore.rangedget import RangedGetter
 from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
+from tiering.objectstore.s3errors import (
+    INVALID_RANGE_CODES,
+    NOT_FOUND_CODES,
+    changed_error,
+    classify_error,
+    client_error_code,
+    not_s3_error,
+)
 from tiering.blocks import BlockData
 from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
@@ -141,142 +146,6 @@ COPY_PART_SIZE = 512 * MiB
 # How long aborting a failed multipart upload may take; it is a courtesy (the upload is invisible),
 # so it must never hold up the error the caller is waiting for.
 ABORT_TIMEOUT_S = 10.0
-
-# S3 error codes, grouped by what they mean to a reader.
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
-_NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
-_DENIED_CODES = frozenset({
-    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-    "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidSecurity",
-    "AuthorizationHeaderMalformed", "RequestTimeTooSkewed", "403", "Forbidden", "401",
-})
-_CHANGED_CODES = frozenset({"PreconditionFailed", "412"})
-_UNAVAILABLE_CODES = frozenset({
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-    "ThrottlingException", "RequestLimitExceeded", "BadGateway", "GatewayTimeout",
-})
-_INVALID_RANGE_CODES = frozenset({"InvalidRange", "416"})
-_UNAVAILABLE_ERRNOS = frozenset({
-    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
-    errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.EPIPE,
-})
-# botocore: any failure to get an answer (connection refused, DNS, TLS, timeouts, dropped streams).
-_UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
-    bexc.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError, SSLError, ProxyConnectionError
-    bexc.HTTPClientError,  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError
-    bexc.IncompleteReadError,
-    aiohttp.ClientError,
-    asyncio.TimeoutError,
-    TimeoutError,
-)
-_CREDENTIAL_TYPES: tuple[type[BaseException], ...] = (
-    bexc.NoCredentialsError,
-    bexc.PartialCredentialsError,
-    bexc.CredentialRetrievalError,
-    bexc.ProfileNotFound,
-    bexc.UnknownCredentialError,
-)
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and its causes (s3fs re-raises ClientErrors as OSErrors with the original as cause)."""
-    out: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in out and len(out) < 10:
-        out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out
-
-
-def client_error_code(exc: BaseException) -> tuple[str, int] | None:
-    """``(code, http_status)`` of the first botocore ClientError in the chain, if any."""
-    for e in _chain(exc):
-        if isinstance(e, bexc.ClientError):
-            response = e.response or {}
-            code = str(response.get("Error", {}).get("Code", ""))
-            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-            return code, status
-    return None
-
-
-def not_s3_answer(exc: BaseException) -> int | None:
-    """The HTTP status of an error answer that did not come from an S3 server, else None: botocore
-    found no S3 error code in it (none, or the bare status), it carries no ``x-amz-*``
-    header, and a content type that is not XML. Every S3 implementation (AWS, MinIO, SeaweedFS, Ceph, moto) answers a failed
-    request with an XML error document; a web server on a wrong port answers with an HTML page. Only
-    meaningful for requests whose errors have a body (not HEAD)."""
-    for e in _chain(exc):
-        if isinstance(e, bexc.ClientError):
-            response = e.response or {}
-            code = str(response.get("Error", {}).get("Code", ""))
-            meta = response.get("ResponseMetadata", {})
-            headers = {str(k).lower(): str(v) for k, v in (meta.get("HTTPHeaders") or {}).items()}
-            status = int(meta.get("HTTPStatusCode") or 0)
-            if (code and not code.isdigit()) or any(name.startswith("x-amz-") for name in headers):
-                return None
-            kind = headers.get("content-type", "")
-            if not kind or "xml" in kind or meta.get("RequestId"):
-                return None
-            return status
-    return None
-
-
-def _not_s3(op: str, where: str, endpoint: str, answer: str) -> ObjectStoreError:
-    return ObjectStoreError(f"{op} {where}: {endpoint} does not speak S3 ({answer}): check the endpoint URL "
-                            f"and its port")
-
-
-def _changed(where: str) -> ObjectChangedError:
-    return ObjectChangedError(f"{where} changed on the server (its ETag no longer matches)")
-
-
-def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endpoint: str) -> ObjectStoreError:
-    """Map any failure of an S3 call to a ``tiering.errors`` type, by exception type and error code.
-
-    ``op`` names the operation (``"GET"``), ``where`` the object (``"s3://b/k"``). Messages carry
-    only these, the bucket, the endpoint, the S3 error code and the HTTP status: never the server's
-    message text, request details or credentials.
-    """
-    if isinstance(exc, ObjectStoreError):
-        return exc
-    coded = client_error_code(exc)
-    if coded is not None and op != "HEAD" and (plain := not_s3_answer(exc)) is not None:
-        return _not_s3(op, where, endpoint, f"it answered HTTP {plain} without an S3 error document")
-    if coded is not None:
-        code, status = coded
-        detail = f"{code or 'error'} (HTTP {status})" if status else code or "error"
-        if code in _NO_BUCKET_CODES:
-            return ObjectNotFoundError(f"bucket {bucket!r} does not exist at {endpoint}")
-        if code in _CHANGED_CODES or status == 412:
-            return _changed(where)
-        if code in _NOT_FOUND_CODES or status == 404:
-            return ObjectNotFoundError(f"{op} {where}: not found")
-        if code in _DENIED_CODES or status in (401, 403):
-            return AccessDeniedError(f"{op} {where}: access denied: {detail}")
-        if code in _UNAVAILABLE_CODES or status >= 500 or status == 429:
-            return ObjectStoreUnavailableError(f"{op} {where}: {endpoint} unavailable: {detail}")
-        return ObjectStoreError(f"{op} {where}: S3 error {detail}")
-    for e in _chain(exc):
-        if isinstance(e, _CREDENTIAL_TYPES):
-            return AccessDeniedError(
-                f"{op} {where}: no usable AWS credentials ({type(e).__name__}); "
-                "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
-            )
-        if isinstance(e, (bexc.ReadTimeoutError, asyncio.TimeoutError, TimeoutError)):
-            return ObjectStoreUnavailableError(f"{op} {where}: endpoint {endpoint} did not answer in time")
-        if isinstance(e, _UNAVAILABLE_TYPES):
-            return ObjectStoreUnavailableError(f"{op} {where}: cannot reach endpoint {endpoint} ({type(e).__name__})")
-    for e in _chain(exc):
-        if isinstance(e, OSError) and e.errno is not None:
-            if e.errno == errno.ENOENT:
-                return ObjectNotFoundError(f"{op} {where}: not found")
-            if e.errno in (errno.EACCES, errno.EPERM):
-                return AccessDeniedError(f"{op} {where}: access denied")
-            if e.errno in _UNAVAILABLE_ERRNOS:
-                return ObjectStoreUnavailableError(f"{op} {where}: cannot reach endpoint {endpoint} "
-                                                   f"({errno.errorcode.get(e.errno, e.errno)})")
-    return ObjectStoreError(f"{op} {where}: unexpected {type(exc).__name__}")
-
 
 def _check_endpoint(endpoint_url: str) -> None:
     parts = urlsplit(endpoint_url)
@@ -457,7 +326,7 @@ class S3ObjectStore:
         self.stats.list_requests += 1
         page = await self._call("list_objects_v2", op="LIST", where=self._where(), Prefix=self.prefix, MaxKeys=1)
         if "Name" not in page and "MaxKeys" not in page:  # every ListBucketResult names its bucket
-            raise _not_s3("LIST", self._where(), self._endpoint_name, "its answer to a LIST is not an S3 listing")
+            raise not_s3_error("LIST", self._where(), self._endpoint_name, "its answer to a LIST is not an S3 listing")
         return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
     async def list_dir(self, prefix: str) -> Listing:
@@ -500,7 +369,7 @@ class S3ObjectStore:
         """For servers that ignore If-Match: a GET answered with another version is a change."""
         if returned is not None and _strip_etag(returned) != _strip_etag(etag):
             self.stats.errors += 1
-            raise _changed(where)
+            raise changed_error(where)
 
     async def _presign(self, key: str) -> str | None:
         """A presigned GetObject URL for ``key`` (cached), or None where the store cannot presign."""
@@ -562,10 +431,10 @@ class S3ObjectStore:
             status = answer.status
             if status == 412:
                 self.stats.errors += 1
-                raise _changed(where)
+                raise changed_error(where)
             if status == 416:
                 return b""
-            if status == 404 and answer.error_code in _NOT_FOUND_CODES:
+            if status == 404 and answer.error_code in NOT_FOUND_CODES:
                 # Absent: final, and the cheap miss of the cluster tier (one request, not two).
                 self.stats.errors += 1
                 raise ObjectNotFoundError(f"GET {where}: not found")
@@ -616,7 +485,7 @@ class S3ObjectStore:
             return fast
         condition = {} if etag == ANY_VERSION else {"IfMatch": etag}
         response = await self._call(
-            "get_object", op="GET", where=where, tolerate=_INVALID_RANGE_CODES,
+            "get_object", op="GET", where=where, tolerate=INVALID_RANGE_CODES,
             Key=self.prefix + key, Range=f"bytes={start}-{end - 1}", **condition,
         )
         if response is None:
@@ -767,7 +636,7 @@ class S3ObjectStore:
         check_write_key(dst)
         source = await self.head(src)  # the size decides CopyObject or UploadPartCopy
         if _strip_etag(source.etag) != _strip_etag(etag):
-            raise _changed(self._where(src))
+            raise changed_error(self._where(src))
         where = self._where(dst)
         copy_source = {"Bucket": self.bucket, "Key": self.prefix + src}
         self.stats.copy_requests += 1
