@@ -108,3 +108,13 @@ def test_mount_settings_use_the_directory_found(tmp_path):
                              source_dir_name=find_source_dir(tmp_path, "s3://out/run2/", None))
     assert settings.source_cache_dir() == old
     assert settings.source_label() == source_hash("s3://out/run2", None)  # metrics: one label per source
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_directory_another_user_owns_is_not_adopted(tmp_path):
+    """Another user may prepare a directory under an older spelling's name with a source.json naming our
+    source: it is never adopted (its blocks and staged changes could be anyone's)."""
+    planted = _old_dir(tmp_path, "s3://out/run2", None, staged=True)
+    for path in (planted, *planted.rglob("*")):
+        os.chown(path, 65534, 65534, follow_symlinks=False)
+    assert find_source_dir(tmp_path, "s3://out/run2/", None) == source_hash("s3://out/run2/", None)
