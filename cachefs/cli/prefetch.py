@@ -112,12 +112,17 @@ def _intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+TARGET_HELP = "the mountpoint, or any path inside the mount (then also a PATH)"
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("prefetch", help="warm the disk cache of a mount with files, directories or a manifest")
-    p.add_argument("mountpoint", type=Path)
+    p.add_argument("mountpoint", type=Path, metavar="TARGET",
+                   help="the mountpoint, or any path inside the mount: alone, it is warmed with everything below it")
     p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or directories inside the mount, relative to the working directory or absolute "
-                        "(default: the whole mount, recursively)")
+                   help="files or directories inside the mount: absolute, or relative to the working directory "
+                        "inside the mount, else to the mount root (default: TARGET, recursively: the whole mount, "
+                        "recursively, for the mountpoint)")
     p.add_argument("--manifest", metavar="FILE",
                    help="file of paths, one per line, or JSON lines from 'cachefs snapshot' (- for stdin)")
     p.add_argument("--recursive", "-r", action="store_true", help="prefetch directories with everything below them")
@@ -140,21 +145,21 @@ def register(sub: Any) -> None:
     _intermixed(p)
 
     s = sub.add_parser("snapshot", help="write the path, ETag and size of every file to a manifest")
-    s.add_argument("mountpoint", type=Path)
+    s.add_argument("mountpoint", type=Path, metavar="TARGET", help=TARGET_HELP)
     s.add_argument("path", nargs="?", default=None, metavar="PATH", help="a file or directory (default: all)")
     s.add_argument("-o", "--output", default="-", metavar="FILE", help="manifest to write (default: stdout)")
     s.set_defaults(handler=cmd_snapshot)
     _intermixed(s)
 
     u = sub.add_parser("unpin", help="let pinned files be evicted again")
-    u.add_argument("mountpoint", type=Path)
+    u.add_argument("mountpoint", type=Path, metavar="TARGET", help=TARGET_HELP)
     u.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (default: everything pinned)")
     u.add_argument("--json", action="store_true", help="machine-readable output")
     u.set_defaults(handler=cmd_unpin)
     _intermixed(u)
 
     e = sub.add_parser("evict", help="drop cached data of files (all without PATH) from RAM and disk")
-    e.add_argument("mountpoint", type=Path)
+    e.add_argument("mountpoint", type=Path, metavar="TARGET", help=TARGET_HELP)
     e.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (default: everything)")
     e.add_argument("--tier", choices=["all", "ram", "disk"], default="all", help="which tier(s) to drop from")
     e.add_argument("--json", action="store_true", help="machine-readable output")

@@ -61,7 +61,8 @@ def test_a_bare_prefetch_warms_the_whole_mount_recursively() -> None:
 def test_prefetch_help_says_what_a_bare_prefetch_does(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["prefetch", "--help"])
-    assert "(default: the whole mount, recursively)" in " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: TARGET, recursively: the whole mount, recursively, for the mountpoint)" in text
 
 
 @pytest.mark.parametrize("path", ["../../etc", "/etc/passwd", "/mnt/xy"])
