@@ -7,13 +7,16 @@ Every block request answered by RAM, disk or the cluster tier is one ranged GET 
 get, and its bytes are bytes not pulled from the source: that is what ``avoided_*`` sums, and what
 the operator adds up per Dataset (``csi_driver.operator.usage``).
 
-**Read-ahead is a fetch, not a saving.** A block that a load brought from the source (or the
-cluster tier) with no reader waiting on it (read-ahead, a warm) is remembered with that place; the
-first read that then finds it in RAM or on disk is credited to the place that loaded it, not to the
-tier that held it: a cold pass the source served whole shows no saving, however much of it
-read-ahead fetched early. Later reads of the block are hits. The memory is bounded
-(``MAX_UNREAD_BLOCKS``, oldest forgotten first) and lasts as long as the daemon: a block warmed by an
-earlier daemon counts as a hit when first read.
+**A fetch is not a saving.** A block is fetched whole, and read in pieces (the kernel asks for
+128 KiB at a time): the bytes of a block that a load brought from the source (or the cluster tier)
+are that place's until a read has had them, whether a reader waited on the load, read-ahead started
+it, or a warm did. Each block is remembered with its origin and the bytes no read has had since
+(``settle``); a read that then finds it in RAM or on disk is credited to the origin for as many of
+those bytes as it reads (and its request with them), and to the tier for the rest (``hit``). A cold
+pass the source served whole shows no saving, however it was read; a second pass is all hits. The
+memory is bounded (``MAX_UNREAD_BLOCKS``, oldest forgotten first) and lasts as long as the daemon:
+a block warmed by an earlier daemon counts as a hit when first read. A byte read twice before the
+rest of its block is read once counts as the source's both times (a conservative error).
 
 **The hit ratio** (``hit_ratio``, docs/statistics.md) is the share of the bytes read that did not come
 from the source: (RAM + disk + cluster) / all. The same definition is behind ``cachefs stats``,
@@ -43,10 +46,10 @@ from typing import Any, Callable, Hashable
 RAM, DISK, CLUSTER, SOURCE = "ram", "disk", "cluster", "source"
 PLACES = (RAM, DISK, CLUSTER, SOURCE)
 LOCAL_PLACES = (RAM, DISK)
-# Blocks loaded with no reader waiting and not read yet, remembered with the place they came from.
-# Each entry is a block key and a place (~200 bytes): 131,072 of them (~25 MiB at most) cover 1 TiB
-# of 8 MiB blocks read ahead or warmed and not read yet; beyond it the oldest are forgotten, and
-# their first read counts as a hit (an overstatement bounded by what was forgotten).
+# Blocks fetched and not wholly read yet, remembered with the place they came from and the bytes not
+# read since. Each entry is a block key, a place and a count (~200 bytes): 131,072 of them (~25 MiB
+# at most) cover 1 TiB of 8 MiB blocks fetched and not read through; beyond it the oldest are
+# forgotten, and the rest of their first reads count as hits (an overstatement bounded by them).
 MAX_UNREAD_BLOCKS = 131_072
 
 
@@ -58,8 +61,9 @@ class ReadTraffic:
     served_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLACES, 0))
     # Readers waiting on a load, per block: (bytes they asked for, how many readers).
     _pending: dict[Hashable, tuple[int, int]] = field(default_factory=dict, repr=False)
-    # Blocks a load brought from the source or the cluster tier that no reader has read yet.
-    _unread: OrderedDict[Hashable, str] = field(default_factory=OrderedDict, repr=False)
+    # Blocks a load brought from the source or the cluster tier, with the bytes of each no read has
+    # had since: their first reads are credited to that place (the module docstring).
+    _unread: OrderedDict[Hashable, tuple[str, int]] = field(default_factory=OrderedDict, repr=False)
     unread_limit: int = MAX_UNREAD_BLOCKS
 
     def served(self, place: str, nbytes: int, blocks: int = 1) -> None:
@@ -67,9 +71,9 @@ class ReadTraffic:
         self.served_blocks[place] += blocks
 
     def hit(self, key: Hashable, place: str, nbytes: int) -> None:
-        """A read found ``key`` in ``place`` (RAM): a hit, unless no read has had the block since a
-        load brought it from the source or the cluster tier (then it is credited there)."""
-        self.served(self._unread.pop(key, place), nbytes)
+        """A read found ``key`` in ``place`` (RAM): a hit, except for bytes of the block no read has
+        had since a load brought it from the source or the cluster tier (credited there)."""
+        self._credit(key, place, nbytes, 1)
 
     def waiting(self, key: Hashable, nbytes: int, *, ready: bool = False) -> None:
         """A reader started or joined the load of ``key``, for ``nbytes`` of the block. ``ready``: the
@@ -80,20 +84,41 @@ class ReadTraffic:
         wanted, readers = self._pending.get(key, (0, 0))
         self._pending[key] = (wanted + nbytes, readers + 1)
 
-    def settle(self, key: Hashable, place: str) -> None:
-        """The load of ``key`` got its bytes from ``place``: credit every reader that waited on it (to
-        the place that first brought the block, if none has read it since). A load nobody waited on
-        (read-ahead, a warm) that brought the block from the source or the cluster tier is remembered."""
+    def settle(self, key: Hashable, place: str, size: int = 0) -> None:
+        """The load of ``key`` got its ``size`` bytes from ``place``: credit every reader that waited
+        on it. From the source or the cluster tier, the rest of the block (what no waiting reader
+        asked for) is remembered: its first reads are that place's, not hits. From a local tier, a
+        block still remembered keeps being credited to where it first came from."""
         wanted, readers = self._pending.pop(key, (0, 0))
-        origin = self._unread.pop(key, "") if place in LOCAL_PLACES else ""
-        if readers:
-            self.served(origin or place, wanted, readers)
+        if place in LOCAL_PLACES:
+            if readers:
+                self._credit(key, place, wanted, readers)
             return
-        remembered = origin or (place if place not in LOCAL_PLACES else None)
-        if remembered is not None:
-            self._unread[key] = remembered
+        self._unread.pop(key, None)
+        if readers:
+            self.served(place, wanted, readers)
+        if size > wanted:
+            self._unread[key] = (place, size - wanted)
             if len(self._unread) > self.unread_limit:
                 self._unread.popitem(last=False)
+
+    def _credit(self, key: Hashable, place: str, nbytes: int, requests: int) -> None:
+        """Credit a read of ``nbytes`` of ``key`` found in ``place``: to the place the block came from
+        for as many of its bytes as no read has had yet (and the request with them), the rest to
+        ``place``."""
+        entry = self._unread.get(key)
+        if entry is None:
+            self.served(place, nbytes, requests)
+            return
+        origin, left = entry
+        first = min(nbytes, left)
+        self.served(origin, first, requests)
+        self.served_bytes[place] += nbytes - first
+        if left > first:
+            self._unread[key] = (origin, left - first)
+            self._unread.move_to_end(key)
+        else:
+            del self._unread[key]
 
     def drop(self, key: Hashable) -> None:
         """The load of ``key`` failed: its readers got an error, nothing was served."""
