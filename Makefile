@@ -12,14 +12,16 @@ PY     := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 PYTEST_FLAGS ?= -q -p no:cacheprovider -ra --strict-markers -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: all setup demo test pytest lint-imports typecheck docs bench bench-full bench-cluster clean help
+.PHONY: all setup demo s3 s3-stop test pytest lint-imports typecheck docs bench bench-full bench-cluster clean help
 
 all: test
 
 help:
 	@echo "make setup         system packages (fuse3, fio) and $(VENV)"
 	@echo "make demo          a local SeaweedFS + a sample dataset, mounted, read twice, verified"
-	@echo "make test          the test suite, the import-layer contracts and the type check"
+	@echo "make s3            a local SeaweedFS that stays up (after the demo, to go on trying things); prints the"
+	@echo "                   environment to use it (also in .demo/s3/env); make s3-stop stops it"
+	@echo "make test          the test suite, the import contracts, the type check and the docs; one summary line each"
 	@echo "make lint-imports  the import-layer contracts only"
 	@echo "make typecheck     mypy over the product packages only"
 	@echo "make docs          the documentation site (mkdocs, strict) into site/"
@@ -36,21 +38,27 @@ setup:
 demo: setup
 	$(PY) scripts/demo.py
 
+# A local S3 store that outlives the command (scripts/s3.py): every port, gRPC ones included, chosen
+# free on 127.0.0.1; its environment is printed and written to .demo/s3/env; data and keys are kept.
+s3: setup
+	$(PY) scripts/s3.py start
+
+s3-stop:
+	$(PY) scripts/s3.py stop
+
 # The type check covers the product packages (config: [tool.mypy] in pyproject.toml), so a misspelt
 # member of a Protocol, a store or a settings object fails the build.
 TYPED_PACKAGES := tiering cachefs csi_driver
 
-# All four parts always run, so one failure does not hide another; the target fails if any did.
+# All four parts always run, so one failure does not hide another; the target fails if any did. It ends
+# with one line per part (passed or FAILED, the time, the part's own last line: pytest's counts, ...),
+# right above make's own error line (scripts/testparts.py).
 test: setup
-	@status=0; \
-	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_ARGS) || status=$$?; \
-	echo "lint-imports:"; \
-	$(VENV)/bin/lint-imports || status=$$?; \
-	echo "mypy:"; \
-	$(PY) -m mypy $(TYPED_PACKAGES) || status=$$?; \
-	echo "docs:"; \
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(DOCS_SITE) || status=$$?; \
-	exit $$status
+	@$(PY) scripts/testparts.py \
+	  "pytest=$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_ARGS)" \
+	  "import contracts=$(VENV)/bin/lint-imports" \
+	  "mypy=$(PY) -m mypy $(TYPED_PACKAGES)" \
+	  "docs=$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(DOCS_SITE)"
 
 pytest: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) $(PYTEST_ARGS)
@@ -96,5 +104,6 @@ clean:
 	  echo "$$left" >&2; \
 	  exit 1; \
 	fi
+	@if [ -x $(PY) ] && [ -f .demo/s3/state.json ]; then $(PY) scripts/s3.py stop; fi
 	rm -rf $(VENV) build dist site .demo bench-results .pytest_cache .hypothesis .mypy_cache *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -130,7 +130,7 @@ def staged_changes(cache_dir: Path) -> int | None:
     """Changes a stopped daemon left journaled, not yet uploaded, under ``cache_dir`` (every source
     directory in it); None while a daemon still holds one of them (it may still upload: not final).
     The next writable mount of the source uploads them (``cachefs.daemon.stopping``)."""
-    from cachefs.settings import STAGING_DIRNAME
+    from cachefs.sourcedir import STAGING_DIRNAME
 
     total = 0
     try:

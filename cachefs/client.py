@@ -105,6 +105,58 @@ def control_socket(mountpoint: Path) -> str:
         raise UsageError(f"cannot query {path}: {exc.strerror}") from None
 
 
+def enclosing_mount(path: str | os.PathLike[str], cwd: str | None = None) -> tuple[str, str]:
+    """``(mountpoint, path relative to it)`` of the innermost cachefs mount holding ``path``
+    (relative to ``cwd``, or absolute), found by walking up from it as ``juicefs`` and ``rclone``
+    commands do, so any file or directory inside a mount names that mount. The walk is lexical
+    (nothing inside a mount is stat'ed); a path reached only through a symlink outside the mounts
+    is resolved first. ``UsageError`` with one line: a missing path says it is missing, a path on
+    another filesystem says it is not inside a cachefs mount (or what is mounted there)."""
+    typed = os.fspath(path)
+    base = cwd if cwd is not None else os.getcwd()
+    full = os.path.normpath(os.path.join(base, typed))
+    entries = mounts.mount_entries()
+    entry = _innermost(entries, full)
+    if entry is None or entry.fstype != mounts.FSTYPE:
+        resolved = os.path.realpath(full)
+        if resolved != full and (inner := _innermost(entries, resolved)) is not None and inner.fstype == mounts.FSTYPE:
+            full, entry = resolved, inner
+    if entry is None or entry.fstype != mounts.FSTYPE:
+        if not os.path.lexists(full):
+            raise UsageError(f"{typed}: no such file or directory")
+        if entry is not None and entry.mountpoint == full:
+            raise UsageError(f"{typed} is not a cachefs mount (it is {entry.fstype})")
+        raise UsageError(f"{typed} is not inside a cachefs mount")
+    root = entry.mountpoint
+    return root, "" if full == root else full[len(root.rstrip("/")) + 1:]
+
+
+def mount_holding(path: str | os.PathLike[str]) -> Path:
+    """The mountpoint of the cachefs mount holding ``path`` (``enclosing_mount``), for commands that
+    act on a whole mount (``stats``, ``flush``); a path inside it that does not exist is refused as
+    missing, not taken to mean the mount."""
+    root, inside = enclosing_mount(path)
+    if inside:
+        try:
+            os.lstat(os.path.join(root, inside))
+        except FileNotFoundError:
+            raise UsageError(f"{os.fspath(path)}: no such file or directory in the mount {root}") from None
+        except OSError:
+            pass  # a daemon that does not answer: the control request says so
+    return Path(root)
+
+
+def _innermost(entries: list[mounts.MountEntry], full: str) -> mounts.MountEntry | None:
+    """The mount entry whose mountpoint is the longest prefix of ``full`` (the last one, if stacked)."""
+    best = None
+    for entry in entries:
+        point = entry.mountpoint
+        if full == point or full.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= len(best.mountpoint):
+                best = entry
+    return best
+
+
 def call(mountpoint: Path, route: str, *, method: str = "GET", body: Any = None,
          timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
     """One control request to the daemon of ``mountpoint``."""

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
+from typing import Any
+
+from tiering.private import check_private_dir
 
 FSTYPE = "fuse.cachefs"
 # The longest mount source shown (the kernel keeps it in /proc/self/mountinfo for every process).
@@ -26,6 +32,10 @@ MAX_SOURCE_CHARS = 256
 CONTROL_XATTR = "user.cachefs.control"
 MOUNTINFO = Path("/proc/self/mountinfo")
 LOCK_FILENAME = "lock"
+# The daemon's /info, kept beside its control socket (``<digest>.json``) while it serves.
+RECORD_SUFFIX = ".json"
+# A record is a few hundred bytes; anything much larger is not one.
+MAX_RECORD_BYTES = 64 * 1024
 # Naming the processes that hold a busy mount reads /proc/PID/{cwd,root,exe,fd/*}: bounded so a host
 # with a huge process table or a process with a million descriptors cannot hold `cachefs unmount`.
 # The names are a hint for the user; a scan cut short says so ("and maybe others").
@@ -233,3 +243,38 @@ def mount_users(path: Path, proc: Path = Path("/proc")) -> MountUsers:
                 comm = "?"
             found.append((pid, comm))
     return MountUsers(tuple(found), incomplete)
+
+
+def runtime_dir() -> Path:
+    """Where control sockets live: $XDG_RUNTIME_DIR/cachefs, /run/cachefs as root, else /tmp.
+
+    ``/tmp/cachefs-<uid>`` is a name any user can create first: a directory another user owns or may
+    write is refused (``UnsafePathError``, one line), since its owner could replace the socket and
+    answer in the daemon's place (``tiering.private``)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base:
+        base = "/run" if os.geteuid() == 0 and os.access("/run", os.W_OK) else tempfile.gettempdir()
+    path = Path(base) / ("cachefs" if base != tempfile.gettempdir() else f"cachefs-{os.geteuid()}")
+    return check_private_dir(path, "runtime directory")
+
+
+def socket_path_for(mountpoint: Path, *, resolve: bool = True) -> Path:
+    """The control socket of the mount at ``mountpoint``. ``resolve=False`` for a mount whose daemon
+    has not started serving yet: resolving stats the mount's root, which waits for that daemon."""
+    name = mountpoint.resolve() if resolve else mountpoint
+    digest = hashlib.sha256(str(name).encode()).hexdigest()[:16]
+    return runtime_dir() / f"{digest}.sock"
+
+
+def last_record(mountpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """What the daemon of the mount at ``mountpoint`` (as the mount table names it) said about itself
+    at start (its ``/info``: pid, source, cache_dir), or ``{}``: read after it died, when it can no
+    longer be asked. The record lies in the private runtime directory (``runtime_dir``)."""
+    try:
+        path = socket_path_for(Path(mountpoint), resolve=False).with_suffix(RECORD_SUFFIX)
+        with open(path, "rb") as f:
+            data = f.read(MAX_RECORD_BYTES + 1)
+        record = json.loads(data) if len(data) <= MAX_RECORD_BYTES else None
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}

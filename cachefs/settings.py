@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, parse_source
 from tiering.settings import (
@@ -109,13 +111,14 @@ class FsSettings:
 
     def __post_init__(self) -> None:
         if not 0 < self.metadata_timeout_s <= 600:
-            raise ValueError("metadata-timeout must be between 0 and 600 seconds (0 excluded)")
+            raise ValueError(f"--metadata-timeout {self.metadata_timeout_s:g} must be more than 0 and at most 600 seconds")
         for name in ("attr_ttl_s", "dir_ttl_s"):
             value = getattr(self, name)
             if not 0 <= value <= MAX_TTL_S:
-                raise ValueError(f"{name.replace('_s', '').replace('_', '-')} must be between 0 and {MAX_TTL_S:g} seconds")
+                raise ValueError(f"--{name.replace('_s', '').replace('_', '-')} {value:g} must be between 0 and "
+                                 f"{MAX_TTL_S:g} seconds")
         if not 0 <= self.rename_dir_limit <= 10_000_000:
-            raise ValueError("rename-dir-limit must be between 0 and 10000000 entries")
+            raise ValueError(f"--rename-dir-limit {self.rename_dir_limit} must be between 0 and 10000000 entries")
         check_id("uid", self.uid)
         check_id("gid", self.gid)
         if self.file_mode is None:
@@ -160,7 +163,7 @@ class ClusterSettings:
         if self.profile is not None and (not self.profile.strip() or any(c.isspace() for c in self.profile)):
             raise ValueError(f"invalid --cluster-profile {self.profile!r}: expected a profile name")
         if not 0 < self.timeout_s <= 600:
-            raise ValueError("cluster-timeout must be between 0 and 600 seconds (0 excluded)")
+            raise ValueError(f"--cluster-timeout {self.timeout_s:g} must be more than 0 and at most 600 seconds")
         if self.write_behind_bytes < 1 or self.write_behind_blocks < 1:
             raise ValueError("the cluster write-behind queue needs room for at least one block")
 
@@ -173,11 +176,6 @@ class ClusterSettings:
                 env.pop(name, None)
             env["AWS_PROFILE"] = self.profile
         return env
-
-
-# A source cache directory's write-back staging area (``tiering.writeback.journal``): named here, where
-# the CLI's checks and the daemon both find it.
-STAGING_DIRNAME = "staging"
 
 
 @dataclass(frozen=True)
@@ -204,6 +202,9 @@ class MountSettings:
     manifest_key: str | None = None
     # This node's name in the cluster store's write-back journals (--write-durability cluster).
     node_id: str = "node"
+    # The name of this source's directory inside ``cache_dir`` when it is not ``source_label()``: one an
+    # older cachefs named after another spelling of the source (``cachefs.sourcedir``, found by the CLI).
+    source_dir_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.writeback.durability == DURABILITY_CLUSTER:
@@ -239,14 +240,67 @@ class MountSettings:
 
     def source_cache_dir(self) -> Path:
         """This source's own directory inside ``cache_dir`` (mounts of other sources may share it)."""
-        return self.cache_dir / self.source_label()
+        return self.cache_dir / (self.source_dir_name or self.source_label())
+
+
+# The spellings of AWS's own S3 endpoint in the standard partition (global, regional, dual-stack,
+# the legacy dash form). A general-purpose bucket name is unique across the partition and every one of
+# these endpoints reaches the same bucket, so spelling one out names the same source as giving none.
+# China (amazonaws.com.cn) and GovCloud are other partitions, with buckets of their own: not listed.
+_AWS_S3_HOST = re.compile(r"s3(?:[.-](?:dualstack\.)?[a-z]{2}-[a-z]+-\d)?\.amazonaws\.com")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def canonical_endpoint(endpoint_url: str | None) -> str:
+    """The one spelling of an S3 endpoint: ``""`` for AWS's own (given or not), else
+    ``scheme://host[:port][/path]`` with the scheme and host lowercased, the scheme's default port
+    and any trailing ``/`` dropped. A URL that does not parse is returned as given (the mount
+    refuses it with its own message)."""
+    if not endpoint_url:
+        return ""
+    try:
+        parts = urlsplit(endpoint_url.strip())
+        scheme, host, port = parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+    except ValueError:
+        return endpoint_url
+    if scheme not in _DEFAULT_PORTS or not host:
+        return endpoint_url
+    path = parts.path.rstrip("/")
+    if scheme == "https" and port in (None, 443) and not path and _AWS_S3_HOST.fullmatch(host):
+        return ""
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None and port != _DEFAULT_PORTS[scheme]:
+        netloc += f":{port}"
+    return f"{scheme}://{netloc}{path}"
+
+
+def canonical_source(source: str) -> str:
+    """The one spelling of a source URL (``tiering.objectstore.Source.url``): ``s3://b``, ``s3://b/``
+    and ``s3://b//`` alike are ``s3://b/``; ``s3://b/p`` and ``s3://b/p/`` are ``s3://b/p/``. A URL
+    that does not parse is returned as given (the mount refuses it with its own message)."""
+    try:
+        return parse_source(source).url
+    except ValueError:
+        return source
 
 
 def source_identity(source: str, endpoint_url: str | None) -> str:
-    return json.dumps({"source": source, "endpoint": endpoint_url or ""}, sort_keys=True)
+    """What names a source, however it was spelt: its canonical URL and canonical endpoint. The
+    endpoint counts only for s3:// sources (the others ignore it)."""
+    canonical = canonical_source(source)
+    endpoint = canonical_endpoint(endpoint_url) if canonical.startswith("s3://") else ""
+    return json.dumps({"source": canonical, "endpoint": endpoint}, sort_keys=True)
 
 
 def source_hash(source: str, endpoint_url: str | None) -> str:
     """The short name of a source: its cache directory, the ``volume`` label of its metrics, and its
-    volume in the cluster store's write-back journals (``cachefs recover`` finds them by it)."""
+    volume in the cluster store's write-back journals (``cachefs recover`` finds them by it). Every
+    spelling of one source (``canonical_source``, ``canonical_endpoint``) has the same hash."""
     return hashlib.sha256(source_identity(source, endpoint_url).encode()).hexdigest()[:16]
+
+
+def legacy_source_hash(source: str, endpoint_url: str | None) -> str:
+    """The name cachefs gave a source's cache directory before ``source_hash`` canonicalized the
+    URL: a hash of the URL exactly as typed (``cachefs.sourcedir`` still finds such directories)."""
+    identity = json.dumps({"source": source, "endpoint": endpoint_url or ""}, sort_keys=True)
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]

@@ -435,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
     if status == 0:
         print(f"OK: demo finished in {time.monotonic() - started:.0f} s")
+        print("To go on experimenting with a local S3 store that stays up: make s3 (prints the environment to use)")
     else:
         for log in sorted(work.glob("cache/*/daemon.log")):
             print(f"daemon log: {log}", file=sys.stderr)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiering.blocks import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, MiB
+from tiering.units import format_size
 
 GiB = 1024 * MiB
 
@@ -71,32 +72,39 @@ class CacheSettings:
             raise ValueError(problems[0])
 
     def problems(self) -> list[str]:
+        """What is wrong, one line each, naming the option (as ``cachefs mount`` spells it) and showing
+        the value in the user's unit."""
         out: list[str] = []
+        bs = format_size(self.block_size)
         if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
-            out.append(f"block size {self.block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}] bytes")
-        if self.ram_bytes < 0 or self.disk_bytes < 0 or self.disk_min_free_bytes < 0:
-            out.append("cache sizes must not be negative")
+            out.append(f"--block-size {bs} is outside {format_size(MIN_BLOCK_SIZE)} to {format_size(MAX_BLOCK_SIZE)}")
+        for option, value in (("--ram-cache", self.ram_bytes), ("--disk-cache", self.disk_bytes),
+                              ("--min-free-space", self.disk_min_free_bytes)):
+            if value < 0:
+                out.append(f"{option} must not be negative, got {value}")
         if 0 < self.ram_bytes < self.block_size:
-            out.append(f"RAM cache ({self.ram_bytes} bytes) is smaller than one block ({self.block_size} bytes)")
+            out.append(f"--ram-cache {format_size(self.ram_bytes)} is smaller than one block (--block-size {bs}): "
+                       f"give at least {bs}, or 0 to turn the RAM tier off")
         if self.disk_dir is not None and 0 < self.disk_bytes < self.block_size:
-            out.append(f"disk cache ({self.disk_bytes} bytes) is smaller than one block ({self.block_size} bytes)")
+            out.append(f"--disk-cache {format_size(self.disk_bytes)} is smaller than one block (--block-size {bs}): "
+                       f"give at least {bs}, or 0 to turn the disk tier off")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             out.append("watermarks must satisfy 0 < low < high <= 1")
         if not 1 <= self.max_concurrent_fetches <= MAX_CONCURRENT_FETCHES:
-            out.append(f"max concurrent fetches must be between 1 and {MAX_CONCURRENT_FETCHES}")
+            out.append(f"--max-fetches {self.max_concurrent_fetches} must be between 1 and {MAX_CONCURRENT_FETCHES}")
         if self.readahead_max_bytes < 0:
-            out.append("read-ahead size must not be negative")
+            out.append(f"--readahead must not be negative, got {self.readahead_max_bytes}")
         if not 0 < self.fetch_timeout_s <= 3600:
-            out.append("fetch timeout must be between 0 and 3600 seconds")
+            out.append(f"--fetch-timeout {self.fetch_timeout_s:g} must be more than 0 and at most 3600 seconds")
         if self.max_pinned_bytes is not None:
             # At most the low watermark: eviction frees down to it, and it must always find unpinned
             # blocks to take, or every insert past the high watermark would be refused.
             most = int(self.disk_bytes * self.low_watermark)
             if self.max_pinned_bytes < 0:
-                out.append("max pinned size must not be negative")
+                out.append("--max-pinned must not be negative")
             elif self.max_pinned_bytes > most:
-                out.append(f"max pinned size ({self.max_pinned_bytes} bytes) exceeds {self.low_watermark:.0%} of the "
-                           f"disk cache ({most} bytes): eviction needs room for unpinned blocks")
+                out.append(f"--max-pinned {format_size(self.max_pinned_bytes)} exceeds {self.low_watermark:.0%} of "
+                           f"--disk-cache ({format_size(most)}): eviction needs room for unpinned blocks")
         return out
 
     @property

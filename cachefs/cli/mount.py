@@ -116,6 +116,13 @@ sources, in botocore's order. The daemon's log is daemon.log in the cache dir.
 """
 
 
+# Every scheme parse_source accepts (SUPPORTED_SCHEMES), as `mount --help` names them; a test keeps
+# the two in step.
+SOURCE_HELP = ("s3://bucket[/prefix] or file:///path (writable), or read-only (--read-only): gs://bucket[/prefix], "
+               "az://container[/prefix], hf://datasets/OWNER/NAME[/path], http://HOST/dir/, https://HOST/dir/, "
+               "memory://ROOT (docs/configuration.md, Sources)")
+
+
 def default_cache_dir(environ: dict[str, str]) -> Path:
     if os.geteuid() == 0:
         return Path("/var/cache/cachefs")
@@ -126,7 +133,7 @@ def default_cache_dir(environ: dict[str, str]) -> Path:
 def register(sub: Any) -> None:
     m = sub.add_parser("mount", help="mount a bucket (or prefix) as a directory", epilog=MOUNT_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    m.add_argument("source", help="s3://bucket[/prefix] or file:///path")
+    m.add_argument("source", help=SOURCE_HELP)
     m.add_argument("mountpoint", type=Path, help="an existing, empty directory")
     m.add_argument("--endpoint-url", help="S3-compatible endpoint of an s3:// source (default: $AWS_ENDPOINT_URL_S3, "
                                            "$AWS_ENDPOINT_URL, the AWS config file's endpoint_url, else AWS)")
@@ -211,7 +218,8 @@ def register(sub: Any) -> None:
                    help="a shared cluster tier between the disk cache and the source: an S3 store inside the "
                         "cluster that every node reads blocks from and writes fetched blocks to")
     m.add_argument("--cluster-endpoint-url", default=None, metavar="URL",
-                   help="endpoint of the cluster store (default: AWS)")
+                   help="endpoint of the cluster store (default: the source's endpoint, --endpoint-url or "
+                        "$AWS_ENDPOINT_URL, else AWS)")
     m.add_argument("--cluster-profile", default=None, metavar="NAME",
                    help="AWS profile whose credentials the cluster store uses (default: the standard chain)")
     m.add_argument("--cluster-key-file", default=None, metavar="FILE",
@@ -284,7 +292,7 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
                                       space_wait_s=args.dirty_wait, write_through=args.write_through,
                                       upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout,
                                       durability=args.write_durability, lease_ttl_s=args.write_lease_ttl)
-        cluster = _cluster_settings(args)
+        cluster = _cluster_settings(args, _endpoint_url(args.source, args.endpoint_url, environ))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if not args.read_only and (problem := read_only_source_problem(args.source)):
@@ -292,8 +300,9 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
     if not args.read_only and args.disk_cache == 0:
         raise UsageError("a writable mount stages writes in the disk cache: give --disk-cache a size, or use --read-only")
     if not args.read_only and args.disk_cache < args.block_size:
-        raise UsageError(f"--disk-cache ({args.disk_cache} bytes) is smaller than one block (--block-size, "
-                         f"{args.block_size} bytes): a writable mount stages writes there; give it at least one block")
+        raise UsageError(f"--disk-cache {format_size(args.disk_cache)} is smaller than one block (--block-size "
+                         f"{format_size(args.block_size)}): a writable mount stages writes there; give it at least "
+                         f"one block")
     if args.read_only and args.write_through:
         raise UsageError("--write-through applies to writable mounts only (drop --read-only or --write-through)")
     if args.connect_timeout <= 0 or args.read_timeout <= 0:
@@ -335,14 +344,17 @@ def _endpoint_url(source: str, given: str | None, environ: dict[str, str]) -> st
         raise UsageError(str(exc)) from None
 
 
-def _cluster_settings(args: argparse.Namespace) -> ClusterSettings | None:
+def _cluster_settings(args: argparse.Namespace, source_endpoint: str | None) -> ClusterSettings | None:
+    """The cluster tier's settings. Its endpoint defaults to the source's (``--endpoint-url``, else
+    ``$AWS_ENDPOINT_URL``): a cluster store beside an S3-compatible source is most often a bucket of the
+    same kind of server, and the mount's credentials then go nowhere they did not already go."""
     if args.cluster_cache is None:
         if args.cluster_endpoint_url is not None or args.cluster_profile is not None:
             raise ValueError("--cluster-endpoint-url and --cluster-profile need --cluster-cache s3://BUCKET[/PREFIX]")
         # A cluster key without a cluster tier is unused, not an error: CACHEFS_CLUSTER_KEY_FILE is
         # set in every mount pod of a driver that has one, whatever the volume.
         return None
-    return ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url,
+    return ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url or source_endpoint,
                            profile=args.cluster_profile, timeout_s=args.cluster_timeout,
                            key_file=cluster_key_file(args.cluster_key_file) if args.cluster_key_file else None)
 
@@ -360,10 +372,18 @@ def cluster_key_file(given: str | None) -> Path:
 
 def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint: str | None, cache: CacheSettings,
                     fs: FsSettings, writeback: WriteBackSettings, cluster: ClusterSettings | None) -> MountSettings:
+    from cachefs.sourcedir import SourceDirError, find_source_dir
+
+    cache_dir = Path(os.path.abspath(args.cache_dir or default_cache_dir(environ)))
+    try:  # the cache directory an older spelling of this source left, if any (cachefs.sourcedir)
+        source_dir = find_source_dir(cache_dir, args.source, endpoint)
+    except SourceDirError as exc:
+        raise UsageError(str(exc)) from None
     return MountSettings(
         source=args.source,
         mountpoint=Path(os.path.abspath(args.mountpoint)),
-        cache_dir=Path(os.path.abspath(args.cache_dir or default_cache_dir(environ))),
+        cache_dir=cache_dir,
+        source_dir_name=source_dir,
         endpoint_url=endpoint,
         cache=cache,
         fs=fs,
@@ -654,7 +674,8 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         if pid is None:  # the daemon is gone: detach the dead mount lazily
             lazy = subprocess.run([fusermount, "-u", "-z", str(path)], capture_output=True, text=True, timeout=args.timeout)
             if lazy.returncode == 0:
-                print(f"cachefs: unmounted {path} (its daemon was not running)", file=sys.stderr)
+                print(f"cachefs: unmounted {path} (its daemon was not running){_still_staged(path, info)}",
+                      file=sys.stderr)
                 return 0
         print(f"cachefs: error: cannot unmount {path}: {detail}", file=sys.stderr)
         return 1
@@ -668,8 +689,27 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {wait_s:g} s",
               file=sys.stderr)
         return 1
-    print(f"cachefs: unmounted {path}", file=sys.stderr)
+    dead = " (its daemon was not running)" if pid is None else ""
+    print(f"cachefs: unmounted {path}{dead}{_still_staged(path, info)}", file=sys.stderr)
     return 0
+
+
+def _still_staged(path: Path, info: dict[str, Any]) -> str:
+    """``; N changes are still staged ...`` when the stopped daemon (``info``: its /info, or for a dead
+    one the record it left, ``cachefs.mounts.last_record``) left changes that are not in the object
+    store (``--force``, a crash, a stop deadline), with how to get them uploaded; else ``""``."""
+    from cachefs.sourcedir import staged_changes
+
+    known = info or mounts.last_record(path)
+    cache_dir, source = known.get("cache_dir"), known.get("source")
+    if not isinstance(cache_dir, str) or not isinstance(source, str):
+        return ""
+    left = staged_changes(Path(cache_dir))
+    if not left:
+        return ""
+    what = "1 change is" if left == 1 else f"{left} changes are"
+    return (f"; {what} still staged in {cache_dir}, not in the object store: mount {source} again "
+            f"(writable) to upload {'it' if left == 1 else 'them'}")
 
 
 def _detach(fusermount: str, path: Path, timeout_s: float) -> int:

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from cachefs.client import CONTROL_TIMEOUT_S, ControlError, UsageError, control_socket, request_json
+from cachefs.client import CONTROL_TIMEOUT_S, ControlError, UsageError, control_socket, enclosing_mount, request_json
 from cachefs.loader import AnnounceError, announce
 from cachefs.manifest import PREFETCH_TIERS, ManifestError, format_manifest, read_manifest
 from cachefs.paths import PathError, mount_relative
@@ -112,12 +112,17 @@ def _intermixed(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+TARGET_HELP = "the mountpoint, or any path inside the mount (then also a PATH)"
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("prefetch", help="warm the disk cache of a mount with files, directories or a manifest")
-    p.add_argument("mountpoint", type=Path)
+    p.add_argument("mountpoint", type=Path, metavar="TARGET",
+                   help="the mountpoint, or any path inside the mount: alone, it is warmed with everything below it")
     p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="files or directories inside the mount, relative to the working directory or absolute "
-                        "(default: the whole mount, recursively)")
+                   help="files or directories inside the mount: absolute, or relative to the working directory "
+                        "inside the mount, else to the mount root (default: TARGET, recursively: the whole mount, "
+                        "recursively, for the mountpoint)")
     p.add_argument("--manifest", metavar="FILE",
                    help="file of paths, one per line, or JSON lines from 'cachefs snapshot' (- for stdin)")
     p.add_argument("--recursive", "-r", action="store_true", help="prefetch directories with everything below them")
@@ -140,21 +145,21 @@ def register(sub: Any) -> None:
     _intermixed(p)
 
     s = sub.add_parser("snapshot", help="write the path, ETag and size of every file to a manifest")
-    s.add_argument("mountpoint", type=Path)
+    s.add_argument("mountpoint", type=Path, metavar="TARGET", help=TARGET_HELP)
     s.add_argument("path", nargs="?", default=None, metavar="PATH", help="a file or directory (default: all)")
     s.add_argument("-o", "--output", default="-", metavar="FILE", help="manifest to write (default: stdout)")
     s.set_defaults(handler=cmd_snapshot)
     _intermixed(s)
 
     u = sub.add_parser("unpin", help="let pinned files be evicted again")
-    u.add_argument("mountpoint", type=Path)
+    u.add_argument("mountpoint", type=Path, metavar="TARGET", help=TARGET_HELP)
     u.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (default: everything pinned)")
     u.add_argument("--json", action="store_true", help="machine-readable output")
     u.set_defaults(handler=cmd_unpin)
     _intermixed(u)
 
     e = sub.add_parser("evict", help="drop cached data of files (all without PATH) from RAM and disk")
-    e.add_argument("mountpoint", type=Path)
+    e.add_argument("mountpoint", type=Path, metavar="TARGET", help=TARGET_HELP)
     e.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (default: everything)")
     e.add_argument("--tier", choices=["all", "ram", "disk"], default="all", help="which tier(s) to drop from")
     e.add_argument("--json", action="store_true", help="machine-readable output")
@@ -164,14 +169,28 @@ def register(sub: Any) -> None:
 
 # ---------------------------------------------------------------------------------------- helpers
 def _mountpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """``(absolute mountpoint, control socket)``; UsageError if it is not a running cachefs mount."""
-    mountpoint = os.path.abspath(args.mountpoint)
+    """``(mountpoint, control socket)`` of the mount holding the first argument (any path inside it,
+    ``cachefs.client.enclosing_mount``); UsageError if it is not in a running cachefs mount. A first
+    argument inside the mount, not its root, is also a PATH (``_targets``)."""
+    mountpoint, inside = enclosing_mount(args.mountpoint)
+    args.target = os.path.join(mountpoint, inside) if inside else ""
     return mountpoint, control_socket(Path(mountpoint))
 
 
+def _targets(args: argparse.Namespace) -> list[str]:
+    """The PATHs as typed, with the first argument first when it names a path inside the mount."""
+    target = getattr(args, "target", "")
+    return ([target] if target else []) + list(args.paths)
+
+
 def _relative(paths: list[str], mountpoint: str, cwd: str) -> list[str]:
+    """PATHs relative to the mount root. A relative PATH is taken from the working directory when that
+    is inside the mount (as a shell would), else from the mount root: ``cachefs prefetch /mnt/data
+    train`` typed in one's home means ``/mnt/data/train``."""
+    root = os.path.normpath(os.path.join(cwd, mountpoint))
+    inside = cwd == root or cwd.startswith(root.rstrip("/") + "/")
     try:
-        return [mount_relative(p, mountpoint, cwd) for p in paths]
+        return [mount_relative(p, mountpoint, cwd if inside or os.path.isabs(p) else root) for p in paths]
     except PathError as exc:
         raise UsageError(str(exc)) from None
 
@@ -217,8 +236,11 @@ def prefetch_body(args: argparse.Namespace, mountpoint: str, cwd: str) -> dict[s
         raise UsageError("--check and --pin do not go together: --check changes nothing")
     if args.tier == "cluster" and args.pin:
         raise UsageError("--pin applies to the disk tier only: the cluster tier has no pins")
-    paths = _relative(args.paths, mountpoint, cwd)
-    recursive = args.recursive
+    named = _targets(args)
+    paths = _relative(named, mountpoint, cwd)
+    # Only the first argument named (a directory inside the mount): warm it and everything below it,
+    # as a bare prefetch of the mountpoint warms the whole mount.
+    recursive = args.recursive or (bool(named) and not args.paths and args.manifest is None)
     manifest: list[dict[str, Any]] = []
     name = "manifest"
     if args.manifest is not None:
@@ -425,7 +447,8 @@ def report(doc: dict[str, Any], *, as_json: bool = False, quiet: bool = False) -
 # ---------------------------------------------------------------------------------------- others
 def cmd_snapshot(args: argparse.Namespace, environ: dict[str, str]) -> int:
     mountpoint, socket = _mountpoint(args)
-    path = _relative([args.path], mountpoint, os.getcwd())[0] if args.path is not None else ""
+    named = [args.path] if args.path is not None else [args.target] if args.target else []
+    path = _relative(named, mountpoint, os.getcwd())[0] if named else ""
     doc = _request(socket, "/snapshot", method="POST", body={"path": path}, timeout_s=LISTING_TIMEOUT_S)
     files = doc["files"]
     text = format_manifest((f["path"], f["etag"], f["size"]) for f in files)
@@ -453,7 +476,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def cmd_unpin(args: argparse.Namespace, environ: dict[str, str]) -> int:
     mountpoint, socket = _mountpoint(args)
-    body = {"paths": _relative(args.paths, mountpoint, os.getcwd())}
+    body = {"paths": _relative(_targets(args), mountpoint, os.getcwd())}
     doc = _request(socket, "/unpin", method="POST", body=body, timeout_s=LISTING_TIMEOUT_S)
     if args.json:
         _print_json(doc)
@@ -465,7 +488,7 @@ def cmd_unpin(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 def cmd_evict(args: argparse.Namespace, environ: dict[str, str]) -> int:
     mountpoint, socket = _mountpoint(args)
-    body = {"paths": _relative(args.paths, mountpoint, os.getcwd()), "tier": args.tier}
+    body = {"paths": _relative(_targets(args), mountpoint, os.getcwd()), "tier": args.tier}
     doc = _request(socket, "/evict", method="POST", body=body, timeout_s=LISTING_TIMEOUT_S)
     if args.json:
         _print_json(doc)

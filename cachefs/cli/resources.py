@@ -33,7 +33,8 @@ from typing import Callable
 
 from dataclasses import dataclass
 
-from cachefs.settings import STAGING_DIRNAME, MountSettings
+from cachefs.settings import MountSettings
+from cachefs.sourcedir import STAGING_DIRNAME
 from tiering.tiers.disk import filesystem_free_bytes
 from tiering.units import format_size
 from tiering.writeback.journal import DATA_DIR, RECORD_SUFFIX, RECORDS_DIR

@@ -9,8 +9,10 @@ works. ``--json --watch`` prints one compact JSON document per line, with the ra
 ``"rates"``.
 
 Every view ends with what the cache saved: the bytes and requests of reads that did not reach the
-source (served by RAM, disk or the cluster tier, from the daemon's ``traffic`` section) and the hit
-ratios local (RAM + disk), cluster and source, by bytes.
+source (served by RAM, disk or the cluster tier, from the daemon's ``traffic`` section; the first
+read of a block that read-ahead or a warm brought from the source counts as the source's) and the
+shares of the bytes read served locally (RAM + disk), by the cluster tier and by the source. The
+one hit ratio shown (``hit_ratio``, docs/statistics.md) is the share not served by the source.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from cachefs.cli.argtypes import seconds
-from cachefs.client import call
+from cachefs.client import call, mount_holding
 from tiering.units import format_size
 
 # Shortest sampling interval: each sample is one control request answered from memory; five a second
@@ -33,7 +35,7 @@ MIN_WATCH_INTERVAL_S = 0.2
 
 def register(sub: Any) -> None:
     s = sub.add_parser("stats", help="show cache statistics of a mount")
-    s.add_argument("mountpoint", type=Path)
+    s.add_argument("mountpoint", type=Path, metavar="PATH", help="the mountpoint, or any path inside the mount")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--watch", type=seconds, default=None, metavar="S",
                    help="sample every S seconds and show per-second rates (plain lines when not on a terminal)")
@@ -90,7 +92,7 @@ def savings_line(stats: dict[str, Any]) -> str | None:
     by_tier = ", ".join(f"{tier} {format_size(served.get(tier, 0))}" for tier in ("ram", "disk", "cluster", "source"))
     return (f"saved: {format_size(traffic.get('avoided_source_bytes', 0))} and "
             f"{traffic.get('avoided_source_requests', 0)} requests did not reach the source "
-            f"(reads served: {by_tier}); hit ratio local {ratios.get('local', 0.0):.1%}, "
+            f"(reads served: {by_tier}); of the bytes read, local {ratios.get('local', 0.0):.1%}, "
             f"cluster {ratios.get('cluster', 0.0):.1%}, source {ratios.get('source', 0.0):.1%}")
 
 
@@ -157,6 +159,7 @@ def watch_plain(sample: Callable[[], dict[str, Any]], interval_s: float, out: Te
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    args.mountpoint = mount_holding(args.mountpoint)  # any path inside the mount names it
     if args.watch is None:
         if args.json:
             print(json.dumps(fetch_stats(args.mountpoint), indent=2, sort_keys=True))

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from cachefs import mounts
-from cachefs.client import UsageError, call
-from cachefs.paths import PathError, mount_relative
+from cachefs.client import UsageError, call, enclosing_mount, mount_holding
 from tiering.units import format_size
 
 # `cachefs flush` waits this long by default: enough for gigabytes on a healthy link; a store that is
@@ -53,7 +50,7 @@ def _seconds(text: str) -> float:
 
 def register(sub: Any) -> None:
     f = sub.add_parser("flush", help="wait until everything written through a mount is in the object store")
-    f.add_argument("mountpoint", type=Path)
+    f.add_argument("mountpoint", type=Path, metavar="PATH", help="the mountpoint, or any path inside the mount")
     f.add_argument("--timeout", type=_seconds, default=DEFAULT_FLUSH_TIMEOUT_S, metavar="S",
                    help=f"give up after S seconds, listing what is pending (default {DEFAULT_FLUSH_TIMEOUT_S:g})")
     f.add_argument("--json", action="store_true", help="machine-readable output")
@@ -108,7 +105,7 @@ def print_pending(pending: list[dict[str, Any]], out: Any = None) -> None:
 
 
 def cmd_flush(args: argparse.Namespace, environ: dict[str, str]) -> int:
-    mountpoint = Path(os.path.abspath(args.mountpoint))
+    mountpoint = mount_holding(args.mountpoint)  # any path inside the mount names it
     report = flush_mount(mountpoint, args.timeout)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -130,28 +127,10 @@ def cmd_flush(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 
 # ---------------------------------------------------------------------------------------- status
-def _mount_of(path: str, cachefs_mounts: list[str], cwd: str) -> str:
-    """The innermost cachefs mount holding ``path`` (relative to ``cwd``, or absolute)."""
-    full = os.path.normpath(os.path.join(cwd, path))
-    best = ""
-    for mountpoint in cachefs_mounts:
-        if (full == mountpoint or full.startswith(mountpoint.rstrip("/") + "/")) and len(mountpoint) > len(best):
-            best = mountpoint
-    if not best:
-        raise UsageError(f"{path} is not inside a cachefs mount")
-    return best
-
-
 def cmd_status(args: argparse.Namespace, environ: dict[str, str]) -> int:
-    cachefs_mounts = [e.mountpoint for e in mounts.mount_entries() if e.fstype == mounts.FSTYPE]
     groups: dict[str, list[tuple[str, str]]] = {}
-    cwd = os.getcwd()
     for path in args.paths:
-        mountpoint = _mount_of(path, cachefs_mounts, cwd)
-        try:
-            rel = mount_relative(path, mountpoint, cwd)
-        except PathError as exc:
-            raise UsageError(str(exc)) from None
+        mountpoint, rel = enclosing_mount(path)
         groups.setdefault(mountpoint, []).append((path, rel))
     results: list[dict[str, Any]] = []
     for mountpoint, items in groups.items():

@@ -12,38 +12,20 @@ importing the daemon.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import errno
 import json
 import os
-import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from tiering.private import check_private_dir
-
-def runtime_dir() -> Path:
-    """Where control sockets live: $XDG_RUNTIME_DIR/cachefs, /run/cachefs as root, else /tmp.
-
-    ``/tmp/cachefs-<uid>`` is a name any user can create first: a directory another user owns or may
-    write is refused (``UnsafePathError``, one line), since its owner could replace the socket and
-    answer in the daemon's place (``tiering.private``)."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if not base:
-        base = "/run" if os.geteuid() == 0 and os.access("/run", os.W_OK) else tempfile.gettempdir()
-    path = Path(base) / ("cachefs" if base != tempfile.gettempdir() else f"cachefs-{os.geteuid()}")
-    return check_private_dir(path, "runtime directory")
-
-
-def socket_path_for(mountpoint: Path, *, resolve: bool = True) -> Path:
-    """The control socket of the mount at ``mountpoint``. ``resolve=False`` for a mount whose daemon
-    has not started serving yet: resolving stats the mount's root, which waits for that daemon."""
-    name = mountpoint.resolve() if resolve else mountpoint
-    digest = hashlib.sha256(str(name).encode()).hexdigest()[:16]
-    return runtime_dir() / f"{digest}.sock"
-
+from cachefs.mounts import RECORD_SUFFIX
+# Re-exported: the daemon names its socket with these (they live in cachefs.mounts, which the CLI may import).
+from cachefs.mounts import runtime_dir as runtime_dir
+from cachefs.mounts import socket_path_for as socket_path_for
+from tiering.private import write_private_file
 
 # The largest request body the unix socket accepts (aiohttp's default is 1 MiB). The largest request
 # is a prefetch job's manifest, sent whole: a snapshot line averages ~90 bytes (15,000 files made
@@ -54,6 +36,17 @@ MAX_REQUEST_BYTES = 256 * 1024 * 1024
 
 JsonHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 RawHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _bind_problem(code: int) -> str:
+    """Why a listening socket could not be bound, in words (no Python tuple of the address)."""
+    if code == errno.EADDRINUSE:
+        return "the port is in use by another process: pick another port"
+    if code == errno.EADDRNOTAVAIL:
+        return "no interface of this machine has that address"
+    if code == errno.EACCES:
+        return "permission denied (ports below 1024 need privilege)"
+    return os.strerror(code)
 
 
 class ControlRequestError(Exception):
@@ -82,6 +75,7 @@ class ControlServer:
         self._tcp_runner: web.AppRunner | None = None
         self.tcp_port: int | None = None
         self.add_json_route("GET", "/stats", lambda _params: _async_value(stats()), public=True)
+        self.info = info
         self.add_json_route("GET", "/info", lambda _params: _async_value(info))
         self.add_route("GET", "/healthz", self._handle_health, public=True)
 
@@ -130,11 +124,20 @@ class ControlServer:
             self.socket_path.unlink()
         await web.UnixSite(self._runner, str(self.socket_path)).start()
         os.chmod(self.socket_path, 0o600)
+        # What /info says, kept beside the socket: a mount whose daemon died (kill -9, OOM) can no
+        # longer be asked, and `cachefs unmount` still finds its cache directory here.
+        write_private_file(self.socket_path.with_suffix(RECORD_SUFFIX),
+                           (json.dumps(self.info, default=str, sort_keys=True) + "\n").encode())
         if tcp_host is not None and tcp_port is not None:
             self._tcp_runner = web.AppRunner(self._app(public_only=True), access_log=None)
             await self._tcp_runner.setup()
             site = web.TCPSite(self._tcp_runner, tcp_host, tcp_port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:  # asyncio words it with the address as a Python tuple: the caller names it
+                if exc.errno is None:
+                    raise
+                raise OSError(exc.errno, _bind_problem(exc.errno)) from exc
             server = site._server  # aiohttp exposes the bound port only here
             if isinstance(server, asyncio.Server) and server.sockets:
                 self.tcp_port = server.sockets[0].getsockname()[1]
@@ -143,10 +146,11 @@ class ControlServer:
         for runner in (self._tcp_runner, self._runner):
             if runner is not None:
                 await runner.cleanup()
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
+        for path in (self.socket_path, self.socket_path.with_suffix(RECORD_SUFFIX)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
 
 
 async def _async_value(value: Any) -> Any:

@@ -46,6 +46,7 @@ from cachefs.fuse.adapter import FuseOperations
 from cachefs.fuse.session import FuseSession
 from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
+from cachefs.sourcedir import has_staged_changes
 from cachefs.settings import MountSettings
 from tiering.clock import SystemClock
 from tiering.clusterkey import ClusterKey, ClusterKeyError
@@ -156,6 +157,10 @@ async def open_cluster_tier(settings: MountSettings, environ: dict[str, str],
         await asyncio.wait_for(store.check(), max(cluster.timeout_s, CLUSTER_CHECK_TIMEOUT_S))
     except (ObjectStoreUnavailableError, TimeoutError) as exc:
         reason = str(exc) if isinstance(exc, CacheError) else "it did not answer in time"
+        if cluster.endpoint_url is None:  # AWS itself, unreachable from here: no restart brings it back
+            await tier.close()
+            raise SetupError(f"cluster cache {cluster.url} at the default AWS S3 endpoint is unreachable ({reason}): "
+                             f"give the in-cluster store's URL with --cluster-endpoint-url") from exc
         message = (f"cluster cache {cluster.url} at {where} is unreachable ({reason}); mounting without it: "
                    f"blocks come from the source until it answers, then the tier is used again")
         log.warning("%s", message)
@@ -197,7 +202,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         except TimeoutError as exc:
             raise SetupError(f"object store at {_store_name(settings)} did not answer within "
                              f"{CHECK_TIMEOUT_S:g} s (checking {settings.source})") from exc
-        if not has_objects:  # likely a typo in the prefix: worth a line, not a refusal
+        # An empty prefix is likely a typo: worth a line, not a refusal; but not when this mount is about
+        # to upload changes an earlier one left staged there (a new output prefix after a crash).
+        if not has_objects and (settings.fs.read_only or not has_staged_changes(settings.source_cache_dir())):
             message = f"{settings.source} holds no objects yet (check the prefix for a typo)"
             log.warning("%s", message)
             if warn is not None:

@@ -140,7 +140,7 @@ VOLUME_STORE_REQUESTS_TOTAL = "cachefs_volume_store_requests_total"  # labels vo
 VOLUME_STORE_BYTES_TOTAL = "cachefs_volume_store_bytes_total"  # labels volume, store, direction
 VOLUME_AVOIDED_SOURCE_BYTES_TOTAL = "cachefs_volume_avoided_source_bytes_total"
 VOLUME_AVOIDED_SOURCE_REQUESTS_TOTAL = "cachefs_volume_avoided_source_requests_total"
-VOLUME_HIT_RATIO = "cachefs_volume_hit_ratio"  # labels volume, scope: local (RAM + disk), cluster, source
+VOLUME_HIT_RATIO = "cachefs_volume_hit_ratio"  # labels volume, scope: all (the hit ratio), local (RAM + disk), cluster, source
 
 _REQUESTS_SUFFIX = "_requests"
 
@@ -205,8 +205,10 @@ class CacheFSCollector(Collector):
             avoided = CounterMetricFamily(name, doc, labels=["volume"])
             avoided.add_metric([volume], traffic.get(field, 0))
             yield avoided
-        ratio = GaugeMetricFamily(VOLUME_HIT_RATIO, "Share of read bytes answered locally (RAM + disk), by the "
-                                  "cluster tier, and by the source, since the mount.", labels=["volume", "scope"])
+        ratio = GaugeMetricFamily(VOLUME_HIT_RATIO, "Share of read bytes since the mount: scope all is the hit "
+                                  "ratio (not from the source), local (RAM + disk) and cluster its parts, source "
+                                  "the rest.", labels=["volume", "scope"])
+        ratio.add_metric([volume, "all"], traffic.get("hit_ratio", 0.0))
         for scope, value in sorted(traffic.get("hit_ratios", {}).items()):
             ratio.add_metric([volume, scope], value)
         yield ratio
@@ -345,7 +347,8 @@ class CacheFSCollector(Collector):
                                   value=blocks.get("memory_waits", 0))
         yield CounterMetricFamily(DROPPED_BYTES_TOTAL, "Bytes dropped from the tiers on request (cachefs evict).",
                                   value=blocks.get("dropped_bytes", 0))
-        yield GaugeMetricFamily(HIT_RATIO, "Share of block requests served by RAM or disk since the mount.",
+        yield GaugeMetricFamily(HIT_RATIO, "Share of the bytes read since the mount that did not come from the "
+                                "source (RAM, disk or the cluster tier; read-ahead the source served is not a hit).",
                                 value=doc.get("hit_ratio", 0.0))
 
     @staticmethod

@@ -100,10 +100,11 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
         tiers[tier.name] = entry
     store = fs.store.stats
     engine = cache.stats
+    traffic = traffic_section(cache, store)
     return {
         "volume": volume,
         # Savings: reads by the place that answered them, and what each store was sent.
-        "traffic": traffic_section(cache, store),
+        "traffic": traffic,
         "tiers": tiers,
         "object_store": {
             "requests": store.requests,
@@ -119,7 +120,8 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
         },
         # The store-health circuit (tiering.storehealth): reachable or not, and for how long.
         **({"store_health": cache.health.snapshot()} if cache.health is not None else {}),
-        "hit_ratio": round(cache.stats.hit_ratio(), 6),
+        # The one hit ratio (docs/statistics.md): the share of bytes read that did not come from the source.
+        "hit_ratio": traffic["hit_ratio"],
         "blocks": {
             "block_size": cache.block_size,
             "requests": engine.block_requests,

@@ -36,7 +36,7 @@ from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.errors import SetupError
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import CacheFS
-from cachefs.settings import STAGING_DIRNAME
+from cachefs.sourcedir import STAGING_DIRNAME
 from tiering.tiers.cluster import ClusterTier
 from tiering.errors import CacheError
 from tiering.protocols import ObjectInfo

@@ -69,8 +69,13 @@ def test_paths_from_inside_the_mount_and_a_bare_prefetch(moto, mounter) -> None:
     [doc] = json.loads(status.stdout)
     assert doc["stage"] == "clean" and doc["argument"] == "hello.txt"
 
+    # From outside the mount a relative PATH is taken from the mount root (issue 37, item 2); a
+    # directory named as a PATH still needs -r, and the refusal says so in one line.
     outside = run_cli("prefetch", str(m.path), "train", env=env, cwd=m.path.parent)
-    assert outside.returncode == 2 and outside.stderr == f"cachefs: error: train is outside the mount {m.path}\n"
+    assert outside.returncode == 2 and outside.stderr.count("\n") == 1, outside
+    assert "is a directory (use --recursive): train" in outside.stderr, outside.stderr
+    climbing = run_cli("prefetch", str(m.path), "../train", env=env, cwd=m.path.parent)
+    assert climbing.returncode == 2 and climbing.stderr == f"cachefs: error: ../train is outside the mount {m.path}\n"
     one = run_cli("prefetch", str(m.path), "a.bin", env=env, cwd=m.path / "train")
     assert one.returncode == 0 and "prefetched 1 of 1 files" in one.stdout, one
 

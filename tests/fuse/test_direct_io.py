@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.client import call
 from tests.fuse.conftest import run_cli
 
 MiB = 1024 * 1024
@@ -34,9 +35,17 @@ def store(tmp_path: Path) -> Path:
 
 
 def reads(m) -> tuple[int, int, int]:
-    """The daemon's FUSE read requests, the bytes they returned, and the object store's GETs."""
-    stats = m.stats()
+    """The daemon's FUSE read requests, the bytes they returned, and the object store's GETs (asked of
+    the control socket in this process: no CLI start-up between a read and its re-read)."""
+    stats = call(m.path, "/stats")
     return stats["filesystem"]["reads"], stats["filesystem"]["read_bytes"], stats["object_store"]["get_requests"]
+
+
+# Re-reads of the mount without --direct-io: the kernel may reclaim the mount's pages between a read
+# and its re-read (these VMs run DAMON's proactive reclaim, which takes pages idle for a while, and a
+# loaded machine stretches every gap), so the page cache is given this many read/re-read pairs to
+# answer one re-read; a mount whose page cache never answers (direct_io set on it) fails them all.
+CACHED_ATTEMPTS = 3
 
 
 def test_every_read_reaches_the_daemon_and_the_re_read_comes_from_the_ram_tier(store: Path, mounter) -> None:
@@ -45,24 +54,28 @@ def test_every_read_reaches_the_daemon_and_the_re_read_comes_from_the_ram_tier(s
     direct = mounter.mount(f"file://{store}", "--read-only", "--direct-io", *BLOCK)
     cached = mounter.mount(f"file://{store}", "--read-only", *BLOCK)
 
-    mounts = {"direct": direct, "cached": cached}
-    for m in mounts.values():
-        assert (m.path / "train" / "shard.bin").read_bytes() == data
-    first = {name: reads(m) for name, m in mounts.items()}
-    for m in mounts.values():
-        assert (m.path / "train" / "shard.bin").read_bytes() == data
-    second = {name: reads(m) for name, m in mounts.items()}
-
     # With --direct-io the re-read is sent to the daemon again, all of it, and no block is fetched
     # again (the RAM tier holds them).
-    assert second["direct"][0] > first["direct"][0]
-    assert second["direct"][1] - first["direct"][1] == len(data)
-    assert second["direct"][2] == first["direct"][2]
+    assert (direct.path / "train" / "shard.bin").read_bytes() == data
+    first = reads(direct)
+    assert (direct.path / "train" / "shard.bin").read_bytes() == data
+    second = reads(direct)
+    assert second[0] > first[0]
+    assert second[1] - first[1] == len(data)
+    assert second[2] == first[2]
+
     # Without it the page cache of the mount answers the re-read: the daemon sees nothing, or a few
-    # pages the kernel reclaimed meanwhile (these VMs run DAMON's proactive reclaim), where the
-    # --direct-io mount was sent every byte again.
-    again = second["cached"][1] - first["cached"][1]
-    assert again <= len(data) // 4, f"{again} of {len(data)} bytes read again through the daemon"
+    # pages the kernel reclaimed meanwhile, where the --direct-io mount was sent every byte again.
+    seen = []
+    for _ in range(CACHED_ATTEMPTS):
+        assert (cached.path / "train" / "shard.bin").read_bytes() == data
+        before = reads(cached)
+        assert (cached.path / "train" / "shard.bin").read_bytes() == data
+        again = reads(cached)[1] - before[1]
+        seen.append(again)
+        if again <= len(data) // 4:
+            break
+    assert min(seen) <= len(data) // 4, f"bytes of {len(data)} read again through the daemon, per attempt: {seen}"
 
 
 def test_write_and_read_back_through_a_writable_direct_io_mount(store: Path, mounter) -> None:

@@ -306,7 +306,7 @@ def test_bad_requests_get_one_line_and_a_nonzero_exit(seaweed, bucket: str, moun
     one_line_error(cli(m, "prefetch", mnt, "--manifest", str(missing)), "line 3", "dir/gone.bin")
     not_a_mount = tmp_path / "plain"
     not_a_mount.mkdir()
-    one_line_error(cli(m, "prefetch", str(not_a_mount), "x"), "is not a mountpoint")
+    one_line_error(cli(m, "prefetch", str(not_a_mount), "x"), "is not inside a cachefs mount")
     one_line_error(cli(m, "prefetch", "/proc", "x"), "is not a cachefs mount")
     one_line_error(cli(m, "snapshot", mnt, "nope"), "no such file or directory in the mount: nope")
     one_line_error(cli(m, "evict", mnt, "nope"), "no such file or directory in the mount: nope")

@@ -67,8 +67,10 @@ def bucket(base: Path) -> tuple[str, Path]:
 
 
 def per_source_name(source: str) -> str:
-    """The per-source directory's name (``MountSettings.source_cache_dir``), as another user can work it out."""
-    identity = json.dumps({"source": source, "endpoint": ""}, sort_keys=True)
+    """The per-source directory's name (``MountSettings.source_cache_dir``), as another user can work it
+    out: a hash of the source's canonical spelling (``file:///x/bucket/``, with the trailing slash)."""
+    canonical = source.rstrip("/") + "/"
+    identity = json.dumps({"source": canonical, "endpoint": ""}, sort_keys=True)
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 

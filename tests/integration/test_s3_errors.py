@@ -7,8 +7,12 @@ message that never contains the secret key, anywhere in the chained exceptions e
 
 from __future__ import annotations
 
+import http.server
 import os
 import socket
+import subprocess
+import sys
+import threading
 import traceback
 from typing import Iterator
 
@@ -205,3 +209,61 @@ async def test_server_stopped_mid_read_then_back(tmp_path) -> None:
 def test_errors_are_object_store_errors() -> None:
     for cls in (AccessDeniedError, ObjectNotFoundError, ObjectStoreUnavailableError, ObjectChangedError):
         assert issubclass(cls, ObjectStoreError)
+
+
+class _WebPages(http.server.BaseHTTPRequestHandler):
+    """A plain web server: an HTML 404 for every path but ``/data``, which gets an HTML 200."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        found = self.path.split("?")[0].rstrip("/") == "/data"
+        body = b"<html><body>%s</body></html>" % (b"hello" if found else b"Not Found")
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Type", "text/html;charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def web_server() -> Iterator[str]:
+    """A plain HTTP server (not S3) on 127.0.0.1: what a wrong port often answers with."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebPages)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join(10)
+        server.server_close()
+
+
+@pytest.mark.parametrize("bucket", ["ds-missing", "data"], ids=["html-404", "html-200"])
+async def test_an_endpoint_that_answers_http_but_not_s3_says_so(seaweed: SeaweedS3, web_server: str,
+                                                              bucket: str) -> None:
+    """Issue 37, item 3: a LIST answered by a web page is "does not speak S3", not "not found" (which
+    reads like a typo in the prefix) and not an empty prefix."""
+    store = make_store(seaweed, bucket, endpoint_url=web_server, prefix="ds/")
+    try:
+        with pytest.raises(ObjectStoreError) as info:
+            await store.check()
+        assert not isinstance(info.value, ObjectNotFoundError)
+        assert f"{web_server} does not speak S3" in str(info.value) and "check the endpoint URL" in str(info.value)
+        assert_clean(info.value, seaweed.secret_key)
+    finally:
+        await store.close()
+
+
+def test_a_mount_on_an_endpoint_that_is_not_s3_says_so_in_one_line(seaweed: SeaweedS3, web_server: str,
+                                                                   tmp_path) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    result = subprocess.run([sys.executable, "-m", "cachefs", "mount", "s3://ds-missing/ds", str(mnt), "--read-only",
+                             "--cache-dir", str(tmp_path / "cache"), "--endpoint-url", web_server],
+                            capture_output=True, text=True, timeout=50, env={**os.environ, **seaweed.env()})
+    assert result.returncode == 1, result
+    assert result.stderr.count("\n") == 1 and "does not speak S3" in result.stderr, result.stderr
+    assert "not found" not in result.stderr

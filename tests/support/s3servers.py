@@ -113,6 +113,9 @@ class S3Server:
 
     name = "s3 server"
     keeps_data_across_restart = True
+    # Tests' servers get SIGKILL when the process that started them dies, so none is orphaned;
+    # ``make s3`` (scripts/s3.py) starts one that outlives it, in a session of its own.
+    die_with_parent = True
 
     def __init__(self, *, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         self.startup_timeout_s = startup_timeout_s
@@ -190,7 +193,8 @@ class S3Server:
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
                 env=self._process_env(),
-                preexec_fn=_die_with_parent,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
+                start_new_session=not self.die_with_parent,
             )
         try:
             self._wait_ready()

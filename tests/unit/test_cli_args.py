@@ -82,29 +82,29 @@ def mount_args(source: str, mountpoint: Path, cache_dir: Path, *extra: str) -> l
          ["cannot read the cluster key file /nonexistent/cluster.key"]),
         (["--disk-cache", "lots"], ["--disk-cache", "'lots'"]),
         (["--readahead", "1.5B"], ["--readahead", "'1.5B'"]),
-        (["--block-size", "4k"], ["block size 4096"]),
-        (["--block-size", "1GiB"], ["block size"]),
-        (["--ram-cache", "64k", "--block-size", "1MiB"], ["RAM cache", "smaller than one block"]),
+        (["--block-size", "4k"], ["--block-size 4.0 KiB is outside 64.0 KiB to 256.0 MiB"]),
+        (["--block-size", "1GiB"], ["--block-size 1.0 GiB"]),
+        (["--ram-cache", "64k", "--block-size", "1MiB"], ["--ram-cache 64.0 KiB is smaller than one block (--block-size 1.0 MiB)"]),
         (["--stats-addr", "nope"], ["--stats-addr", "'nope'"]),
         (["--stats-addr", "127.0.0.1:99999"], ["'127.0.0.1:99999'"]),
         (["--stats-addr", "127.0.0.1:"], ["--stats-addr"]),
         (["--fetch-timeout", "-1"], ["--fetch-timeout", "negative"]),
-        (["--fetch-timeout", "0"], ["fetch timeout"]),
+        (["--fetch-timeout", "0"], ["--fetch-timeout 0 must be more than 0"]),
         (["--fetch-timeout", "soon"], ["--fetch-timeout", "'soon'"]),
         (["--dir-ttl", "-5"], ["--dir-ttl", "negative"]),
         (["--attr-ttl", "100000"], ["attr-ttl"]),
-        (["--max-fetches", "0"], ["concurrent fetches"]),
+        (["--max-fetches", "0"], ["--max-fetches 0 must be between 1 and 1024"]),
         (["--max-fetches", "many"], ["--max-fetches"]),
         (["--log-level", "LOUD"], ["--log-level"]),
         (["--endpoint-url", "ftp://host"], ["endpoint URL", "'ftp://host'"]),
         (["--no-such-flag"], ["--no-such-flag"]),
         (["--disk-cache", "0"], ["writable mount", "--disk-cache", "--read-only"]),
-        (["--disk-cache", "1KiB"], ["--disk-cache (1024 bytes)", "one block", "8388608 bytes"]),
+        (["--disk-cache", "1KiB"], ["--disk-cache 1.0 KiB is smaller than one block (--block-size 8.0 MiB)"]),
         (["--read-only", "--write-through"], ["--write-through", "writable"]),
         (["--upload-delay", "-1"], ["--upload-delay", "negative"]),
-        (["--upload-delay", "99999"], ["upload delay"]),
-        (["--max-uploads", "0"], ["max uploads"]),
-        (["--dirty-wait", "7200"], ["dirty-data wait"]),
+        (["--upload-delay", "99999"], ["--upload-delay 99999 must be between 0 and 3600 seconds"]),
+        (["--max-uploads", "0"], ["--max-uploads 0"]),
+        (["--dirty-wait", "7200"], ["--dirty-wait 7200"]),
         (["--rename-dir-limit", "-1"], ["rename-dir-limit"]),
     ],
 )
@@ -176,9 +176,9 @@ def test_cache_dir_that_is_a_file(tmp_path: Path, mnt: Path, capsys) -> None:
 
 def test_stats_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) -> None:
     code, err = run(["stats", str(tmp_path)], capsys)
-    assert_one_line_error(code, err, str(tmp_path), "not a mountpoint")
+    assert_one_line_error(code, err, str(tmp_path), "is not inside a cachefs mount")
     code, err = run(["stats", "--json", str(tmp_path)], capsys)
-    assert_one_line_error(code, err, "not a mountpoint")
+    assert_one_line_error(code, err, "is not inside a cachefs mount")
 
 
 def test_stats_of_a_mount_that_is_not_cachefs(capsys) -> None:
@@ -286,9 +286,11 @@ def test_direct_io_is_off_unless_asked_and_works_on_both_kinds_of_mount(mnt: Pat
 
 def test_flush_and_status_of_a_path_that_is_not_a_mount(tmp_path: Path, capsys) -> None:
     code, err = run(["flush", str(tmp_path)], capsys)
-    assert_one_line_error(code, err, "not a mountpoint")
-    code, err = run(["status", str(tmp_path / "x")], capsys)
+    assert_one_line_error(code, err, "is not inside a cachefs mount")
+    code, err = run(["status", str(tmp_path)], capsys)
     assert_one_line_error(code, err, "not inside a cachefs mount")
+    code, err = run(["status", str(tmp_path / "x")], capsys)  # a missing path says so (issue 37, item 2)
+    assert_one_line_error(code, err, f"{tmp_path / 'x'}: no such file or directory")
 
 
 def test_flush_timeout_must_be_a_duration(tmp_path: Path, capsys) -> None:
@@ -363,3 +365,22 @@ def test_the_store_talks_to_the_endpoint_its_identity_names(monkeypatch: pytest.
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # the process's, not the store's environ
     named, used = asyncio.run(client_endpoint(base))
     assert named is None and "amazonaws.com" in used
+
+
+@pytest.mark.parametrize(("extra", "line"), [
+    (["--fetch-timeout", "0"], "--fetch-timeout 0 must be more than 0 and at most 3600 seconds"),
+    (["--ram-cache", "512"], "--ram-cache 512 B is smaller than one block (--block-size 8.0 MiB): give at least "
+                             "8.0 MiB, or 0 to turn the RAM tier off"),
+    (["--block-size", "512MiB"], "--block-size 512.0 MiB is outside 64.0 KiB to 256.0 MiB"),
+    (["--max-fetches", "5000"], "--max-fetches 5000 must be between 1 and 1024"),
+    (["--upload-max-delay", "100000"], "--upload-max-delay 100000 must be between 0 and 86400 seconds"),
+    (["--upload-delay", "60", "--upload-max-delay", "10"], "--upload-max-delay 10 must not be shorter than "
+                                                            "--upload-delay (60 seconds)"),
+    (["--stop-timeout", "90000"], "--stop-timeout 90000 must be between 0 and 86400 seconds"),
+])
+def test_limit_errors_name_the_option_and_show_the_value_in_the_users_unit(extra: list[str], line: str, mnt: Path,
+                                                                           cache_dir: Path, capsys) -> None:
+    """Issue 37, item 9: "fetch timeout must be between 0 and 3600 seconds", "RAM cache (512 bytes) is
+    smaller than one block (8388608 bytes)" named neither the option nor the value as typed."""
+    code, err = run(mount_args("s3://my-bucket", mnt, cache_dir, *extra), capsys)
+    assert code == 2 and err == f"cachefs: error: {line}\n"

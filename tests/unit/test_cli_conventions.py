@@ -389,7 +389,7 @@ def test_stats_show_what_the_cache_saved() -> None:
         "hit_ratios": {"local": 0.5, "cluster": 0.25, "source": 0.25}}}
     line = savings_line(stats)
     assert line == ("saved: 6.0 MiB and 12 requests did not reach the source (reads served: ram 3.0 MiB, "
-                    "disk 1.0 MiB, cluster 2.0 MiB, source 2.0 MiB); hit ratio local 50.0%, cluster 25.0%, "
+                    "disk 1.0 MiB, cluster 2.0 MiB, source 2.0 MiB); of the bytes read, local 50.0%, cluster 25.0%, "
                     "source 25.0%")
     assert plain_line(stats, None).endswith(line)
     table = {**stats, "object_store": {"requests": 20, "bytes_read": 2 * MiB, "errors": 0},

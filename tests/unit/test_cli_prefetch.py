@@ -32,9 +32,24 @@ def test_paths_become_mount_relative() -> None:
 
 def test_paths_are_relative_to_the_working_directory() -> None:
     assert body("a.bin", "../val", cwd="/mnt/x/train")["paths"] == ["train/a.bin", "val"]
-    assert body("x/train", cwd="/mnt")["paths"] == ["train"]
-    with pytest.raises(UsageError, match=r"^train is outside the mount /mnt/x$"):
-        body("train", cwd="/home/u")
+    assert body("x/train", cwd="/mnt")["paths"] == ["x/train"]  # from outside the mount: from its root
+    # Typed in one's home, `cachefs prefetch /mnt/x train` means /mnt/x/train (issue 37, item 2).
+    assert body("train", cwd="/home/u")["paths"] == ["train"]
+    with pytest.raises(UsageError, match=r"^\.\./train is outside the mount /mnt/x$"):
+        body("../train", cwd="/home/u")
+
+
+def test_a_first_argument_inside_the_mount_is_warmed_with_everything_below_it() -> None:
+    """`cachefs prefetch /mnt/x/train` (the README's example): the mount is found by walking up, and the
+    directory named is warmed recursively, as a bare prefetch of the mountpoint warms the whole mount."""
+    args = parse("prefetch", "/mnt/x/train")
+    args.target = "/mnt/x/train"  # what _mountpoint sets once the mount is found
+    got = prefetch_body(args, "/mnt/x", "/home/u")
+    assert got["paths"] == ["train"] and got["recursive"] is True
+    args = parse("prefetch", "/mnt/x/train", "/mnt/x/val")
+    args.target = "/mnt/x/train"
+    got = prefetch_body(args, "/mnt/x", "/home/u")
+    assert got["paths"] == ["train", "val"] and got["recursive"] is False  # PATHs named: directories need -r
 
 
 def test_a_bare_prefetch_warms_the_whole_mount_recursively() -> None:
@@ -46,7 +61,8 @@ def test_a_bare_prefetch_warms_the_whole_mount_recursively() -> None:
 def test_prefetch_help_says_what_a_bare_prefetch_does(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["prefetch", "--help"])
-    assert "(default: the whole mount, recursively)" in " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: TARGET, recursively: the whole mount, recursively, for the mountpoint)" in text
 
 
 @pytest.mark.parametrize("path", ["../../etc", "/etc/passwd", "/mnt/xy"])
@@ -88,7 +104,11 @@ def test_a_directory_that_is_not_a_mount(tmp_path: Path, capsys: pytest.CaptureF
                  ["evict", str(tmp_path)]):
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert err == f"cachefs: error: {tmp_path} is not a mountpoint\n"
+        assert err == f"cachefs: error: {tmp_path} is not inside a cachefs mount\n"
+    missing = tmp_path / "nope"
+    for argv in (["prefetch", str(missing)], ["stats", str(missing)], ["flush", str(missing)], ["evict", str(missing)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"cachefs: error: {missing}: no such file or directory\n"
 
 
 def test_parallel_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,7 +131,7 @@ def test_max_pinned_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert settings("30%").pin_limit_bytes == 3 * gib
     assert settings("2GiB").pin_limit_bytes == 2 * gib
     assert settings("0").pin_limit_bytes == 0
-    with pytest.raises(UsageError, match="exceeds 85% of the disk cache"):
+    with pytest.raises(UsageError, match="exceeds 85% of --disk-cache"):
         settings("0.9")
     for bad in ("7", "1.5", "-1", "lots"):
         with pytest.raises(SystemExit):

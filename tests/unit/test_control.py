@@ -103,3 +103,35 @@ def test_the_client_names_what_came_back(status: int, text: str, message: str) -
 def test_a_json_answer_is_its_value() -> None:
     assert answer_value("/stats", 200, '{"a": [1]}', sent=0) == {"a": [1]}
     assert answer_value("/stats", 200, "null", sent=0) is None
+
+
+async def test_a_stats_port_in_use_is_said_in_words_not_as_a_python_tuple(tmp_path: Path) -> None:
+    """Issue 37, item 9: binding --stats-addr to a busy port read "error while attempting to bind on
+    address ('127.0.0.1', 9750): address already in use"."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        srv = ControlServer(tmp_path / "c.sock", lambda: {}, {"pid": 1})
+        try:
+            with pytest.raises(OSError) as info:
+                await srv.start("127.0.0.1", port)
+        finally:
+            await srv.stop()
+    assert info.value.strerror == "the port is in use by another process: pick another port"
+    assert "(" not in str(info.value.strerror)
+
+
+async def test_the_daemons_info_is_kept_beside_its_socket_while_it_serves(tmp_path: Path) -> None:
+    """A daemon killed with SIGKILL cannot be asked for its cache directory: `cachefs unmount` reads
+    this record instead (issue 37, item 5)."""
+    srv = ControlServer(tmp_path / "c.sock", lambda: {}, {"pid": 7, "cache_dir": "/c/x", "source": "s3://b/"})
+    await srv.start()
+    try:
+        assert json.loads((tmp_path / "c.json").read_text()) == {"pid": 7, "cache_dir": "/c/x", "source": "s3://b/"}
+        assert (tmp_path / "c.json").stat().st_mode & 0o077 == 0
+    finally:
+        await srv.stop()
+    assert not (tmp_path / "c.json").exists()

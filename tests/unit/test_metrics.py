@@ -207,3 +207,36 @@ async def test_per_volume_series_follow_the_traffic_section(fs: CacheFS) -> None
     assert value(got["cachefs_volume_store_bytes"], volume="ab12", store="source", direction="upload") == 0
     assert value(got[metrics.VOLUME_HIT_RATIO], volume="ab12", scope="local") == 0.5
     assert not [s for s in got["cachefs_volume_store_requests"].samples if s.labels["store"] == "cluster"]
+
+
+async def test_one_hit_ratio_in_stats_metrics_the_dataset_and_the_dashboard(fs: CacheFS) -> None:
+    """Issue 37, item 6: one hit ratio, defined in docs/statistics.md (the share of the bytes read that
+    did not come from the source), the same in ``cachefs stats`` (``hit_ratio``), ``/metrics``
+    (``cachefs_hit_ratio``, ``cachefs_volume_hit_ratio{scope="all"}``), the Dataset's HIT RATIO column
+    and the dashboard's hit-ratio panel. Two different ratios (60.5% and 61.7%) stood on one screen."""
+    import json
+    import re
+
+    from csi_driver.operator.usage import COUNTERS, Prices, display, savings
+    from tiering.units import format_size
+
+    doc = stats_document(fs, "ab12")
+    traffic = doc["traffic"]
+    served = traffic["served_bytes"]
+    expected = round((served["ram"] + served["disk"] + served["cluster"]) / sum(served.values()), 6)
+    assert doc["hit_ratio"] == traffic["hit_ratio"] == expected == 0.5
+    got = families(fs)
+    assert value(got[metrics.HIT_RATIO]) == expected
+    registry = metrics.make_registry(lambda: stats_document(fs, "ab12"), lambda: fs.cache.latency, process=False)
+    volume = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert value(volume[metrics.VOLUME_HIT_RATIO], volume="ab12", scope="all") == expected
+    totals = {name: int(traffic.get(section, {}).get(key, 0)) for name, (section, key) in COUNTERS.items()}
+    assert display(savings(totals, Prices()), format_size)["hitRatio"] == f"{expected:.1%}"
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy/dashboards/cachefs.json").read_text())
+    [panel] = [p for p in dashboard["panels"] if p.get("title") == "Hit ratio"]
+    [target] = [t for t in panel["targets"] if t["legendFormat"] == "hit ratio"]
+    numerator, denominator = target["expr"].split(" / ")
+    assert 'tier!="source"' in numerator and "tier" not in denominator.replace("tier!=", "")
+    assert re.sub(r',\s*tier!="source"', "", numerator) == denominator
+    docs = (Path(__file__).resolve().parents[2] / "docs/statistics.md").read_text()
+    assert "## The hit ratio" in docs and "did not come from the source" in docs

@@ -54,7 +54,7 @@ def test_paths_are_normalised_and_dot_means_everything() -> None:
     ({"warmUp": {"target": {"tier": "Node", "nodeSelector": {"bad key!": "x"}}}}, "not a label key"),
     ({"gate": {"timeoutSeconds": 10**9}}, "spec.gate.timeoutSeconds must be a whole number"),
     ({"cache": {"ramCache": "lots"}}, "'cache.ramCache'"),
-    ({"clusterTier": {"cache": "s3://cluster-store/", "timeout": 0}, "warmUp": {"target": {"tier": "Cluster"}}}, "cluster-timeout must be between"),
+    ({"clusterTier": {"cache": "s3://cluster-store/", "timeout": 0}, "warmUp": {"target": {"tier": "Cluster"}}}, "--cluster-timeout 0 must be more than 0"),
     ({"secretRef": {"name": "Not_A_Name"}}, "is not a Secret name"),
     # Refused by the CRD's schema before the operator sees them (tests/csi/test_operator.py); the
     # operator checks them too, for a cluster with an older or edited CRD.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def test_the_tmp_runtime_dir_made_0777_by_another_uid_is_refused(tmp_path: Path,
     """XDG_RUNTIME_DIR unset and not root: ``/tmp/cachefs-<uid>``, a name anyone can take first."""
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(control.tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     uid = 4321
     monkeypatch.setattr(os, "geteuid", lambda: uid)
     planted = tmp_path / f"cachefs-{uid}"

@@ -73,3 +73,25 @@ def test_classification(error: BaseException, expected: type[ObjectStoreError], 
     assert words in str(out)
     assert "\n" not in str(out)
     assert SECRET not in str(out)  # server text and exception text are never copied into messages
+
+
+def web_page_error(status: int, headers: dict[str, str]) -> bexc.ClientError:
+    """What botocore raises for an answer without an S3 error document (the code is the bare status)."""
+    return bexc.ClientError({"Error": {"Code": str(status), "Message": "Not Found"},
+                             "ResponseMetadata": {"RequestId": "", "HTTPStatusCode": status, "HTTPHeaders": headers}},
+                            "ListObjectsV2")
+
+
+def test_an_endpoint_that_answers_http_but_not_s3_is_named_as_such() -> None:
+    """Issue 37, item 3: a web server on a wrong port answers a LIST with an HTML 404; that used to read
+    "not found", like a typo in the prefix. The live case is in tests/integration/test_s3_errors.py."""
+    page = web_page_error(404, {"server": "SimpleHTTP/0.6", "content-type": "text/html;charset=utf-8"})
+    out = classify_error(page, op="LIST", where="s3://data/ds/", bucket="data", endpoint="http://127.0.0.1:9")
+    assert type(out) is ObjectStoreError
+    assert str(out) == ("LIST s3://data/ds/: http://127.0.0.1:9 does not speak S3 (it answered HTTP 404 without an "
+                        "S3 error document): check the endpoint URL and its port")
+    # An S3 server's bare 404 (a HEAD has no body; any S3 answer carries x-amz-* headers) stays "not found".
+    head = classify_error(page, op="HEAD", where="s3://data/k", bucket="data", endpoint="http://127.0.0.1:9")
+    s3 = web_page_error(404, {"x-amz-request-id": "1", "content-type": "text/plain"})
+    for out in (head, classify_error(s3, op="GET", where="s3://data/k", bucket="data", endpoint="http://127.0.0.1:9")):
+        assert type(out) is ObjectNotFoundError

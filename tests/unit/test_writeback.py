@@ -260,9 +260,9 @@ def test_max_delay_defaults_and_refusals() -> None:
     assert WriteBackSettings().max_delay_s == 30
     assert WriteBackSettings(upload_delay_s=600).max_delay_s == 600  # a longer coalescing delay is kept
     assert WriteBackSettings(upload_delay_s=1, upload_max_delay_s=3).max_delay_s == 3
-    with pytest.raises(ValueError, match="must not be shorter than the upload delay"):
+    with pytest.raises(ValueError, match="must not be shorter than --upload-delay"):
         WriteBackSettings(upload_delay_s=10, upload_max_delay_s=3)
-    with pytest.raises(ValueError, match="stop timeout"):
+    with pytest.raises(ValueError, match="--stop-timeout"):
         WriteBackSettings(stop_timeout_s=-1)
 
 

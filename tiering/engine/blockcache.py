@@ -226,7 +226,7 @@ class BlockCache:
         if data is not None:
             self.stats.ram_served += 1
             self.ram.stats.hit_bytes += asked
-            self.traffic.served(RAM, asked)
+            self.traffic.hit(key, RAM, asked)
             return data
         fut = self.loads.future(key)
         if fut is None:

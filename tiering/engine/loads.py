@@ -253,7 +253,7 @@ class Loads:
                     stats.readahead_bytes += len(data)
                 reservation.release()  # the RAM tier counts the block itself from here
                 self._ram.put(key, data)
-                self._traffic.settle(key, place)
+                self._traffic.settle(key, place, len(data))
                 fut.set_result(data)
                 # Readers are served; the block stays in a fetch slot until it is on disk, which is
                 # what bounds the blocks alive beyond the RAM tier (those it evicted meanwhile).
@@ -297,7 +297,7 @@ class Loads:
                         self._offer_cluster(key, data)
                         stats.warm_blocks += 1
                         stats.warm_bytes += len(data)
-                    self._traffic.settle(key, place)
+                    self._traffic.settle(key, place, len(data))
                     fut.set_result(data)
                     stored = await disk.put(key, data)
                 outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED

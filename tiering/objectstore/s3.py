@@ -38,8 +38,9 @@ classification and messages are those of every other request. A presigned URL ca
 ID, the signature and any session token: it is kept in memory only and never logged or put in an
 error message.
 
-Errors. Every failure goes through ``classify_error``, which maps exception *types* and S3 error
-*codes* / HTTP statuses (never message text) to a ``tiering.errors`` type with a one-line message.
+Errors. Every failure goes through ``classify_error`` (``tiering.objectstore.s3errors``), which maps
+exception *types* and S3 error *codes* / HTTP statuses (never message text) to a ``tiering.errors``
+type with a one-line message.
 Messages name the bucket, the key and the endpoint, never credentials: those come only from the
 standard AWS chain, are never passed, logged or formatted by this module.
 
@@ -71,13 +72,18 @@ from collections import OrderedDict
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+import aiohttp
 import botocore.exceptions as bexc
 import s3fs
 from aiobotocore.credentials import AioEnvProvider
 from aiobotocore.session import AioSession
 from botocore.configprovider import ConfigChainFactory, ConfiguredEndpointProvider
 
-from tiering.errors import ObjectNotFoundError, ObjectStoreError
+from tiering.errors import (
+    ObjectChangedError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+)
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S
 from tiering.objectstore.keys import (
     check_key,
@@ -88,15 +94,16 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
+from tiering.objectstore.rangedget import RangedGetter
+from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
 from tiering.objectstore.s3errors import (
     INVALID_RANGE_CODES,
     NOT_FOUND_CODES,
     changed_error,
     classify_error,
     client_error_code,
+    not_s3_error,
 )
-from tiering.objectstore.rangedget import RangedGetter
-from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
 from tiering.blocks import BlockData
 from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
@@ -369,6 +376,8 @@ class S3ObjectStore:
         and tells whether anything lies under the prefix."""
         self.stats.list_requests += 1
         page = await self._call("list_objects_v2", op="LIST", where=self._where(), Prefix=self.prefix, MaxKeys=1)
+        if "Name" not in page and "MaxKeys" not in page:  # every ListBucketResult names its bucket
+            raise not_s3_error("LIST", self._where(), self._endpoint_name, "its answer to a LIST is not an S3 listing")
         return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
     async def list_dir(self, prefix: str) -> Listing:

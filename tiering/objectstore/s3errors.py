@@ -1,8 +1,11 @@
-"""How a failed S3 call is told to a reader: exception *types* and S3 error *codes* / HTTP statuses
-(never message text) mapped to a ``tiering.errors`` type with a one-line message naming the
-operation, the object, the bucket and the endpoint, never credentials (``classify_error``).
+"""How a failed S3 call becomes a ``tiering.errors`` type: by exception type and S3 error code, never
+by the text of a message (split from ``tiering.objectstore.s3``, which raises what ``classify_error``
+returns).
 
-Split from ``tiering.objectstore.s3`` (the store), which calls it for every request it makes.
+Messages carry only the operation, the object, the bucket, the endpoint, the S3 error code and the
+HTTP status: never the server's message text, request details or credentials. An error answer that
+did not come from an S3 server at all (a web page from a wrong port) is named as such
+(``not_s3_answer``), not read as "not found".
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ _CREDENTIAL_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
-def error_chain(exc: BaseException) -> list[BaseException]:
+def chain(exc: BaseException) -> list[BaseException]:
     """``exc`` and its causes (s3fs re-raises ClientErrors as OSErrors with the original as cause)."""
     out: list[BaseException] = []
     cur: BaseException | None = exc
@@ -69,13 +72,40 @@ def error_chain(exc: BaseException) -> list[BaseException]:
 
 def client_error_code(exc: BaseException) -> tuple[str, int] | None:
     """``(code, http_status)`` of the first botocore ClientError in the chain, if any."""
-    for e in error_chain(exc):
+    for e in chain(exc):
         if isinstance(e, bexc.ClientError):
             response = e.response or {}
             code = str(response.get("Error", {}).get("Code", ""))
             status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
             return code, status
     return None
+
+
+def not_s3_answer(exc: BaseException) -> int | None:
+    """The HTTP status of an error answer that did not come from an S3 server, else None: botocore
+    found no S3 error code in it (none, or the bare status), it carries no ``x-amz-*``
+    header, and a content type that is not XML. Every S3 implementation (AWS, MinIO, SeaweedFS, Ceph, moto) answers a failed
+    request with an XML error document; a web server on a wrong port answers with an HTML page. Only
+    meaningful for requests whose errors have a body (not HEAD)."""
+    for e in chain(exc):
+        if isinstance(e, bexc.ClientError):
+            response = e.response or {}
+            code = str(response.get("Error", {}).get("Code", ""))
+            meta = response.get("ResponseMetadata", {})
+            headers = {str(k).lower(): str(v) for k, v in (meta.get("HTTPHeaders") or {}).items()}
+            status = int(meta.get("HTTPStatusCode") or 0)
+            if (code and not code.isdigit()) or any(name.startswith("x-amz-") for name in headers):
+                return None
+            kind = headers.get("content-type", "")
+            if not kind or "xml" in kind or meta.get("RequestId"):
+                return None
+            return status
+    return None
+
+
+def not_s3_error(op: str, where: str, endpoint: str, answer: str) -> ObjectStoreError:
+    return ObjectStoreError(f"{op} {where}: {endpoint} does not speak S3 ({answer}): check the endpoint URL "
+                            f"and its port")
 
 
 def changed_error(where: str) -> ObjectChangedError:
@@ -92,6 +122,8 @@ def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endp
     if isinstance(exc, ObjectStoreError):
         return exc
     coded = client_error_code(exc)
+    if coded is not None and op != "HEAD" and (plain := not_s3_answer(exc)) is not None:
+        return not_s3_error(op, where, endpoint, f"it answered HTTP {plain} without an S3 error document")
     if coded is not None:
         code, status = coded
         detail = f"{code or 'error'} (HTTP {status})" if status else code or "error"
@@ -106,7 +138,7 @@ def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endp
         if code in _UNAVAILABLE_CODES or status >= 500 or status == 429:
             return ObjectStoreUnavailableError(f"{op} {where}: {endpoint} unavailable: {detail}")
         return ObjectStoreError(f"{op} {where}: S3 error {detail}")
-    for e in error_chain(exc):
+    for e in chain(exc):
         if isinstance(e, _CREDENTIAL_TYPES):
             return AccessDeniedError(
                 f"{op} {where}: no usable AWS credentials ({type(e).__name__}); "
@@ -116,7 +148,7 @@ def classify_error(exc: BaseException, *, op: str, where: str, bucket: str, endp
             return ObjectStoreUnavailableError(f"{op} {where}: endpoint {endpoint} did not answer in time")
         if isinstance(e, _UNAVAILABLE_TYPES):
             return ObjectStoreUnavailableError(f"{op} {where}: cannot reach endpoint {endpoint} ({type(e).__name__})")
-    for e in error_chain(exc):
+    for e in chain(exc):
         if isinstance(e, OSError) and e.errno is not None:
             if e.errno == errno.ENOENT:
                 return ObjectNotFoundError(f"{op} {where}: not found")

@@ -114,23 +114,24 @@ class WriteBackSettings:
 
     def __post_init__(self) -> None:
         if not 0 <= self.upload_delay_s <= 3600:
-            raise ValueError("upload delay must be between 0 and 3600 seconds")
+            raise ValueError(f"--upload-delay {self.upload_delay_s:g} must be between 0 and 3600 seconds")
         if not 1 <= self.max_uploads <= 256:
-            raise ValueError("max uploads must be between 1 and 256")
+            raise ValueError(f"--max-uploads {self.max_uploads} must be between 1 and 256")
         if not 0 <= self.space_wait_s <= 3600:
-            raise ValueError("dirty-data wait must be between 0 and 3600 seconds")
+            raise ValueError(f"--dirty-wait {self.space_wait_s:g} must be between 0 and 3600 seconds")
         if self.upload_max_delay_s is not None:
             if not 0 <= self.upload_max_delay_s <= 86400:
-                raise ValueError("upload max delay must be between 0 and 86400 seconds")
+                raise ValueError(f"--upload-max-delay {self.upload_max_delay_s:g} must be between 0 and 86400 seconds")
             if self.upload_max_delay_s < self.upload_delay_s:
-                raise ValueError(f"the upload max delay ({self.upload_max_delay_s:g} s) must not be shorter than the "
-                                 f"upload delay ({self.upload_delay_s:g} s)")
+                raise ValueError(f"--upload-max-delay {self.upload_max_delay_s:g} must not be shorter than "
+                                 f"--upload-delay ({self.upload_delay_s:g} seconds)")
         if not 0 <= self.stop_timeout_s <= 86400:
-            raise ValueError("stop timeout must be between 0 and 86400 seconds")
+            raise ValueError(f"--stop-timeout {self.stop_timeout_s:g} must be between 0 and 86400 seconds")
         if self.durability not in DURABILITIES:
-            raise ValueError(f"write durability must be one of {', '.join(DURABILITIES)}, got {self.durability!r}")
+            raise ValueError(f"--write-durability must be one of {', '.join(DURABILITIES)}, got {self.durability!r}")
         if not MIN_LEASE_TTL_S <= self.lease_ttl_s <= MAX_LEASE_TTL_S:
-            raise ValueError(f"write-lease-ttl must be between {MIN_LEASE_TTL_S:g} and {MAX_LEASE_TTL_S:g} seconds")
+            raise ValueError(f"--write-lease-ttl {self.lease_ttl_s:g} must be between {MIN_LEASE_TTL_S:g} and "
+                             f"{MAX_LEASE_TTL_S:g} seconds")
 
     @property
     def max_delay_s(self) -> float:
