@@ -49,6 +49,7 @@ Run: make bench [BENCH_ARGS="--size 256MiB --files 500 --rounds 1"]
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import os
@@ -643,6 +644,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# The cluster-tier authorization figure: this many of the small files, over this many epochs.
+AUTHORIZATION_FILES = 1000
+AUTHORIZATION_EPOCHS = 3
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -661,6 +667,13 @@ def main(argv: list[str] | None = None) -> int:
         bench.seed_cluster()
         bench.run(tools)
         result = summarise(bench, tools, args, started)
+    if "cachefs" in args.tool_names and not args.no_cluster:
+        # The cluster tier's source check (issue 34): extra source requests on shuffled small-file
+        # epochs, counted exactly on in-memory stores (benchmarks/cluster_authorization.py).
+        from benchmarks.cluster_authorization import run as authorization_run
+
+        result["cluster_authorization"] = asyncio.run(authorization_run(
+            min(args.files, AUTHORIZATION_FILES), args.file_size, AUTHORIZATION_EPOCHS, quiet=True))
     result["wall_s"] = round(time.monotonic() - begin, 1)
     write_results(result, args.out)
     print(markdown(result))

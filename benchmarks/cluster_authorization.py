@@ -32,7 +32,8 @@ RAM = 4 * MiB  # far below the dataset: every epoch reaches the cluster tier
 DRAIN_EVERY = 32  # files between write-behind drains while filling (a full queue drops blocks)
 
 
-async def run(files: int, size: int, epochs: int) -> None:
+async def run(files: int, size: int, epochs: int, *, quiet: bool = False) -> list[dict[str, int]]:
+    """Per epoch: the source's HEADs and GETs, the proofs made, and the blocks the cluster tier served."""
     source, store = InMemoryObjectStore(), InMemoryObjectStore()
     key = ClusterKey(os.urandom(32))
     refs = []
@@ -53,7 +54,9 @@ async def run(files: int, size: int, epochs: int) -> None:
             assert first.write_behind is not None and await first.write_behind.drain(60)
     assert first.write_behind is not None and await first.write_behind.drain(60)
     second = node()
-    print(f"{files} files of {size // 1024} KiB, shuffled, read whole by a fresh node through the cluster tier")
+    if not quiet:
+        print(f"{files} files of {size // 1024} KiB, shuffled, read whole by a fresh node through the cluster tier")
+    out: list[dict[str, int]] = []
     for epoch in range(epochs):
         order = refs[:]
         random.Random(epoch).shuffle(order)
@@ -61,9 +64,14 @@ async def run(files: int, size: int, epochs: int) -> None:
         proofs, served = second.stats.cluster_authorizations, second.stats.cluster_served
         for ref in order:
             await second.read(ref, 0, size)
-        print(f"  epoch {epoch + 1}: source HEADs {source.stats.head_requests - heads}, source GETs "
-              f"{source.stats.get_requests - gets}, proofs {second.stats.cluster_authorizations - proofs}, "
-              f"blocks from the cluster tier {second.stats.cluster_served - served}")
+        out.append({"epoch": epoch + 1, "files": files, "source_heads": source.stats.head_requests - heads,
+                    "source_gets": source.stats.get_requests - gets,
+                    "proofs": second.stats.cluster_authorizations - proofs,
+                    "cluster_blocks": second.stats.cluster_served - served})
+        if not quiet:
+            print(f"  epoch {epoch + 1}: source HEADs {out[-1]['source_heads']}, source GETs {out[-1]['source_gets']}, "
+                  f"proofs {out[-1]['proofs']}, blocks from the cluster tier {out[-1]['cluster_blocks']}")
+    return out
 
 
 def main() -> None:

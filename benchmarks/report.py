@@ -389,8 +389,25 @@ def markdown(result: dict[str, Any]) -> str:
         wanted = ("<= " if t["at_most"] else ">= ") + f"{fmt(t['wanted'], 2)}{x}"
         lines.append(f"| {t['target']} | {measured} | {wanted} | {t['against']} | **{t['status']}** |")
     lines += hit_ratio_markdown(result)
+    lines += authorization_markdown(result)
     lines += ["", f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}.", ""]
     return "\n".join(lines)
+
+
+def authorization_markdown(result: dict[str, Any]) -> list[str]:
+    """The cluster tier's source check: what it adds to the source's requests, epoch by epoch."""
+    rows = result.get("cluster_authorization") or []
+    if not rows:
+        return []
+    lines = ["", "## Cluster tier: the source check's extra requests (issue 34)", "",
+             (f"{rows[0]['files']} of the small files, shuffled, read whole by a fresh node through the cluster "
+              "tier (a first node filled it); each cluster hit is served only once the node's own source "
+              "credentials have answered a HEAD of that object version. Exact counts, in-memory stores."), "",
+             "| epoch | source HEADs (the extra requests) | source GETs | proofs | blocks from the cluster tier |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['epoch']} | {r['source_heads']} | {r['source_gets']} | {r['proofs']} | {r['cluster_blocks']} |")
+    return lines
 
 
 def hit_ratio_markdown(result: dict[str, Any]) -> list[str]:
