@@ -44,6 +44,8 @@ FSNAME = "cachefs"
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
 MNT_DETACH = 0x2
 # How often a wait looks at whether the daemon is still alive.
 ALIVE_POLL_S = 1.0
@@ -91,6 +93,24 @@ def mount_fuse(target: Path, *, read_only: bool, allow_other: bool = True, defau
         os.close(fd)
         raise
     return fd
+
+
+def bind(source: Path, target: Path, *, read_only: bool) -> None:
+    """Bind the mount at ``source`` on ``target``, on top of whatever is mounted there (a dead FUSE
+    mount too: the syscall resolves the path without asking the filesystem, where ``mount --bind``
+    would stat it and get ENOTCONN). Read-only is a second step on the new bind alone (it keeps the
+    FUSE mount's nosuid and nodev). ``OSError`` if the kernel refuses either step; the first is
+    undone if the second fails."""
+    _check(_libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None),
+           f"bind {source} on {target}")
+    if not read_only:
+        return
+    try:
+        _check(_libc.mount(None, os.fsencode(target), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                           None), f"make the bind on {target} read-only")
+    except OSError:
+        _libc.umount2(os.fsencode(target), MNT_DETACH)
+        raise
 
 
 def unmount(target: Path, *, lazy: bool = False) -> None:

@@ -21,10 +21,12 @@ handover socket directory, the control-socket directory) are ``hostPath`` volume
 same path in the container, so every path in the daemon's argv and logs is the host's.
 
 **Credentials are never in the pod spec.** Every environment variable of the daemon goes into a
-Secret of the same name in the driver's namespace, owned by the pod (``ownerReferences``: the
-garbage collector deletes it with the pod), and reaches the container through ``secretKeyRef``.
-The Secret is created first, then the pod, then the Secret is given its owner; a plugin killed in
-between leaves an orphan Secret, which start-up cleanup deletes.
+Secret of the same name in the driver's namespace, and reaches the container through
+``secretKeyRef``. The Secret lives as long as the mount, not the pod: when the mount pod dies the
+plugin starts a new one (``restart``) that refers to the same Secret, without ever reading it (the
+plugin's Role has no ``get`` on Secrets; docs/security.md, "The mount pods' Secrets"). It is deleted
+with the pod at unstage, and at start-up with every pod that is deleted and every daemon of this node
+whose volume is no longer staged (``cleanup``).
 
 **Never a leaked pod.** Unstage deletes the pod and its Secret, with the pod's own grace period or a
 longer one, never a shorter (an explicit ``gracePeriodSeconds`` replaces the pod's, and the pod's
@@ -430,12 +432,24 @@ class PodLauncher:
             self._delete(spec.name)
         self._call(f"deleting the stale Secret {name}", self.core.delete_namespaced_secret, name, ns, missing_ok=True)
         self._call(f"creating the Secret {name}", self.core.create_namespaced_secret, ns, build_secret(self.settings, spec))
-        pod = self._call(f"creating mount pod {name}", self.core.create_namespaced_pod, ns, build_pod(self.settings, spec))
-        owner = {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod.metadata.uid}
-        self._call(f"giving the Secret {name} its owner", self.core.patch_namespaced_secret, name, ns,
-                   {"metadata": {"ownerReferences": [owner]}}, _content_type="application/merge-patch+json")
+        self._call(f"creating mount pod {name}", self.core.create_namespaced_pod, ns, build_pod(self.settings, spec))
         log.info("started daemon %s for %s (volume %s): mount pod %s/%s on node %s", spec.name, spec.target,
                  spec.volume_id, ns, name, self.settings.node_name)
+
+    def restart(self, spec: DaemonSpec) -> None:
+        """A new mount pod for a daemon that died: the dead pod deleted (its Secret kept), a new one of
+        the same name created from ``spec`` (whose ``env`` names the variables only); the kubelet
+        fills them from the Secret the first start created. A Secret gone meanwhile leaves the pod
+        waiting (CreateContainerConfigError): the mount then fails at once, naming it."""
+        name, ns = self.pod_name(spec.name), self.settings.namespace
+        old = self.get(spec.name)
+        if old is not None and old.running:
+            raise CsiError(Code.ALREADY_EXISTS, f"daemon {spec.name} is already running ({self.describe(spec.name)})")
+        if old is not None:
+            self._delete(spec.name, secret=False)
+        self._call(f"creating mount pod {name}", self.core.create_namespaced_pod, ns, build_pod(self.settings, spec))
+        log.info("restarted daemon %s for %s (volume %s): a new mount pod %s/%s on node %s, with the Secret of "
+                 "the first", spec.name, spec.target, spec.volume_id, ns, name, self.settings.node_name)
 
     def is_running(self, name: str) -> bool:
         state = self.get(name)
@@ -458,8 +472,8 @@ class PodLauncher:
         return f"{where}, " + (state.describe() if state is not None else "gone")
 
     # -- deletion -----------------------------------------------------------------------------------
-    def _delete(self, name: str, grace_s: float | None = None) -> None:
-        """Delete the pod and its Secret, then wait until the pod is gone (so its name is free).
+    def _delete(self, name: str, grace_s: float | None = None, *, secret: bool = True) -> None:
+        """Delete the pod and (unless ``secret`` is false) its Secret, then wait until the pod is gone (so its name is free).
 
         ``grace_s`` (a stop): the DELETE's ``gracePeriodSeconds`` is the longer of it and the pod's own
         ``terminationGracePeriodSeconds``, which covers the daemon's stop timeout (an explicit value
@@ -477,7 +491,8 @@ class PodLauncher:
             wait_s = max(DELETE_WAIT_S, (own or 0) + DELETE_SLACK_S)
         self._call(f"deleting mount pod {pod}", self.core.delete_namespaced_pod, pod, ns, missing_ok=True,
                    body=options)
-        self._call(f"deleting the Secret {pod}", self.core.delete_namespaced_secret, pod, ns, missing_ok=True)
+        if secret:
+            self._call(f"deleting the Secret {pod}", self.core.delete_namespaced_secret, pod, ns, missing_ok=True)
         deadline = time.monotonic() + wait_s
         while self.get(name) is not None:
             if time.monotonic() > deadline:
@@ -499,8 +514,9 @@ class PodLauncher:
         Secret of every ``known`` daemon (one this node has a run directory for) that has no pod.
 
         Secrets are deleted by name, never listed: a list of Secrets returns their data, and the
-        plugin's Role grants no read of any Secret (deploy/base/node-rbac.yaml). A Secret whose pod
-        was deleted by someone else goes with it (its owner reference). Returns (adopted, deleted).
+        plugin's Role grants no read of any Secret (deploy/base/node-rbac.yaml). ``known`` is what the
+        caller has found no more use for: a Secret outlives its pod while the volume stays mounted
+        (``restart``). Returns (adopted, deleted).
         Deletion does not wait: nothing will need those names soon."""
         adopted, deleted = [], []
         pods = self.pods()

@@ -8,8 +8,11 @@ watches them (``PodLauncher.watch``). Each pod that ended is checked once, in a 
 
 - ``BrokenMountReporter``: a pod that died while its mount is still in the mount table and answers
   ENOTCONN is a broken mount: a log line and a Kubernetes Event on the mount pod and on every
-  workload pod bound to the volume on this node. A mount that goes on answering for ``SETTLE_S``
-  is taken as served by a new pod.
+  workload pod bound to the volume on this node; then the volume is **recovered** (``NodeOps.recover``):
+  a new mount pod, with the Secret of the first, serves the staged mount again and a fresh bind is
+  stacked on every pod's target, so running pods read on (those whose volume mount has
+  ``mountPropagation: HostToContainer``); a pod that cannot be restored gets ``CachefsMountNotRestored``.
+  A mount that goes on answering for ``SETTLE_S`` is taken as served by a new pod.
 - ``StagedWritesReporter``: a pod that ended with changes still journaled in its cache directory
   (its daemon could not upload them within its stop timeout) gets an Event ``CachefsWritesStaged``
   on the workload pods and ``cachefs_csi_mount_pods_ended_with_staged_writes_total``.
@@ -20,6 +23,7 @@ that each stays within the project's file bound; nothing here calls the Kubernet
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -100,12 +104,15 @@ class BrokenMountReporter(_OncePerPod):
     news. One whose mount still answers is watched a little longer (``SETTLE_S``): a deleted pod's
     process may still be stopping. Each check runs in a thread of its own, so a mount that is slow to
     answer never holds the watch. ``workloads_of(volume_id)``: the pods bound to the volume on this
-    node. ``on_broken(volume_id)``: for the caller's counters."""
+    node. ``on_broken(volume_id)``: for the caller's counters. ``recover(target)``: mount it again
+    (``NodeOps.recover``), after the report; None: the next publish does."""
 
     def __init__(self, launcher: PodLauncher, is_mounted: Callable[[Path], bool], is_broken: Callable[[Path], bool],
                  workloads_of: Callable[[str], Sequence[WorkloadPod]],
-                 on_broken: Callable[[str], None] = lambda volume_id: None, settle_s: float | None = None) -> None:
+                 on_broken: Callable[[str], None] = lambda volume_id: None, settle_s: float | None = None,
+                 recover: Callable[[Path], bool] | None = None) -> None:
         self.launcher = launcher
+        self.recover = recover
         self.is_mounted = is_mounted
         self.is_broken = is_broken
         self.workloads_of = workloads_of
@@ -126,12 +133,23 @@ class BrokenMountReporter(_OncePerPod):
         if not self.is_mounted(target):
             return  # unmounted first (unstage), or never mounted: nothing is broken
         self._report(event_type, state)
+        if self.recover is None:
+            return
+        try:
+            recovered = self.recover(target)
+        except CsiError as exc:
+            log.error("volume %s: recovering %s after its mount pod ended failed: %s", state.volume_id, target, exc)
+            return
+        if recovered:
+            log.info("volume %s: recovered %s after mount pod %s ended", state.volume_id, target, state.name)
 
     def _report(self, event_type: str, state: PodState) -> None:
         why = f"ended ({state.terminated})" if state.dead else "was deleted"
+        then = ("the node plugin is starting a new mount pod, and pods whose volume mount has mountPropagation "
+                "HostToContainer read on once it serves; any other pod needs a restart" if self.recover is not None
+                else "until the volume is published again on this node (restart the pods that use it)")
         message = (f"cachefs mount pod {state.name} of volume {state.volume_id} {why}: its mount at {state.target} "
-                   "is broken (Transport endpoint is not connected) until the volume is published again on this "
-                   "node (restart the pods that use it)")
+                   f"is broken (Transport endpoint is not connected); {then}")
         log.error("%s", message)
         self.on_broken(state.volume_id)
         if event_type != "DELETED":
@@ -187,6 +205,14 @@ class StagedWritesReporter(_OncePerPod):
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsWritesStaged", message)
 
 
+def _spec_target(run_root: Path, name: str) -> str | None:
+    """The target of daemon ``name`` from its saved spec (``HandoverMounter``), None if unreadable."""
+    try:
+        return str(json.loads((run_root / f"{name}.spec.json").read_text())["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None) -> threading.Event:
     """At plugin start-up: adopt this node's mount pods that serve a staged volume (a stage record)
     or a cachefs mount still in the mount table, delete the others and (by name) Secrets without a pod, then
@@ -203,7 +229,9 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
 
         known: list[str] = []
         if run_root is not None and run_root.is_dir():  # one run directory per daemon ever started here
-            known = sorted(entry.name for entry in run_root.iterdir() if entry.is_dir())
+            # ...less those of staged volumes: their Secret serves the next mount pod (recovery).
+            known = sorted(entry.name for entry in run_root.iterdir()
+                           if entry.is_dir() and _spec_target(run_root, entry.name) not in staged)
         adopted, deleted = launcher.cleanup(keep, known)
         log.info("mount pods on node %s (image %s): %d adopted (%s), %d deleted", launcher.settings.node_name,
                  launcher.settings.image, len(adopted), ", ".join(p.name for p in adopted) or "-", len(deleted))
@@ -218,7 +246,7 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
     except CsiError as exc:
         log.warning("cannot take over this node's mount pods yet (%s); retrying every %g s", exc, WATCH_RETRY_S)
         prepare = cleanup
-    reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads)
+    reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads, recover=node.recover)
     staged = StagedWritesReporter(launcher, workloads, on_left=lambda volume_id, count: metrics.record_staged_writes_left())
 
     def observe(event_type: str, state: PodState) -> None:

@@ -9,7 +9,7 @@ another single-container pod of cachefs's image, such as the operator's):
   than its own (the node plugin relies on same-path mounts), or a literal ``value`` for a variable
   that looks like a credential;
 - resolves ``env[].valueFrom.secretKeyRef`` from the Secrets in the API (waiting, as a kubelet does,
-  while the Secret is missing);
+  while the Secret is missing, and reporting the container ``waiting: CreateContainerConfigError``);
 - gives each pod an IP of its own (``status.podIP``, a random address of 127.0.0.0/8, which is all
   loopback on Linux: pods then bind the same port without clashing, as in their own network
   namespaces), resolves ``env[].valueFrom.fieldRef`` of ``status.podIP``, ``metadata.name``,
@@ -43,6 +43,16 @@ another single-container pod of cachefs's image, such as the operator's):
 
 ``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod. An image
 named ``unpullable/...`` is never pulled: the container waits in ``ErrImagePull``, as it would.
+
+**Workload containers** (``start_workload``, root only): a pod that uses a cachefs volume gets a
+mount namespace of its own, with each volume the node plugin published (its CSI target path on the
+host) bound in at the container's ``mountPath`` with the propagation its ``volumeMounts`` entry asks
+for, as runc does (``tests/support/container_volumes.py``: ``None`` -> rprivate, ``HostToContainer``
+-> rslave, ``Bidirectional`` -> rshared, refused for an unprivileged container as the API server
+refuses it). ``Workload.run`` runs a command inside (``nsenter``). For propagation to reach a
+container at all, the kubelet's root directory must be a shared mount: the kubelet makes it
+``rshared`` at start-up where it is not (``share``; undone at ``stop``), so every target mounted
+under it is in a peer group the containers' rslave binds follow.
 """
 
 from __future__ import annotations
@@ -88,6 +98,11 @@ IMAGE_UID = 0  # deploy/Dockerfile has no USER line: the image runs as root unle
 # What getpass.getuser() reads before the passwd database; a container runtime sets none of them.
 LOGIN_VARIABLES = ("USER", "LOGNAME", "LNAME", "USERNAME")
 CONTAINER_ROOT = Path(__file__).with_name("container_root.py")
+CONTAINER_VOLUMES = Path(__file__).with_name("container_volumes.py")
+# The values of volumeMounts[].mountPropagation the API server accepts (None is the default).
+PROPAGATIONS = ("None", "HostToContainer", "Bidirectional")
+# A command run in a workload container (nsenter + a short program) answers within this.
+WORKLOAD_RUN_S = 20.0
 
 
 def runtime_environ(base: dict[str, str], uid: int) -> dict[str, str]:
@@ -132,6 +147,49 @@ class Container:
     kill_at: float = math.inf  # time.monotonic() of the SIGKILL, once it is being stopped
 
 
+@dataclass
+class Workload:
+    """A workload pod's container: a process in a mount namespace of its own (``start_workload``)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    root: Path  # where the container's paths start, seen from inside its namespace
+
+    def path(self, inside: str) -> str:
+        return str(self.root) + "/" + inside.lstrip("/")
+
+    def run(self, *argv: str, timeout_s: float = WORKLOAD_RUN_S) -> subprocess.CompletedProcess[str]:
+        """``argv`` inside the container's mount namespace; a ``{}`` in it is the container's root."""
+        argv = tuple(arg.replace("{}", str(self.root)) for arg in argv)
+        return subprocess.run(["nsenter", f"--target={self.proc.pid}", "--mount", "--", *argv],
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    def read(self, inside: str) -> bytes | str:
+        """The bytes of file ``inside`` as the container reads them, or the error it gets (strerror)."""
+        code = ("import sys\ntry:\n    sys.stdout.write(open(sys.argv[1], 'rb').read().hex())\n"
+                "except OSError as exc:\n    sys.stdout.write('!' + exc.strerror)")
+        result = self.run(sys.executable, "-c", code, self.path(inside))
+        out = result.stdout.strip()
+        if result.returncode != 0:
+            return f"exit {result.returncode}: {result.stderr.strip()[-200:]}"
+        return out[1:] if out.startswith("!") else bytes.fromhex(out)
+
+    def mountinfo(self, inside: str) -> list[str]:
+        """The lines of the container's mount table at ``inside`` (a stack: one line per layer)."""
+        where = self.path(inside)
+        result = self.run("cat", "/proc/self/mountinfo")
+        return [line for line in result.stdout.splitlines() if line.split()[4] == where]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=KILL_WAIT_S)
+
+
 class Kubelet:
     def __init__(self, core: Any, node: str, namespace: str, workdir: Path, base_env: dict[str, str]) -> None:
         self.core = core
@@ -141,11 +199,14 @@ class Kubelet:
         self.base_env = base_env
         self.containers: dict[str, Container] = {}  # by pod uid
         self.refused: dict[str, str] = {}  # pod name -> why
+        self.waiting: dict[str, str] = {}  # pod uid -> the Secret its container waits for
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kubelet-{node}", daemon=True)
         self.setpriv = shutil.which("setpriv")
         self.unshare = shutil.which("unshare") if os.geteuid() == 0 else None
+        self.workloads: list[Workload] = []
+        self.shared: list[Path] = []  # directories this kubelet made shared mounts (undone at stop)
 
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> Kubelet:
@@ -160,6 +221,47 @@ class Kubelet:
             containers = list(self.containers.values())
         for container in containers:
             self._terminate(container, grace_s=2.0)
+        for workload in self.workloads:
+            workload.stop()
+        for path in reversed(self.shared):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=KILL_WAIT_S, check=False)
+
+    # -- workload containers ------------------------------------------------------------------------
+    def share(self, root: Path) -> None:
+        """Make ``root`` (where the pods' volumes are published) an rshared mount, as the kubelet does
+        with its root directory when it is not shared already (a bind of it onto itself first)."""
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", str(root), str(root)], check=True, capture_output=True, timeout=10)
+        self.shared.append(root)
+        subprocess.run(["mount", "--make-rshared", str(root)], check=True, capture_output=True, timeout=10)
+
+    def start_workload(self, pod: dict[str, Any], targets: dict[str, Path]) -> Workload:
+        """Run ``pod``'s container (a manifest as applied) with each CSI volume of ``targets`` (volume
+        name -> the target path the node plugin published it at) bound at its ``mountPath``, with the
+        ``mountPropagation`` the manifest asks for. Refuses what the API server refuses."""
+        assert self.unshare is not None, "workload containers need root (a mount namespace each)"
+        name = pod["metadata"]["name"]
+        (container,) = pod["spec"]["containers"]
+        privileged = bool((container.get("securityContext") or {}).get("privileged"))
+        root = self.workdir / "rootfs" / name
+        spec = []
+        for mount in container.get("volumeMounts") or []:
+            propagation = mount.get("mountPropagation", "None")
+            assert propagation in PROPAGATIONS, f"Unsupported value: {propagation!r}: supported values: {PROPAGATIONS}"
+            assert propagation != "Bidirectional" or privileged, (
+                "Bidirectional mount propagation is available only to privileged containers")
+            source = targets[mount["name"]]
+            spec.append([str(source), str(root) + mount["mountPath"], propagation, bool(mount.get("readOnly"))])
+        root.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen([self.unshare, "--mount", "--propagation", "slave", "--", sys.executable,
+                                 str(CONTAINER_VOLUMES), json.dumps(spec)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()
+        assert ready.strip() == b"ready", f"container {name} did not start: {proc.stderr.read() if proc.stderr else ''}"
+        workload = Workload(name, proc, root)
+        self.workloads.append(workload)
+        return workload
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -273,7 +375,14 @@ class Kubelet:
             try:
                 secret = self.core.read_namespaced_secret(ref.name, self.namespace, _request_timeout=API_TIMEOUT_S)
             except Exception:
-                return None  # CreateContainerConfigError: try again next round
+                # CreateContainerConfigError, as the kubelet reports it: try again next round.
+                if self.waiting.get(pod.metadata.uid) != ref.name:
+                    self.waiting[pod.metadata.uid] = ref.name
+                    self._patch_status(pod.metadata.name, {"phase": "Pending", "containerStatuses": [{
+                        "name": container.name, "image": container.image, "imageID": "", "ready": False,
+                        "restartCount": 0, "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                                                 "message": f'secret "{ref.name}" not found'}}}]})
+                return None
             env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
         command = [expand(arg, env) for arg in list(container.command or IMAGE_ENTRYPOINT) + list(container.args or [])]
         if command[0] == "cachefs":
