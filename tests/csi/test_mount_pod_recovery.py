@@ -140,7 +140,9 @@ def test_running_pods_read_again_within_10_s_of_their_mount_pods_death(cluster, 
               "pod death")
         assert {files[n] for n in files} == {loop_a.read(f"/data/{n}") for n in files}  # byte-exact, every file
         denied = loop_b.run("sh", "-c", "echo x > {}/data/nope.txt")
-        assert denied.returncode != 0 and "Read-only file system" in denied.stderr
+        assert denied.returncode != 0 and "Read-only file system" in denied.stderr, (
+            loop_b.mountinfo("/data"), [l for l in Path("/proc/self/mountinfo").read_text().splitlines() if str(target_b) in l],
+            [l for l in driver.log_text().splitlines() if "bind" in l][-6:])
         # The metric counts what the pods see: the staged mount and both binds, live.
         metrics = driver.metrics()
         assert 'cachefs_csi_mounts{state="healthy"} 3' in metrics and 'cachefs_csi_mounts{state="broken"} 0' in metrics
