@@ -49,7 +49,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from csi_driver.attributes import K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, Credentials, VolumeSettings
+from csi_driver.attributes import (
+    K8S_POD_NAME,
+    K8S_POD_NAMESPACE,
+    K8S_POD_UID,
+    Credentials,
+    OwnerOptions,
+    VolumeSettings,
+)
 from csi_driver.errors import Code, CsiError, invalid
 from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
 from csi_driver.staging import StageRecord, StageRecords
@@ -105,6 +112,14 @@ def pod_of(context: Mapping[str, str]) -> dict[str, str]:
     if not namespace or not name:
         return {}
     return {"namespace": namespace, "name": name, "uid": context.get(K8S_POD_UID, "")}
+
+
+def describe_owner(owner: OwnerOptions) -> str:
+    """Owner options as a person writes them: ``uid 1000, gid 2000, file mode 0664``; modes in octal."""
+    parts = [f"{label} {format(value, fmt)}" for label, value, fmt in (
+        ("uid", owner.uid, "d"), ("gid", owner.gid, "d"), ("file mode", owner.file_mode, "04o"),
+        ("dir mode", owner.dir_mode, "04o")) if value is not None]
+    return ", ".join(parts) or "the defaults (no uid, gid or modes set)"
 
 
 def check_volume_id(volume_id: str) -> str:
@@ -401,8 +416,8 @@ class NodeOps:
                                "writable stage")
             if record.owner != request.volume.owner:
                 raise CsiError(Code.FAILED_PRECONDITION,
-                               f"volume {request.volume_id} is staged with owner {record.owner}, this publish asks "
-                               f"for {request.volume.owner}: pods sharing a volume on a node share its owner "
+                               f"volume {request.volume_id} is staged with owner {describe_owner(record.owner)}, this "
+                               f"publish asks for {describe_owner(request.volume.owner)}: pods sharing a volume on a node share its owner "
                                "(fsGroup, uid, gid, modes)")
             self._ensure_staged_mount(request, record)
             if self.mounter.is_mounted(target):

@@ -44,6 +44,9 @@ another single-container pod of cachefs's image, such as the operator's):
 ``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod. An image
 named ``unpullable/...`` is never pulled: the container waits in ``ErrImagePull``, as it would.
 
+**Events from gRPC errors** (``event_message``): the kubelet puts a failed call's message into a
+Go format string, twice, on the way to the pod's ``FailedMount`` Event; ``go_sprintf`` is that rule.
+
 **Workload containers** (``start_workload``, root only): a pod that uses a cachefs volume gets a
 mount namespace of its own, with each volume the node plugin published (its CSI target path on the
 host) bound in at the container's ``mountPath`` with the propagation its ``volumeMounts`` entry asks
@@ -84,6 +87,35 @@ _VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 def expand(text: str, env: dict[str, str]) -> str:
     """``$(VAR)`` references of a container's command, as the kubelet expands them."""
     return _VAR_REF.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+# Go's fmt: a verb is % then flags, a width (digits or *), a precision (. then digits or *), a rune.
+_GO_VERB = re.compile(r"%([+\-# 0]*)(\d+|\*)?(?:\.(\d*|\*))?(.)?", re.DOTALL)
+
+
+def go_sprintf(format_string: str) -> str:
+    """``fmt.Sprintf(format_string)`` with no arguments, as Go renders it: ``%%`` is ``%``; any other
+    verb is ``%!V(MISSING)``; a ``*`` width or precision ``%!(BADWIDTH)``/``%!(BADPREC)``; a ``%`` at
+    the end ``%!(NOVERB)``."""
+    def one(match: re.Match[str]) -> str:
+        _, width, precision, verb = match.groups()
+        if verb is None:
+            return "%!(NOVERB)"
+        if match.group(0) == "%%":
+            return "%"
+        bad = ("%!(BADWIDTH)" if width == "*" else "") + ("%!(BADPREC)" if precision == "*" else "")
+        return bad + f"%!{verb}(MISSING)"
+    return _GO_VERB.sub(one, format_string)
+
+
+def event_message(prefix: str, details: str) -> str:
+    """The message of the ``FailedMount`` Event the kubelet records for a NodePublishVolume (or
+    NodeStageVolume) that failed with gRPC ``details``: the operation executor builds
+    ``prefix + " failed for volume ... : rpc error: code = ... desc = " + details`` and passes it to
+    ``fmt.Errorf`` as the format string (``GenerateErrorDetailed``), and the recorder's ``Eventf``
+    formats that again: two passes of Go's fmt with no arguments (issue 36 saw both:
+    ``http%3A`` -> ``http%!!(MISSING)A(MISSING)``)."""
+    return go_sprintf(go_sprintf(f"{prefix}: rpc error: desc = {details}"))
 
 
 def pod_ip() -> str:
