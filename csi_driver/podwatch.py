@@ -67,6 +67,7 @@ class _OncePerPod:
 
     def __init__(self) -> None:
         self._seen: set[str] = set()  # uids checked or being checked
+        self._done: dict[str, threading.Event] = {}  # uid -> set once its check has run
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -83,10 +84,24 @@ class _OncePerPod:
             if state.uid in self._seen:
                 return
             self._seen.add(state.uid)
-            thread = threading.Thread(target=self._check, args=(event_type, state), daemon=True,
-                                      name=f"{type(self).__name__} {state.name}")
+            done = self._done[state.uid] = threading.Event()
+
+            def check() -> None:
+                try:
+                    self._check(event_type, state)
+                finally:
+                    done.set()
+
+            thread = threading.Thread(target=check, daemon=True, name=f"{type(self).__name__} {state.name}")
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
+
+    def wait_checked(self, uid: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the check of the pod ``uid`` has run, if one was started."""
+        with self._lock:
+            done = self._done.get(uid)
+        if done is not None:
+            done.wait(timeout_s)
 
     def join(self, timeout_s: float) -> None:
         """Wait for the checks in flight (tests)."""
@@ -110,9 +125,11 @@ class BrokenMountReporter(_OncePerPod):
     def __init__(self, launcher: PodLauncher, is_mounted: Callable[[Path], bool], is_broken: Callable[[Path], bool],
                  workloads_of: Callable[[str], Sequence[WorkloadPod]],
                  on_broken: Callable[[str], None] = lambda volume_id: None, settle_s: float | None = None,
-                 recover: Callable[[Path], bool] | None = None) -> None:
+                 recover: Callable[[Path], bool] | None = None,
+                 before_recover: Callable[[PodState], None] = lambda state: None) -> None:
         self.launcher = launcher
         self.recover = recover
+        self.before_recover = before_recover
         self.is_mounted = is_mounted
         self.is_broken = is_broken
         self.workloads_of = workloads_of
@@ -135,6 +152,7 @@ class BrokenMountReporter(_OncePerPod):
         self._report(event_type, state)
         if self.recover is None:
             return
+        self.before_recover(state)
         try:
             recovered = self.recover(target)
         except CsiError as exc:
@@ -246,12 +264,14 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
     except CsiError as exc:
         log.warning("cannot take over this node's mount pods yet (%s); retrying every %g s", exc, WATCH_RETRY_S)
         prepare = cleanup
-    reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads, recover=node.recover)
     staged = StagedWritesReporter(launcher, workloads, on_left=lambda volume_id, count: metrics.record_staged_writes_left())
+    # The dead pod's journal is counted before a new daemon takes its cache directory (and replays it).
+    reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads, recover=node.recover,
+                                   before_recover=lambda state: staged.wait_checked(state.uid, staged.wait_s))
 
     def observe(event_type: str, state: PodState) -> None:
-        reporter.observe(event_type, state)
         staged.observe(event_type, state)
+        reporter.observe(event_type, state)
 
     def unrestored(volume_id: str, pod: Mapping[str, str], message: str) -> None:
         # A pod whose bind could not be restored is told again: its earlier Event said "until the

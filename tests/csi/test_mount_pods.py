@@ -182,6 +182,27 @@ class Readers:
         wait_for(f"{n} more reads", lambda: self.count() >= start + n)
 
 
+def reads(target: Path, name: str, data: bytes) -> bool:
+    """Whether ``target/name`` reads as ``data`` (False while the mount answers ENOTCONN)."""
+    try:
+        return (target / name).read_bytes() == data
+    except OSError:
+        return False
+
+
+def as_the_kubelet_retries(call) -> None:
+    """``call()`` again while it is answered ABORTED (another operation on the volume in progress, here
+    the plugin's own recovery), as the kubelet retries it; bounded by WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+
+
 def kill_cgroup(group: Path) -> None:
     (group / "cgroup.kill").write_text("1")
     wait_for("the cgroup to empty", lambda: not (group / "cgroup.procs").read_text().strip(), 30)
@@ -461,9 +482,14 @@ def test_a_mount_pod_deleted_by_hand_is_reported_and_recovered(cluster, seaweed,
         kubelet.wait_gone(pod.metadata.name)
         (event,) = wait_for("the Event on the workload pod", lambda: events(core, "ml", "CachefsMountBroken"))
         assert event.involved_object.name == "notebook-0" and "was deleted" in event.message
-        assert core.list_namespaced_secret(NAMESPACE).items == []  # garbage-collected with its owner
-        driver.publish_staged("vol-del", staging, target, context, secrets=secrets_of(seaweed))
-        assert (target / "part-0.bin").read_bytes() == files["part-0.bin"]
+        # The plugin recovers it without a publish: a new mount pod with the Secret of the first, kept
+        # (issue 36; before, the Secret went with its owner and only the next publish could).
+        wait_for("the pod reading again", lambda: reads(target, "part-0.bin", files["part-0.bin"]))
+        (new,) = mount_pods(core)
+        assert new.metadata.uid != pod.metadata.uid
+        assert [s.metadata.name for s in core.list_namespaced_secret(NAMESPACE).items] == [pod.metadata.name]
+        driver.publish_staged("vol-del", staging, target, context, secrets=secrets_of(seaweed))  # idempotent
+        assert [p.metadata.uid for p in mount_pods(core)] == [new.metadata.uid]
         driver.unpublish("vol-del", target)
         driver.unstage("vol-del", staging)
         assert mount_pods(core) == []
@@ -500,7 +526,9 @@ def test_a_deleted_mount_pod_uploads_first_and_reports_what_it_could_not(cluster
         assert client.get_object(Bucket=bucket, Key="train/out.txt")["Body"].read() == (
             b"written just before the pod was deleted")
 
-        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        # The plugin starts a new mount pod by itself (issue 36): the pod writes on through it.
+        wait_for("the new mount pod serving", lambda: reads(target, "out.txt",
+                                                           b"written just before the pod was deleted"))
         (target / "late.txt").write_bytes(b"written while the store is frozen")
         (pod,) = [p for p in mount_pods(core) if p.metadata.deletion_timestamp is None]
         proxy.freeze()
@@ -512,12 +540,11 @@ def test_a_deleted_mount_pod_uploads_first_and_reports_what_it_could_not(cluster
         assert "cachefs_csi_mount_pods_ended_with_staged_writes_total 1" in driver.metrics()
         assert events(core, "ml", "CachefsWritesStaged") == [event], "the first pod (all uploaded) was reported"
 
-        proxy.thaw()
-        driver.publish_staged("vol-stop", staging, target, context, secrets=secrets_of(seaweed))
+        proxy.thaw()  # the plugin's next mount pod (its own recovery) uploads what the last one left
         wait_for("the next mount to upload the journaled change",
                  lambda: "train/late.txt" in {o["Key"] for o in client.list_objects_v2(
                      Bucket=bucket, Prefix="train/").get("Contents", [])})
-        driver.unpublish("vol-stop", target)
+        as_the_kubelet_retries(lambda: driver.unpublish("vol-stop", target))  # ABORTED while the plugin recovers
         driver.unstage("vol-stop", staging)
     finally:
         stop_driver(driver)
