@@ -104,6 +104,9 @@ class HandoverMounter(CachefsMounter):
         self.daemon_uid = daemon_uid
         self.daemon_gid = daemon_gid
         self.stop_timeout_s = stop_timeout_s
+        # Targets being mounted now: a daemon that dies before it serves one is that mount's failure
+        # (answered to the caller), not a broken mount to report (podwatch.BrokenMountReporter).
+        self.mounting: set[Path] = set()
 
     # -- the daemon's description -------------------------------------------------------------------
     def spec_for(self, request: MountRequest) -> DaemonSpec:
@@ -192,16 +195,20 @@ class HandoverMounter(CachefsMounter):
                         self.launcher.describe(spec.name))
             self.launcher.stop(spec.name, self.stop_timeout_s)
         self._prepare_dirs(spec)
+        self.mounting.add(spec.target)
         try:
-            fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only)
-        except OSError as exc:
-            raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
-        deadline = time.monotonic() + self.mount_timeout_s
-        try:
-            self._hand_over(spec, fd, deadline, what, launch)
-        except BaseException:
-            self._undo(spec)
-            raise
+            try:
+                fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only)
+            except OSError as exc:
+                raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
+            deadline = time.monotonic() + self.mount_timeout_s
+            try:
+                self._hand_over(spec, fd, deadline, what, launch)
+            except BaseException:
+                self._undo(spec)
+                raise
+        finally:
+            self.mounting.discard(spec.target)
 
     def _hand_over(self, spec: DaemonSpec, fd: int, deadline: float, what: str,
                    launch: Callable[[DaemonSpec], None]) -> None:

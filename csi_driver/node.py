@@ -35,6 +35,7 @@ answered ABORTED, which the CO retries (the CSI spec's answer for concurrent ope
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -53,10 +54,12 @@ from csi_driver.attributes import (
     K8S_POD_NAME,
     K8S_POD_NAMESPACE,
     K8S_POD_UID,
+    CacheOptions,
     Credentials,
     OwnerOptions,
     VolumeSettings,
 )
+from cachefs.cli.resources import directory_bytes
 from csi_driver.errors import Code, CsiError, invalid
 from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
 from csi_driver.staging import StageRecord, StageRecords
@@ -72,6 +75,10 @@ SLOT_RECORD = "publish.json"
 # Longest readable part of a cache directory name (the hash that follows keeps names unique).
 _CACHE_NAME_MAX = 80
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+MiB, GiB = 1 << 20, 1 << 30
+# The smallest disk tier a diskCache share may come to; below it the volume is refused, not mounted
+# with a disk tier too small to hold a working set.
+MIN_DISK_CACHE_BYTES = 256 * MiB
 # Target paths: longer than a volume id may be (PATH_MAX).
 MAX_PATH_BYTES = 4096
 # Binds stacked at one target at most: the pod's first and a live one (NodeOps._stack_bind); the
@@ -290,9 +297,10 @@ class NodeOps:
         staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials,
                                 request.context)
         cache_dir = self._claim_slot(staged)
+        cache = self._sized_cache(record.volume_id, request.volume.cache, cache_dir)
         self.mounter.mount(MountRequest(
             source=request.volume.source, target=staging, cache_dir=cache_dir,
-            endpoint_url=request.volume.endpoint_url, region=request.volume.region, cache=request.volume.cache,
+            endpoint_url=request.volume.endpoint_url, region=request.volume.region, cache=cache,
             read_only=record.read_only, credentials=request.credentials, owner=record.owner,
             volume_id=record.volume_id, context=request.context, pod_resources=request.volume.mount_pod,
         ))
@@ -461,13 +469,14 @@ class NodeOps:
             self.settings.trust.check(request.volume_id, request.volume, request.credentials)
             self._prepare_target(target)
             cache_dir = self._claim_slot(request)
+            cache = self._sized_cache(request.volume_id, request.volume.cache, cache_dir)
             self.mounter.mount(MountRequest(
                 source=request.volume.source,
                 target=target,
                 cache_dir=cache_dir,
                 endpoint_url=request.volume.endpoint_url,
                 region=request.volume.region,
-                cache=request.volume.cache,
+                cache=cache,
                 read_only=request.read_only,
                 credentials=request.credentials,
                 owner=request.volume.owner,
@@ -503,6 +512,39 @@ class NodeOps:
                     raise CsiError(Code.FAILED_PRECONDITION, f"{target} is not empty")
         except OSError as exc:
             raise CsiError(Code.INTERNAL, f"cannot read {target}: {exc.strerror}") from None
+
+    # -- the disk cache's size ----------------------------------------------------------------------
+    def _sized_cache(self, volume_id: str, cache: CacheOptions, slot: Path) -> CacheOptions:
+        """``cache`` with a disk tier that fits this node, or RESOURCE_EXHAUSTED before any daemon (or
+        mount pod) is started: a ``diskCache`` share (``"50%"``) becomes that share of the room on
+        the cache filesystem (its free space plus what this volume's slot holds already); a size is
+        checked against that room as ``cachefs mount`` would check it. The refusal's message is the
+        same on every retry (sizes rounded to GiB), so the kubelet's Events fold into one."""
+        if cache.disk_share_percent is None and not cache.disk_bytes:
+            return cache
+        try:
+            st = os.statvfs(slot)
+        except OSError as exc:
+            raise CsiError(Code.INTERNAL, f"cannot read the free space of {slot}: {exc.strerror}") from None
+        free = st.f_bavail * st.f_frsize
+        held = 0 if cache.disk_bytes and cache.disk_bytes <= free else directory_bytes(slot)
+        room = free + held
+        if cache.disk_share_percent is not None:
+            size = int(room * cache.disk_share_percent / 100) // MiB * MiB
+            if size >= MIN_DISK_CACHE_BYTES:
+                log.info("volume %s: diskCache %g%% of %.1f GiB of room on the node's cache disk is %d MiB",
+                         volume_id, cache.disk_share_percent, room / GiB, size // MiB)
+                return dataclasses.replace(cache, disk_bytes=size, disk_share_percent=None)
+            asked = f"diskCache {cache.disk_share_percent:g}% (less than {MIN_DISK_CACHE_BYTES // MiB} MiB here)"
+        elif cache.disk_bytes is not None and cache.disk_bytes > room:
+            asked = f"diskCache {cache.disk_bytes / GiB:.1f} GiB"
+        else:
+            return cache
+        raise CsiError(Code.RESOURCE_EXHAUSTED,
+                       f"volume {volume_id}: {asked} does not fit this node's cache disk ({room / GiB:.0f} GiB free "
+                       f"for it, at {self.settings.cache_root}); give the volume a smaller diskCache, or a share of "
+                       f"the free space such as diskCache: \"50%\" (a StorageClass's parameters cannot change: "
+                       "a new StorageClass, or a PersistentVolume's volumeAttributes)")
 
     # -- cache slots --------------------------------------------------------------------------------
     def volume_cache_dir(self, volume_id: str) -> Path:

@@ -126,8 +126,10 @@ class BrokenMountReporter(_OncePerPod):
                  workloads_of: Callable[[str], Sequence[WorkloadPod]],
                  on_broken: Callable[[str], None] = lambda volume_id: None, settle_s: float | None = None,
                  recover: Callable[[Path], bool] | None = None,
-                 before_recover: Callable[[PodState], None] = lambda state: None) -> None:
+                 before_recover: Callable[[PodState], None] = lambda state: None,
+                 mounting: Callable[[Path], bool] = lambda target: False) -> None:
         self.launcher = launcher
+        self.mounting = mounting
         self.recover = recover
         self.before_recover = before_recover
         self.is_mounted = is_mounted
@@ -142,6 +144,9 @@ class BrokenMountReporter(_OncePerPod):
 
     def _check(self, event_type: str, state: PodState) -> None:
         target = Path(state.target)
+        if self.mounting(target):  # it died before it ever served: the mount in progress fails, and says why
+            log.info("mount pod %s ended before it served %s: not a broken mount", state.name, target)
+            return
         deadline = time.monotonic() + self.settle_s
         while self.is_mounted(target) and not self.is_broken(target):
             if time.monotonic() >= deadline:
@@ -267,7 +272,8 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
     staged = StagedWritesReporter(launcher, workloads, on_left=lambda volume_id, count: metrics.record_staged_writes_left())
     # The dead pod's journal is counted before a new daemon takes its cache directory (and replays it).
     reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads, recover=node.recover,
-                                   before_recover=lambda state: staged.wait_checked(state.uid, staged.wait_s))
+                                   before_recover=lambda state: staged.wait_checked(state.uid, staged.wait_s),
+                                   mounting=lambda target: target in getattr(mounter, "mounting", ()))
 
     def observe(event_type: str, state: PodState) -> None:
         staged.observe(event_type, state)

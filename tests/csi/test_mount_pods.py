@@ -488,7 +488,8 @@ def test_a_mount_pod_deleted_by_hand_is_reported_and_recovered(cluster, seaweed,
         (new,) = mount_pods(core)
         assert new.metadata.uid != pod.metadata.uid
         assert [s.metadata.name for s in core.list_namespaced_secret(NAMESPACE).items] == [pod.metadata.name]
-        driver.publish_staged("vol-del", staging, target, context, secrets=secrets_of(seaweed))  # idempotent
+        as_the_kubelet_retries(lambda: driver.publish_staged("vol-del", staging, target, context,
+                                                             secrets=secrets_of(seaweed)))  # idempotent
         assert [p.metadata.uid for p in mount_pods(core)] == [new.metadata.uid]
         driver.unpublish("vol-del", target)
         driver.unstage("vol-del", staging)
