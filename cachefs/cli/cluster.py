@@ -1,4 +1,4 @@
-"""``cachefs cluster gc``: keep the shared cluster tier under a size.
+"""``cachefs cluster gc``: keep the shared cluster tier under a size; ``cachefs cluster init``: make its bucket.
 
 The cluster tier (``--cluster-cache``, ``tiering.tiers.cluster``) enforces no size itself: every node
 writes to it, none owns it. This command, run anywhere with access to the cluster store (a
@@ -9,6 +9,13 @@ again). Credentials come from the AWS chain, or the named ``--cluster-profile``,
 
 The alternative that needs no job: an S3 lifecycle rule expiring objects under the prefix after N
 days (LRU by write time too, bounded by age instead of size).
+
+``cachefs cluster init`` creates the cluster tier's bucket (a mount refuses a cluster store without
+it), waiting for a store that is still starting: ``--tries`` attempts ``--interval`` seconds apart,
+each bounded; a bucket that exists already is success, so running it again is harmless. It is the
+command of deploy/components/cluster-store's bucket Job, and needs only what the image installs
+(aiobotocore, which s3fs brings), nothing from the test extras (issue 36: the Job's script needed
+boto3, which the image does not have).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from typing import Any
 
 from cachefs.cli.argtypes import size
@@ -27,6 +35,12 @@ from tiering.units import format_size
 # only bound a dead endpoint, which fails the job with one line (the CronJob retries it).
 GC_CONNECT_TIMEOUT_S = 5.0
 GC_READ_TIMEOUT_S = 30.0
+# cluster init: a store being scheduled and started answers within minutes; 60 tries 5 s apart (with
+# each try bounded by the gc's timeouts) fail a Job that will not succeed within about 6 minutes.
+INIT_TRIES = 60
+INIT_INTERVAL_S = 5.0
+# What S3 answers to a CreateBucket of a bucket that exists; both mean "it is there".
+BUCKET_EXISTS = ("BucketAlreadyOwnedByYou", "BucketAlreadyExists")
 
 
 def register(sub: Any) -> None:
@@ -43,6 +57,17 @@ def register(sub: Any) -> None:
     gc.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     gc.add_argument("--json", action="store_true", help="print the report as JSON")
     gc.set_defaults(handler=cmd_cluster_gc)
+    init = csub.add_parser("init", help="create the cluster tier's bucket, waiting for the store to answer")
+    init.add_argument("--cluster-cache", required=True, metavar="s3://BUCKET[/PREFIX]",
+                      help="the cluster tier, as given to 'cachefs mount --cluster-cache'")
+    init.add_argument("--cluster-endpoint-url", default=None, metavar="URL", help="endpoint of the cluster store")
+    init.add_argument("--cluster-profile", default=None, metavar="NAME",
+                      help="AWS profile with the cluster store's credentials (default: the standard chain)")
+    init.add_argument("--tries", type=int, default=INIT_TRIES, metavar="N",
+                      help=f"attempts while the store does not answer (default {INIT_TRIES})")
+    init.add_argument("--interval", type=float, default=INIT_INTERVAL_S, metavar="SECONDS",
+                      help=f"pause between attempts (default {INIT_INTERVAL_S:g})")
+    init.set_defaults(handler=cmd_cluster_init)
 
 
 def cmd_cluster_gc(args: argparse.Namespace, environ: dict[str, str]) -> int:
@@ -77,3 +102,52 @@ async def _gc(settings: ClusterSettings, max_bytes: int, dry_run: bool, environ:
         await store.close()
     return {"blocks": report.blocks, "bytes": report.bytes, "deleted": report.deleted,
             "deleted_bytes": report.deleted_bytes, "dry_run": dry_run}
+
+
+def cmd_cluster_init(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    try:
+        settings = ClusterSettings(url=args.cluster_cache, endpoint_url=args.cluster_endpoint_url,
+                                   profile=args.cluster_profile)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.tries < 1 or not args.interval >= 0:
+        raise UsageError("--tries must be at least 1 and --interval not negative")
+    bucket = settings.url.removeprefix("s3://").split("/", 1)[0]
+    return asyncio.run(_init(settings, bucket, args.tries, args.interval, settings.environ(environ)))
+
+
+async def _init(settings: ClusterSettings, bucket: str, tries: int, interval_s: float, environ: dict[str, str]) -> int:
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import AioSession
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    session = AioSession()
+    if environ.get("AWS_PROFILE"):  # --cluster-profile (ClusterSettings.environ); else the keys below
+        session.set_config_variable("profile", environ["AWS_PROFILE"])
+    region = environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    config = AioConfig(connect_timeout=GC_CONNECT_TIMEOUT_S, read_timeout=GC_READ_TIMEOUT_S,
+                       retries={"max_attempts": 1})
+    keys = {"aws_access_key_id": environ.get("AWS_ACCESS_KEY_ID"),
+            "aws_secret_access_key": environ.get("AWS_SECRET_ACCESS_KEY"),
+            "aws_session_token": environ.get("AWS_SESSION_TOKEN")}
+    async with session.create_client("s3", endpoint_url=settings.endpoint_url, region_name=region, config=config,
+                                     **{k: v for k, v in keys.items() if v}) as s3:
+        for attempt in range(1, tries + 1):
+            try:
+                await s3.create_bucket(Bucket=bucket)
+                print(f"cachefs: bucket {bucket} created", flush=True)
+                return 0
+            except ClientError as exc:
+                code = str(exc.response.get("Error", {}).get("Code", "unknown"))
+                if code in BUCKET_EXISTS:
+                    print(f"cachefs: bucket {bucket} exists", flush=True)
+                    return 0
+                why = f"the store refused CreateBucket ({code})"
+            except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+                why = f"the store does not answer yet ({type(exc).__name__})"
+            print(f"cachefs: try {attempt} of {tries}: {why}", flush=True)
+            if attempt < tries:
+                await asyncio.sleep(interval_s)
+    print(f"cachefs: error: cluster init: bucket {bucket} at {settings.endpoint_url or 'the default endpoint'} not "
+          f"created after {tries} tries: {why}", file=sys.stderr)
+    return 1
