@@ -33,7 +33,8 @@ longer one, never a shorter (an explicit ``gracePeriodSeconds`` replaces the pod
 covers the volume's stopTimeout), and waits that long and a margin for the pod to go. At start-up
 (``take_over``) the plugin lists the mount pods of its node: a pod that serves a staged volume (a
 stage record) or a cachefs mount still in the mount table is adopted (kept, watched), any other is
-deleted, as is any Secret of the node without its pod. An API server that does not answer then is
+deleted, as is the Secret of any daemon of the node whose volume is neither staged nor mounted there
+(podwatch.take_over). An API server that does not answer then is
 retried in the background: the plugin serves meanwhile.
 
 **Watching** (``PodLauncher.watch``; what is done with what it sees is ``csi_driver.podwatch``). One
@@ -43,8 +44,10 @@ that died (phase Failed or Succeeded, a terminated container, or the pod deleted
 is still in the mount table and answers ENOTCONN is a broken
 mount: a log line, a Kubernetes Event on the mount pod and on every workload pod bound to the
 volume on this node (``podInfoOnMount`` names them), and ``cachefs_csi_mounts{state="broken"}``
-(which counts dead mounts from the mount table). The next publish of the volume mounts it again
-with a new pod, as in process mode. A pod that ended (deleted, evicted, died) is also checked for
+(which counts dead mounts from the mount table). Then the plugin recovers the volume itself
+(``restart``: a new pod of the same name with the same Secret; ``NodeOps.recover`` stacks a bind on
+every pod's target); where that fails the next publish mounts it again, as in process mode. A pod
+that dies before its daemon ever served (a mount in progress) is that mount's failure, not news. A pod that ended (deleted, evicted, died) is also checked for
 writes its daemon left journaled: SIGTERM makes it upload first, within the volume's stopTimeout,
 which its ``terminationGracePeriodSeconds`` covers; what stays is reported by ``StagedWritesReporter``
 (an Event on the workload pods, ``cachefs_csi_mount_pods_ended_with_staged_writes_total``).

@@ -14,7 +14,7 @@ days (LRU by write time too, bounded by age instead of size).
 it), waiting for a store that is still starting: ``--tries`` attempts ``--interval`` seconds apart,
 each bounded; a bucket that exists already is success, so running it again is harmless. It is the
 command of deploy/components/cluster-store's bucket Job, and needs only what the image installs
-(aiobotocore, which s3fs brings), nothing from the test extras (issue 36: the Job's script needed
+(its own S3 client), nothing from the test extras (issue 36: the Job's script needed
 boto3, which the image does not have).
 """
 
@@ -39,8 +39,6 @@ GC_READ_TIMEOUT_S = 30.0
 # each try bounded by the gc's timeouts) fail a Job that will not succeed within about 6 minutes.
 INIT_TRIES = 60
 INIT_INTERVAL_S = 5.0
-# What S3 answers to a CreateBucket of a bucket that exists; both mean "it is there".
-BUCKET_EXISTS = ("BucketAlreadyOwnedByYou", "BucketAlreadyExists")
 
 
 def register(sub: Any) -> None:
@@ -117,37 +115,27 @@ def cmd_cluster_init(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 
 async def _init(settings: ClusterSettings, bucket: str, tries: int, interval_s: float, environ: dict[str, str]) -> int:
-    from aiobotocore.config import AioConfig
-    from aiobotocore.session import AioSession
-    from botocore.exceptions import BotoCoreError, ClientError
+    from tiering.errors import CacheError
+    from tiering.objectstore import open_object_store
+    from tiering.objectstore.s3 import S3ObjectStore
 
-    session = AioSession()
-    if environ.get("AWS_PROFILE"):  # --cluster-profile (ClusterSettings.environ); else the keys below
-        session.set_config_variable("profile", environ["AWS_PROFILE"])
-    region = environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    config = AioConfig(connect_timeout=GC_CONNECT_TIMEOUT_S, read_timeout=GC_READ_TIMEOUT_S,
-                       retries={"max_attempts": 1})
-    keys = {"aws_access_key_id": environ.get("AWS_ACCESS_KEY_ID"),
-            "aws_secret_access_key": environ.get("AWS_SECRET_ACCESS_KEY"),
-            "aws_session_token": environ.get("AWS_SESSION_TOKEN")}
-    async with session.create_client("s3", endpoint_url=settings.endpoint_url, region_name=region, config=config,
-                                     **{k: v for k, v in keys.items() if v}) as s3:
+    store = open_object_store(f"s3://{bucket}", endpoint_url=settings.endpoint_url,
+                              connect_timeout_s=GC_CONNECT_TIMEOUT_S, read_timeout_s=GC_READ_TIMEOUT_S, environ=environ)
+    assert isinstance(store, S3ObjectStore)  # ClusterSettings takes s3:// only
+    why = "not tried"
+    try:
         for attempt in range(1, tries + 1):
             try:
-                await s3.create_bucket(Bucket=bucket)
-                print(f"cachefs: bucket {bucket} created", flush=True)
+                made = await store.create_bucket()
+                print(f"cachefs: bucket {bucket} {'created' if made else 'exists'}", flush=True)
                 return 0
-            except ClientError as exc:
-                code = str(exc.response.get("Error", {}).get("Code", "unknown"))
-                if code in BUCKET_EXISTS:
-                    print(f"cachefs: bucket {bucket} exists", flush=True)
-                    return 0
-                why = f"the store refused CreateBucket ({code})"
-            except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
-                why = f"the store does not answer yet ({type(exc).__name__})"
+            except CacheError as exc:
+                why = str(exc).splitlines()[0][:300]
             print(f"cachefs: try {attempt} of {tries}: {why}", flush=True)
             if attempt < tries:
                 await asyncio.sleep(interval_s)
+    finally:
+        await store.close()
     print(f"cachefs: error: cluster init: bucket {bucket} at {settings.endpoint_url or 'the default endpoint'} not "
           f"created after {tries} tries: {why}", file=sys.stderr)
     return 1

@@ -429,6 +429,13 @@ class S3ObjectStore:
         page = await self._call("list_objects_v2", op="LIST", where=self._where(), Prefix=self.prefix, MaxKeys=1)
         return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
+    async def create_bucket(self) -> bool:
+        """CreateBucket of this store's bucket: True if made now, False if it exists already (a setup
+        step, ``cachefs cluster init``; never part of serving)."""
+        made = await self._call("create_bucket", op="CREATE", where=self._where(),
+                                tolerate=frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}))
+        return made is not None
+
     async def list_dir(self, prefix: str) -> Listing:
         check_list_prefix(prefix)
         full = self.prefix + prefix
