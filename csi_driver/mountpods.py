@@ -134,6 +134,12 @@ TMP_SIZE = "64Mi"
 STATS_PORT = 9750
 STATS_PORT_NAME = "stats"
 POD_IP_ENV = "POD_IP"
+# The daemon writes its last counters here when it exits (``cachefs mount --exit-stats-file``): the
+# container's termination message, which the kubelet keeps in the pod's status after the pod ended,
+# so the Dataset operator counts what a mount pod served however short its life
+# (csi_driver.operator.usage). Under the pod's /tmp (a volume), where the runtime can make the file
+# on a read-only root.
+TERMINATION_LOG = "/tmp/termination-log"
 # A container waiting for one of these will not start by itself: the mount fails at once (naming
 # the reason) instead of after the whole mount timeout; the kubelet retries the publish anyway.
 STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
@@ -252,7 +258,10 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
             "image": settings.image,
             "imagePullPolicy": settings.image_pull_policy,
             # The kubelet expands $(POD_IP) from the container's environment.
-            "command": [*settings.command, *spec.args, "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}"],
+            "command": [*settings.command, *spec.args, "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}",
+                        "--exit-stats-file", TERMINATION_LOG],
+            "terminationMessagePath": TERMINATION_LOG,
+            "terminationMessagePolicy": "File",
             "ports": [{"name": STATS_PORT_NAME, "containerPort": STATS_PORT, "protocol": "TCP"}],
             "env": env,
             "resources": resources,

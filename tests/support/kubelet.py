@@ -29,8 +29,11 @@ another single-container pod of cachefs's image, such as the operator's):
 - with ``readOnlyRootFilesystem: true`` (and root to do it), runs it in a mount namespace of its own
   with ``/`` read-only and the pod's hostPath and emptyDir volumes bind-mounted writable at their
   mount paths (``tests/support/container_root.py``);
+- gives the container its termination-message file (``terminationMessagePath``, a host file of
+  mode 0666 bound at that path, as the kubelet makes it; read-only-root pods only) and reports its
+  first 4096 bytes as ``state.terminated.message`` (``terminationMessagePolicy: File``);
 - reports ``status.phase`` Running, then Succeeded or Failed with the container's exit code and a
-  ``terminated`` state when the process ends;
+  ``terminated`` state when the process ends, also for a pod being deleted (before it removes it);
 - stops a pod being deleted (``metadata.deletionTimestamp`` set; the API double keeps it until then,
   ``tests/support/kubeapi.py``) as the kubelet does: SIGTERM to the process group, then SIGKILL after
   the pod's ``metadata.deletionGracePeriodSeconds`` (at least 2 s, the kubelet's
@@ -38,8 +41,8 @@ another single-container pod of cachefs's image, such as the operator's):
   kubelet restarts its kill with it), whichever comes first; then removes the pod
   from the API (a DELETE with grace 0 and the pod's uid as precondition, as the kubelet's status
   manager does), also for a pod it never started (refused, not pulled). ``Container.stop_grace_s``
-  records the grace it gave. It does not report a deleted pod's terminal status first (the kubelet
-  does); a pod removed outright (grace 0) gets its spec's grace period instead (the kubelet: 2 s).
+  records the grace it gave. A pod removed outright (grace 0) gets its spec's grace period instead
+  (the kubelet: 2 s).
 
 ``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod. An image
 named ``unpullable/...`` is never pulled: the container waits in ``ErrImagePull``, as it would.
@@ -172,6 +175,7 @@ class Container:
     log_path: Path
     grace_s: float
     env: dict[str, str] = field(repr=False)
+    termination_log: Path | None = None  # the host file bound at terminationMessagePath
     reported: bool = False
     deleted: bool = False
     stop_grace_s: float | None = None  # the grace its deletion gave it (SIGTERM to SIGKILL)
@@ -346,6 +350,8 @@ class Kubelet:
         for uid, pod in deleting.items():  # stopped (or never started here): the kubelet's last step
             known = containers.get(uid)
             if known is None or (known.deleted and known.proc.poll() is not None):
+                if known is not None and not known.reported:
+                    self._report_exit(known)  # its terminal status first, as the kubelet's status manager
                 self._remove(pod)
 
     def _remove(self, pod: Any) -> None:
@@ -433,6 +439,13 @@ class Kubelet:
             if user != 0:
                 wrap += [f"--reuid={user}", f"--regid={group if group is not None else user}", "--clear-groups"]
             command = wrap + command
+        termination_log = None
+        if container.termination_message_path and security.read_only_root_filesystem and self.unshare is not None:
+            termination_log = self.workdir / "termination" / pod.metadata.uid
+            termination_log.parent.mkdir(parents=True, exist_ok=True)
+            termination_log.write_bytes(b"")
+            termination_log.chmod(0o666)  # as the kubelet makes it: a container of any uid writes it
+            binds.append((str(termination_log), container.termination_message_path))
         if security.read_only_root_filesystem and self.unshare is not None:
             command = [self.unshare, "--mount", "--propagation", "slave", "--", sys.executable, str(CONTAINER_ROOT),
                        json.dumps(binds), "--", *command]
@@ -442,7 +455,8 @@ class Kubelet:
                                     env={**runtime_environ(self.base_env, user), **env}, start_new_session=True)
         with self._lock:
             self.containers[pod.metadata.uid] = Container(pod.metadata.name, pod.metadata.uid, proc, log_path,
-                                                          float(spec.termination_grace_period_seconds or 30), env)
+                                                          float(spec.termination_grace_period_seconds or 30), env,
+                                                          termination_log)
         self._patch_status(pod.metadata.name, {
             "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "startTime": _now(),
             "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "local",
@@ -454,13 +468,20 @@ class Kubelet:
         code = container.proc.returncode
         exit_code = 128 - code if code < 0 else code  # killed by a signal: 128 + its number
         container.reported = True
+        terminated: dict[str, Any] = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                                      "finishedAt": _now()}
+        if container.termination_log is not None:
+            try:
+                message = container.termination_log.read_bytes()[:4096].decode(errors="replace")
+            except OSError:
+                message = ""
+            if message:
+                terminated["message"] = message
         self._patch_status(container.name, {
             "phase": "Succeeded" if exit_code == 0 else "Failed",
             "containerStatuses": [{"name": "cachefs", "image": "local", "imageID": "local", "ready": False,
                                    "restartCount": 0, "started": False,
-                                   "state": {"terminated": {"exitCode": exit_code,
-                                                            "reason": "Completed" if exit_code == 0 else "Error",
-                                                            "finishedAt": _now()}}}],
+                                   "state": {"terminated": terminated}}],
         })
 
     def _terminate(self, container: Container, grace_s: float | None = None) -> None:
