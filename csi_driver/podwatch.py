@@ -167,7 +167,9 @@ class BrokenMountReporter(_OncePerPod):
             log.info("volume %s: recovered %s after mount pod %s ended", state.volume_id, target, state.name)
 
     def _report(self, event_type: str, state: PodState) -> None:
-        why = f"ended ({state.terminated})" if state.dead else "was deleted"
+        # A pod deleted (kubectl delete pod, an eviction) ends too, and its kubelet reports that first.
+        deleted = event_type == "DELETED" or state.deleting
+        why = "was deleted" if deleted else f"ended ({state.terminated})"
         then = ("the node plugin is starting a new mount pod, and pods whose volume mount has mountPropagation "
                 "HostToContainer read on once it serves; any other pod needs a restart" if self.recover is not None
                 else "until the volume is published again on this node (restart the pods that use it)")
@@ -175,7 +177,7 @@ class BrokenMountReporter(_OncePerPod):
                    f"is broken (Transport endpoint is not connected); {then}")
         log.error("%s", message)
         self.on_broken(state.volume_id)
-        if event_type != "DELETED":
+        if not deleted:
             self.launcher.event(self.launcher.settings.namespace, state.name, state.uid, "MountPodDied", message)
         for workload in self.workloads_of(state.volume_id):
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsMountBroken", message)
