@@ -173,6 +173,13 @@ def pod_name(node: str, daemon: str) -> str:
     return POD_NAME_PREFIX + hashlib.sha256(f"{node}\0{daemon}".encode()).hexdigest()[:20]
 
 
+def node_id(node: str) -> str:
+    """The daemon's ``--node-id``: the node's name (its write-durability journal prefix names it, so
+    ``cachefs recover --list`` names nodes, not mount pods that are gone: issue 36), hashed where it
+    is longer than the 128 characters the option takes."""
+    return node if len(node) <= 128 else f"{node[:100]}-{hashlib.sha256(node.encode()).hexdigest()[:16]}"
+
+
 def volume_label(volume_id: str) -> str:
     return hashlib.sha256(volume_id.encode()).hexdigest()[:32]
 
@@ -258,8 +265,8 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
             "image": settings.image,
             "imagePullPolicy": settings.image_pull_policy,
             # The kubelet expands $(POD_IP) from the container's environment.
-            "command": [*settings.command, *spec.args, "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}",
-                        "--exit-stats-file", TERMINATION_LOG],
+            "command": [*settings.command, *spec.args, "--node-id", node_id(settings.node_name),
+                        "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}", "--exit-stats-file", TERMINATION_LOG],
             "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "File",
             "ports": [{"name": STATS_PORT_NAME, "containerPort": STATS_PORT, "protocol": "TCP"}],
