@@ -190,6 +190,7 @@ class MountSettings:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     stats_addr: str | None = None
+    exit_stats_file: Path | None = None  # the last counters, written at exit (--exit-stats-file)
     allow_other: bool = False
     log_level: str = "INFO"
     cluster: ClusterSettings | None = None

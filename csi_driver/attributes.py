@@ -37,6 +37,7 @@ unless the volume sets its modes (``with_mount_group``).
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
@@ -196,6 +197,10 @@ class CacheOptions:
     stop_timeout_s: float | None = None
     write_durability: str | None = None
     direct_io: bool = False
+    # diskCache given as a share ("50%"): of the cache filesystem's room on the node (its free space
+    # plus what the volume's cache already holds there), sized by the node plugin at mount time
+    # (csi_driver.node.NodeOps._sized_cache), which then sets disk_bytes.
+    disk_share_percent: float | None = None
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
@@ -356,6 +361,19 @@ def _parse_size(key: str, value: str) -> int:
     return size
 
 
+def _parse_share(key: str, value: str) -> float:
+    """``"50%"``: a share from 1 to 100 percent."""
+    number = value.strip()[:-1].strip()
+    try:
+        share = float(number)
+    except ValueError:
+        share = math.nan
+    if not 1 <= share <= 100:
+        raise invalid(f"volume attribute {key!r}: a share of the node's cache disk must be from 1% to 100%, "
+                      f"got {_quote(value)}")
+    return share
+
+
 def _parse_int(key: str, value: str, low: int, high: int) -> int:
     if not value.strip().isdigit() or not low <= int(value) <= high:
         raise invalid(f"volume attribute {key!r} must be a whole number from {low} to {high}, got {_quote(value)}")
@@ -394,7 +412,10 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
 
     options = CacheOptions(
         ram_bytes=_parse_size(ATTR_RAM_CACHE, v) if (v := get(ATTR_RAM_CACHE)) is not None else None,
-        disk_bytes=_parse_size(ATTR_DISK_CACHE, v) if (v := get(ATTR_DISK_CACHE)) is not None else None,
+        disk_bytes=_parse_size(ATTR_DISK_CACHE, v) if (v := get(ATTR_DISK_CACHE)) is not None
+        and not v.strip().endswith("%") else None,
+        disk_share_percent=_parse_share(ATTR_DISK_CACHE, v) if (v := get(ATTR_DISK_CACHE)) is not None
+        and v.strip().endswith("%") else None,
         block_size=_parse_size(ATTR_BLOCK_SIZE, v) if (v := get(ATTR_BLOCK_SIZE)) is not None else None,
         readahead_bytes=_parse_size(ATTR_READAHEAD, v) if (v := get(ATTR_READAHEAD)) is not None else None,
         max_fetches=_parse_int(ATTR_MAX_FETCHES, v, 1, MAX_CONCURRENT_FETCHES) if (v := get(ATTR_MAX_FETCHES)) is not None else None,

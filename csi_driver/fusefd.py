@@ -28,6 +28,7 @@ import select
 import socket
 import stat
 import struct
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -42,6 +43,9 @@ FUSE_DEVICE = "/dev/fuse"
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_PRIVATE = 1 << 18
 MNT_DETACH = 0x2
 # How often a wait looks at whether the daemon is still alive.
 ALIVE_POLL_S = 1.0
@@ -93,6 +97,40 @@ def mount_fuse(target: Path, *, read_only: bool, allow_other: bool = True, defau
         os.close(fd)
         raise
     return fd
+
+
+def bind(source: Path, target: Path, *, read_only: bool) -> None:
+    """Bind the mount at ``source`` on ``target``, on top of whatever is mounted there (a dead FUSE
+    mount too: the syscall resolves the path without asking the filesystem, where ``mount --bind``
+    would stat it and get ENOTCONN). ``OSError`` if the kernel refuses.
+
+    The bind reaches ``target`` in a peer group of its own. A plain bind of a shared mount joins the
+    source's peer group: every pod's target would be a peer of the staged mount and of each other
+    (under the kubelet's rshared root they are), and a bind later stacked on one target would appear
+    on all of them, read-write on a read-only pod's too (issue 36). So the source is bound first in a
+    private scratch directory, that bind made private (out of the source's group) and, for a
+    read-only bind, read-only (keeping the FUSE mount's nosuid and nodev: a remount does not
+    propagate, so it must happen before the bind reaches ``target``), and then that mount is bound on
+    ``target``: it keeps its flags, and under a shared parent gets a new peer group, which the host
+    and the containers holding ``target`` (rslave) follow."""
+    scratch = tempfile.mkdtemp(prefix="cachefs-csi-bind-")
+    layers = 0
+    try:
+        # The scratch directory, a private mount of its own: nothing made under it propagates anywhere.
+        _check(_libc.mount(scratch.encode(), scratch.encode(), None, MS_BIND, None), f"bind {scratch} on itself")
+        layers += 1
+        _check(_libc.mount(None, scratch.encode(), None, MS_PRIVATE, None), f"make {scratch} private")
+        _check(_libc.mount(os.fsencode(source), scratch.encode(), None, MS_BIND, None), f"bind {source} on {scratch}")
+        layers += 1
+        _check(_libc.mount(None, scratch.encode(), None, MS_PRIVATE, None), f"make the bind of {source} private")
+        if read_only:
+            _check(_libc.mount(None, scratch.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                               None), f"make the bind of {source} read-only")
+        _check(_libc.mount(scratch.encode(), os.fsencode(target), None, MS_BIND, None), f"bind {source} on {target}")
+    finally:
+        for _ in range(layers):
+            _libc.umount2(scratch.encode(), MNT_DETACH)
+        os.rmdir(scratch)
 
 
 def unmount(target: Path, *, lazy: bool = False) -> None:

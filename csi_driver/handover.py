@@ -39,7 +39,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from cachefs.handover import MAX_SOCKET_PATH, HandoverError
 from cachefs.tuning import tune_fuse_connection
@@ -104,6 +104,9 @@ class HandoverMounter(CachefsMounter):
         self.daemon_uid = daemon_uid
         self.daemon_gid = daemon_gid
         self.stop_timeout_s = stop_timeout_s
+        # Targets being mounted now: a daemon that dies before it serves one is that mount's failure
+        # (answered to the caller), not a broken mount to report (podwatch.BrokenMountReporter).
+        self.mounting: set[Path] = set()
 
     # -- the daemon's description -------------------------------------------------------------------
     def spec_for(self, request: MountRequest) -> DaemonSpec:
@@ -130,7 +133,7 @@ class HandoverMounter(CachefsMounter):
             uid=self.daemon_uid, gid=self.daemon_gid, ram_cache_bytes=request.cache.ram_bytes,
             disk_cache_bytes=request.cache.disk_bytes, context=dict(request.context),
             pod_resources=request.pod_resources, stop_timeout_s=request.cache.stop_timeout_s,
-            log_file=request.cache_dir / "daemon.log",
+            log_file=request.cache_dir / "daemon.log", source=request.source,
         )
 
     def _prepare_dirs(self, spec: DaemonSpec) -> None:
@@ -147,34 +150,75 @@ class HandoverMounter(CachefsMounter):
     # -- Mounter ------------------------------------------------------------------------------------
     def mount(self, request: MountRequest) -> None:
         spec = self.spec_for(request)
-        what = f"cannot mount {request.source} on {request.target}"
+        self._mount(spec, self.launcher.start, f"cannot mount {request.source} on {request.target}")
+        self._save_spec(spec)
+        log.info("mounted %s on %s; served by daemon %s (%s)", request.source, spec.target, spec.name,
+                 self.launcher.describe(spec.name))
+
+    def relaunch(self, target: Path) -> None:
+        """The daemon of the mount at ``target`` died: detach the dead mount, mount ``/dev/fuse`` there
+        again and hand it to a new daemon started from the saved spec (``<run_root>/<name>.spec.json``,
+        no credential in it) by ``launcher.restart``, which gives it the environment the first start
+        was given (a mount pod's Secret, kept while the volume is mounted)."""
+        name = daemon_name(target)
+        try:
+            spec = DaemonSpec.from_json(self._spec_path(name).read_text())
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CsiError(Code.FAILED_PRECONDITION, f"cannot start the daemon of {target} again: its spec "
+                                                     f"{self._spec_path(name)} is unreadable ({exc})") from None
+        if self.is_mounted(target):
+            self.detach(target)  # dead: nothing to flush
+        self._mount(spec, self.launcher.restart, f"cannot mount {target} again")
+        log.info("mounted %s again with a new daemon %s (%s)", target, spec.name, self.launcher.describe(spec.name))
+
+    def _spec_path(self, name: str) -> Path:
+        return self.run_root / f"{name}.spec.json"
+
+    def _save_spec(self, spec: DaemonSpec) -> None:
+        """What ``relaunch`` needs, beside the daemon's run directory (which the daemon's user owns):
+        root's, mode 0600, and without the environment's values."""
+        path = self._spec_path(spec.name)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(spec.to_json())
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot save %s (%s): the daemon of %s cannot be restarted without a publish", path,
+                        exc.strerror, spec.target)
+
+    def _mount(self, spec: DaemonSpec, launch: Callable[[DaemonSpec], None], what: str) -> None:
         if self.launcher.is_running(spec.name):
             # A daemon of an earlier mount at this target (a dead mount being replaced).
             log.warning("a daemon for %s is still running (%s); stopping it before mounting again", spec.target,
                         self.launcher.describe(spec.name))
             self.launcher.stop(spec.name, self.stop_timeout_s)
         self._prepare_dirs(spec)
+        self.mounting.add(spec.target)
         try:
-            fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only, source=request.source)
-        except OSError as exc:
-            raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
-        deadline = time.monotonic() + self.mount_timeout_s
-        try:
-            self._hand_over(spec, fd, deadline, what)
-        except BaseException:
-            self._undo(spec)
-            raise
-        log.info("mounted %s on %s; served by daemon %s (%s)", request.source, spec.target, spec.name,
-                 self.launcher.describe(spec.name))
+            try:
+                fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only, source=spec.source)
+            except OSError as exc:
+                raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
+            deadline = time.monotonic() + self.mount_timeout_s
+            try:
+                self._hand_over(spec, fd, deadline, what, launch)
+            except BaseException:
+                self._undo(spec)
+                raise
+        finally:
+            self.mounting.discard(spec.target)
 
-    def _hand_over(self, spec: DaemonSpec, fd: int, deadline: float, what: str) -> None:
+    def _hand_over(self, spec: DaemonSpec, fd: int, deadline: float, what: str,
+                   launch: Callable[[DaemonSpec], None]) -> None:
         def alive() -> bool:
             return self.launcher.is_running(spec.name)
 
         try:
             try:
                 with fusefd.HandoverSocket(spec.handover_socket, uid=spec.uid, gid=spec.gid) as listener:
-                    self.launcher.start(spec)
+                    launch(spec)
                     conn = listener.hand_over(fd, deadline, alive)
             finally:
                 os.close(fd)  # from here on the daemon holds the connection's only fd
@@ -228,6 +272,7 @@ class HandoverMounter(CachefsMounter):
             time.sleep(POLL_S)
         self.launcher.stop(name, self.stop_timeout_s)
         shutil.rmtree(self.run_root / name, ignore_errors=True)
+        self._spec_path(name).unlink(missing_ok=True)
 
     def _flush(self, target: Path) -> None:
         """Everything written through ``target`` is in the object store, or ``CsiError`` (and no unmount)."""

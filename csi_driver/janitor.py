@@ -10,6 +10,15 @@ kept, with a warning: they are uploaded by the next mount, or by the operator, n
 An inline ephemeral volume's cache is removed at unpublish already; one left by a plugin that died
 in between goes the same way, as no PersistentVolume names it either.
 
+**Known gone, or unnamed for an hour** (issue 36: a reinstall's reused caches were removed ten
+minutes after it, as an uninstall deletes the PersistentVolumes and the reinstall had not yet made
+them again). A volume this plugin has seen named by a PersistentVolume, in an earlier round of its
+own, is *known gone* once no PersistentVolume names it: its cache goes at that round. A cache never
+seen named since this plugin started (an earlier install's, or one whose PersistentVolume went while
+no plugin ran) is kept for ``UNNAMED_GRACE_S`` from the first round that found it unnamed (recorded
+in its directory, ``UNNAMED_MARK``, so a restart does not reset it): a reinstall that makes its
+volumes again within that time mounts them warm; after it, the cache goes.
+
 Each removal is a log line naming the volume, its size and why. A round that cannot list the volumes
 (API server away, RBAC missing) removes nothing and says so once until a list works again. A volume
 whose operation is in progress (its lock held by a CSI call) is left for the next round.
@@ -22,6 +31,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +45,12 @@ log = logging.getLogger(__name__)
 # minutes, and a deleted volume's disk space comes back long before a node's disk fills with them.
 CACHE_SWEEP_INTERVAL_S = 600.0
 API_TIMEOUT_S = 10.0
+# How long a cache no PersistentVolume has named since this plugin started is kept: a reinstall (the
+# uninstall deletes the PersistentVolumes) has this long to make its volumes again and find their
+# caches warm (deploy/README.md, "Uninstall"); an hour is many times a reinstall and costs a deleted
+# volume's disk space for at most that long when no plugin saw it go.
+UNNAMED_GRACE_S = 3600.0
+UNNAMED_MARK = "unnamed-since"  # in a volume's cache directory: when a round first found it unnamed
 
 
 def persistent_volume_handles(core: Any, driver_name: str) -> set[str]:
@@ -62,12 +78,15 @@ def _size(path: Path) -> int:
 class CacheJanitor:
     """One node's sweeper (see the module docstring). ``live()`` returns the volume ids that exist."""
 
-    def __init__(self, node: NodeOps, live: Callable[[], set[str]], driver_name: str) -> None:
+    def __init__(self, node: NodeOps, live: Callable[[], set[str]], driver_name: str, *,
+                 grace_s: float = UNNAMED_GRACE_S, now: Callable[[], float] = time.time) -> None:
         self.node = node
         self.live = live
         self.driver_name = driver_name
+        self.grace_s = grace_s
+        self.now = now
         self._listing_failed = False
-
+        self._seen: set[str] = set()  # volume ids a PersistentVolume named in a round of this plugin
     def sweep(self) -> list[str]:
         """One round; returns the volume ids whose caches were removed."""
         from cachefs.admin import staged_changes
@@ -83,6 +102,7 @@ class CacheJanitor:
         if self._listing_failed:
             log.info("PersistentVolumes can be listed again: removing the caches of deleted volumes")
         self._listing_failed = False
+        self._seen |= live
         root = self.node.settings.cache_root / "volumes"
         try:
             bases = sorted(p for p in root.iterdir() if p.is_dir())
@@ -91,7 +111,13 @@ class CacheJanitor:
         removed = []
         for base in bases:
             volume_id = self._volume_id(base)
-            if volume_id is None or volume_id in live or base.name != cache_dir_name(volume_id):
+            if volume_id is None or base.name != cache_dir_name(volume_id):
+                continue
+            if volume_id in live:
+                (base / UNNAMED_MARK).unlink(missing_ok=True)
+                continue
+            why = self._why_gone(base, volume_id)
+            if why is None:
                 continue
             try:
                 with self.node.locks.hold(f"volume {volume_id}"):
@@ -108,12 +134,32 @@ class CacheJanitor:
                         continue
                     size = _size(base)
                     shutil.rmtree(base, ignore_errors=True)
-                    log.info("removed the cache of volume %s (%s, %.1f MiB): no PersistentVolume of %s names it "
-                             "and this node does not use it", volume_id, base, size / (1 << 20), self.driver_name)
+                    log.info("removed the cache of volume %s (%s, %.1f MiB): %s, and this node does not use it",
+                             volume_id, base, size / (1 << 20), why)
                     removed.append(volume_id)
             except CsiError:
                 continue  # a CSI call on this volume is in progress: next round
         return removed
+
+    def _why_gone(self, base: Path, volume_id: str) -> str | None:
+        """Why the cache of unnamed ``volume_id`` may go now, or None while it is kept (see above)."""
+        if volume_id in self._seen:
+            return f"its PersistentVolume of {self.driver_name} was deleted"
+        mark = base / UNNAMED_MARK
+        try:
+            since = float(mark.read_text())
+        except (OSError, ValueError):
+            try:
+                mark.write_text(f"{self.now():.0f}\n")
+            except OSError as exc:
+                log.warning("cannot write %s: %s; keeping the cache", mark, exc.strerror)
+                return None
+            log.info("volume %s: no PersistentVolume of %s names its cache %s; kept %.0f minutes for a reinstall to "
+                     "make it again", volume_id, self.driver_name, base, self.grace_s / 60)
+            return None
+        if self.now() - since < self.grace_s:
+            return None
+        return f"no PersistentVolume of {self.driver_name} has named it for {(self.now() - since) / 60:.0f} minutes"
 
     def _volume_id(self, base: Path) -> str | None:
         for slot in sorted(base.glob("slot-*")):

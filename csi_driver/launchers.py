@@ -28,9 +28,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from cachefs import mounts
 from cachefs.settings import STOP_MARGIN_S
@@ -87,16 +87,41 @@ class DaemonSpec:
     # The volume's stopTimeout (None: cachefs's default): how long the daemon uploads after SIGTERM,
     # which a mount pod's grace period must cover (PodLauncher).
     stop_timeout_s: float | None = None
+    source: str = ""  # the volume's source URL: what the mount table shows (``fusefd.mount_fuse``)
 
     @property
     def handover_socket(self) -> Path:
         return self.run_dir / HANDOVER_SOCKET
+
+    def to_json(self) -> str:
+        """Everything but the environment's values (credentials): what a restart needs besides them."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "env"}
+        data["env_names"] = sorted(self.env)
+        data["pod_resources"] = asdict(self.pod_resources)
+        return json.dumps(data, default=str, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> DaemonSpec:
+        """A spec saved by ``to_json``; ``env`` holds the variables' names, each with an empty value."""
+        data = json.loads(text)
+        paths = {"target", "cache_dir", "run_dir", "log_file"}
+        known = {f.name for f in fields(cls)} - {"env"}
+        values: dict[str, Any] = {k: (Path(v) if k in paths and v is not None else v) for k, v in data.items()
+                                  if k in known}
+        values["args"] = tuple(values["args"])
+        values["pod_resources"] = MountPodResources(**data.get("pod_resources") or {})
+        return cls(env={name: "" for name in data.get("env_names", [])}, **values)
 
 
 class DaemonLauncher(Protocol):
     def start(self, spec: DaemonSpec) -> None:
         """Start the daemon and return without waiting for it to serve; ``CsiError`` if it cannot be
         started. A daemon of the same name left over (not running any more) is replaced."""
+
+    def restart(self, spec: DaemonSpec) -> None:
+        """Start the daemon of ``spec`` again after it died, with the environment its first start was
+        given (``spec.env`` holds only the names: the values were never written anywhere but where the
+        launcher keeps them); ``CsiError`` FAILED_PRECONDITION where the launcher kept none."""
 
     def is_running(self, name: str) -> bool:
         """Whether the daemon ``name`` exists and has not exited (a pod: Pending or Running, so the
@@ -194,6 +219,10 @@ class ProcessLauncher:
         os.replace(tmp, record)
         log.info("started daemon %s for %s: pid %d, log %s", spec.name, spec.target, proc.pid, log_path)
 
+    def restart(self, spec: DaemonSpec) -> None:
+        raise CsiError(Code.FAILED_PRECONDITION, f"daemon {spec.name} cannot be started again without a publish: "
+                                                 "a host process's environment (credentials) is kept nowhere")
+
     def is_running(self, name: str) -> bool:
         return self._pid(name) is not None
 
@@ -256,6 +285,12 @@ class FakeLauncher:
         if error is not None:
             raise error
         self.specs[spec.name] = spec
+        self.running.add(spec.name)
+
+    def restart(self, spec: DaemonSpec) -> None:
+        self.calls.append(("restart", spec.name))
+        kept = self.specs[spec.name]  # as a pod launcher keeps the Secret: the first start's environment
+        self.specs[spec.name] = DaemonSpec(**{**{f.name: getattr(spec, f.name) for f in fields(spec)}, "env": kept.env})
         self.running.add(spec.name)
 
     def is_running(self, name: str) -> bool:

@@ -9,10 +9,12 @@ nodes. The driver's own series:
 - ``cachefs_csi_mounts{state}``: cachefs mounts on the node, ``healthy`` or ``broken`` (a daemon
   gone: the mount answers "Transport endpoint is not connected" until republished; or a daemon
   that did not answer the scrape in time). Every pod's bind of a staged volume counts too (its
-  health only; its daemon's metrics come once, with the staged mount's): a bind left on a dead
-  mount after the volume was mounted again for another pod is still broken, and says so, as does a
-  pod's target whose bind could not be restored (recorded, but no cachefs mount), until the pod's
-  unpublish.
+  health only; its daemon's metrics come once, with the staged mount's), probed through its path,
+  so what counts is the top of the target's stack: what a pod whose volume mount propagates from
+  the host (``HostToContainer``) sees, since a recovery stacks the new bind on the dead one
+  (``NodeOps._stack_bind``). A target whose bind could not be restored is broken, and says so,
+  until the pod's unpublish. (A pod without HostToContainer keeps the dead bind whatever the top
+  is: the plugin cannot see into it; docs say so.)
 - ``cachefs_csi_mount_pods_ended_with_staged_writes_total``: mount pods that ended (deleted, evicted,
   died) leaving acknowledged writes journaled on this node, not in the bucket
   (``podwatch.StagedWritesReporter``); the next mount of the volume on this node uploads them.

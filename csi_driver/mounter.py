@@ -11,9 +11,10 @@ When a volume brings its own key pair, every other AWS credential source inherit
 plugin (a session token, a profile, web identity) is removed from that environment, so the pair is
 used exactly as given and never combined with the node's own identity.
 
-Bind mounts (a staged volume's mount shown at each pod's target, ``staging.py``) use util-linux
-``mount --bind`` and ``umount``: a bind never talks to the daemon, and removing one leaves the daemon
-serving the staged mount and every other bind of it.
+Bind mounts (a staged volume's mount shown at each pod's target, ``staging.py``) are made with
+``mount(2)`` (``fusefd.bind``: on top of whatever is at the target, a dead mount included) and
+removed with util-linux ``umount``: a bind never talks to the daemon, and removing one leaves the
+daemon serving the staged mount and every other bind of it.
 
 ``FakeMounter`` keeps mounts in a dict; unit tests and the FlexVolume tests' doubles use it, and
 can mark a mount broken or make the next call fail.
@@ -21,6 +22,7 @@ can mark a mount broken or make the next call fail.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Mapping, Protocol, Sequence
 
 from cachefs import mounts
+from csi_driver import fusefd
 from csi_driver.attributes import CacheOptions, Credentials, MountPodResources, OwnerOptions
 from csi_driver.errors import Code, CsiError
 from csi_driver.redact import REGISTRY
@@ -96,7 +99,15 @@ class Mounter(Protocol):
         """Bind-mount the cachefs mount at ``source`` on ``target`` (read-only: the bind refuses writes)."""
 
     def unbind(self, target: Path) -> None:
-        """Remove the bind mount at ``target`` (lazily when its daemon is gone); the daemon is untouched."""
+        """Remove the bind mount at ``target`` (lazily when its daemon is gone); the daemon is untouched.
+        Where binds are stacked, the top one goes."""
+
+    def layers(self, target: Path) -> int:
+        """How many mounts are stacked at ``target`` (0: not a mount point)."""
+
+    def relaunch(self, target: Path) -> None:
+        """Mount ``target`` (a staged mount whose daemon died) again with a new daemon given what the
+        first one was given, credentials included, without a request; ``CsiError`` where it cannot."""
 
 
 def probe_broken(path: Path) -> bool:
@@ -209,20 +220,21 @@ class CachefsMounter:
         return probe_broken(target)
 
     def bind(self, source: Path, target: Path, read_only: bool) -> None:
-        env = dict(self.environ)
-        result = self._run(["mount", "--bind", str(source), str(target)], env, LAZY_UNMOUNT_TIMEOUT_S,
-                           f"binding {source} on {target}")
-        if result.returncode != 0:
-            raise CsiError(Code.INTERNAL, f"cannot bind {source} on {target}: {last_line(result.stderr)}")
-        if not read_only:
-            return
-        # A bind inherits the source's flags; read-only is a second step on the bind alone.
-        result = self._run(["mount", "-o", "remount,ro,bind", str(target)], env, LAZY_UNMOUNT_TIMEOUT_S,
-                           f"making {target} read-only")
-        if result.returncode != 0:
-            reason = last_line(result.stderr)
-            self._run(["umount", str(target)], env, LAZY_UNMOUNT_TIMEOUT_S, f"undoing the bind on {target}")
-            raise CsiError(Code.INTERNAL, f"cannot make the bind on {target} read-only: {reason}")
+        try:
+            fusefd.bind(source, target, read_only=read_only)
+        except OSError as exc:
+            raise CsiError(Code.INTERNAL, f"cannot bind {source} on {target}: {exc.strerror or exc}") from None
+
+    def layers(self, target: Path) -> int:
+        """How many mounts are stacked at ``target`` (0: none); what a path lookup reaches is the last."""
+        where = os.path.abspath(target)
+        return sum(1 for entry in mounts.mount_entries() if entry.mountpoint == where)
+
+    def relaunch(self, target: Path) -> None:
+        """Start the dead daemon of the mount at ``target`` again, without its credentials in hand;
+        only a launcher that kept them can (``HandoverMounter`` over mount pods)."""
+        raise CsiError(Code.FAILED_PRECONDITION, f"the daemon of {target} cannot be started again without a "
+                                                 "publish (this mount mode keeps no credentials)")
 
     def unbind(self, target: Path) -> None:
         argv = ["umount", "-l", str(target)] if self.is_broken(target) else ["umount", str(target)]
@@ -236,7 +248,8 @@ class FakeMounter:
 
     def __init__(self) -> None:
         self.mounts: dict[Path, MountRequest] = {}
-        self.binds: dict[Path, tuple[Path, bool]] = {}  # target -> (source, read-only)
+        self.binds: dict[Path, tuple[Path, bool]] = {}  # target -> (source, read-only) of its top bind
+        self._stacks: dict[Path, list[tuple[Path, bool, MountRequest]]] = {}  # every bind at a target
         # The mount each bind was made of: a bind of a dead daemon stays dead after a remount.
         self._bound_to: dict[Path, MountRequest] = {}
         self.broken: set[Path] = set()
@@ -274,14 +287,36 @@ class FakeMounter:
         self.calls.append(("bind", target))
         self._maybe_fail()
         assert source in self.mounts, f"{source} is not mounted"
-        self.binds[target] = (source, read_only)
-        self._bound_to[target] = self.mounts[source]
+        self._stacks.setdefault(target, []).append((source, read_only, self.mounts[source]))
+        self._top(target)
 
     def unbind(self, target: Path) -> None:
         self.calls.append(("unbind", target))
         self._maybe_fail()
-        self.binds.pop(target, None)
-        self._bound_to.pop(target, None)
+        stack = self._stacks.get(target)
+        if stack:
+            stack.pop()
+        self._top(target)
+
+    def _top(self, target: Path) -> None:
+        stack = self._stacks.get(target)
+        if stack:
+            self.binds[target], self._bound_to[target] = stack[-1][:2], stack[-1][2]
+        else:
+            self._stacks.pop(target, None)
+            self.binds.pop(target, None)
+            self._bound_to.pop(target, None)
+
+    def layers(self, target: Path) -> int:
+        return len(self._stacks.get(target, ())) or int(target in self.mounts)
+
+    def relaunch(self, target: Path) -> None:
+        """A new daemon for the dead mount at ``target``, given what the first one was given."""
+        self.calls.append(("relaunch", target))
+        self._maybe_fail()
+        assert target in self.mounts, f"{target} is not mounted"
+        self.mounts[target] = dataclasses.replace(self.mounts[target])  # a new connection: old binds stay dead
+        self.broken.discard(target)
 
     def break_mount(self, target: Path) -> None:
         """Simulate the daemon of ``target`` dying (kill -9)."""

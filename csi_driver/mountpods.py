@@ -21,17 +21,20 @@ handover socket directory, the control-socket directory) are ``hostPath`` volume
 same path in the container, so every path in the daemon's argv and logs is the host's.
 
 **Credentials are never in the pod spec.** Every environment variable of the daemon goes into a
-Secret of the same name in the driver's namespace, owned by the pod (``ownerReferences``: the
-garbage collector deletes it with the pod), and reaches the container through ``secretKeyRef``.
-The Secret is created first, then the pod, then the Secret is given its owner; a plugin killed in
-between leaves an orphan Secret, which start-up cleanup deletes.
+Secret of the same name in the driver's namespace, and reaches the container through
+``secretKeyRef``. The Secret lives as long as the mount, not the pod: when the mount pod dies the
+plugin starts a new one (``restart``) that refers to the same Secret, without ever reading it (the
+plugin's Role has no ``get`` on Secrets; docs/security.md, "The mount pods' Secrets"). It is deleted
+with the pod at unstage, and at start-up with every pod that is deleted and every daemon of this node
+whose volume is no longer staged (``cleanup``).
 
 **Never a leaked pod.** Unstage deletes the pod and its Secret, with the pod's own grace period or a
 longer one, never a shorter (an explicit ``gracePeriodSeconds`` replaces the pod's, and the pod's
 covers the volume's stopTimeout), and waits that long and a margin for the pod to go. At start-up
 (``take_over``) the plugin lists the mount pods of its node: a pod that serves a staged volume (a
 stage record) or a cachefs mount still in the mount table is adopted (kept, watched), any other is
-deleted, as is any Secret of the node without its pod. An API server that does not answer then is
+deleted, as is the Secret of any daemon of the node whose volume is neither staged nor mounted there
+(podwatch.take_over). An API server that does not answer then is
 retried in the background: the plugin serves meanwhile.
 
 **Watching** (``PodLauncher.watch``; what is done with what it sees is ``csi_driver.podwatch``). One
@@ -41,8 +44,10 @@ that died (phase Failed or Succeeded, a terminated container, or the pod deleted
 is still in the mount table and answers ENOTCONN is a broken
 mount: a log line, a Kubernetes Event on the mount pod and on every workload pod bound to the
 volume on this node (``podInfoOnMount`` names them), and ``cachefs_csi_mounts{state="broken"}``
-(which counts dead mounts from the mount table). The next publish of the volume mounts it again
-with a new pod, as in process mode. A pod that ended (deleted, evicted, died) is also checked for
+(which counts dead mounts from the mount table). Then the plugin recovers the volume itself
+(``restart``: a new pod of the same name with the same Secret; ``NodeOps.recover`` stacks a bind on
+every pod's target); where that fails the next publish mounts it again, as in process mode. A pod
+that dies before its daemon ever served (a mount in progress) is that mount's failure, not news. A pod that ended (deleted, evicted, died) is also checked for
 writes its daemon left journaled: SIGTERM makes it upload first, within the volume's stopTimeout,
 which its ``terminationGracePeriodSeconds`` covers; what stays is reported by ``StagedWritesReporter``
 (an Event on the workload pods, ``cachefs_csi_mount_pods_ended_with_staged_writes_total``).
@@ -127,6 +132,12 @@ TMP_SIZE = "64Mi"
 STATS_PORT = 9750
 STATS_PORT_NAME = "stats"
 POD_IP_ENV = "POD_IP"
+# The daemon writes its last counters here when it exits (``cachefs mount --exit-stats-file``): the
+# container's termination message, which the kubelet keeps in the pod's status after the pod ended,
+# so the Dataset operator counts what a mount pod served however short its life
+# (csi_driver.operator.usage). Under the pod's /tmp (a volume), where the runtime can make the file
+# on a read-only root.
+TERMINATION_LOG = "/tmp/termination-log"
 # A container waiting for one of these will not start by itself: the mount fails at once (naming
 # the reason) instead of after the whole mount timeout; the kubelet retries the publish anyway.
 STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
@@ -168,6 +179,13 @@ def pod_name(node: str, daemon: str) -> str:
     """The mount pod of daemon ``daemon`` (``launchers.daemon_name``) on ``node``: deterministic, a
     DNS label of 34 characters. The node is part of it: every node stages a volume at the same path."""
     return POD_NAME_PREFIX + hashlib.sha256(f"{node}\0{daemon}".encode()).hexdigest()[:20]
+
+
+def node_id(node: str) -> str:
+    """The daemon's ``--node-id``: the node's name (its write-durability journal prefix names it, so
+    ``cachefs recover --list`` names nodes, not mount pods that are gone: issue 36), hashed where it
+    is longer than the 128 characters the option takes."""
+    return node if len(node) <= 128 else f"{node[:100]}-{hashlib.sha256(node.encode()).hexdigest()[:16]}"
 
 
 def volume_label(volume_id: str) -> str:
@@ -291,7 +309,10 @@ def build_pod(settings: MountPodSettings, spec: DaemonSpec) -> dict[str, Any]:
             # ($(AWS_SECRET_ACCESS_KEY) in a source). Every '$' of those is doubled ('$$' is a
             # literal '$' to the kubelet), so they reach the daemon as written.
             "command": [*settings.command, *(kubelet_literal(arg) for arg in spec.args),
-                        "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}"],
+                        "--node-id", node_id(settings.node_name),
+                        "--stats-addr", f"$({POD_IP_ENV}):{STATS_PORT}", "--exit-stats-file", TERMINATION_LOG],
+            "terminationMessagePath": TERMINATION_LOG,
+            "terminationMessagePolicy": "File",
             "ports": [{"name": STATS_PORT_NAME, "containerPort": STATS_PORT, "protocol": "TCP"}],
             "env": env,
             "resources": resources,
@@ -474,12 +495,24 @@ class PodLauncher:
             self._delete(spec.name)
         self._call(f"deleting the stale Secret {name}", self.core.delete_namespaced_secret, name, ns, missing_ok=True)
         self._call(f"creating the Secret {name}", self.core.create_namespaced_secret, ns, build_secret(self.settings, spec))
-        pod = self._call(f"creating mount pod {name}", self.core.create_namespaced_pod, ns, build_pod(self.settings, spec))
-        owner = {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod.metadata.uid}
-        self._call(f"giving the Secret {name} its owner", self.core.patch_namespaced_secret, name, ns,
-                   {"metadata": {"ownerReferences": [owner]}}, _content_type="application/merge-patch+json")
+        self._call(f"creating mount pod {name}", self.core.create_namespaced_pod, ns, build_pod(self.settings, spec))
         log.info("started daemon %s for %s (volume %s): mount pod %s/%s on node %s", spec.name, spec.target,
                  spec.volume_id, ns, name, self.settings.node_name)
+
+    def restart(self, spec: DaemonSpec) -> None:
+        """A new mount pod for a daemon that died: the dead pod deleted (its Secret kept), a new one of
+        the same name created from ``spec`` (whose ``env`` names the variables only); the kubelet
+        fills them from the Secret the first start created. A Secret gone meanwhile leaves the pod
+        waiting (CreateContainerConfigError): the mount then fails at once, naming it."""
+        name, ns = self.pod_name(spec.name), self.settings.namespace
+        old = self.get(spec.name)
+        if old is not None and old.running:
+            raise CsiError(Code.ALREADY_EXISTS, f"daemon {spec.name} is already running ({self.describe(spec.name)})")
+        if old is not None:
+            self._delete(spec.name, secret=False)
+        self._call(f"creating mount pod {name}", self.core.create_namespaced_pod, ns, build_pod(self.settings, spec))
+        log.info("restarted daemon %s for %s (volume %s): a new mount pod %s/%s on node %s, with the Secret of "
+                 "the first", spec.name, spec.target, spec.volume_id, ns, name, self.settings.node_name)
 
     def is_running(self, name: str) -> bool:
         state = self.get(name)
@@ -502,8 +535,8 @@ class PodLauncher:
         return f"{where}, " + (state.describe() if state is not None else "gone")
 
     # -- deletion -----------------------------------------------------------------------------------
-    def _delete(self, name: str, grace_s: float | None = None) -> None:
-        """Delete the pod and its Secret, then wait until the pod is gone (so its name is free).
+    def _delete(self, name: str, grace_s: float | None = None, *, secret: bool = True) -> None:
+        """Delete the pod and (unless ``secret`` is false) its Secret, then wait until the pod is gone (so its name is free).
 
         ``grace_s`` (a stop): the DELETE's ``gracePeriodSeconds`` is the longer of it and the pod's own
         ``terminationGracePeriodSeconds``, which covers the daemon's stop timeout (an explicit value
@@ -521,7 +554,8 @@ class PodLauncher:
             wait_s = max(DELETE_WAIT_S, (own or 0) + DELETE_SLACK_S)
         self._call(f"deleting mount pod {pod}", self.core.delete_namespaced_pod, pod, ns, missing_ok=True,
                    body=options)
-        self._call(f"deleting the Secret {pod}", self.core.delete_namespaced_secret, pod, ns, missing_ok=True)
+        if secret:
+            self._call(f"deleting the Secret {pod}", self.core.delete_namespaced_secret, pod, ns, missing_ok=True)
         deadline = time.monotonic() + wait_s
         while self.get(name) is not None:
             if time.monotonic() > deadline:
@@ -543,8 +577,9 @@ class PodLauncher:
         Secret of every ``known`` daemon (one this node has a run directory for) that has no pod.
 
         Secrets are deleted by name, never listed: a list of Secrets returns their data, and the
-        plugin's Role grants no read of any Secret (deploy/base/node-rbac.yaml). A Secret whose pod
-        was deleted by someone else goes with it (its owner reference). Returns (adopted, deleted).
+        plugin's Role grants no read of any Secret (deploy/base/node-rbac.yaml). ``known`` is what the
+        caller has found no more use for: a Secret outlives its pod while the volume stays mounted
+        (``restart``). Returns (adopted, deleted).
         Deletion does not wait: nothing will need those names soon."""
         adopted, deleted = [], []
         pods = self.pods()

@@ -35,6 +35,7 @@ answered ABORTED, which the CO retries (the CSI spec's answer for concurrent ope
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -44,11 +45,21 @@ import re
 import shutil
 import stat as stat_mod
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from csi_driver.attributes import K8S_POD_NAME, K8S_POD_NAMESPACE, K8S_POD_UID, Credentials, VolumeSettings
+from csi_driver.attributes import (
+    K8S_POD_NAME,
+    K8S_POD_NAMESPACE,
+    K8S_POD_UID,
+    CacheOptions,
+    Credentials,
+    OwnerOptions,
+    VolumeSettings,
+)
+from cachefs.cli.resources import directory_bytes
 from csi_driver.errors import Code, CsiError, invalid
 from csi_driver.mounter import BROKEN_ERRNOS, Mounter, MountRequest, probe_broken
 from csi_driver.staging import StageRecord, StageRecords
@@ -64,8 +75,19 @@ SLOT_RECORD = "publish.json"
 # Longest readable part of a cache directory name (the hash that follows keeps names unique).
 _CACHE_NAME_MAX = 80
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+MiB, GiB = 1 << 20, 1 << 30
+# The smallest disk tier a diskCache share may come to; below it the volume is refused, not mounted
+# with a disk tier too small to hold a working set.
+MIN_DISK_CACHE_BYTES = 256 * MiB
 # Target paths: longer than a volume id may be (PATH_MAX).
 MAX_PATH_BYTES = 4096
+# Binds stacked at one target at most: the pod's first and a live one (NodeOps._stack_bind); the
+# bound on the loops that detach them (one found beyond it is left for the pod's end).
+MAX_STACKED_BINDS = 8
+# A recovery (NodeOps.recover) that finds a call on the volume in progress waits for it this long:
+# that call (a publish) mounts the volume again itself, and a stage's mount is bounded at 130 s.
+RECOVER_LOCK_WAIT_S = 140.0
+RECOVER_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -97,6 +119,14 @@ def pod_of(context: Mapping[str, str]) -> dict[str, str]:
     if not namespace or not name:
         return {}
     return {"namespace": namespace, "name": name, "uid": context.get(K8S_POD_UID, "")}
+
+
+def describe_owner(owner: OwnerOptions) -> str:
+    """Owner options as a person writes them: ``uid 1000, gid 2000, file mode 0664``; modes in octal."""
+    parts = [f"{label} {format(value, fmt)}" for label, value, fmt in (
+        ("uid", owner.uid, "d"), ("gid", owner.gid, "d"), ("file mode", owner.file_mode, "04o"),
+        ("dir mode", owner.dir_mode, "04o")) if value is not None]
+    return ", ".join(parts) or "the defaults (no uid, gid or modes set)"
 
 
 def check_volume_id(volume_id: str) -> str:
@@ -267,9 +297,10 @@ class NodeOps:
         staged = PublishRequest(record.volume_id, staging, request.volume, record.read_only, request.credentials,
                                 request.context)
         cache_dir = self._claim_slot(staged)
+        cache = self._sized_cache(record.volume_id, request.volume.cache, cache_dir)
         self.mounter.mount(MountRequest(
             source=request.volume.source, target=staging, cache_dir=cache_dir,
-            endpoint_url=request.volume.endpoint_url, region=request.volume.region, cache=request.volume.cache,
+            endpoint_url=request.volume.endpoint_url, region=request.volume.region, cache=cache,
             read_only=record.read_only, credentials=request.credentials, owner=record.owner,
             volume_id=record.volume_id, context=request.context, pod_resources=request.volume.mount_pod,
         ))
@@ -277,14 +308,68 @@ class NodeOps:
                  staging, " read-only" if record.read_only else "", cache_dir)
         self._restore_binds(record, skip=request.target_path)
 
-    def _restore_binds(self, record: StageRecord, skip: Path) -> None:
-        """After the staged mount was made again (its daemon, or mount pod, had died): every target of
-        the volume on this node still bound to the dead mount is bound afresh to the new one, so pods
+    def recover(self, staging: Path) -> bool:
+        """The daemon of the staged mount at ``staging`` died (its mount pod ended): mount it again with
+        a new daemon given what the first one had (``Mounter.relaunch``; no request, so no credentials
+        in hand) and stack a fresh bind on every pod's target, so running pods read on without a new
+        pod or publish. True once done (or nothing was broken); False where it could not be, each pod
+        then told (``on_unrestored``). Waits, bounded, for a call on the volume in progress."""
+        record = next((r for r in self.records.all() if r.staging_path == str(staging)), None)
+        if record is None:
+            return False  # not a staged volume of this plugin (or unstaged meanwhile)
+        key = cache_dir_name(record.volume_id)
+        deadline = time.monotonic() + RECOVER_LOCK_WAIT_S
+        while True:
+            try:
+                with self.locks.hold(f"volume {record.volume_id}"), self.locks.hold(f"target {staging}"):
+                    return self._recover(key, staging)
+            except CsiError as exc:
+                if exc.code != Code.ABORTED or time.monotonic() >= deadline:
+                    raise
+            time.sleep(RECOVER_POLL_S)
+
+    def _recover(self, key: str, staging: Path) -> bool:
+        record = self.records.load(key)
+        if record is None or record.staging_path != str(staging) or not self.mounter.is_mounted(staging):
+            return True  # unstaged, or unmounted on purpose meanwhile: nothing to restore
+        if self.mounter.is_broken(staging):
+            try:
+                self.mounter.relaunch(staging)
+            except CsiError as exc:
+                for target, pod in sorted(record.pods.items()):
+                    message = (f"volume {record.volume_id}: its mount pod died and a new one could not serve it "
+                               f"({exc.message}); the mount at {target} stays broken until the volume is published "
+                               "again on this node (restart the pod)")
+                    if self.on_unrestored is not None and pod:
+                        self.on_unrestored(record.volume_id, pod, message)
+                log.error("volume %s: cannot mount %s again after its daemon died: %s", record.volume_id, staging,
+                          exc.message)
+                return False
+            log.info("volume %s: mounted %s again after its daemon died", record.volume_id, staging)
+        return self._restore_binds(record, skip=None)
+
+    def _stack_bind(self, staging: Path, target: Path, read_only: bool) -> None:
+        """Bind the staged mount at ``target`` ON TOP of the dead bind there, never in its place: a
+        container holds the bind its pod started with (rslave, ``mountPropagation: HostToContainer``)
+        and receives mounts made on top of it, not the replacement of it (issue 36). A dead layer
+        stacked by an earlier recovery is detached first, so at most two stay: the pod's first bind
+        (which only the pod's end frees) and the live one."""
+        for _ in range(MAX_STACKED_BINDS):
+            if self.mounter.layers(target) <= 1 or not self.mounter.is_broken(target):
+                break
+            self.mounter.unbind(target)  # the top layer, dead: detached lazily (and in the containers)
+        self.mounter.bind(staging, target, read_only)
+
+    def _restore_binds(self, record: StageRecord, skip: Path | None) -> bool:
+        """After the staged mount was made again (its daemon, or mount pod, had died): a fresh bind is
+        stacked on every target of the volume on this node still showing the dead mount, so pods
         already running get their volume back without a restart (they see it where their volume
         mount propagates from the host: ``mountPropagation: HostToContainer``). A target that cannot
-        be restored stays broken, logged here and counted in ``cachefs_csi_mounts{state="broken"}``
-        until its pod is gone. ``skip``: the target of the publish in progress (it binds its own)."""
+        be restored stays broken, logged here, told to ``on_unrestored`` and counted in
+        ``cachefs_csi_mounts{state="broken"}`` until its pod is gone. ``skip``: the target of the
+        publish in progress (it binds its own). True when every target was restored."""
         staging = Path(record.staging_path)
+        restored = True
         for target, read_only in sorted(record.targets.items()):
             path = Path(target)
             if path == skip or not self.mounter.is_mounted(path) or not self.mounter.is_broken(path):
@@ -292,10 +377,9 @@ class NodeOps:
             pod = record.pods.get(target, {})
             who = f"pod {pod.get('namespace')}/{pod.get('name')}" if pod.get("name") else "its pod"
             try:
-                self.mounter.unbind(path)  # the dead bind, detached lazily
-                self._prepare_target(path)
-                self.mounter.bind(staging, path, read_only)
+                self._stack_bind(staging, path, read_only)
             except CsiError as exc:
+                restored = False
                 message = (f"volume {record.volume_id}: cannot restore the bind at {target} ({who}) after its daemon "
                            f"was replaced: {exc.message}; it stays broken until that pod restarts")
                 log.error("%s", message)
@@ -304,6 +388,7 @@ class NodeOps:
                 continue
             log.info("volume %s: restored the bind at %s (%s%s) from the new staged mount", record.volume_id,
                      target, who, ", read-only" if read_only else "")
+        return restored
 
     def unstage(self, volume_id: str, staging: Path) -> None:
         key = cache_dir_name(volume_id)
@@ -339,8 +424,8 @@ class NodeOps:
                                "writable stage")
             if record.owner != request.volume.owner:
                 raise CsiError(Code.FAILED_PRECONDITION,
-                               f"volume {request.volume_id} is staged with owner {record.owner}, this publish asks "
-                               f"for {request.volume.owner}: pods sharing a volume on a node share its owner "
+                               f"volume {request.volume_id} is staged with owner {describe_owner(record.owner)}, this "
+                               f"publish asks for {describe_owner(request.volume.owner)}: pods sharing a volume on a node share its owner "
                                "(fsGroup, uid, gid, modes)")
             self._ensure_staged_mount(request, record)
             if self.mounter.is_mounted(target):
@@ -352,11 +437,12 @@ class NodeOps:
                                    f"{target} is already published with another volume or read-only mode")
                 log.warning("volume %s: the bind at %s is broken (its daemon died); binding it again",
                             request.volume_id, target)
-                self.mounter.unbind(target)
+                self._stack_bind(staging, target, request.read_only)
             elif _path_state(target) == "broken":
                 raise CsiError(Code.FAILED_PRECONDITION, f"{target} is a dead mount of another filesystem")
-            self._prepare_target(target)
-            self.mounter.bind(staging, target, request.read_only)
+            else:
+                self._prepare_target(target)
+                self.mounter.bind(staging, target, request.read_only)
             record.targets[str(target)] = request.read_only
             workload = pod_of(request.context)
             if workload:
@@ -383,13 +469,14 @@ class NodeOps:
             self.settings.trust.check(request.volume_id, request.volume, request.credentials)
             self._prepare_target(target)
             cache_dir = self._claim_slot(request)
+            cache = self._sized_cache(request.volume_id, request.volume.cache, cache_dir)
             self.mounter.mount(MountRequest(
                 source=request.volume.source,
                 target=target,
                 cache_dir=cache_dir,
                 endpoint_url=request.volume.endpoint_url,
                 region=request.volume.region,
-                cache=request.volume.cache,
+                cache=cache,
                 read_only=request.read_only,
                 credentials=request.credentials,
                 owner=request.volume.owner,
@@ -425,6 +512,39 @@ class NodeOps:
                     raise CsiError(Code.FAILED_PRECONDITION, f"{target} is not empty")
         except OSError as exc:
             raise CsiError(Code.INTERNAL, f"cannot read {target}: {exc.strerror}") from None
+
+    # -- the disk cache's size ----------------------------------------------------------------------
+    def _sized_cache(self, volume_id: str, cache: CacheOptions, slot: Path) -> CacheOptions:
+        """``cache`` with a disk tier that fits this node, or RESOURCE_EXHAUSTED before any daemon (or
+        mount pod) is started: a ``diskCache`` share (``"50%"``) becomes that share of the room on
+        the cache filesystem (its free space plus what this volume's slot holds already); a size is
+        checked against that room as ``cachefs mount`` would check it. The refusal's message is the
+        same on every retry (sizes rounded to GiB), so the kubelet's Events fold into one."""
+        if cache.disk_share_percent is None and not cache.disk_bytes:
+            return cache
+        try:
+            st = os.statvfs(slot)
+        except OSError as exc:
+            raise CsiError(Code.INTERNAL, f"cannot read the free space of {slot}: {exc.strerror}") from None
+        free = st.f_bavail * st.f_frsize
+        held = 0 if cache.disk_bytes and cache.disk_bytes <= free else directory_bytes(slot)
+        room = free + held
+        if cache.disk_share_percent is not None:
+            size = int(room * cache.disk_share_percent / 100) // MiB * MiB
+            if size >= MIN_DISK_CACHE_BYTES:
+                log.info("volume %s: diskCache %g%% of %.1f GiB of room on the node's cache disk is %d MiB",
+                         volume_id, cache.disk_share_percent, room / GiB, size // MiB)
+                return dataclasses.replace(cache, disk_bytes=size, disk_share_percent=None)
+            asked = f"diskCache {cache.disk_share_percent:g}% (less than {MIN_DISK_CACHE_BYTES // MiB} MiB here)"
+        elif cache.disk_bytes is not None and cache.disk_bytes > room:
+            asked = f"diskCache {cache.disk_bytes / GiB:.1f} GiB"
+        else:
+            return cache
+        raise CsiError(Code.RESOURCE_EXHAUSTED,
+                       f"volume {volume_id}: {asked} does not fit this node's cache disk ({room / GiB:.0f} GiB free "
+                       f"for it, at {self.settings.cache_root}); give the volume a smaller diskCache, or a share of "
+                       f"the free space such as diskCache: \"50%\" (a StorageClass's parameters cannot change: "
+                       "a new StorageClass, or a PersistentVolume's volumeAttributes)")
 
     # -- cache slots --------------------------------------------------------------------------------
     def volume_cache_dir(self, volume_id: str) -> Path:
@@ -484,9 +604,13 @@ class NodeOps:
             if self.mounter.is_mounted(target):
                 if bound or self._find_record(str(target), volume_id) is None:
                     # A bind of a staged mount (or a mount this plugin did not make directly): remove
-                    # the bind alone; `cachefs unmount` would stop the daemon every other pod shares.
-                    self.mounter.unbind(target)
-                    log.info("removed the bind mount %s", target)
+                    # the binds alone, every layer a recovery stacked; `cachefs unmount` would stop the
+                    # daemon every other pod shares.
+                    layers = 0
+                    while self.mounter.is_mounted(target) and layers < MAX_STACKED_BINDS:
+                        self.mounter.unbind(target)
+                        layers += 1
+                    log.info("removed the bind mount %s (%d layer%s)", target, layers, "" if layers == 1 else "s")
                 else:
                     self.mounter.unmount(target)
                     log.info("unmounted %s", target)

@@ -8,8 +8,11 @@ watches them (``PodLauncher.watch``). Each pod that ended is checked once, in a 
 
 - ``BrokenMountReporter``: a pod that died while its mount is still in the mount table and answers
   ENOTCONN is a broken mount: a log line and a Kubernetes Event on the mount pod and on every
-  workload pod bound to the volume on this node. A mount that goes on answering for ``SETTLE_S``
-  is taken as served by a new pod.
+  workload pod bound to the volume on this node; then the volume is **recovered** (``NodeOps.recover``):
+  a new mount pod, with the Secret of the first, serves the staged mount again and a fresh bind is
+  stacked on every pod's target, so running pods read on (those whose volume mount has
+  ``mountPropagation: HostToContainer``); a pod that cannot be restored gets ``CachefsMountNotRestored``.
+  A mount that goes on answering for ``SETTLE_S`` is taken as served by a new pod.
 - ``StagedWritesReporter``: a pod that ended with changes still journaled in its cache directory
   (its daemon could not upload them within its stop timeout) gets an Event ``CachefsWritesStaged``
   on the workload pods and ``cachefs_csi_mount_pods_ended_with_staged_writes_total``.
@@ -20,6 +23,7 @@ that each stays within the project's file bound; nothing here calls the Kubernet
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -63,6 +67,7 @@ class _OncePerPod:
 
     def __init__(self) -> None:
         self._seen: set[str] = set()  # uids checked or being checked
+        self._done: dict[str, threading.Event] = {}  # uid -> set once its check has run
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -79,10 +84,24 @@ class _OncePerPod:
             if state.uid in self._seen:
                 return
             self._seen.add(state.uid)
-            thread = threading.Thread(target=self._check, args=(event_type, state), daemon=True,
-                                      name=f"{type(self).__name__} {state.name}")
+            done = self._done[state.uid] = threading.Event()
+
+            def check() -> None:
+                try:
+                    self._check(event_type, state)
+                finally:
+                    done.set()
+
+            thread = threading.Thread(target=check, daemon=True, name=f"{type(self).__name__} {state.name}")
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
+
+    def wait_checked(self, uid: str, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the check of the pod ``uid`` has run, if one was started."""
+        with self._lock:
+            done = self._done.get(uid)
+        if done is not None:
+            done.wait(timeout_s)
 
     def join(self, timeout_s: float) -> None:
         """Wait for the checks in flight (tests)."""
@@ -100,12 +119,19 @@ class BrokenMountReporter(_OncePerPod):
     news. One whose mount still answers is watched a little longer (``SETTLE_S``): a deleted pod's
     process may still be stopping. Each check runs in a thread of its own, so a mount that is slow to
     answer never holds the watch. ``workloads_of(volume_id)``: the pods bound to the volume on this
-    node. ``on_broken(volume_id)``: for the caller's counters."""
+    node. ``on_broken(volume_id)``: for the caller's counters. ``recover(target)``: mount it again
+    (``NodeOps.recover``), after the report; None: the next publish does."""
 
     def __init__(self, launcher: PodLauncher, is_mounted: Callable[[Path], bool], is_broken: Callable[[Path], bool],
                  workloads_of: Callable[[str], Sequence[WorkloadPod]],
-                 on_broken: Callable[[str], None] = lambda volume_id: None, settle_s: float | None = None) -> None:
+                 on_broken: Callable[[str], None] = lambda volume_id: None, settle_s: float | None = None,
+                 recover: Callable[[Path], bool] | None = None,
+                 before_recover: Callable[[PodState], None] = lambda state: None,
+                 mounting: Callable[[Path], bool] = lambda target: False) -> None:
         self.launcher = launcher
+        self.mounting = mounting
+        self.recover = recover
+        self.before_recover = before_recover
         self.is_mounted = is_mounted
         self.is_broken = is_broken
         self.workloads_of = workloads_of
@@ -118,6 +144,9 @@ class BrokenMountReporter(_OncePerPod):
 
     def _check(self, event_type: str, state: PodState) -> None:
         target = Path(state.target)
+        if self.mounting(target):  # it died before it ever served: the mount in progress fails, and says why
+            log.info("mount pod %s ended before it served %s: not a broken mount", state.name, target)
+            return
         deadline = time.monotonic() + self.settle_s
         while self.is_mounted(target) and not self.is_broken(target):
             if time.monotonic() >= deadline:
@@ -126,15 +155,29 @@ class BrokenMountReporter(_OncePerPod):
         if not self.is_mounted(target):
             return  # unmounted first (unstage), or never mounted: nothing is broken
         self._report(event_type, state)
+        if self.recover is None:
+            return
+        self.before_recover(state)
+        try:
+            recovered = self.recover(target)
+        except CsiError as exc:
+            log.error("volume %s: recovering %s after its mount pod ended failed: %s", state.volume_id, target, exc)
+            return
+        if recovered:
+            log.info("volume %s: recovered %s after mount pod %s ended", state.volume_id, target, state.name)
 
     def _report(self, event_type: str, state: PodState) -> None:
-        why = f"ended ({state.terminated})" if state.dead else "was deleted"
+        # A pod deleted (kubectl delete pod, an eviction) ends too, and its kubelet reports that first.
+        deleted = event_type == "DELETED" or state.deleting
+        why = "was deleted" if deleted else f"ended ({state.terminated})"
+        then = ("the node plugin is starting a new mount pod, and pods whose volume mount has mountPropagation "
+                "HostToContainer read on once it serves; any other pod needs a restart" if self.recover is not None
+                else "until the volume is published again on this node (restart the pods that use it)")
         message = (f"cachefs mount pod {state.name} of volume {state.volume_id} {why}: its mount at {state.target} "
-                   "is broken (Transport endpoint is not connected) until the volume is published again on this "
-                   "node (restart the pods that use it)")
+                   f"is broken (Transport endpoint is not connected); {then}")
         log.error("%s", message)
         self.on_broken(state.volume_id)
-        if event_type != "DELETED":
+        if not deleted:
             self.launcher.event(self.launcher.settings.namespace, state.name, state.uid, "MountPodDied", message)
         for workload in self.workloads_of(state.volume_id):
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsMountBroken", message)
@@ -187,6 +230,14 @@ class StagedWritesReporter(_OncePerPod):
             self.launcher.event(workload.namespace, workload.name, workload.uid, "CachefsWritesStaged", message)
 
 
+def _spec_target(run_root: Path, name: str) -> str | None:
+    """The target of daemon ``name`` from its saved spec (``HandoverMounter``), None if unreadable."""
+    try:
+        return str(json.loads((run_root / f"{name}.spec.json").read_text())["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None) -> threading.Event:
     """At plugin start-up: adopt this node's mount pods that serve a staged volume (a stage record)
     or a cachefs mount still in the mount table, delete the others and (by name) Secrets without a pod, then
@@ -203,7 +254,9 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
 
         known: list[str] = []
         if run_root is not None and run_root.is_dir():  # one run directory per daemon ever started here
-            known = sorted(entry.name for entry in run_root.iterdir() if entry.is_dir())
+            # ...less those of staged volumes: their Secret serves the next mount pod (recovery).
+            known = sorted(entry.name for entry in run_root.iterdir()
+                           if entry.is_dir() and _spec_target(run_root, entry.name) not in staged)
         adopted, deleted = launcher.cleanup(keep, known)
         log.info("mount pods on node %s (image %s): %d adopted (%s), %d deleted", launcher.settings.node_name,
                  launcher.settings.image, len(adopted), ", ".join(p.name for p in adopted) or "-", len(deleted))
@@ -218,12 +271,15 @@ def take_over(launcher: PodLauncher, node: NodeOps, run_root: Path | None = None
     except CsiError as exc:
         log.warning("cannot take over this node's mount pods yet (%s); retrying every %g s", exc, WATCH_RETRY_S)
         prepare = cleanup
-    reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads)
     staged = StagedWritesReporter(launcher, workloads, on_left=lambda volume_id, count: metrics.record_staged_writes_left())
+    # The dead pod's journal is counted before a new daemon takes its cache directory (and replays it).
+    reporter = BrokenMountReporter(launcher, mounter.is_mounted, mounter.is_broken, workloads, recover=node.recover,
+                                   before_recover=lambda state: staged.wait_checked(state.uid, staged.wait_s),
+                                   mounting=lambda target: target in getattr(mounter, "mounting", ()))
 
     def observe(event_type: str, state: PodState) -> None:
-        reporter.observe(event_type, state)
         staged.observe(event_type, state)
+        reporter.observe(event_type, state)
 
     def unrestored(volume_id: str, pod: Mapping[str, str], message: str) -> None:
         # A pod whose bind could not be restored is told again: its earlier Event said "until the

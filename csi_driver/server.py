@@ -36,7 +36,7 @@ from csi_driver.attributes import (
     parse_volume_attributes,
 )
 from csi_driver.controller import ControllerOps
-from csi_driver.errors import Code, CsiError, invalid
+from csi_driver.errors import Code, CsiError, for_kubernetes, invalid
 from csi_driver.node import NodeOps, PublishRequest, check_target_path, check_volume_id
 from csi_driver.proto import csi_pb2, csi_pb2_grpc
 from csi_driver.redact import REGISTRY, sanitize
@@ -78,7 +78,7 @@ def rpc(method: Callable[..., Any]) -> Callable[..., Any]:
             message = REGISTRY.scrub(exc.message)
             log.warning("%s failed after %.3f s: %s: %s", name, time.monotonic() - start, exc.code.name, message)
             metrics.record(name, exc.code.name)
-            context.abort(getattr(grpc.StatusCode, exc.code.name), message)
+            context.abort(getattr(grpc.StatusCode, exc.code.name), for_kubernetes(message))
         except Exception as exc:  # noqa: BLE001 - nothing escapes a handler unreported
             log.exception("%s failed after %.3f s", name, time.monotonic() - start)
             metrics.record(name, "INTERNAL")

@@ -169,6 +169,9 @@ def register(sub: Any) -> None:
                         f"(default {DEFAULT_MAX_PINNED_FRACTION:g}) or a size such as 20GiB")
     m.add_argument("--stats-addr", type=address, default=None, metavar="HOST:PORT",
                    help="also serve /stats and /healthz over HTTP here (loopback unless a host is given)")
+    m.add_argument("--exit-stats-file", type=Path, default=None, metavar="PATH",
+                   help="write the last counters (the traffic section of /stats) here as JSON when the daemon "
+                        "exits (a mount pod's termination message)")
     m.add_argument("--allow-other", action="store_true",
                    help="let other users use the mount (the kernel checks them against --uid/--gid and the modes)")
     m.add_argument("--uid", type=user_id, default=None, metavar="UID",
@@ -391,6 +394,7 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
         connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout,
         stats_addr=args.stats_addr,
+        exit_stats_file=Path(os.path.abspath(args.exit_stats_file)) if args.exit_stats_file is not None else None,
         allow_other=args.allow_other,
         log_level=args.log_level,
         cluster=cluster,

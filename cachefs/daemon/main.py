@@ -33,7 +33,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from cachefs.daemon import announce, metadata, metrics, prefetch, writeback
 from cachefs.daemon.context import DaemonContext, Feature
@@ -319,6 +319,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 metadata.mark_clean_exit(index)
         finally:
             await control.stop()
+            if settings.exit_stats_file is not None:
+                _write_exit_stats(settings.exit_stats_file, stats_document(fs, settings.source_label()))
             await cache.close()
             await health.close()
     finally:
@@ -329,6 +331,22 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
             index.close()
         if lock is not None:
             lock.close()
+
+
+# Kubernetes keeps at most 4096 bytes of a container's termination message; the traffic section is
+# about 700.
+EXIT_STATS_MAX_BYTES = 4096
+
+
+def _write_exit_stats(path: Path, doc: dict[str, Any]) -> None:
+    """The daemon's last counters (the ``traffic`` section of /stats) as one JSON line at ``path``
+    (``--exit-stats-file``: a mount pod's termination message, so that what a short-lived pod served
+    is counted after it is gone: csi_driver.operator.usage). A failure is logged, never raised."""
+    text = json.dumps({"traffic": doc.get("traffic"), "volume": doc.get("volume")}, separators=(",", ":"))
+    try:
+        path.write_text(text[:EXIT_STATS_MAX_BYTES] + "\n")
+    except OSError as exc:
+        log.warning("cannot write the last counters to %s: %s", path, exc.strerror or exc)
 
 
 def _split_addr(addr: str | None) -> tuple[str | None, int | None]:

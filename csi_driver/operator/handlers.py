@@ -84,6 +84,9 @@ class OperatorState:
     gated: dict[tuple[str, str], GatedPod] = field(default_factory=dict)
     # (namespace, name) -> (warm, spec invalid, gate timeout)
     datasets: dict[tuple[str, str], tuple[bool, bool, int]] = field(default_factory=dict)
+    # mount pod uid -> (its volume label, the pod, its daemon's last counters): ended pods not yet
+    # counted by a collection of their volume (csi_driver.operator.usage, "A pod that ended")
+    ended: dict[str, tuple[str, u.MountPod, dict[str, int]]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -305,12 +308,24 @@ def collect_usage(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any
         settings = parse_spec(body.get("spec") or {})
     except SpecError:
         return  # reconcile reports it
-    selector = {mountpods.LABEL_APP: mountpods.APP, mountpods.LABEL_VOLUME: mountpods.volume_label(volume)}
+    label = mountpods.volume_label(volume)
+    selector = {mountpods.LABEL_APP: mountpods.APP, mountpods.LABEL_VOLUME: label}
     pods = [u.mount_pod(p) for p in state.kube.list_pods(state.settings.mount_namespace, selector)]
+    with state.lock:
+        ended = {uid: (pod, last) for uid, (of, pod, last) in state.ended.items() if of == label}
+    listed = {p.uid for p in pods}
     previous = status.get("usage") or {}
-    if not pods and not previous.get("daemons"):
+    if not pods and not ended and not previous.get("daemons"):
         return  # nothing mounted it yet, nothing to forget
     read = u.collect(pods, state.settings.read_stats)
+    for uid, (pod, last) in ended.items():  # an ended pod's last counters, listed still or gone already
+        if uid not in listed:
+            pods.append(pod)
+        if read.get(uid) is None:
+            read[uid] = last
+    with state.lock:
+        for uid in ended:
+            state.ended.pop(uid, None)
     usage = u.accumulate(previous, pods, read, settings.prices(state.settings.prices), _stamp(state.settings.now()))
     if previous and all(usage.get(k) == previous.get(k) for k in ("totals", "unreachable", "estimatedCostAvoided")) \
             and [d["uid"] for d in usage["daemons"]] == [d.get("uid") for d in previous.get("daemons") or []]:
@@ -344,6 +359,17 @@ def note_dataset(body: Mapping[str, Any], event_type: str | None, state: Operato
         timeout = ((body.get("spec") or {}).get("gate") or {}).get("timeoutSeconds", DEFAULT_GATE_TIMEOUT_S)
         state.datasets[key] = (warm, st.get("phase") == "Failed", int(timeout) if isinstance(timeout, int) else
                                DEFAULT_GATE_TIMEOUT_S)
+
+
+def note_mount_pod(body: Mapping[str, Any], state: OperatorState) -> None:
+    """A mount pod changed or went: keep its daemon's last counters, if it ended and left them."""
+    found = u.last_counters(body)
+    label = ((body.get("metadata") or {}).get("labels") or {}).get(mountpods.LABEL_VOLUME)
+    if found is None or not label:
+        return
+    pod, last = found
+    with state.lock:
+        state.ended[pod.uid] = (label, pod, last)
 
 
 def note_pod(body: Mapping[str, Any], event_type: str | None, state: OperatorState) -> None:
@@ -460,5 +486,9 @@ def build_registry(state: OperatorState, *, login: Callable[..., Any] | None = N
     @kopf.on.event("", "v1", "pods", labels={m.DATASET_LABEL: kopf.PRESENT}, registry=registry)
     def pod_seen(body: Any, type: str | None, **_: Any) -> None:
         note_pod(body, type, state)
+
+    @kopf.on.event("", "v1", "pods", labels={mountpods.LABEL_APP: mountpods.APP}, registry=registry)
+    def mount_pod_seen(body: Any, **_: Any) -> None:
+        note_mount_pod(body, state)
 
     return registry

@@ -22,6 +22,14 @@ again, or lost, if it never does (at most one collection interval of that node's
 of a pod no longer listed is dropped, its figures staying in the totals. ``status.usage.unreachable``
 counts the pods not read in the last collection.
 
+**A pod that ended** (issue 36: a trainer's mount pod could come and go between two collections and
+never be counted) leaves its daemon's last counters in its termination message (``cachefs mount
+--exit-stats-file``, ``csi_driver.mountpods.TERMINATION_LOG``). The operator watches the mount pods
+and keeps each ended pod's last counters (``last_counters``) until the next collection of its
+volume, which adds their growth like a read's, listed or not; then they are dropped. What a pod
+served is therefore counted however short its life, unless the operator was down from the pod's
+end until it was deleted (its status is then gone with it).
+
 **Savings.** Bytes and block requests answered by RAM, disk or the cluster tier did not reach the
 source: ``sourceBytesAvoided`` and ``sourceRequestsAvoided`` (each block request answered by a cache
 tier is one ranged GET the source did not get). Hit ratios are by bytes: local (RAM + disk), cluster,
@@ -120,6 +128,24 @@ def mount_pod(pod: Mapping[str, Any]) -> MountPod:
     ip = status.get("podIP") if status.get("phase") == "Running" else None
     return MountPod(uid=str(meta.get("uid", "")), name=str(meta.get("name", "")), node=str(spec.get("nodeName", "")),
                     address=f"{ip}:{port}" if ip else None)
+
+
+def last_counters(pod: Mapping[str, Any]) -> tuple[MountPod, dict[str, int]] | None:
+    """The counters an ended mount pod's daemon wrote as its termination message, or None (still
+    running, or it ended without writing them: killed, or an older daemon)."""
+    for status in ((pod.get("status") or {}).get("containerStatuses") or []):
+        terminated = (status.get("state") or {}).get("terminated") or {}
+        message = terminated.get("message")
+        if not isinstance(message, str) or not message.strip():
+            continue
+        try:
+            doc = json.loads(message)
+        except ValueError:
+            continue
+        found = counters(doc) if isinstance(doc, Mapping) else None
+        if found is not None:
+            return mount_pod(pod), found
+    return None
 
 
 def counters(doc: Mapping[str, Any]) -> dict[str, int] | None:

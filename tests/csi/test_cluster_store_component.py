@@ -97,8 +97,9 @@ def test_bucket_job_and_store_share_the_secret_and_the_bucket(rendered) -> None:
     store, job = one(rendered, "StatefulSet"), one(rendered, "Job")
     params = storage_class(rendered, "cachefs-clustered")["parameters"]
     (creator,) = job["spec"]["template"]["spec"]["containers"]
-    endpoint, bucket = creator["command"][-2:]
-    assert f"s3://{bucket}/" == params["clusterCache"]
+    command = creator["command"]
+    endpoint, url = (command[command.index(flag) + 1] for flag in ("--cluster-endpoint-url", "--cluster-cache"))
+    assert f"{url}/" == params["clusterCache"]
     assert urlsplit(endpoint).port == 8333
     for container in [creator, *containers(store)]:
         refs = {e["valueFrom"]["secretKeyRef"]["name"]: None for e in container.get("env", []) if "valueFrom" in e}

@@ -234,3 +234,45 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
             await asyncio.to_thread(kubelet.stop)
         for request in requests.values():
             await asyncio.to_thread(detach, request.target)
+
+
+async def test_a_mount_pod_that_comes_and_goes_between_two_collections_is_counted(
+        api: OperatorApiServer, seaweed: SeaweedS3, workdir: Path) -> None:
+    """Issue 36: a trainer's mount pod came and went between two reads of the mount pods and was never
+    counted. Here no collection ever reads the pod's /stats (the operator's reader answers nothing, as
+    for a pod that is gone before the next collection): what it served reaches the status only through
+    its daemon's last counters, written as its termination message when the node plugin stops it."""
+    bucket = unique_bucket_name("brief")
+    seaweed.make_bucket(bucket)
+    seaweed.put_many(bucket, FILES.items())
+    k = Cluster(api)
+    k.client.user_agent = TEST_AGENT
+    kubelet = Kubelet(k.core, "node-a", MOUNT_NS, workdir / "kubelet-node-a",
+                      {**driver_environ(), "AWS_ENDPOINT_URL": seaweed.endpoint_url}).start()
+    mounter = node_mounter(k, "node-a", workdir)
+    request = None
+    size = sum(len(d) for d in FILES.values())
+    spec = {"source": f"s3://{bucket}", "endpointUrl": seaweed.endpoint_url,
+            "cache": {"blockSize": f"{BLOCK // KiB}KiB", "readahead": "0"}, "warmUp": {"target": {"tier": "Node"}}}
+    try:
+        async with running_operator(api, **FAST, read_stats=lambda address: None):
+            await k.create_dataset("trainer", spec)
+            volume = await eventually(lambda: k.status("trainer").get("volumeName"), "the Dataset's volume")
+            request = mount_request(k, volume, "node-a", workdir, seaweed)
+            await asyncio.to_thread(mounter.mount, request)
+            assert await read_all(request.target) == FILES  # cold: every byte from the source
+            await asyncio.to_thread(mounter.unmount, request.target)  # unstage: the pod is stopped and deleted
+            await eventually(lambda: not [p for p in k.all("v1/pods") if p["metadata"].get("namespace") == MOUNT_NS],
+                             "the mount pod gone", WAIT_S)
+
+            def counted() -> dict[str, Any] | None:
+                usage = k.status("trainer").get("usage") or {}
+                return usage if (usage.get("totals") or {}).get("sourceBytes") == size else None
+
+            usage = await eventually(counted, "the ended pod's reads in status.usage", WAIT_S)
+        assert usage["readBytes"] == size and usage["totals"]["sourceReads"] > 0
+        assert ("watch", "pods") in operator_calls(api) and operator_calls(api) <= operator_rbac()
+    finally:
+        await asyncio.to_thread(kubelet.stop)
+        if request is not None:
+            await asyncio.to_thread(detach, request.target)

@@ -575,7 +575,8 @@ def test_staged_mount_is_made_by_the_first_publish_without_stage_secrets_and_rec
     fake.break_mount(stage.target_path)  # the daemon dies: the staged mount and its bind break
     assert fake.is_broken(pod.target_path)
     ops.publish_staged(pod, stage.target_path)  # recovers both
-    assert [c[0] for c in fake.calls] == ["mount", "bind", "unmount", "mount", "unbind", "bind"]
+    # The pod's dead bind stays under the new one (a running container holds it): stacked, not replaced.
+    assert [c[0] for c in fake.calls] == ["mount", "bind", "unmount", "mount", "bind"]
     assert not fake.is_broken(pod.target_path)
     # A restarted plugin (a new NodeOps on the same state) adopts the volume; a target gone meanwhile
     # is dropped from its record.
@@ -620,9 +621,46 @@ def test_a_replaced_daemon_restores_every_pods_bind_or_leaves_it_broken_and_says
     with caplog.at_level(logging.INFO, logger="csi_driver.node"):
         ops.stage(stage)  # the kubelet's next NodeStage: mounted again, pod2 and pod3 restored
     assert not fake.is_broken(pods[1].target_path) and not fake.is_broken(pods[2].target_path)
-    assert pods[0].target_path not in fake.binds  # its dead bind detached, no new one: it stays failing
+    assert fake.is_broken(pods[0].target_path)  # its dead bind left as it was, no new one: it stays failing
     assert any("cannot restore the bind at " + str(pods[0].target_path) in r.message for r in caplog.records)
     assert [(v, p) for v, p, _ in told] == [("vol-1", "trainer-1")] and "no such device" in told[0][2]
+
+
+def test_a_dead_daemon_is_recovered_without_a_publish_by_stacking_binds_that_never_pile_up(node, tmp_path: Path) -> None:
+    """Issue 36: the plugin mounts the volume again itself (``Mounter.relaunch``: a new daemon with the
+    first one's environment) and stacks a bind on every pod's target, at most two layers however
+    often the daemon dies; unpublish removes every layer; a relaunch that fails tells every pod."""
+    import dataclasses
+
+    ops, fake = node
+    stage = publish_request(tmp_path, target="globalmount")
+    ops.stage(stage)
+    pods = [dataclasses.replace(publish_request(tmp_path, target=f"pod{i}/m", read_only=i == 2),
+                                context={attrs.K8S_POD_NAME: f"loop-{i}", attrs.K8S_POD_NAMESPACE: "ml"})
+            for i in (1, 2)]
+    told: list[tuple[str, str]] = []
+    ops.on_unrestored = lambda volume, pod, message: told.append((pod["name"], message))
+    for pod in pods:
+        ops.publish_staged(pod, stage.target_path)
+    for death in range(3):
+        fake.break_mount(stage.target_path)
+        assert all(fake.is_broken(p.target_path) for p in pods)
+        assert ops.recover(stage.target_path) is True
+        assert not any(fake.is_broken(p.target_path) for p in pods), death
+        assert [fake.layers(p.target_path) for p in pods] == [2, 2]  # the first bind and one live one
+    assert fake.binds[pods[1].target_path] == (stage.target_path, True)
+    assert [c for c in fake.calls if c[0] == "relaunch"] == [("relaunch", stage.target_path)] * 3
+    assert told == []
+    assert ops.recover(stage.target_path) is True and fake.calls[-1][0] == "bind"  # healthy: nothing to do
+
+    fake.break_mount(stage.target_path)
+    fake.fail_next = CsiError(Code.FAILED_PRECONDITION, "the Secret cachefs-mount-x is gone")
+    assert ops.recover(stage.target_path) is False
+    assert [name for name, _ in told] == ["loop-1", "loop-2"] and "the Secret cachefs-mount-x is gone" in told[0][1]
+    for pod in pods:
+        ops.unpublish(pod.volume_id, pod.target_path)
+        assert fake.layers(pod.target_path) == 0 and not pod.target_path.exists()
+    assert ops.recover(tmp_path / "not-staged") is False
 
 
 def test_the_mounts_metric_counts_every_pods_bind_and_an_unrestored_one_as_broken(tmp_path: Path) -> None:

@@ -194,8 +194,9 @@ def test_node_plugin_runs_mount_pods_with_least_privilege(base_objects) -> None:
             rules[role["kind"]] = role["rules"]
     assert rules["Role"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
-        # No list (nor get, nor watch): a list of Secrets returns their data (issue 28).
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "patch", "delete"]},
+        # No list (nor get, nor watch): a list of Secrets returns their data (issue 28). No patch: a mount
+        # pod's Secret has no owner, it outlives a dead pod for the next (issue 36).
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "delete"]},
     ]
     assert rules["ClusterRole"] == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
                                     {"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["list"]}]

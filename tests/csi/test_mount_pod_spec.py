@@ -254,7 +254,14 @@ def test_a_container_that_cannot_start_is_not_running() -> None:
 def test_the_daemon_serves_its_stats_on_the_pod_ip() -> None:
     """The operator (csi_driver.operator.usage) and Prometheus read /stats and /metrics there (issue 26)."""
     (container,) = build_pod(SETTINGS, spec())["spec"]["containers"]
-    assert container["command"][-2:] == ["--stats-addr", "$(POD_IP):9750"]
+    assert container["command"][-4:-2] == ["--stats-addr", "$(POD_IP):9750"]
+    # The node names the daemon (its durability journal's prefix), not the pod (issue 36).
+    command = container["command"]
+    assert command[command.index("--node-id") + 1] == "gpu-node-7.example.internal"
+    # Its last counters, at exit, as the termination message (issue 36: short-lived pods counted too).
+    assert container["command"][-2:] == ["--exit-stats-file", container["terminationMessagePath"]]
+    assert container["terminationMessagePolicy"] == "File"
+    assert any(container["terminationMessagePath"].startswith(m["mountPath"] + "/") for m in container["volumeMounts"])
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
     assert container["ports"] == [{"name": "stats", "containerPort": 9750, "protocol": "TCP"}]
 

@@ -306,7 +306,7 @@ class LoopbackProxy:
 
     CHUNK = 64 * 1024
 
-    def __init__(self, target_port: int, rate_bytes_per_s: float | None = None) -> None:
+    def __init__(self, target_port: int, rate_bytes_per_s: float | None = None, port: int = 0) -> None:
         self.target = ("127.0.0.1", target_port)
         self.rate = rate_bytes_per_s
         self._lock = threading.Lock()
@@ -316,7 +316,7 @@ class LoopbackProxy:
         self._closed = threading.Event()
         self._held: list[socket.socket] = []  # accepted while frozen: never answered
         self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", port))  # port: 0, or a closed proxy's again
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._accept, daemon=True, name="loopback-proxy")

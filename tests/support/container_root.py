@@ -5,7 +5,7 @@ SPEC -- COMMAND...`` (as root, in a mount namespace of its own), where SPEC is J
 ``[[source, target], ...]``: each volume's directory on the host and where the container sees it.
 It does what a container runtime does for ``readOnlyRootFilesystem: true``:
 
-- every source is opened first (``O_PATH``), so a volume mounted over an ancestor of another's
+- every source (a directory, or the termination-message file) is opened first (``O_PATH``), so a volume mounted over an ancestor of another's
   source (an ``emptyDir`` at ``/tmp`` over a hostPath under ``/tmp``) still finds it;
 - the volumes are bind-mounted, shallowest target first (runc's order), each writable;
 - the image's own files stay visible: here the "image" is this interpreter, its virtualenv and the
@@ -51,11 +51,15 @@ def main(argv: list[str]) -> None:
     spec, separator, *command = argv
     assert separator == "--" and command, "usage: container_root.py SPEC -- COMMAND..."
     binds = json.loads(spec)
-    fds = [(os.open(source, os.O_PATH | os.O_DIRECTORY), target) for source, target in binds]
+    fds = [(os.open(source, os.O_PATH), target) for source, target in binds]  # a file too (the termination log)
     targets = [target for _, target in binds]
     image = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in _image_paths() if _covered(path, targets)]
     for fd, target in sorted(fds, key=lambda pair: pair[1].count("/")):
-        os.makedirs(target, exist_ok=True)
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(target, exist_ok=True)
+        else:  # a file is bound on a file, made where a volume bound before holds it (runc does so)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "a").close()
         _mount(f"/proc/self/fd/{fd}", target, MS_BIND)
         os.close(fd)
     for fd, path in image:

@@ -9,7 +9,7 @@ another single-container pod of cachefs's image, such as the operator's):
   than its own (the node plugin relies on same-path mounts), or a literal ``value`` for a variable
   that looks like a credential;
 - resolves ``env[].valueFrom.secretKeyRef`` from the Secrets in the API (waiting, as a kubelet does,
-  while the Secret is missing);
+  while the Secret is missing, and reporting the container ``waiting: CreateContainerConfigError``);
 - gives each pod an IP of its own (``status.podIP``, a random address of 127.0.0.0/8, which is all
   loopback on Linux: pods then bind the same port without clashing, as in their own network
   namespaces), resolves ``env[].valueFrom.fieldRef`` of ``status.podIP``, ``metadata.name``,
@@ -29,8 +29,11 @@ another single-container pod of cachefs's image, such as the operator's):
 - with ``readOnlyRootFilesystem: true`` (and root to do it), runs it in a mount namespace of its own
   with ``/`` read-only and the pod's hostPath and emptyDir volumes bind-mounted writable at their
   mount paths (``tests/support/container_root.py``);
+- gives the container its termination-message file (``terminationMessagePath``, a host file of
+  mode 0666 bound at that path, as the kubelet makes it; read-only-root pods only) and reports its
+  first 4096 bytes as ``state.terminated.message`` (``terminationMessagePolicy: File``);
 - reports ``status.phase`` Running, then Succeeded or Failed with the container's exit code and a
-  ``terminated`` state when the process ends;
+  ``terminated`` state when the process ends, also for a pod being deleted (before it removes it);
 - stops a pod being deleted (``metadata.deletionTimestamp`` set; the API double keeps it until then,
   ``tests/support/kubeapi.py``) as the kubelet does: SIGTERM to the process group, then SIGKILL after
   the pod's ``metadata.deletionGracePeriodSeconds`` (at least 2 s, the kubelet's
@@ -38,11 +41,24 @@ another single-container pod of cachefs's image, such as the operator's):
   kubelet restarts its kill with it), whichever comes first; then removes the pod
   from the API (a DELETE with grace 0 and the pod's uid as precondition, as the kubelet's status
   manager does), also for a pod it never started (refused, not pulled). ``Container.stop_grace_s``
-  records the grace it gave. It does not report a deleted pod's terminal status first (the kubelet
-  does); a pod removed outright (grace 0) gets its spec's grace period instead (the kubelet: 2 s).
+  records the grace it gave. A pod removed outright (grace 0) gets its spec's grace period instead
+  (the kubelet: 2 s).
 
 ``kill(name)`` is "the container died": SIGKILL of the whole process group of one pod. An image
 named ``unpullable/...`` is never pulled: the container waits in ``ErrImagePull``, as it would.
+
+**Events from gRPC errors** (``event_message``): the kubelet puts a failed call's message into a
+Go format string, twice, on the way to the pod's ``FailedMount`` Event; ``go_sprintf`` is that rule.
+
+**Workload containers** (``start_workload``, root only): a pod that uses a cachefs volume gets a
+mount namespace of its own, with each volume the node plugin published (its CSI target path on the
+host) bound in at the container's ``mountPath`` with the propagation its ``volumeMounts`` entry asks
+for, as runc does (``tests/support/container_volumes.py``: ``None`` -> rprivate, ``HostToContainer``
+-> rslave, ``Bidirectional`` -> rshared, refused for an unprivileged container as the API server
+refuses it). ``Workload.run`` runs a command inside (``nsenter``). For propagation to reach a
+container at all, the kubelet's root directory must be a shared mount: the kubelet makes it
+``rshared`` at start-up where it is not (``share``; undone at ``stop``), so every target mounted
+under it is in a peer group the containers' rslave binds follow.
 """
 
 from __future__ import annotations
@@ -76,6 +92,35 @@ def expand(text: str, env: dict[str, str]) -> str:
     return _VAR_REF.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
+# Go's fmt: a verb is % then flags, a width (digits or *), a precision (. then digits or *), a rune.
+_GO_VERB = re.compile(r"%([+\-# 0]*)(\d+|\*)?(?:\.(\d*|\*))?(.)?", re.DOTALL)
+
+
+def go_sprintf(format_string: str) -> str:
+    """``fmt.Sprintf(format_string)`` with no arguments, as Go renders it: ``%%`` is ``%``; any other
+    verb is ``%!V(MISSING)``; a ``*`` width or precision ``%!(BADWIDTH)``/``%!(BADPREC)``; a ``%`` at
+    the end ``%!(NOVERB)``."""
+    def one(match: re.Match[str]) -> str:
+        _, width, precision, verb = match.groups()
+        if verb is None:
+            return "%!(NOVERB)"
+        if match.group(0) == "%%":
+            return "%"
+        bad = ("%!(BADWIDTH)" if width == "*" else "") + ("%!(BADPREC)" if precision == "*" else "")
+        return bad + f"%!{verb}(MISSING)"
+    return _GO_VERB.sub(one, format_string)
+
+
+def event_message(prefix: str, details: str) -> str:
+    """The message of the ``FailedMount`` Event the kubelet records for a NodePublishVolume (or
+    NodeStageVolume) that failed with gRPC ``details``: the operation executor builds
+    ``prefix + " failed for volume ... : rpc error: code = ... desc = " + details`` and passes it to
+    ``fmt.Errorf`` as the format string (``GenerateErrorDetailed``), and the recorder's ``Eventf``
+    formats that again: two passes of Go's fmt with no arguments (issue 36 saw both:
+    ``http%3A`` -> ``http%!!(MISSING)A(MISSING)``)."""
+    return go_sprintf(go_sprintf(f"{prefix}: rpc error: desc = {details}"))
+
+
 def pod_ip() -> str:
     rng = random.SystemRandom()
     return f"127.{rng.randint(1, 254)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
@@ -88,6 +133,11 @@ IMAGE_UID = 0  # deploy/Dockerfile has no USER line: the image runs as root unle
 # What getpass.getuser() reads before the passwd database; a container runtime sets none of them.
 LOGIN_VARIABLES = ("USER", "LOGNAME", "LNAME", "USERNAME")
 CONTAINER_ROOT = Path(__file__).with_name("container_root.py")
+CONTAINER_VOLUMES = Path(__file__).with_name("container_volumes.py")
+# The values of volumeMounts[].mountPropagation the API server accepts (None is the default).
+PROPAGATIONS = ("None", "HostToContainer", "Bidirectional")
+# A command run in a workload container (nsenter + a short program) answers within this.
+WORKLOAD_RUN_S = 20.0
 
 
 def runtime_environ(base: dict[str, str], uid: int) -> dict[str, str]:
@@ -125,11 +175,55 @@ class Container:
     log_path: Path
     grace_s: float
     env: dict[str, str] = field(repr=False)
+    termination_log: Path | None = None  # the host file bound at terminationMessagePath
     reported: bool = False
     deleted: bool = False
     stop_grace_s: float | None = None  # the grace its deletion gave it (SIGTERM to SIGKILL)
     sigterm_at: float | None = None  # time.monotonic() of the SIGTERM
     kill_at: float = math.inf  # time.monotonic() of the SIGKILL, once it is being stopped
+
+
+@dataclass
+class Workload:
+    """A workload pod's container: a process in a mount namespace of its own (``start_workload``)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    root: Path  # where the container's paths start, seen from inside its namespace
+
+    def path(self, inside: str) -> str:
+        return str(self.root) + "/" + inside.lstrip("/")
+
+    def run(self, *argv: str, timeout_s: float = WORKLOAD_RUN_S) -> subprocess.CompletedProcess[str]:
+        """``argv`` inside the container's mount namespace; a ``{}`` in it is the container's root."""
+        argv = tuple(arg.replace("{}", str(self.root)) for arg in argv)
+        return subprocess.run(["nsenter", f"--target={self.proc.pid}", "--mount", "--", *argv],
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    def read(self, inside: str) -> bytes | str:
+        """The bytes of file ``inside`` as the container reads them, or the error it gets (strerror)."""
+        code = ("import sys\ntry:\n    sys.stdout.write(open(sys.argv[1], 'rb').read().hex())\n"
+                "except OSError as exc:\n    sys.stdout.write('!' + exc.strerror)")
+        result = self.run(sys.executable, "-c", code, self.path(inside))
+        out = result.stdout.strip()
+        if result.returncode != 0:
+            return f"exit {result.returncode}: {result.stderr.strip()[-200:]}"
+        return out[1:] if out.startswith("!") else bytes.fromhex(out)
+
+    def mountinfo(self, inside: str) -> list[str]:
+        """The lines of the container's mount table at ``inside`` (a stack: one line per layer)."""
+        where = self.path(inside)
+        result = self.run("cat", "/proc/self/mountinfo")
+        return [line for line in result.stdout.splitlines() if line.split()[4] == where]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=KILL_WAIT_S)
 
 
 class Kubelet:
@@ -141,11 +235,14 @@ class Kubelet:
         self.base_env = base_env
         self.containers: dict[str, Container] = {}  # by pod uid
         self.refused: dict[str, str] = {}  # pod name -> why
+        self.waiting: dict[str, str] = {}  # pod uid -> the Secret its container waits for
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kubelet-{node}", daemon=True)
         self.setpriv = shutil.which("setpriv")
         self.unshare = shutil.which("unshare") if os.geteuid() == 0 else None
+        self.workloads: list[Workload] = []
+        self.shared: list[Path] = []  # directories this kubelet made shared mounts (undone at stop)
 
     # -- life ---------------------------------------------------------------------------------------
     def start(self) -> Kubelet:
@@ -160,6 +257,47 @@ class Kubelet:
             containers = list(self.containers.values())
         for container in containers:
             self._terminate(container, grace_s=2.0)
+        for workload in self.workloads:
+            workload.stop()
+        for path in reversed(self.shared):
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=KILL_WAIT_S, check=False)
+
+    # -- workload containers ------------------------------------------------------------------------
+    def share(self, root: Path) -> None:
+        """Make ``root`` (where the pods' volumes are published) an rshared mount, as the kubelet does
+        with its root directory when it is not shared already (a bind of it onto itself first)."""
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "--bind", str(root), str(root)], check=True, capture_output=True, timeout=10)
+        self.shared.append(root)
+        subprocess.run(["mount", "--make-rshared", str(root)], check=True, capture_output=True, timeout=10)
+
+    def start_workload(self, pod: dict[str, Any], targets: dict[str, Path]) -> Workload:
+        """Run ``pod``'s container (a manifest as applied) with each CSI volume of ``targets`` (volume
+        name -> the target path the node plugin published it at) bound at its ``mountPath``, with the
+        ``mountPropagation`` the manifest asks for. Refuses what the API server refuses."""
+        assert self.unshare is not None, "workload containers need root (a mount namespace each)"
+        name = pod["metadata"]["name"]
+        (container,) = pod["spec"]["containers"]
+        privileged = bool((container.get("securityContext") or {}).get("privileged"))
+        root = self.workdir / "rootfs" / name
+        spec = []
+        for mount in container.get("volumeMounts") or []:
+            propagation = mount.get("mountPropagation", "None")
+            assert propagation in PROPAGATIONS, f"Unsupported value: {propagation!r}: supported values: {PROPAGATIONS}"
+            assert propagation != "Bidirectional" or privileged, (
+                "Bidirectional mount propagation is available only to privileged containers")
+            source = targets[mount["name"]]
+            spec.append([str(source), str(root) + mount["mountPath"], propagation, bool(mount.get("readOnly"))])
+        root.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen([self.unshare, "--mount", "--propagation", "slave", "--", sys.executable,
+                                 str(CONTAINER_VOLUMES), json.dumps(spec)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()
+        assert ready.strip() == b"ready", f"container {name} did not start: {proc.stderr.read() if proc.stderr else ''}"
+        workload = Workload(name, proc, root)
+        self.workloads.append(workload)
+        return workload
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -212,6 +350,8 @@ class Kubelet:
         for uid, pod in deleting.items():  # stopped (or never started here): the kubelet's last step
             known = containers.get(uid)
             if known is None or (known.deleted and known.proc.poll() is not None):
+                if known is not None and not known.reported:
+                    self._report_exit(known)  # its terminal status first, as the kubelet's status manager
                 self._remove(pod)
 
     def _remove(self, pod: Any) -> None:
@@ -273,7 +413,14 @@ class Kubelet:
             try:
                 secret = self.core.read_namespaced_secret(ref.name, self.namespace, _request_timeout=API_TIMEOUT_S)
             except Exception:
-                return None  # CreateContainerConfigError: try again next round
+                # CreateContainerConfigError, as the kubelet reports it: try again next round.
+                if self.waiting.get(pod.metadata.uid) != ref.name:
+                    self.waiting[pod.metadata.uid] = ref.name
+                    self._patch_status(pod.metadata.name, {"phase": "Pending", "containerStatuses": [{
+                        "name": container.name, "image": container.image, "imageID": "", "ready": False,
+                        "restartCount": 0, "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                                                 "message": f'secret "{ref.name}" not found'}}}]})
+                return None
             env[var.name] = base64.b64decode(secret.data[ref.key]).decode()
         command = [expand(arg, env) for arg in list(container.command or IMAGE_ENTRYPOINT) + list(container.args or [])]
         if command[0] == "cachefs":
@@ -292,6 +439,13 @@ class Kubelet:
             if user != 0:
                 wrap += [f"--reuid={user}", f"--regid={group if group is not None else user}", "--clear-groups"]
             command = wrap + command
+        termination_log = None
+        if container.termination_message_path and security.read_only_root_filesystem and self.unshare is not None:
+            termination_log = self.workdir / "termination" / pod.metadata.uid
+            termination_log.parent.mkdir(parents=True, exist_ok=True)
+            termination_log.write_bytes(b"")
+            termination_log.chmod(0o666)  # as the kubelet makes it: a container of any uid writes it
+            binds.append((str(termination_log), container.termination_message_path))
         if security.read_only_root_filesystem and self.unshare is not None:
             command = [self.unshare, "--mount", "--propagation", "slave", "--", sys.executable, str(CONTAINER_ROOT),
                        json.dumps(binds), "--", *command]
@@ -301,7 +455,8 @@ class Kubelet:
                                     env={**runtime_environ(self.base_env, user), **env}, start_new_session=True)
         with self._lock:
             self.containers[pod.metadata.uid] = Container(pod.metadata.name, pod.metadata.uid, proc, log_path,
-                                                          float(spec.termination_grace_period_seconds or 30), env)
+                                                          float(spec.termination_grace_period_seconds or 30), env,
+                                                          termination_log)
         self._patch_status(pod.metadata.name, {
             "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip, "startTime": _now(),
             "containerStatuses": [{"name": container.name, "image": container.image, "imageID": "local",
@@ -313,13 +468,20 @@ class Kubelet:
         code = container.proc.returncode
         exit_code = 128 - code if code < 0 else code  # killed by a signal: 128 + its number
         container.reported = True
+        terminated: dict[str, Any] = {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                                      "finishedAt": _now()}
+        if container.termination_log is not None:
+            try:
+                message = container.termination_log.read_bytes()[:4096].decode(errors="replace")
+            except OSError:
+                message = ""
+            if message:
+                terminated["message"] = message
         self._patch_status(container.name, {
             "phase": "Succeeded" if exit_code == 0 else "Failed",
             "containerStatuses": [{"name": "cachefs", "image": "local", "imageID": "local", "ready": False,
                                    "restartCount": 0, "started": False,
-                                   "state": {"terminated": {"exitCode": exit_code,
-                                                            "reason": "Completed" if exit_code == 0 else "Error",
-                                                            "finishedAt": _now()}}}],
+                                   "state": {"terminated": terminated}}],
         })
 
     def _terminate(self, container: Container, grace_s: float | None = None) -> None:

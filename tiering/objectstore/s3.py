@@ -380,6 +380,13 @@ class S3ObjectStore:
             raise not_s3_error("LIST", self._where(), self._endpoint_name, "its answer to a LIST is not an S3 listing")
         return bool(page.get("Contents")) or int(page.get("KeyCount") or 0) > 0
 
+    async def create_bucket(self) -> bool:
+        """CreateBucket of this store's bucket: True if made now, False if it exists already (a setup
+        step, ``cachefs cluster init``; never part of serving)."""
+        made = await self._call("create_bucket", op="CREATE", where=self._where(),
+                                tolerate=frozenset({"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}))
+        return made is not None
+
     async def list_dir(self, prefix: str) -> Listing:
         """The direct children of ``prefix``: every page of ListObjectsV2, within ``max_list_pages``
         pages and ``list_deadline_s`` seconds, no continuation token twice (``ObjectStoreError``, EIO)."""
