@@ -260,7 +260,10 @@ def cluster_store_volume(secret: str, volumes: list[dict[str, Any]], mounts: lis
     """The driver's cluster-store Secret, read-only in the pod, and the variables pointing the daemon
     at it: the store's credentials as the profile ``cluster`` (``--cluster-profile``) of a credentials
     file, and the cluster key's file (``--cluster-key-file``). Paths only: no secret in the spec."""
-    volumes.append({"name": CLUSTER_STORE_VOLUME, "secret": {"secretName": secret, "defaultMode": 0o444}})
+    # Optional: a driver whose admin made no such Secret mounts clustered volumes without it, and the
+    # daemon refuses in one line (no cluster key) rather than the pod waiting for a Secret forever.
+    volumes.append({"name": CLUSTER_STORE_VOLUME, "secret": {"secretName": secret, "defaultMode": 0o444,
+                                                             "optional": True}})
     mounts.append({"name": CLUSTER_STORE_VOLUME, "mountPath": CLUSTER_STORE_DIR, "readOnly": True})
     env += [{"name": "AWS_SHARED_CREDENTIALS_FILE", "value": f"{CLUSTER_STORE_DIR}/credentials"},
             {"name": "CACHEFS_CLUSTER_PROFILE", "value": "cluster"},
