@@ -228,10 +228,16 @@ def upload_tag(prefix: str, seq: int) -> dict[str, str]:
 def own_older_upload(metadata: Mapping[str, str], prefix: str, seq: int) -> bool:
     """Whether an object with ``metadata`` is an upload of the writer of journal ``prefix`` that is
     older than its record ``seq``."""
+    tagged = tag_seq(metadata, prefix)
+    return tagged is not None and tagged < seq
+
+
+def tag_seq(metadata: Mapping[str, str], prefix: str) -> int | None:
+    """The record whose upload an object with ``metadata`` is, if the writer of journal ``prefix`` made it."""
     try:
-        return metadata.get(TAG_WRITER) == prefix and int(metadata.get(TAG_SEQ, "")) < seq
+        return int(metadata.get(TAG_SEQ, "")) if metadata.get(TAG_WRITER) == prefix else None
     except ValueError:
-        return False
+        return None
 
 
 def conditional(store: ObjectStore) -> ConditionalStore | None:

@@ -50,6 +50,7 @@ from tiering.writeback.durable import (
     read_lease,
     read_object,
     own_older_upload,
+    tag_seq,
     seq_name,
     small_body,
 )
@@ -223,6 +224,9 @@ async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, r
         base = record.base if record.base is not None else await _unknown_base(source, record)
         if base is None:
             base = await _own_older(source, prefix, record)
+        if base == ALREADY:
+            report.uploaded.append(key)  # the writer's own upload of this record is there
+            return
         if base is None:
             report.kept_newer.append(key)
             return
@@ -242,21 +246,31 @@ async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, r
             try:
                 if own is None:
                     raise ObjectChangedError(key) from None
-                await put(own)
+                if own != ALREADY:
+                    await put(own)
                 report.uploaded.append(key)
             except (ObjectChangedError, ObjectNotFoundError):
                 report.kept_newer.append(key)
 
 
+# What ``_own_older`` answers when the source's object is this very record's upload: the writer sent
+# it before the node died, but not the removal of the record (nothing left to do).
+ALREADY = "="
+
+
 async def _own_older(source: ConditionalStore, prefix: str, record: ClusterRecord) -> str | None:
     """What the record may replace besides its base: the ETag of the source's object if it is an
     upload of this same writer older than ``record`` (its tag, ``durable.upload_tag``); ABSENT if the
-    object is gone and the record was ``racing`` with this writer's own delete of it. None otherwise
-    (untagged, another writer's, this record's own upload, or gone with no delete of ours in flight)."""
+    object is gone and the record was ``racing`` with this writer's own delete of it; ALREADY if it is
+    this record's own upload. None otherwise (untagged, another writer's, or gone with no delete of
+    ours in flight)."""
     try:
         info, metadata = await source.head_metadata(record.key)
     except ObjectNotFoundError:
         return ABSENT if record.racing else None
+    tagged = tag_seq(metadata, prefix)
+    if tagged == record.seq and record.op == PUT and info.size == record.size:
+        return ALREADY
     return info.etag if own_older_upload(metadata, prefix, record.seq) else None
 
 
