@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
+from cachefs.fs.allocate import FALLOC_FL_KEEP_SIZE, check_fallocate, fallocate
 from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
@@ -79,13 +80,6 @@ KEEP_FOR_READERS_MAX_BYTES = 64 * 1024 * 1024
 # Those are bounded themselves (a copy-in of at most KEEP_FOR_READERS_MAX_BYTES, a server-side copy, a
 # durable record's deadline); past this the open goes on as if it had come first.
 LOSING_NAME_WAIT_S = 60.0
-
-# fallocate(2) modes (linux/falloc.h).
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
-FALLOC_FL_ZERO_RANGE = 0x10
-# A zeroed range is written into the staged copy in pieces of this size: one piece's zeros in memory.
-FALLOCATE_ZERO_CHUNK = 1024 * 1024
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -583,40 +577,15 @@ class CacheFS:
         return written
 
     async def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
-        """fallocate(2) on a writable handle, in the modes a staged copy can honour:
-
-        - 0 (allocate): the file grows to ``offset + length`` if shorter (the new bytes read as zeros);
-          staged data is sparse, so nothing is reserved ahead (see docs/semantics.md);
-        - ``FALLOC_FL_KEEP_SIZE``: nothing to do (space is not reserved ahead);
-        - ``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE`` and ``FALLOC_FL_ZERO_RANGE`` (growing the file
-          unless ``FALLOC_FL_KEEP_SIZE``): the range reads as zeros (written as zeros into the staged
-          copy, in FALLOCATE_ZERO_CHUNK pieces);
-        - the others (collapse, insert, unshare ranges): EOPNOTSUPP.
-        """
+        """fallocate(2) on a writable handle, in the modes a staged copy can honour (``fallocate``)."""
         wb = self._writer()
         handle = self.handles.file(fh)
         if not handle.writable:
             raise FsError(errno.EBADF)
-        if offset < 0 or length <= 0:
-            raise FsError(errno.EINVAL)
-        keep = bool(mode & FALLOC_FL_KEEP_SIZE)
-        zero = mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE)
-        if mode & ~(FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE):
-            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not supported (see docs/semantics.md)")
-        if mode & FALLOC_FL_PUNCH_HOLE and (not keep or mode & FALLOC_FL_ZERO_RANGE):
-            raise FsError(errno.EINVAL)  # as the kernel requires: a hole punch keeps the size
-        if not zero and keep:
-            return
-        sf = await self._stage_for_write(handle.node)
-        end = offset + length
-        if zero:
-            stop = min(end, sf.size) if keep else end
-            chunk = bytes(FALLOCATE_ZERO_CHUNK)
-            for start in range(offset, stop, FALLOCATE_ZERO_CHUNK):
-                await wb.write(sf, start, chunk[:min(FALLOCATE_ZERO_CHUNK, stop - start)])
-        if not keep and end > sf.size:
-            with wb.held(sf):
-                await wb.truncate(sf, end)
+        check_fallocate(mode, offset, length)
+        if mode == FALLOC_FL_KEEP_SIZE:
+            return  # space is not reserved ahead: nothing to do
+        await fallocate(wb, await self._stage_for_write(handle.node), mode, offset, length)
         self.stats.fallocates += 1
 
     async def flush(self, fh: int) -> None:

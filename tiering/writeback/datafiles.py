@@ -48,6 +48,17 @@ class DataFiles:
         self._spawn = spawn  # runs a coroutine in the background (waited for by stop)
         self._stats = stats
         self._open: set[DataFile] = set()
+        # The staging filesystem answered ENOSPC to a write (another program filled it): logged once,
+        # then again only after a write has succeeded (the writer sees every ENOSPC; the log one line).
+        self.disk_full_logged = False
+
+    def note_write_error(self, key: str | None, exc: OSError) -> None:
+        """A write into staged data failed: a full filesystem is logged once per episode."""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not self.disk_full_logged:
+            self.disk_full_logged = True
+            log.error("write-back: the staging filesystem is full (%s): writes of %r and others fail with "
+                      "ENOSPC until space is freed; acknowledged changes are kept and still uploaded",
+                      exc.strerror or exc, key)
 
     async def restore_acked(self, sf: StagedFile, acked: Acked) -> None:
         """Put ``sf`` back to its acknowledged version ``acked``, giving back the space of what came

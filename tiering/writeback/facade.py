@@ -147,9 +147,6 @@ class WriteBack:
         self.store, self.cache, self.budget = store, cache, budget
         self.clock, self.wall = clock or SystemClock(), wall
         self.stats = WriteBackStats()
-        # The staging filesystem answered ENOSPC to a write (another program filled it): logged once,
-        # then again only after a write has succeeded (the writer sees every ENOSPC; the log one line).
-        self._disk_full_logged = False
         # Called as on_applied(key, info) when an operation reached the store (info None: deleted).
         self.on_applied: Callable[[str, ObjectInfo | None], None] | None = None
 
@@ -296,20 +293,13 @@ class WriteBack:
                 await asyncio.to_thread(sf.write_sync, offset, data)
             except BaseException as exc:
                 self.files.maybe_dispose(sf)
-                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    self._note_disk_full(sf, exc)
+                if isinstance(exc, OSError):
+                    self.datafiles.note_write_error(sf.key, exc)
                 raise
             sf.size = max(sf.size, end)
             self._modified(sf)
-        self._disk_full_logged = False
+        self.datafiles.disk_full_logged = False
         return len(data)
-
-    def _note_disk_full(self, sf: StagedFile, exc: OSError) -> None:
-        if not self._disk_full_logged:
-            self._disk_full_logged = True
-            log.error("write-back: the staging filesystem is full (%s): writes of %r and others fail with "
-                      "ENOSPC until space is freed; acknowledged changes are kept and still uploaded",
-                      exc.strerror or exc, sf.key)
 
     async def truncate(self, sf: StagedFile, size: int) -> None:
         async with sf.lock:
@@ -353,22 +343,14 @@ class WriteBack:
         sf.mtime = mtime
 
     async def commit(self, sf: StagedFile) -> None:
-        """Make the file's content durable (I1); with write-through, also wait for its upload.
-
-        A file whose last acknowledgement timed out on a cluster store that has answered nothing since,
-        and that did not change since, fails again at once: the close() after a failed fsync() does not
-        wait out a second deadline (issue 38, finding 6)."""
-        stalled = sf.timed_out
-        if stalled is not None and sf.unacked and self.records.store_silent_since(stalled[0]):
-            error = DurabilityError(f"{stalled[1]} (the cluster store has not answered since; failed again at once)")
-            error.timed_out = True
-            raise error
+        """Make the file's content durable (I1); with write-through, also wait for its upload. Fails
+        at once while a cluster store that timed out on this unchanged file stays silent (``Records``)."""
+        self.records.check_not_stalled(sf)
         try:
             seq = await self._commit_only(sf)
         except Exception as exc:
             sf.commit_failed = True  # the writer was told: when it is gone, the file reverts (``_revert``)
-            if isinstance(exc, DurabilityError) and exc.timed_out:
-                sf.timed_out = (self.records.durable_clock(), str(exc))
+            self.records.note_failure(sf, exc)
             raise
         sf.commit_failed = False
         sf.timed_out = None
@@ -438,9 +420,7 @@ class WriteBack:
 
     async def forget(self, key: str, etag: str | None = None) -> None:
         """Drop any pending operation of ``key``: the store now holds what it should (a server-side copy,
-        at ``etag``). That version is the base of the key's next write: a recovery must take it for this
-        writer's own, not for a newer version written by someone else (a checkpoint saved by writing a
-        file and renaming it over the last one, after the last one was itself renamed into place)."""
+        at ``etag``, the base of the key's next write: a recovery must not take it for someone else's)."""
         async with self._locks.hold(key), self.uploader.frozen(key):
             sf = self.files.get(key)
             self.records.note_base(key, etag)
@@ -697,32 +677,7 @@ class WriteBack:
     async def _perform(self, entry: Entry) -> ObjectInfo | None:
         self.records.check_may_upload()  # a writer whose cluster journal was taken over uploads nothing
         with self.records.sending(entry.key):  # records acknowledged meanwhile race with it (``durable``)
-            return await self._send(entry)
-
-    async def _send(self, entry: Entry) -> ObjectInfo | None:
-        if entry.op == DELETE:
-            await self.store.delete(entry.key)
-            return None
-        sf = entry.sf
-        if sf is None:  # a directory marker
-            return await self.store.put(entry.key, 0, _empty)
-        acked = sf.acked
-        if acked is None:
-            raise ObjectStoreError(f"internal: {entry.key!r} has no acknowledged version to upload")
-        df = acked.data
-        df.refs += 1
-        sf.may_exist = True  # from now on the store may hold it, whatever happens
-        read = functools.partial(read_range, df.fd)
-        try:
-            tag = self.records.upload_tag(acked.seq)
-            tagging = conditional(self.store) if tag is not None else None
-            if tagging is not None:
-                # With a cluster copy: tagged as this writer's, so that a recovery after this node
-                # died with the upload in flight tells it from someone else's (``durable.upload_tag``).
-                return await tagging.put_if(entry.key, acked.size, read, metadata=tag)
-            return await self.store.put(entry.key, acked.size, read)
-        finally:
-            self.datafiles.unref(df)
+            return await send(entry, self.store, self.records, self.datafiles)
 
     async def _applied(self, entry: Entry, seq: int, info: ObjectInfo | None) -> None:
         key = entry.key
@@ -764,6 +719,33 @@ class WriteBack:
                     self.on_applied(key, info)
                 except Exception:  # noqa: BLE001 - a view refresh must not undo an upload
                     log.exception("write-back: updating the view after %s %r failed", entry.op, key)
+
+
+async def send(entry: Entry, store: ObjectStore, records: Records, datafiles: DataFiles) -> ObjectInfo | None:
+    """Send one pending operation to the store: a delete, a directory marker, or the acknowledged
+    version of a staged file. With a cluster copy an upload carries the writer's tag, so that a
+    recovery after this node died with it in flight tells it from someone else's (``durable.upload_tag``)."""
+    if entry.op == DELETE:
+        await store.delete(entry.key)
+        return None
+    sf = entry.sf
+    if sf is None:  # a directory marker
+        return await store.put(entry.key, 0, _empty)
+    acked = sf.acked
+    if acked is None:
+        raise ObjectStoreError(f"internal: {entry.key!r} has no acknowledged version to upload")
+    df = acked.data
+    df.refs += 1
+    sf.may_exist = True  # from now on the store may hold it, whatever happens
+    read = functools.partial(read_range, df.fd)
+    try:
+        tag = records.upload_tag(acked.seq)
+        tagging = conditional(store) if tag is not None else None
+        if tagging is not None:
+            return await tagging.put_if(entry.key, acked.size, read, metadata=tag)
+        return await store.put(entry.key, acked.size, read)
+    finally:
+        datafiles.unref(df)
 
 
 def _check_live(sf: StagedFile) -> None:

@@ -22,10 +22,11 @@ from typing import Any
 
 from tiering.protocols import ObjectInfo
 
-from tiering.writeback.durable import DurableJournal
+from tiering.writeback.durable import DurabilityError, DurableJournal
 from tiering.writeback.journal import Record, ScanResult, StagingDir
 from tiering.writeback.settings import RECORD_BYTES
 from tiering.writeback.space import StagingSpace
+from tiering.writeback.staged import StagedFile
 
 log = logging.getLogger("tiering.writeback")
 
@@ -106,13 +107,20 @@ class Records:
         """With a cluster copy: the metadata that marks an upload of record ``seq`` as this writer's."""
         return self.durable.upload_tag(seq) if self.durable is not None else None
 
-    def durable_clock(self) -> float:
-        """The cluster copy's monotonic clock (what ``store_silent_since`` compares with); 0 without one."""
-        return self.durable.monotonic() if self.durable is not None else 0.0
+    def check_not_stalled(self, sf: StagedFile) -> None:
+        """A file whose last acknowledgement timed out on a cluster store that has answered nothing
+        since (no record taken, no lease renewed), and that did not change since, fails again at once:
+        the close() after a failed fsync() does not wait out a second deadline (issue 38, finding 6)."""
+        stalled = sf.timed_out
+        if stalled is not None and sf.unacked and self.durable is not None and self.durable.silent_since(stalled[0]):
+            error = DurabilityError(f"{stalled[1]} (the cluster store has not answered since; failed again at once)")
+            error.timed_out = True
+            raise error
 
-    def store_silent_since(self, when: float) -> bool:
-        """With a cluster copy: whether its store answered nothing since ``when`` (monotonic)."""
-        return self.durable is not None and self.durable.silent_since(when)
+    def note_failure(self, sf: StagedFile, exc: BaseException) -> None:
+        """An acknowledgement of ``sf`` failed: remember a timeout of the cluster store (``check_not_stalled``)."""
+        if isinstance(exc, DurabilityError) and exc.timed_out and self.durable is not None:
+            sf.timed_out = (self.durable.monotonic(), str(exc))
 
     def check_may_upload(self) -> None:
         if self.durable is not None:
