@@ -101,7 +101,8 @@ class Flag:
     default: Any
 
 
-ORIGIN = {"type": "string", "pattern": r"^(aws|https?://[^/,\s]+)$"}
+# An allow-list entry: an origin, or an origin and a path prefix (csi_driver.trust compares the path too).
+ENDPOINT = {"type": "string", "pattern": r"^(aws|https?://[^/,\s]+(/[^,\s]*)?)$"}
 BUCKET = {"type": "string", "pattern": r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"}
 LOG_LEVEL = {"type": "string", "enum": ["DEBUG", "INFO", "WARNING", "ERROR"]}
 # (workload, container) -> its flags that are values. A flag the base passes gives its default;
@@ -110,9 +111,14 @@ FLAGS = {
     ("cachefs-csi-node", "cachefs-csi"): (
         Flag("--log-level", "node.logLevel", "text", "log level of the node plugin", LOG_LEVEL, "INFO"),
         Flag("--allowed-endpoints", "node.allowedEndpoints", "list",
-             "the only S3 endpoints a volume's endpointUrl may name (`http(s)://host[:port]`, `aws` for AWS's "
-             "own); empty: any (deploy/README.md, \"What a volume may ask\")",
-             {"type": "array", "items": ORIGIN, "uniqueItems": True}, []),
+             "the only S3 endpoints a volume's endpointUrl may name (`http(s)://host[:port][/path/]`, a path "
+             "allowing only the paths below it; `aws` for AWS's own); empty: any but loopback and link-local "
+             "addresses (deploy/README.md, \"What a volume may ask\")",
+             {"type": "array", "items": ENDPOINT, "uniqueItems": True}, []),
+        Flag("--cluster-store-endpoint", "node.clusterStoreEndpoint", "name",
+             "the cluster store's endpoint (e.g. `http://cachefs-cluster-store.NAMESPACE.svc:8333`): never "
+             "allowed as a volume's source endpointUrl, whatever the allow-list; empty: none",
+             {"type": "string", "pattern": r"^(https?://[^/,\s]+/?)?$"}, ""),
         Flag("--allowed-buckets", "node.allowedBuckets", "list",
              "the only buckets a volume may mount; empty: any",
              {"type": "array", "items": BUCKET, "uniqueItems": True}, []),

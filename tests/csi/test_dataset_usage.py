@@ -38,6 +38,7 @@ from csi_driver.mountpods import MountPodSettings, PodLauncher
 from csi_driver.operator.usage import COUNTERS, counters, read_stats
 from tests.conftest import unique_bucket_name
 from tests.csi.conftest import driver_environ
+from tests.support.clusterkeys import write_key_file
 from tests.csi.test_operator import Cluster, eventually, running_operator
 from tests.support.kubeapi import OperatorApiServer
 from tests.support.kubelet import Kubelet
@@ -162,7 +163,11 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
     seaweed.put_many(bucket, FILES.items())
     k = Cluster(api)
     k.client.user_agent = TEST_AGENT  # the kubelet stand-in and the test's own calls
-    base_env = {**driver_environ(), "AWS_ENDPOINT_URL": seaweed.endpoint_url}
+    # The cluster key, as the driver's Secret gives it to mount pods of clustered volumes (issue 34);
+    # outside /tmp, which a mount pod sees as its own emptyDir.
+    key_dir = Path(tempfile.mkdtemp(prefix="cachefs-usage-key-", dir="/var/tmp"))
+    base_env = {**driver_environ(), "AWS_ENDPOINT_URL": seaweed.endpoint_url,
+                "CACHEFS_CLUSTER_KEY_FILE": str(write_key_file(key_dir))}
     nodes = ("node-a", "node-b")
     kubelets = [Kubelet(k.core, node, MOUNT_NS, workdir / f"kubelet-{node}", base_env).start() for node in nodes]
     mounters = {node: node_mounter(k, node, workdir) for node in nodes}
@@ -234,6 +239,7 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
             await asyncio.to_thread(kubelet.stop)
         for request in requests.values():
             await asyncio.to_thread(detach, request.target)
+        shutil.rmtree(key_dir, ignore_errors=True)
 
 
 async def test_a_mount_pod_that_comes_and_goes_between_two_collections_is_counted(

@@ -357,10 +357,17 @@ def test_the_default_values_render_what_the_base_renders() -> None:
     assert_same_objects(render({}), kustomize_build(DEPLOY / "base"))
 
 
+# The shipped overlays list the endpoints volumes may name (csi_driver.trust): the site's store, and
+# with the cluster store its Service too.
+SITE_ENDPOINTS = {"node": {"allowedEndpoints": ["https://s3.storage.example.com/"]}}
+
+
 @pytest.mark.parametrize("overlay, values", [
-    ("example", SITE),
-    ("with-cluster-store", merged(SITE, {"clusterStore": {"enabled": True}})),
-    ("with-datasets", merged(SITE, {"datasets": {"enabled": True}})),
+    ("example", merged(SITE, SITE_ENDPOINTS)),
+    ("with-cluster-store", merged(SITE, {"clusterStore": {"enabled": True}, "node": {"allowedEndpoints": [
+        "https://s3.storage.example.com/", "http://cachefs-cluster-store.cachefs.svc:8333/"],
+        "clusterStoreEndpoint": "http://cachefs-cluster-store.cachefs.svc:8333"}})),
+    ("with-datasets", merged(SITE, {"datasets": {"enabled": True}}, SITE_ENDPOINTS)),
 ])
 def test_the_chart_renders_what_each_documented_overlay_renders(overlay: str, values: dict[str, Any]) -> None:
     assert_same_objects(render(values), kustomize_build(DEPLOY / "overlays" / overlay))

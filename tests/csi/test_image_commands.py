@@ -57,7 +57,8 @@ def image_env() -> Path:
 
 def image_containers() -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, container) of every container of the cachefs image in a workload under deploy/."""
-    for path in sorted((ROOT / "deploy").rglob("*.yaml")):
+    helm = ROOT / "deploy" / "helm"  # templates, generated from the manifests read here (scripts/helm_chart.py)
+    for path in sorted(p for p in (ROOT / "deploy").rglob("*.yaml") if helm not in p.parents):
         for doc in yaml.safe_load_all(path.read_text()):
             if not isinstance(doc, dict) or doc.get("kind") not in ("Deployment", "DaemonSet", "StatefulSet", "Job",
                                                                       "CronJob"):

@@ -280,4 +280,4 @@ def test_a_variable_reference_in_an_attribute_reaches_the_daemon_as_written() ->
     argv = [expand(arg, env) for arg in container["command"]]
     assert argv[1:6] == list(args)
     assert SECRET not in " ".join(argv) and KEY_ID not in " ".join(argv)
-    assert argv[-1] == "10.0.0.7:9750"  # the driver's own reference is still expanded
+    assert argv[argv.index("--stats-addr") + 1] == "10.0.0.7:9750"  # the driver's own reference is still expanded

@@ -100,7 +100,7 @@ def test_the_operator_runs_as_its_image_does_with_no_passwd_entry(workdir: Path)
 
         def volume() -> bool:
             assert running.proc.poll() is None, running.log_path.read_text()[-3000:]
-            return any(key[2] == f"cachefs-{NS}-imagenet" and not obj.deleted
+            return any(key[2] == m.pv_name(NS, "imagenet") and not obj.deleted
                        for key, obj in list(api.emulator.objects.items()))
 
         wait_for(volume, "the operator to create the Dataset's PersistentVolume")

@@ -73,7 +73,7 @@ def test_mount_refuses_a_prefix_that_leaves_no_room(seaweed, bucket: str, mounte
 def test_a_writable_mount_refuses_a_disk_cache_smaller_than_a_block(seaweed, bucket: str, mounter) -> None:
     with pytest.raises(MountFailed) as info:
         mounter.mount(f"s3://{bucket}/{PREFIX}", "--disk-cache", "1KiB", env=s3env(seaweed), check=False)
-    one_line_error(info.value.result, "--disk-cache", "1024", "block")
+    one_line_error(info.value.result, "--disk-cache", "1.0 KiB", "block")
 
 
 def test_a_sparse_file_ten_times_the_disk_cache(seaweed, bucket: str, mounter) -> None:

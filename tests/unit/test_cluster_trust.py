@@ -74,7 +74,10 @@ async def test_the_proof_is_one_head_per_object_version_shared_by_its_blocks_and
     assert engine.stats.cluster_authorizations == source.stats.head_requests - heads == 1
     await engine.evict_all()  # the next epoch, on a node that kept nothing: remembered, no request
     assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE
-    assert engine.stats.cluster_served == 2 * BLOCKS and engine.stats.cluster_authorizations == 1
+    # A disk-tier copy of a cluster hit still being written during evict_all may serve a block: either
+    # way nothing came from the source and the proof was not asked again.
+    assert engine.stats.cluster_served + engine.stats.disk_served == 2 * BLOCKS
+    assert engine.stats.store_fetches == 0 and engine.stats.cluster_authorizations == 1
     await engine.close()
 
 
