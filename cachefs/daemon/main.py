@@ -25,11 +25,15 @@ write, and opens its own files there without following symlinks (``tiering.priva
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import fcntl
 import json
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,7 +178,7 @@ async def open_cluster_tier(settings: MountSettings, environ: dict[str, str],
 
 
 async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],
-                     warn: WarnCallback | None = None) -> None:
+                     warn: WarnCallback | None = None, watchdog: "ExitWatchdog | None" = None) -> None:
     """Mount and serve until unmounted. Raises ``SetupError`` for anything that prevents mounting.
 
     ``warn`` gets each start-up warning (also logged), for ``cachefs mount`` to show the user."""
@@ -303,6 +307,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                     served_to_the_end = True
                 finally:
                     stopping.session_ended()  # an unmount (umount, fusermount3 -u) starts the deadline here
+                    if watchdog is not None:
+                        watchdog.arm(max(stopping.remaining(), EXIT_WATCHDOG_FLOOR_S) + EXIT_WATCHDOG_MARGIN_S)
                     await stopping.close()
                     session.close()
                     log.info("unmounted %s", settings.mountpoint)
@@ -366,4 +372,48 @@ def _read_or_none(path: Path) -> bytes | None:
 def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str],
           warn: WarnCallback | None = None) -> None:
     """Run the daemon on a fresh asyncio loop (the FUSE session serves on it)."""
-    asyncio.run(run_daemon(settings, ready, environ, warn))
+    watchdog = ExitWatchdog()
+    try:
+        asyncio.run(run_daemon(settings, ready, environ, warn, watchdog))
+    finally:
+        watchdog.disarm()
+
+
+# Past its stop deadline (--stop-timeout, counted from the end of the session), a daemon whose mount
+# is gone gives itself this much more to close its stores and threads, and then exits anyway:
+# ``cachefs unmount`` (and a mount pod's grace period) wait the deadline plus STOP_MARGIN_S (5 s).
+EXIT_WATCHDOG_MARGIN_S = 3.0
+# ... and never less than this after the session's end (a stop that abandons its uploads still closes).
+EXIT_WATCHDOG_FLOOR_S = 10.0
+# The exit status of a daemon the watchdog ended (sysexits' EX_SOFTWARE): its log holds every thread's stack.
+EXIT_STOP_OVERRUN = 70
+
+
+class ExitWatchdog:
+    """Ends a daemon that outlives its stop deadline after its session ended, whatever holds it (a
+    thread blocked in a socket, a close that waits): every thread's stack goes to stderr (the daemon's
+    log) first, so the next look at it says what held it. Safe for data: acknowledged writes are in
+    the staging journal, which the next mount uploads; the metadata index is not marked clean."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._armed = False
+
+    def arm(self, seconds: float) -> None:
+        if self._armed:
+            return
+        self._armed = True
+        threading.Thread(target=self._watch, args=(seconds,), name="exit-watchdog", daemon=True).start()
+
+    def disarm(self) -> None:
+        self._done.set()
+
+    def _watch(self, seconds: float) -> None:
+        if self._done.wait(seconds):
+            return
+        log.error("the daemon did not finish stopping within %.0f s of its session's end: exiting now "
+                  "(acknowledged writes stay staged for the next mount); every thread's stack follows", seconds)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(EXIT_STOP_OVERRUN)
