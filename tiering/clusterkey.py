@@ -90,7 +90,9 @@ class ClusterKey:
 
     @classmethod
     def from_file(cls, path: Path) -> "ClusterKey":
-        """The key in ``path`` (a trailing newline is dropped); ``ClusterKeyError`` names the file."""
+        """The key in ``path``; ``ClusterKeyError`` names the file. A trailing newline is dropped from a
+        text key only (printable ASCII: typed, or ``openssl rand -hex 32``): random bytes (``head -c 32
+        /dev/urandom``) are the key whole, even when their last byte happens to be a newline."""
         try:
             with open(path, "rb") as f:
                 raw = f.read(KEY_MAX_BYTES + 1)
@@ -98,9 +100,12 @@ class ClusterKey:
             raise ClusterKeyError(f"cannot read the cluster key file {path}: {exc.strerror or exc}") from None
         if len(raw) > KEY_MAX_BYTES:
             raise ClusterKeyError(f"the cluster key file {path} is larger than {KEY_MAX_BYTES} bytes: not a key")
-        secret = raw[:-1] if raw.endswith(b"\n") else raw
+        secret = raw
+        text = raw.rstrip(b"\r\n")
+        if text != raw and text.isascii() and all(32 <= c < 127 for c in text):
+            secret = text
         try:
-            return cls(secret.rstrip(b"\r"))
+            return cls(secret)
         except ClusterKeyError as exc:
             raise ClusterKeyError(f"{path}: {exc}") from None
 

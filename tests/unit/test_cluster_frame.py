@@ -101,6 +101,14 @@ def test_key_file(tmp_path: Path) -> None:
     text = tmp_path / "hex.key"
     text.write_text("ab" * 32 + "\n")  # `openssl rand -hex 32 > FILE`: the newline is not part of it
     assert ClusterKey.from_file(text).fingerprint() == ClusterKey(b"ab" * 32).fingerprint()
+    crlf = tmp_path / "crlf.key"
+    crlf.write_bytes(b"ab" * 32 + b"\r\n")
+    assert ClusterKey.from_file(crlf).fingerprint() == ClusterKey(b"ab" * 32).fingerprint()
+    # `head -c 32 /dev/urandom > FILE`: random bytes are the key whole, a last byte of '\n' included
+    # (it was dropped, leaving 31 bytes: refused, one random key in 256; found by the bench smoke test).
+    binary = tmp_path / "random.key"
+    binary.write_bytes(bytes(range(200, 231)) + b"\n")
+    assert ClusterKey.from_file(binary).fingerprint() == ClusterKey(bytes(range(200, 231)) + b"\n").fingerprint()
     assert TEST_KEY.fingerprint() != OTHER_KEY.fingerprint()
     assert "secret" in repr(TEST_KEY.derive(BLOCKS)) and TEST_SECRET.hex() not in repr(TEST_KEY)
 
