@@ -522,6 +522,25 @@ class LandsButNeverAnswers(InMemoryObjectStore):
             await asyncio.Event().wait()
 
 
+async def _rewrite_whose_upload_lands_unanswered(
+        tmp_path: Path, data: bytes) -> tuple[LandsButNeverAnswers, BreakableStore, Node, asyncio.Future[object]]:
+    """``ckpt`` (E0 in the source) rewritten with ``data`` and acknowledged; its upload then lands in
+    the source and never answers (the flush that sent it is returned, still waiting)."""
+    source, cluster = LandsButNeverAnswers(), BreakableStore()
+    e0 = source.put_object("ckpt", b"version 0, in the source").etag
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    sf = await node.wb.create("ckpt", may_exist=True, base_etag=e0)
+    node.wb.hold(sf)
+    await node.wb.write(sf, 0, data)
+    await node.wb.commit(sf)
+    node.wb.unhold(sf)
+    source.swallow = True
+    flushing = asyncio.ensure_future(node.wb.flush(30))
+    await asyncio.wait_for(source.landed.wait(), 10)
+    return source, cluster, node, flushing
+
+
 @pytest.mark.parametrize("then", ["write", "delete"])
 async def test_the_writers_own_upload_landing_as_the_node_dies_is_not_taken_for_a_newer_version(
         tmp_path: Path, then: str) -> None:
@@ -529,18 +548,7 @@ async def test_the_writers_own_upload_landing_as_the_node_dies_is_not_taken_for_
     node dies before the answer: record 2 (v2, or a delete), acknowledged meanwhile, still says base
     E0. The recoverer finds the source at v1, tagged as this writer's older upload, and applies record
     2 (found as a 'kept_newer' loss of an acknowledged write in 2 of 20 kill trials)."""
-    source, cluster = LandsButNeverAnswers(), BreakableStore()
-    e0 = source.put_object("ckpt", b"version 0, in the source").etag
-    node = Node(tmp_path / "a", source, cluster)
-    await node.wb.start()
-    sf = await node.wb.create("ckpt", may_exist=True, base_etag=e0)
-    node.wb.hold(sf)
-    await node.wb.write(sf, 0, b"version 1, ours")
-    await node.wb.commit(sf)
-    node.wb.unhold(sf)
-    source.swallow = True
-    flushing = asyncio.ensure_future(node.wb.flush(30))
-    await asyncio.wait_for(source.landed.wait(), 10)
+    source, cluster, node, flushing = await _rewrite_whose_upload_lands_unanswered(tmp_path, b"version 1, ours")
     assert source._objects["ckpt"].data == b"version 1, ours"
     if then == "write":
         await write(node.wb, "ckpt", b"version 2, ours, acknowledged last", may_exist=True)
@@ -657,18 +665,8 @@ async def test_the_records_own_upload_landing_as_the_node_dies_counts_as_uploade
     """The upload of the latest record lands and the node dies before its answer (so before the record
     is removed): the recoverer finds the source holding exactly that upload (its tag names this record)
     and reports it uploaded, not 'left the newer version' (seen in 1 of 60 kill trials)."""
-    source, cluster = LandsButNeverAnswers(), BreakableStore()
-    e0 = source.put_object("ckpt", b"version 0, in the source").etag
-    node = Node(tmp_path / "a", source, cluster)
-    await node.wb.start()
-    sf = await node.wb.create("ckpt", may_exist=True, base_etag=e0)
-    node.wb.hold(sf)
-    await node.wb.write(sf, 0, b"version 1, ours, the last")
-    await node.wb.commit(sf)
-    node.wb.unhold(sf)
-    source.swallow = True
-    flushing = asyncio.ensure_future(node.wb.flush(30))
-    await asyncio.wait_for(source.landed.wait(), 10)
+    source, cluster, node, flushing = await _rewrite_whose_upload_lands_unanswered(
+        tmp_path, b"version 1, ours, the last")
     prefix = node.durable.prefix
     flushing.cancel()
     node.lose()
