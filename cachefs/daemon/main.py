@@ -373,10 +373,12 @@ def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]
           warn: WarnCallback | None = None) -> None:
     """Run the daemon on a fresh asyncio loop (the FUSE session serves on it)."""
     watchdog = ExitWatchdog()
+    status = 1
     try:
         asyncio.run(run_daemon(settings, ready, environ, warn, watchdog))
+        status = 0
     finally:
-        watchdog.disarm()
+        watchdog.loop_ended(status)
 
 
 # Past its stop deadline (--stop-timeout, counted from the end of the session), a daemon whose mount
@@ -385,35 +387,66 @@ def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]
 EXIT_WATCHDOG_MARGIN_S = 3.0
 # ... and never less than this after the session's end (a stop that abandons its uploads still closes).
 EXIT_WATCHDOG_FLOOR_S = 10.0
+# Once the event loop has ended, the threads it leaves (a worker blocked in a socket that no one
+# waits for, an executor the interpreter joins at exit) get this long before the process exits
+# without them, and never beyond the deadline above.
+EXIT_LINGER_S = 2.0
 # The exit status of a daemon the watchdog ended (sysexits' EX_SOFTWARE): its log holds every thread's stack.
 EXIT_STOP_OVERRUN = 70
 
 
 class ExitWatchdog:
-    """Ends a daemon that outlives its stop deadline after its session ended, whatever holds it (a
-    thread blocked in a socket, a close that waits): every thread's stack goes to stderr (the daemon's
-    log) first, so the next look at it says what held it. Safe for data: acknowledged writes are in
-    the staging journal, which the next mount uploads; the metadata index is not marked clean."""
+    """Ends a daemon that outlives its stop deadline, whatever holds it (a thread blocked in a socket,
+    a close that waits, the interpreter joining a worker at exit): every thread's stack goes to stderr
+    (the daemon's log) first, so the next look at it says what held it.
+
+    Two deadlines, the earlier wins: ``arm`` at the session's end (the stop deadline plus a margin; if
+    it passes, the exit status is ``EXIT_STOP_OVERRUN``) and ``loop_ended`` when the event loop is done
+    (``EXIT_LINGER_S`` for the threads it leaves; the stop itself finished, so the exit status is the
+    daemon's own). Safe for data either way: acknowledged writes are in the staging journal, which the
+    next mount uploads, and the metadata index is marked clean only by a stop that finished."""
 
     def __init__(self) -> None:
-        self._done = threading.Event()
-        self._armed = False
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._status: int | None = None  # set once the loop ended
+        self._started = False
 
     def arm(self, seconds: float) -> None:
-        if self._armed:
-            return
-        self._armed = True
-        threading.Thread(target=self._watch, args=(seconds,), name="exit-watchdog", daemon=True).start()
+        self._set(seconds, None)
 
-    def disarm(self) -> None:
-        self._done.set()
+    def loop_ended(self, status: int, linger_s: float = EXIT_LINGER_S) -> None:
+        self._set(linger_s, status)
 
-    def _watch(self, seconds: float) -> None:
-        if self._done.wait(seconds):
-            return
-        log.error("the daemon did not finish stopping within %.0f s of its session's end: exiting now "
-                  "(acknowledged writes stay staged for the next mount); every thread's stack follows", seconds)
+    def _set(self, seconds: float, status: int | None) -> None:
+        with self._cond:
+            deadline = time.monotonic() + seconds
+            if self._deadline is None or deadline < self._deadline:
+                self._deadline = deadline
+            if status is not None:
+                self._status = status
+            self._cond.notify_all()
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._watch, name="exit-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while self._deadline is not None and (left := self._deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            status = self._status
+        if status is None:
+            log.error("the daemon did not finish stopping within its deadline after its session's end: exiting "
+                      "now (acknowledged writes stay staged for the next mount); every thread's stack follows")
+            status = EXIT_STOP_OVERRUN
+        else:
+            held = sorted(t.name for t in threading.enumerate()
+                          if t.is_alive() and not t.daemon and t is not threading.main_thread())
+            log.warning("the daemon stopped, but %s still ran %.0f s later: exiting without them; every "
+                        "thread's stack follows", ", ".join(held) or "its threads", EXIT_LINGER_S)
         with contextlib.suppress(Exception):
+            for handler in logging.getLogger().handlers:
+                handler.flush()
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        os._exit(EXIT_STOP_OVERRUN)
+        os._exit(status)

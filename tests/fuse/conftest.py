@@ -76,7 +76,17 @@ class Mount:
         return self.stats()["object_store"]["get_requests"]
 
     def unmount(self) -> subprocess.CompletedProcess[str]:
-        return run_cli("unmount", str(self.path), env=self.env)
+        result = run_cli("unmount", str(self.path), env=self.env)
+        if result.returncode != 0:  # what the daemon said last goes into the failing assertion's message
+            result.stderr += self.daemon_log_tail()
+        return result
+
+    def daemon_log_tail(self, lines: int = 60) -> str:
+        text = ""
+        for log in sorted(self.cache_dir.glob("*/daemon.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            text += f"\n--- the last {len(tail)} lines of {log}:\n" + "\n".join(tail)
+        return text
 
     @property
     def mounted(self) -> bool:
