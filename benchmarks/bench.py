@@ -644,6 +644,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# The FUSE layer's figures: at most this many of the small files' size, this many getxattr calls a round.
+FUSE_LAYER_FILES = 2000
+FUSE_LAYER_CALLS = 20000
+
 # The cluster-tier authorization figure: this many of the small files, over this many epochs.
 AUTHORIZATION_FILES = 1000
 AUTHORIZATION_EPOCHS = 3
@@ -674,6 +678,13 @@ def main(argv: list[str] | None = None) -> int:
 
         result["cluster_authorization"] = asyncio.run(authorization_run(
             min(args.files, AUTHORIZATION_FILES), args.file_size, AUTHORIZATION_EPOCHS, quiet=True))
+    if "cachefs" in args.tool_names:
+        # The FUSE layer against a libfuse null server and the page cache (issue 39), on file:// trees.
+        from benchmarks.fuse_layer import run as fuse_layer_run
+
+        result["fuse_layer"] = fuse_layer_run(files=min(args.files, FUSE_LAYER_FILES), file_size=args.file_size,
+                                              calls=FUSE_LAYER_CALLS,
+                                              rounds=args.rounds, workdir=args.workdir)
     result["wall_s"] = round(time.monotonic() - begin, 1)
     write_results(result, args.out)
     print(markdown(result))

@@ -43,8 +43,13 @@ class SourceDirError(ValueError):
 def staged_changes(directory: Path) -> int:
     """How many journaled changes (one per object key) ``directory``, a source's cache directory,
     holds that are not in the object store yet."""
+    return staged_records(directory / STAGING_DIRNAME)
+
+
+def staged_records(staging: Path) -> int:
+    """The records of the write-back journal in ``staging`` (a source cache directory's ``staging/``)."""
     try:
-        with os.scandir(directory / STAGING_DIRNAME / RECORDS_DIR) as entries:
+        with os.scandir(staging / RECORDS_DIR) as entries:
             return sum(1 for entry in entries if entry.name.endswith(RECORD_SUFFIX))
     except OSError:
         return 0

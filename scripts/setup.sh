@@ -44,6 +44,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
 fi
 
 if [ "$bench" -eq 1 ]; then
+  # The FUSE layer's limit is a libfuse low-level null server built in the run (benchmarks/fuse_null.c).
+  if ! command -v gcc >/dev/null 2>&1 || ! pkg-config --exists fuse3 >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q gcc pkg-config libfuse3-dev
+  fi
   # The peers must start, not just exist: a broken binary would otherwise only show up as an
   # "unavailable" column at the end of a long run.
   rclone=.venv/bin/rclone

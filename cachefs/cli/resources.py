@@ -34,10 +34,10 @@ from typing import Callable
 from dataclasses import dataclass
 
 from cachefs.settings import MountSettings
-from cachefs.sourcedir import STAGING_DIRNAME
+from cachefs.sourcedir import STAGING_DIRNAME, staged_records
 from tiering.tiers.disk import filesystem_free_bytes
 from tiering.units import format_size
-from tiering.writeback.journal import DATA_DIR, RECORD_SUFFIX, RECORDS_DIR
+from tiering.writeback.journal import DATA_DIR
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -96,11 +96,7 @@ def disk_problem(disk_bytes: int, min_free_bytes: int, cache_dir: Path, *,
 def pending_writes(staging: Path) -> tuple[int, int]:
     """``(records, staged bytes)`` of the write-back journal in ``staging`` (a source cache directory's
     ``staging/``): the acknowledged changes not yet uploaded, and the bytes their data takes."""
-    try:
-        with os.scandir(staging / RECORDS_DIR) as entries:
-            records = sum(1 for entry in entries if entry.name.endswith(RECORD_SUFFIX))
-    except OSError:
-        return 0, 0
+    records = staged_records(staging)
     return records, directory_bytes(staging / DATA_DIR) if records else 0
 
 

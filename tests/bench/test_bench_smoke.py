@@ -65,6 +65,11 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
     assert [r["epoch"] for r in auth] == [1, 2, 3]
     assert auth[0]["source_heads"] == auth[0]["files"] > 0 and auth[0]["source_gets"] == 0
     assert all(r["source_heads"] == 0 and r["source_gets"] == 0 for r in auth[1:])
+    # The FUSE layer beside libfuse's null server and the page cache (issue 39): every figure present.
+    layer = data["fuse_layer"]
+    assert layer["cachefs_us"] > 0 and layer["writable_daemon_us"] is not None and layer["ext4_reader_us"] > 0
+    assert layer["unavailable"] is not None or (layer["null_us"] > 0 and layer["request_ratio"] > 0), layer
+    assert layer["pinned_requests"] is not None and layer["writable_requests"] > 0, layer
     for key in CACHEFS_ONLY:
         figure = data["figures"][key]
         assert figure["only"] == ["cachefs"], key
