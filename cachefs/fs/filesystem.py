@@ -326,6 +326,13 @@ class CacheFS:
             return None
         return await self.whole.for_version(ref, assemble=assemble)
 
+    def abandon_open(self, fh: int) -> None:
+        """Release a handle whose open the kernel is answered with an error: it never learnt of this
+        version, so its cached pages (of whatever version it read before) must not be kept next time."""
+        handle = self.handles.file(fh)
+        handle.node.page_cache_etag = None
+        self.release(fh)
+
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh)
         if handle is None:

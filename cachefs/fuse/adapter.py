@@ -106,7 +106,11 @@ class Passthrough:
             self._check_free(nodeid, fh)
             return None
         before = self.held.get(nodeid)
-        path = await self.fs.backing_file(fh, assemble=before is None)
+        try:
+            path = await self.fs.backing_file(fh, assemble=before is None)
+        except Exception:  # noqa: BLE001 - a failing disk tier is a miss: this open is served by the daemon
+            log.exception("passthrough: finding the whole file failed; the daemon serves this open")
+            path = None
         held = self.held.get(nodeid)  # again: other opens and releases may have come during the wait
         if held is not None:
             if path != held.path:  # another version, or a handle that does not qualify
@@ -127,7 +131,7 @@ class Passthrough:
     def _check_free(self, nodeid: int, fh: int) -> None:
         """An open that will not pass through: refused while the inode is held through passthrough."""
         if nodeid in self.held:
-            self.fs.release(fh)
+            self.fs.abandon_open(fh)
             self.fs.stats.passthrough_refused += 1
             raise FuseError(errno.ETXTBSY)
 

@@ -164,6 +164,7 @@ def test_a_changed_etag_is_never_served_from_the_old_whole_file(
     finally:
         os.close(held)
     reads = counts(mount)[0]
+    assert path.read_bytes() == new  # no page of the old version is kept for it
     assert read_uncached(path) == new  # the new version: not whole on disk yet, served by the daemon
     assert counts(mount)[0] > reads
 

@@ -24,12 +24,16 @@ class Fs:
         self.stats = FsStats()
         self.paths: dict[int, str | None] = {}
         self.released: list[int] = []
+        self.abandoned: list[int] = []
 
     async def backing_file(self, fh: int, *, assemble: bool = True) -> str | None:
         return self.paths.get(fh)
 
     def release(self, fh: int) -> None:
         self.released.append(fh)
+
+    def abandon_open(self, fh: int) -> None:
+        self.abandoned.append(fh)
 
 
 class Backing:
@@ -95,7 +99,7 @@ async def test_another_version_of_a_held_inode_is_refused_not_served_old_bytes()
         with pytest.raises(FuseError) as info:
             await pt.open(5, fh, os.O_RDONLY)
         assert info.value.errno == errno.ETXTBSY
-    assert fs.released == [2, 3] and fs.stats.passthrough_refused == 2
+    assert fs.abandoned == [2, 3] and fs.stats.passthrough_refused == 2
     pt.release(1)
     assert await pt.open(5, 4, os.O_RDONLY) is None  # fh 4 has no whole file: served by the daemon
 
