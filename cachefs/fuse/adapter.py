@@ -92,20 +92,21 @@ class Passthrough:
 
     def __init__(self, fs: CacheFS, backing: BackingFiles) -> None:
         self.fs = fs
-        self.backing: BackingFiles | None = backing
+        self.backing = backing
+        self.enabled = True  # False once the kernel refused a registration: no new ones are asked for
         self.held: dict[int, _Held] = {}  # nodeid -> backing file
         self.by_fh: dict[int, int] = {}  # fh -> nodeid, of passthrough opens
         self.ordinary: dict[int, int] = {}  # nodeid -> ordinary (non-passthrough) opens
         self.ordinary_fh: dict[int, int] = {}  # fh -> nodeid
 
     async def open(self, nodeid: int, fh: int, flags: int) -> int | None:
-        """The backing id this open passes through to, or None (then call ``ordinary``). Raises
+        """The backing id this open passes through to, or None (then call ``ordinary_open``). Raises
         ``FuseError(ETXTBSY)`` (the handle released) for another version of an inode held now."""
         read_only = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
-        if self.backing is None or not read_only or self.ordinary.get(nodeid):
+        before = self.held.get(nodeid)
+        if not read_only or self.ordinary.get(nodeid) or (before is None and not self.enabled):
             self._check_free(nodeid, fh)
             return None
-        before = self.held.get(nodeid)
         try:
             path = await self.fs.backing_file(fh, assemble=before is None)
         except Exception:  # noqa: BLE001 - a failing disk tier is a miss: this open is served by the daemon
@@ -116,7 +117,7 @@ class Passthrough:
             if path != held.path:  # another version, or a handle that does not qualify
                 self._check_free(nodeid, fh)
                 return None
-        elif before is not None or path is None or self.ordinary.get(nodeid) or self.backing is None:
+        elif before is not None or path is None or self.ordinary.get(nodeid) or not self.enabled:
             return None  # (released during the wait: ``path`` was only named, not assembled)
         else:
             backing_id = self._register(path)
@@ -136,7 +137,6 @@ class Passthrough:
             raise FuseError(errno.ETXTBSY)
 
     def _register(self, path: str) -> int | None:
-        assert self.backing is not None
         try:
             return self.backing.open(path)
         except OSError as exc:
@@ -144,13 +144,11 @@ class Passthrough:
             if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY):
                 log.warning("passthrough: the kernel refused a backing file (%s); the daemon serves every read "
                             "from now on", os.strerror(exc.errno or errno.EPERM))
-                self.backing = None
-                self.fs.stats.passthrough_active = False
+                self.enabled = self.fs.stats.passthrough_active = False
             elif exc.errno == errno.ELOOP:
                 log.warning("passthrough: the cache directory is on a stacked filesystem (overlayfs?), which "
                             "the kernel refuses as a backing file; the daemon serves every read from now on")
-                self.backing = None
-                self.fs.stats.passthrough_active = False
+                self.enabled = self.fs.stats.passthrough_active = False
             else:  # the whole file was evicted meanwhile, or the disk failed: this open is served by us
                 log.debug("passthrough: cannot register %s: %s", path, exc)
             return None
@@ -166,11 +164,10 @@ class Passthrough:
             held.handles -= 1
             if held.handles == 0:
                 del self.held[nodeid]
-                if self.backing is not None:
-                    try:
-                        self.backing.close(held.backing_id)
-                    except OSError as exc:
-                        log.warning("passthrough: closing backing id %d failed: %s", held.backing_id, exc)
+                try:
+                    self.backing.close(held.backing_id)
+                except OSError as exc:
+                    log.warning("passthrough: closing backing id %d failed: %s", held.backing_id, exc)
             return
         nodeid = self.ordinary_fh.pop(fh, None)
         if nodeid is not None:

@@ -104,13 +104,25 @@ async def test_another_version_of_a_held_inode_is_refused_not_served_old_bytes()
     assert await pt.open(5, 4, os.O_RDONLY) is None  # fh 4 has no whole file: served by the daemon
 
 
+async def test_opens_of_a_held_inode_still_join_it_after_registrations_were_refused() -> None:
+    pt, fs, backing = setup()
+    fs.paths = {1: "/w", 2: "/w", 3: "/v"}
+    assert await pt.open(5, 1, os.O_RDONLY) == 1
+    backing.refuse = errno.EPERM
+    assert await pt.open(6, 3, os.O_RDONLY) is None and not pt.enabled
+    assert await pt.open(5, 2, os.O_RDONLY) == 1  # the kernel holds 5 through /w: this open must pass too
+    pt.release(1)
+    pt.release(2)
+    assert backing.closed == [1]  # closed even though no new registration is asked for
+
+
 @pytest.mark.parametrize("code", [errno.EPERM, errno.ELOOP])
 async def test_a_refused_registration_turns_passthrough_off_for_the_session(code: int) -> None:
     pt, fs, backing = setup(refuse=code)
     fs.stats.passthrough_active = True
     fs.paths = {1: "/w", 2: "/w"}
     assert await pt.open(5, 1, os.O_RDONLY) is None
-    assert pt.backing is None and not fs.stats.passthrough_active and fs.stats.passthrough_fallbacks == 1
+    assert not pt.enabled and not fs.stats.passthrough_active and fs.stats.passthrough_fallbacks == 1
     assert await pt.open(6, 2, os.O_RDONLY) is None
     assert fs.stats.passthrough_fallbacks == 1  # not asked again
 
@@ -119,4 +131,4 @@ async def test_a_whole_file_gone_before_registration_is_served_by_the_daemon() -
     pt, fs, backing = setup(refuse=errno.ENOENT)
     fs.paths = {1: "/w"}
     assert await pt.open(5, 1, os.O_RDONLY) is None
-    assert pt.backing is not None and fs.stats.passthrough_fallbacks == 1
+    assert pt.enabled and fs.stats.passthrough_fallbacks == 1
