@@ -284,7 +284,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 # end, unmounts it (the privileged process that mounted does).
                 # pinned: the namespace is a manifest's, every file's version fixed (immutable).
                 ops = FuseOperations(fs, direct_io=settings.fs.direct_io, immutable=pinned,
-                                     read_only=settings.fs.read_only)
+                                     read_only=settings.fs.read_only, passthrough=settings.fs.passthrough)
                 session = FuseSession(ops, str(settings.mountpoint),
                                       source=settings.source, read_only=settings.fs.read_only,
                                       allow_other=settings.allow_other, fd=settings.fuse_fd)

@@ -182,13 +182,14 @@ class FuseOperations:
     """The handlers of one mount, by opcode, over a ``CacheFS``."""
 
     def __init__(self, fs: CacheFS, *, direct_io: bool = False, immutable: bool = False,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, passthrough: bool = True) -> None:
         self.fs = fs
         # Passthrough is asked for on a read-only mount that answers OPEN (the kernel must not mix
         # passed-through and ordinary opens of one inode, so a writer could not open a file a reader
         # holds that way; see the module docstring), and not with --direct-io, whose reads must
-        # all reach the daemon. Set up by ``negotiated`` when the kernel agreed.
-        self.wants_passthrough = read_only and not direct_io and not immutable and fs.whole is not None
+        # all reach the daemon, nor with --no-passthrough. Set up by ``negotiated`` when the kernel agreed.
+        self.wants_passthrough = (passthrough and read_only and not direct_io and not immutable
+                                  and fs.whole is not None)
         self.passthrough: Passthrough | None = None
         # ``--direct-io``: every open of a regular file answers with FOPEN_DIRECT_IO, so the kernel
         # neither fills nor serves the mount's page cache for it (mmap aside, see docs).

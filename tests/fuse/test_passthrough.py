@@ -169,18 +169,21 @@ def test_a_changed_etag_is_never_served_from_the_old_whole_file(
     assert counts(mount)[0] > reads
 
 
-def test_a_writable_mount_never_passes_through(passthrough_machine: None, mounter: Mounter, tmp_path: Path) -> None:
+@pytest.mark.parametrize("args", [[], ["--read-only", "--no-passthrough"]], ids=["writable", "no-passthrough"])
+def test_a_writable_mount_never_passes_through(passthrough_machine: None, mounter: Mounter, tmp_path: Path,
+                                               args: list[str]) -> None:
     data = random.Random("rw").randbytes(MiB)
     store = store_with(tmp_path, {"w.bin": data})
-    mount = mounter.mount(f"file://{store}", *BLOCK)
+    mount = mounter.mount(f"file://{store}", *BLOCK, *args)
     path = mount.path / "w.bin"
     for _ in range(3):
         assert read_uncached(path) == data
     doc = mount.stats()
     assert doc["fuse"]["passthrough"] is False and doc["fuse"]["passthrough_opens"] == 0
     assert doc["filesystem"]["reads"] >= 3
-    with open(path, "r+b") as fh:  # writers are unaffected
-        fh.write(b"x")
+    if not args:
+        with open(path, "r+b") as fh:  # writers are unaffected
+            fh.write(b"x")
 
 
 def test_eviction_removes_the_whole_file(passthrough_machine: None, mounter: Mounter, tmp_path: Path) -> None:
