@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
+from pathlib import Path
 
 import pytest
 
+import cachefs.fuse.session as session_module
 from cachefs.fs.stats import FsStats
+from cachefs.fuse import wire
 from cachefs.fuse.adapter import Passthrough
 from cachefs.fuse.wire import FuseError
+from tests.unit.test_fuse_adapter import serving
 
 
 class Fs:
@@ -132,3 +137,52 @@ async def test_a_whole_file_gone_before_registration_is_served_by_the_daemon() -
     fs.paths = {1: "/w"}
     assert await pt.open(5, 1, os.O_RDONLY) is None
     assert pt.enabled and fs.stats.passthrough_fallbacks == 1
+
+
+class WantingOps:
+    """An adapter that asks for passthrough and records what INIT agreed."""
+
+    inline: dict = {}
+    handlers: dict = {}
+    wanted_flags = wire.PASSTHROUGH
+
+    def failure(self, opcode: int, exc: BaseException) -> int:
+        return errno.EIO
+
+    def negotiated(self, flags: int, backing: object) -> None:
+        self.flags, self.backing = flags, backing
+
+
+def init_offering(flags: int) -> bytes:
+    """fuse_init_in of 7.45 (flags2 and the unused words after the 16-byte start)."""
+    return wire.INIT_IN.pack(7, 45, 128 * 1024, (flags | wire.INIT_EXT) & 0xFFFFFFFF) + struct.pack(
+        "<I", flags >> 32) + bytes(44)
+
+
+@pytest.mark.parametrize(("offered", "privileged", "agreed"), [
+    (wire.PASSTHROUGH, True, True),
+    (wire.PASSTHROUGH, False, False),  # the kernel would refuse every backing file: not asked
+    (0, True, False),  # a kernel without it
+])
+async def test_init_agrees_to_passthrough_only_where_it_can_be_used(
+        monkeypatch: pytest.MonkeyPatch, offered: int, privileged: bool, agreed: bool) -> None:
+    monkeypatch.setattr(session_module, "may_register_backing", lambda: privileged)
+    ops = WantingOps()
+    async for kernel, _ in serving(ops):
+        error, payload = await kernel.call(wire.INIT, init_offering(offered | wire.ASYNC_READ), nodeid=0)
+        assert error == 0
+        flags, = struct.unpack_from("<I", payload, 12)
+        flags2, depth = struct.unpack_from("<II", payload, 32)
+        assert bool(flags2 & 1 << 5) is agreed and bool(ops.flags & wire.PASSTHROUGH) is agreed
+        assert bool(flags & wire.INIT_EXT) is agreed and depth == (1 if agreed else 0)
+        assert (ops.backing is not None) is agreed
+
+
+def test_may_register_backing_needs_cap_sys_admin_in_the_initial_user_namespace(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    initial = os.stat("/proc/self/ns/user").st_ino == 0xEFFFFFFD
+    status.write_text("Name:\tx\nCapEff:\t000001ffffffffff\n")
+    assert session_module.may_register_backing(str(status)) is initial
+    status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
+    assert session_module.may_register_backing(str(status)) is False
+    assert session_module.may_register_backing(str(tmp_path / "missing")) is False
