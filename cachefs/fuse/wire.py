@@ -14,8 +14,10 @@ its own buffer beside it, joined by the session's ``os.writev``.
 Protocol version. cachefs answers INIT with minor ``KERNEL_MINOR`` (the kernel then speaks the lower
 of its own and this) and refuses kernels below ``MIN_KERNEL_MINOR``: 7.23 (Linux 3.15) is the
 version whose structs every reply here has (the 64-byte ``fuse_init_out``, ``fuse_rename2_in``,
-FUSE_NO_OPEN_SUPPORT, READDIRPLUS); everything newer (MAX_PAGES 7.28, FOPEN_NOFLUSH) is used only
-when the kernel's INIT offers it.
+FUSE_NO_OPEN_SUPPORT, READDIRPLUS); everything newer (MAX_PAGES 7.28, FOPEN_NOFLUSH, PASSTHROUGH
+7.40) is used only when the kernel's INIT offers it. PASSTHROUGH is a bit of ``flags2``, read by the
+kernel only with INIT_EXT, and fills two words of the same 64-byte ``fuse_init_out`` (``flags2``,
+``max_stack_depth``); its ``backing_id`` is the word of ``fuse_open_out`` that was padding before.
 """
 
 from __future__ import annotations

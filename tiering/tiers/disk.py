@@ -452,7 +452,8 @@ class DiskTier:
 
     def whole_file(self, ref: ObjectRef) -> Path | None:
         """The whole file of ``ref`` if this process assembled it and holds it still; marks it used.
-        Index lookup only (and an mtime stamp), no data read."""
+        Index lookup only, no I/O: its recency is not stamped on the file, as a block's is, since
+        no whole file outlives the process."""
         if self.health.state is TierState.DOWN:
             return None
         wkey = WHOLE_PREFIX + whole_digest(ref)
@@ -460,10 +461,7 @@ class DiskTier:
             if wkey not in self._index or wkey in self._busy:
                 return None
             self._index.move_to_end(wkey)
-            stamp = self._next_stamp()
-        path = self._path(wkey)
-        self._touch(path, stamp)
-        return path
+        return self._path(wkey)
 
     def whole_name(self, ref: ObjectRef) -> Path:
         """Where the whole file of ``ref`` is (or would be); no I/O."""
@@ -533,8 +531,6 @@ class DiskTier:
             self._busy.discard(wkey)
             self.whole_stats.assembled += 1
             self.whole_stats.assembled_bytes += size
-            stamp = self._next_stamp()
-        self._touch(path, stamp)
         return path
 
     def _read_checked(self, key: BlockKey) -> BlockData | None:
