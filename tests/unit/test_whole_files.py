@@ -103,7 +103,8 @@ def test_evicting_every_unpinned_entry_and_discarding_one_version_remove_whole_f
         assert tier.assemble_whole(ref, BLOCK) is not None
     tier.discard_whole(refs[0])
     assert tier.whole_file(refs[0]) is None and tier.whole_file(refs[1]) is not None
-    tier.evict_unpinned()
+    used = tier.used_bytes()
+    assert tier.evict_unpinned() == (2, used)  # two blocks; the bytes of both the blocks and the whole file
     assert whole_files(tmp_path) == [] and tier.used_bytes() == 0
 
 

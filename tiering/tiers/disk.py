@@ -600,7 +600,8 @@ class DiskTier:
             return True
 
     def evict_unpinned(self) -> tuple[int, int]:
-        """Drop every block eviction may take (all but pinned and busy ones): ``(blocks, bytes)``."""
+        """Drop every block eviction may take (all but pinned and busy ones), and every whole file:
+        ``(blocks, bytes)``, the bytes counting the whole files too."""
         with self._lock:
             victims = [d for d in self._index if self._evictable(d)]
             freed = 0
@@ -611,7 +612,7 @@ class DiskTier:
                 self._known.pop(digest, None)
                 self._busy.add(digest)
         self._unlink_all(victims)
-        return len(victims), freed
+        return sum(1 for d in victims if not d.startswith(WHOLE_PREFIX)), freed
 
     def __repr__(self) -> str:
         return (
