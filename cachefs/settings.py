@@ -106,6 +106,9 @@ class FsSettings:
     # Every open answers FUSE with direct_io: reads and writes bypass the mount's page cache, and every
     # read reaches the daemon (``--direct-io``; docs/configuration.md says when that pays).
     direct_io: bool = False
+    # A read-only mount lets the kernel read files whole on the disk tier itself (FUSE passthrough,
+    # where the kernel and the privilege allow it); ``--no-passthrough`` has the daemon serve every read.
+    passthrough: bool = True
     rename_dir_limit: int = DEFAULT_RENAME_DIR_LIMIT
     metadata_timeout_s: float = DEFAULT_METADATA_TIMEOUT_S
 

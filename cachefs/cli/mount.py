@@ -187,6 +187,9 @@ def register(sub: Any) -> None:
     m.add_argument("--direct-io", action="store_true", default=False,
                    help="bypass the mount's page cache: faster cold streaming reads, but every re-read costs the "
                         "daemon CPU and shared mmap fails with ENODEV (default: off, see docs/configuration.md)")
+    m.add_argument("--no-passthrough", dest="passthrough", action="store_false", default=True,
+                   help="on a read-only mount, serve every read through the daemon, also of files whole on the disk "
+                        "tier that the kernel could read itself (default: passthrough where the kernel and root allow)")
     m.add_argument("--write-through", action="store_true", default=False,
                    help="close() and fsync() return only once the upload succeeded, and report its failure")
     m.add_argument("--write-durability", choices=list(DURABILITIES), default=DURABILITY_LOCAL,
@@ -289,7 +292,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
         owner = {name: getattr(args, name) for name in ("uid", "gid", "file_mode", "dir_mode")
                  if getattr(args, name) is not None}
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
-                        direct_io=args.direct_io, rename_dir_limit=args.rename_dir_limit,
+                        direct_io=args.direct_io, passthrough=args.passthrough,
+                        rename_dir_limit=args.rename_dir_limit,
                         metadata_timeout_s=args.metadata_timeout, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through,

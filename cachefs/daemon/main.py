@@ -252,7 +252,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
         except OSError as exc:  # a runtime directory another user owns or may write (tiering.private)
             raise SetupError(exc.strerror or str(exc)) from exc
         fs = CacheFS(store, cache, settings.fs, control_path=str(socket_path), read_order=read_order,
-                     index=index, pinned=pinned)
+                     index=index, pinned=pinned, whole_files=disk)
         control = ControlServer(
             socket_path,
             lambda: stats_document(fs, settings.source_label()),
@@ -283,7 +283,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 # A handed-over descriptor is already mounted: the session neither mounts nor, at the
                 # end, unmounts it (the privileged process that mounted does).
                 # pinned: the namespace is a manifest's, every file's version fixed (immutable).
-                ops = FuseOperations(fs, direct_io=settings.fs.direct_io, immutable=pinned)
+                ops = FuseOperations(fs, direct_io=settings.fs.direct_io, immutable=pinned,
+                                     read_only=settings.fs.read_only, passthrough=settings.fs.passthrough)
                 session = FuseSession(ops, str(settings.mountpoint),
                                       source=settings.source, read_only=settings.fs.read_only,
                                       allow_other=settings.allow_other, fd=settings.fuse_fd)

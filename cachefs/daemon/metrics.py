@@ -112,6 +112,14 @@ FS_LISTING_ERRORS_TOTAL = "cachefs_fs_listing_errors_total"
 FS_SKIPPED_KEYS_TOTAL = "cachefs_fs_skipped_keys_total"
 FS_INODES = "cachefs_fs_inodes"
 FS_OPEN_HANDLES = "cachefs_fs_open_handles"
+# Kernel passthrough (the "fuse" section): opens the kernel reads by itself, and the whole files it reads.
+FUSE_PASSTHROUGH = "cachefs_fuse_passthrough"  # 1 when the connection uses passthrough
+FUSE_PASSTHROUGH_OPENS_TOTAL = "cachefs_fuse_passthrough_opens_total"
+FUSE_PASSTHROUGH_REFUSED_TOTAL = "cachefs_fuse_passthrough_refused_total"  # opens answered ETXTBSY
+FUSE_PASSTHROUGH_FALLBACKS_TOTAL = "cachefs_fuse_passthrough_fallbacks_total"  # registrations refused
+WHOLE_FILES = "cachefs_whole_files"  # whole files on the disk tier now
+WHOLE_FILE_BYTES = "cachefs_whole_file_bytes"
+WHOLE_FILES_ASSEMBLED_TOTAL = "cachefs_whole_files_assembled_total"
 # Write-back, exported when the stats document has a "writeback" section (a writable mount; dirty
 # data is staged outside the block cache, in space shared with the disk tier).
 DIRTY_BYTES = "cachefs_dirty_bytes"  # written, not yet in the object store
@@ -165,6 +173,7 @@ class CacheFSCollector(Collector):
         yield from self._blocks(doc)
         yield from self._warm(doc.get("warm", {}), doc.get("pins", {}))
         yield from self._filesystem(doc.get("filesystem", {}))
+        yield from self._fuse(doc.get("fuse", {}))
         yield from self._writeback(doc.get("writeback"))
         yield from self._announce(doc.get("announce"))
         yield from self._traffic(str(doc.get("volume", "")), doc.get("traffic"))
@@ -400,6 +409,25 @@ class CacheFSCollector(Collector):
                                   value=fs.get("skipped_keys", 0))
         yield GaugeMetricFamily(FS_INODES, "Inodes known to the kernel.", value=fs.get("inodes", 0))
         yield GaugeMetricFamily(FS_OPEN_HANDLES, "Open file and directory handles.", value=fs.get("open_handles", 0))
+
+    @staticmethod
+    def _fuse(section: dict[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily(FUSE_PASSTHROUGH, "1 when the kernel reads whole files of the disk tier itself.",
+                                value=1 if section.get("passthrough") else 0)
+        yield CounterMetricFamily(FUSE_PASSTHROUGH_OPENS_TOTAL, "Opens the kernel reads through a backing file.",
+                                  value=section.get("passthrough_opens", 0))
+        yield CounterMetricFamily(FUSE_PASSTHROUGH_REFUSED_TOTAL,
+                                  "Opens refused (ETXTBSY): another version was held open through passthrough.",
+                                  value=section.get("passthrough_refused", 0))
+        yield CounterMetricFamily(FUSE_PASSTHROUGH_FALLBACKS_TOTAL,
+                                  "Whole files the kernel would not register; the daemon served those reads.",
+                                  value=section.get("passthrough_fallbacks", 0))
+        whole = section.get("whole_files") or {}
+        yield GaugeMetricFamily(WHOLE_FILES, "Whole files on the disk tier (passthrough).", value=whole.get("files", 0))
+        yield GaugeMetricFamily(WHOLE_FILE_BYTES, "Bytes of whole files on the disk tier (part of its used bytes).",
+                                value=whole.get("bytes", 0))
+        yield CounterMetricFamily(WHOLE_FILES_ASSEMBLED_TOTAL, "Whole files written from checked blocks.",
+                                  value=whole.get("assembled", 0))
 
     @staticmethod
     def _writeback(section: Any) -> Iterator[Metric]:

@@ -76,6 +76,7 @@ from aiohttp import web
 from cachefs.daemon.context import DaemonContext
 from cachefs.daemon.control import ControlRequestError, ControlServer
 from cachefs.daemon.resolver import Resolver
+from cachefs.fs.passthrough import WholeFiles
 from cachefs.manifest import MAX_SIZE, PREFETCH_TIERS, ManifestEntry, same_etag, size_problem
 from cachefs.paths import PathError, check_path
 from tiering.blocks import BlockKey, ObjectRef, block_count, block_range
@@ -289,9 +290,10 @@ class PrefetchManager:
     """Runs prefetch jobs and answers pin, snapshot and evict requests for one mount."""
 
     def __init__(self, store: ObjectStore, cache: BlockCache, *, pin_file: Path | None,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, whole: WholeFiles | None = None) -> None:
         self.store = store
         self.cache = cache
+        self.whole = whole  # whole files of the disk tier (passthrough): an evicted file loses its own too
         self.pin_file = pin_file
         self.clock = clock or SystemClock()
         self._jobs: OrderedDict[str, PrefetchJob] = OrderedDict()
@@ -708,7 +710,10 @@ class PrefetchManager:
             raise _bad(f"no such file or directory in the mount: {_names(resolved.missing)}")
         blocks = freed = kept = 0
         for info in resolved.files.values():
-            b, n, k = await self.cache.evict(ObjectRef(info.key, info.etag, info.size), ram=ram, disk=disk)
+            ref = ObjectRef(info.key, info.etag, info.size)
+            b, n, k = await self.cache.evict(ref, ram=ram, disk=disk)
+            if disk and self.whole is not None:
+                await asyncio.to_thread(self.whole.discard, ref)
             blocks, freed, kept = blocks + b, freed + n, kept + k
         return {"files": len(resolved.files), "blocks": blocks, "bytes": freed, "pinned_blocks_kept": kept,
                 "pinned_bytes_kept": None, "tier": tier}
@@ -758,6 +763,6 @@ class PrefetchFeature:
 
 
 def install(ctx: DaemonContext) -> PrefetchFeature:
-    manager = PrefetchManager(ctx.store, ctx.cache, pin_file=ctx.cache_dir / PIN_FILENAME)
+    manager = PrefetchManager(ctx.store, ctx.cache, pin_file=ctx.cache_dir / PIN_FILENAME, whole=ctx.fs.whole)
     register_routes(ctx.control, manager)
     return PrefetchFeature(manager)

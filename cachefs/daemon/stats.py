@@ -185,6 +185,16 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "fsyncs": fs.stats.fsyncs,
             "flushes": fs.stats.flushes,
         },
+        # Kernel passthrough (cachefs.fuse.adapter): whether this connection uses it, the opens the
+        # kernel reads by itself (no READ reaches the daemon for them), and the whole files on the
+        # disk tier it reads (tiering.tiers.wholefile; counted in the disk tier's used bytes).
+        "fuse": {
+            "passthrough": fs.stats.passthrough_active,
+            "passthrough_opens": fs.stats.passthrough_opens,
+            "passthrough_refused": fs.stats.passthrough_refused,
+            "passthrough_fallbacks": fs.stats.passthrough_fallbacks,
+            "whole_files": fs.whole.store.whole_snapshot() if fs.whole is not None else {},
+        },
         # The shared cluster tier (tiering.tiers.cluster) and its write-behind queue; absent without one.
         **({"cluster": cluster_section(cache)} if cache.cluster is not None else {}),
         # Announced read orders (tiering.policy.readorder): files, stalls, the window fetched ahead.

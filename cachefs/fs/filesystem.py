@@ -48,6 +48,7 @@ from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, Hand
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
 from cachefs.fs.listings import ListingCache
 from cachefs.fs.metaindex import MetadataIndex
+from cachefs.fs.passthrough import WholeFiles, WholeFileStore
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
 from cachefs.mounts import CONTROL_XATTR
@@ -142,6 +143,7 @@ class CacheFS:
         read_order: ReadOrder | None = None,
         index: MetadataIndex | None = None,
         pinned: bool = False,
+        whole_files: WholeFileStore | None = None,
     ) -> None:
         self.store = store
         self.cache = cache
@@ -163,6 +165,9 @@ class CacheFS:
         self.handles = HandleTable()
         self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit, self._keep_for_handles)
         self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount
+        # Whole files on the disk tier, for the kernel to read opens of them itself (passthrough).
+        self.whole = (WholeFiles(whole_files, cache.block_size, cache.cached_blocks)
+                      if whole_files is not None else None)
 
     # ------------------------------------------------------------------ attributes
     def _attributes(self, node: Node) -> Attributes:
@@ -306,6 +311,27 @@ class CacheFS:
         self.stats.reads += 1
         self.stats.read_bytes += len(data)
         return data
+
+    async def backing_file(self, fh: int, *, assemble: bool = True) -> str | None:
+        """The plain file holding every byte this handle reads, for the kernel to read by itself
+        (passthrough, ``cachefs.fs.passthrough``), or None where the daemon serves the reads: no
+        disk tier, a writable handle, a file with staged data or a writer, one being removed, or a
+        version not whole on the disk tier. ``assemble=False``: the name of that file, whether it
+        exists or not (to tell whether an open reads the version another open holds)."""
+        handle = self.handles.file(fh)
+        node = handle.node
+        ref = handle.ref
+        if (self.whole is None or handle.writable or ref is None or ref.etag == STAGED_ETAG or node.writers
+                or node.deleted or node.losing_name is not None or self._staged(node) is not None):
+            return None
+        return await self.whole.for_version(ref, assemble=assemble)
+
+    def abandon_open(self, fh: int) -> None:
+        """Release a handle whose open the kernel is answered with an error: it never learnt of this
+        version, so its cached pages (of whatever version it read before) must not be kept next time."""
+        handle = self.handles.file(fh)
+        handle.node.page_cache_etag = None
+        self.release(fh)
 
     def release(self, fh: int) -> None:
         handle = self.handles.pop(fh)

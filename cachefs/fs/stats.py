@@ -19,6 +19,10 @@ class FsStats:
     index_errors: int = 0  # metadata index operations that failed (answered by listing instead)
     stale_attributes_served: int = 0  # getattr/open kept a node's attributes: store unreachable, listing gone
     opens: int = 0
+    passthrough_opens: int = 0  # opens the kernel reads by itself from a whole file (no READ reaches us)
+    passthrough_refused: int = 0  # opens answered ETXTBSY: another version held open through passthrough
+    passthrough_fallbacks: int = 0  # whole files the kernel would not register (the daemon served them)
+    passthrough_active: bool = False  # the FUSE connection agreed to passthrough and may register files
     opens_waited: int = 0  # opens that waited for an unlink or a rename over their file to finish
     stale_opens: int = 0  # opens of a file whose name went first: ESTALE, the kernel looks it up again
     reads: int = 0

@@ -14,6 +14,16 @@ Caching decisions stay where they were: ``CacheFS.open`` says whether the kernel
 (FOPEN_KEEP_CACHE), ``--direct-io`` answers every open with FOPEN_DIRECT_IO, and a read's reply is
 the memoryview the engine returns, sent as it is. An open only for reading also answers
 FOPEN_NOFLUSH: its close() costs no request.
+
+Passthrough (``Passthrough``): on a read-only mount whose connection agreed to it, a read-only open
+of a file ``CacheFS.backing_file`` finds whole on the disk tier is answered FOPEN_PASSTHROUGH with a
+backing id, and the kernel reads that file itself: no READ of that open reaches the daemon. The
+kernel's rules (fs/fuse/iomode.c) shape the bookkeeping: every open of an inode held through
+passthrough must name the same backing file, and no inode may be held both ways at once, or the
+open fails with EIO. So one backing id per inode, shared by its passthrough opens and closed at the
+last one's RELEASE; an inode with opens answered the ordinary way is not passed through until they
+are released; and an open of another version of an inode still held through passthrough (the object
+changed in the bucket meanwhile) is answered ETXTBSY rather than with the old bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
-from cachefs.fuse.session import Reply
+from cachefs.fuse.session import BackingFiles, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
@@ -65,11 +75,122 @@ def sized(value: bytes, size: int) -> bytes:
     return value
 
 
+class _Held:
+    """One inode held through passthrough: its backing id, file and open handles."""
+
+    __slots__ = ("backing_id", "path", "handles")
+
+    def __init__(self, backing_id: int, path: str) -> None:
+        self.backing_id = backing_id
+        self.path = path
+        self.handles = 0
+
+
+class Passthrough:
+    """Which inodes the kernel reads through a backing file, and which it reads through the daemon
+    (see the module docstring); counts in ``fs.stats``."""
+
+    def __init__(self, fs: CacheFS, backing: BackingFiles) -> None:
+        self.fs = fs
+        self.backing = backing
+        self.enabled = True  # False once the kernel refused a registration: no new ones are asked for
+        self.held: dict[int, _Held] = {}  # nodeid -> backing file
+        self.by_fh: dict[int, int] = {}  # fh -> nodeid, of passthrough opens
+        self.ordinary: dict[int, int] = {}  # nodeid -> ordinary (non-passthrough) opens
+        self.ordinary_fh: dict[int, int] = {}  # fh -> nodeid
+
+    async def open(self, nodeid: int, fh: int, flags: int) -> int | None:
+        """The backing id this open passes through to, or None (then call ``ordinary_open``). Raises
+        ``FuseError(ETXTBSY)`` (the handle released) for another version of an inode held now."""
+        read_only = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
+        before = self.held.get(nodeid)
+        if not read_only or self.ordinary.get(nodeid) or (before is None and not self.enabled):
+            self._check_free(nodeid, fh)
+            return None
+        try:
+            path = await self.fs.backing_file(fh, assemble=before is None)
+        except Exception:  # noqa: BLE001 - a failing disk tier is a miss: this open is served by the daemon
+            log.exception("passthrough: finding the whole file failed; the daemon serves this open")
+            path = None
+        held = self.held.get(nodeid)  # again: other opens and releases may have come during the wait
+        if held is not None:
+            if path != held.path:  # another version, or a handle that does not qualify
+                self._check_free(nodeid, fh)
+                return None
+        elif before is not None or path is None or self.ordinary.get(nodeid) or not self.enabled:
+            return None  # (released during the wait: ``path`` was only named, not assembled)
+        else:
+            backing_id = self._register(path)
+            if backing_id is None:
+                return None
+            held = self.held[nodeid] = _Held(backing_id, path)
+        held.handles += 1
+        self.by_fh[fh] = nodeid
+        self.fs.stats.passthrough_opens += 1
+        return held.backing_id
+
+    def _check_free(self, nodeid: int, fh: int) -> None:
+        """An open that will not pass through: refused while the inode is held through passthrough."""
+        if nodeid in self.held:
+            self.fs.abandon_open(fh)
+            self.fs.stats.passthrough_refused += 1
+            raise FuseError(errno.ETXTBSY)
+
+    def _register(self, path: str) -> int | None:
+        try:
+            return self.backing.open(path)
+        except OSError as exc:
+            self.fs.stats.passthrough_fallbacks += 1
+            if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY):
+                log.warning("passthrough: the kernel refused a backing file (%s); the daemon serves every read "
+                            "from now on", os.strerror(exc.errno or errno.EPERM))
+                self.enabled = self.fs.stats.passthrough_active = False
+            elif exc.errno == errno.ELOOP:
+                log.warning("passthrough: the cache directory is on a stacked filesystem (overlayfs?), which "
+                            "the kernel refuses as a backing file; the daemon serves every read from now on")
+                self.enabled = self.fs.stats.passthrough_active = False
+            else:  # the whole file was evicted meanwhile, or the disk failed: this open is served by us
+                log.debug("passthrough: cannot register %s: %s", path, exc)
+            return None
+
+    def ordinary_open(self, nodeid: int, fh: int) -> None:
+        self.ordinary[nodeid] = self.ordinary.get(nodeid, 0) + 1
+        self.ordinary_fh[fh] = nodeid
+
+    def release(self, fh: int) -> None:
+        nodeid = self.by_fh.pop(fh, None)
+        if nodeid is not None:
+            held = self.held[nodeid]
+            held.handles -= 1
+            if held.handles == 0:
+                del self.held[nodeid]
+                try:
+                    self.backing.close(held.backing_id)
+                except OSError as exc:
+                    log.warning("passthrough: closing backing id %d failed: %s", held.backing_id, exc)
+            return
+        nodeid = self.ordinary_fh.pop(fh, None)
+        if nodeid is not None:
+            left = self.ordinary[nodeid] - 1
+            if left:
+                self.ordinary[nodeid] = left
+            else:
+                del self.ordinary[nodeid]
+
+
 class FuseOperations:
     """The handlers of one mount, by opcode, over a ``CacheFS``."""
 
-    def __init__(self, fs: CacheFS, *, direct_io: bool = False, immutable: bool = False) -> None:
+    def __init__(self, fs: CacheFS, *, direct_io: bool = False, immutable: bool = False,
+                 read_only: bool = False, passthrough: bool = True) -> None:
         self.fs = fs
+        # Passthrough is asked for on a read-only mount that answers OPEN (the kernel must not mix
+        # passed-through and ordinary opens of one inode, so a writer could not open a file a reader
+        # holds that way; see the module docstring), and not with --direct-io, whose reads must
+        # all reach the daemon, nor with --no-passthrough. Set up by ``negotiated`` when the kernel agreed.
+        self.wants_passthrough = (passthrough and read_only and not direct_io and not immutable
+                                  and fs.whole is not None)
+        self.passthrough: Passthrough | None = None
         # ``--direct-io``: every open of a regular file answers with FOPEN_DIRECT_IO, so the kernel
         # neither fills nor serves the mount's page cache for it (mmap aside, see docs).
         self.direct_io = direct_io
@@ -96,9 +217,16 @@ class FuseOperations:
             wire.FALLOCATE: self.fallocate,
         }
 
-    def negotiated(self, flags: int) -> None:
+    @property
+    def wanted_flags(self) -> int:
+        return wire.PASSTHROUGH if self.wants_passthrough else 0
+
+    def negotiated(self, flags: int, backing: BackingFiles | None) -> None:
         """What the kernel agreed to at INIT (READDIR or READDIRPLUS is told by the opcode itself)."""
         self.no_open = self.no_open and bool(flags & wire.NO_OPEN_SUPPORT)
+        if backing is not None and flags & wire.PASSTHROUGH and self.wants_passthrough:
+            self.passthrough = Passthrough(self.fs, backing)
+            self.fs.stats.passthrough_active = True
 
     def failure(self, opcode: int, exc: BaseException) -> int:
         """The errno ``exc`` is answered with; bugs are logged with their traceback."""
@@ -148,7 +276,13 @@ class FuseOperations:
             raise FuseError(errno.ENOSYS)  # from now on the kernel opens files itself (see __init__)
         flags = wire.OPEN_IN.unpack_from(req.body)[0]
         fh, keep_cache = await self.fs.open(req.nodeid, flags)
-        return wire.open_out(fh, self._open_flags(keep_cache, flags))
+        out = self._open_flags(keep_cache, flags)
+        if self.passthrough is not None:
+            backing_id = await self.passthrough.open(req.nodeid, fh, flags)
+            if backing_id is not None:
+                return wire.open_out(fh, wire.FOPEN_PASSTHROUGH | out & wire.FOPEN_PASSTHROUGH_ALLOWED, backing_id)
+            self.passthrough.ordinary_open(req.nodeid, fh)
+        return wire.open_out(fh, out)
 
     async def read(self, req: Request) -> Reply:
         fh, offset, size = wire.READ_IN.unpack_from(req.body)[:3]
@@ -167,7 +301,10 @@ class FuseOperations:
         return fh
 
     def release(self, req: Request) -> Reply:
-        self.fs.release(wire.RELEASE_IN.unpack_from(req.body)[0])
+        fh = wire.RELEASE_IN.unpack_from(req.body)[0]
+        if self.passthrough is not None:
+            self.passthrough.release(fh)
+        self.fs.release(fh)
         return None
 
     async def opendir(self, req: Request) -> Reply:
@@ -262,6 +399,8 @@ class FuseOperations:
     async def create(self, req: Request) -> Reply:
         flags, mode, _, _ = wire.CREATE_IN.unpack_from(req.body)
         fh, keep_cache, attrs = await self.fs.create(req.nodeid, req.name(wire.CREATE_IN.size), mode, flags)
+        if self.passthrough is not None:
+            self.passthrough.ordinary_open(attrs.inode, fh)
         return entry(attrs), wire.open_out(fh, self._open_flags(keep_cache))
 
     async def write(self, req: Request) -> Reply:

@@ -26,10 +26,17 @@ answer). An opcode no handler takes is answered ENOSYS, which the kernel remembe
 that fails with ENODEV means the mount is gone: ``serve`` returns. ENOENT on a reply means the
 kernel gave up on that request (interrupted or aborted): nothing to do.
 
+**Passthrough** (Linux 6.9+, ``CONFIG_FUSE_PASSTHROUGH``): when the adapter asks for it
+(``Operations.wanted_flags``), the kernel offers it and this process may register backing files
+(``may_register_backing``: CAP_SYS_ADMIN in the initial user namespace, what the kernel checks), INIT
+answers with PASSTHROUGH in ``flags2`` and ``max_stack_depth`` 1 (backing files on a filesystem that
+is not itself stacked, as the cache directory is; the FUSE mount may then still be an overlayfs
+layer). ``BackingFiles`` registers an open file with ``FUSE_DEV_IOC_BACKING_OPEN`` and drops the
+registration with ``FUSE_DEV_IOC_BACKING_CLOSE``; the adapter decides which opens use it. Where any
+condition fails the session says so in one log line and every read is served as before.
+
 Growing this: cloned descriptors (``FUSE_DEV_IOC_CLONE``) would each get their own reader and buffer
-(a thread or a process per descriptor, sharing the adapter), and passthrough (``FUSE_PASSTHROUGH``,
-``FUSE_DEV_IOC_BACKING_OPEN``) would add ``flags2`` to INIT and a ``backing_id`` to ``open_out``;
-see docs/architecture.md, "The FUSE layer".
+(a thread or a process per descriptor, sharing the adapter); see docs/architecture.md, "The FUSE layer".
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import logging
 import os
 import socket
@@ -87,6 +95,10 @@ MAX_REASON_CHARS = 300
 WANTED_FLAGS = (wire.ASYNC_READ | wire.BIG_WRITES | wire.MAX_PAGES | wire.PARALLEL_DIROPS | wire.ATOMIC_O_TRUNC
                 | wire.DO_READDIRPLUS | wire.AUTO_INVAL_DATA | wire.ASYNC_DIO | wire.HANDLE_KILLPRIV
                 | wire.NO_OPEN_SUPPORT)
+# Passthrough's max_stack_depth: backing files live in the cache directory, on a plain filesystem
+# (depth 0 < 1). A cache directory on overlayfs (depth 1) is refused per file with ELOOP, and those
+# reads are served by the daemon; 2 would allow it but keep the mount from being an overlayfs layer.
+PASSTHROUGH_STACK_DEPTH = 1
 # Requests that only read: an interrupt may cancel them (nothing is left half done).
 INTERRUPTIBLE = frozenset({wire.LOOKUP, wire.GETATTR, wire.READ, wire.OPENDIR, wire.READDIR, wire.READDIRPLUS,
                            wire.STATFS, wire.GETXATTR, wire.LISTXATTR})
@@ -107,7 +119,58 @@ class Operations(Protocol):
 
     def failure(self, opcode: int, exc: BaseException) -> int: ...
 
-    def negotiated(self, flags: int) -> None: ...
+    @property
+    def wanted_flags(self) -> int:
+        """INIT flags the adapter would use beyond ``WANTED_FLAGS`` (PASSTHROUGH, or 0)."""
+        ...
+
+    def negotiated(self, flags: int, backing: BackingFiles | None) -> None:
+        """What the kernel agreed to; ``backing`` registers backing files where PASSTHROUGH was agreed."""
+        ...
+
+
+# The user namespace every process starts in has this fixed inode number (PROC_USER_INIT_INO): the
+# kernel checks CAP_SYS_ADMIN there, not in a container's own namespace, before it registers a
+# backing file.
+_INITIAL_USER_NS_INO = 0xEFFFFFFD
+_CAP_SYS_ADMIN = 21
+
+
+def may_register_backing(status: str = "/proc/self/status", userns: str = "/proc/self/ns/user") -> bool:
+    """Whether this process holds CAP_SYS_ADMIN in the initial user namespace (what
+    FUSE_DEV_IOC_BACKING_OPEN requires). False where it cannot tell."""
+    try:
+        if os.stat(userns).st_ino != _INITIAL_USER_NS_INO:
+            return False
+        with open(status, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+class BackingFiles:
+    """Backing files registered on one FUSE connection (passthrough): ``open`` a plain file and get
+    the id an OPEN answer names, ``close`` the id when no open file needs it any more (the kernel
+    keeps the file itself for as long as an open file uses it). Blocking, but each is one open or
+    one ioctl on a local file: microseconds, on the loop."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def open(self, path: str) -> int:
+        """Register ``path`` (opened read-only: the kernel reopens it with the reader's flags and
+        this process's credentials); ``OSError`` with the kernel's errno if refused."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            return fcntl.ioctl(self.fd, wire.DEV_IOC_BACKING_OPEN, wire.backing_map(fd))
+        finally:
+            os.close(fd)
+
+    def close(self, backing_id: int) -> None:
+        fcntl.ioctl(self.fd, wire.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
 
 
 # --------------------------------------------------------------------------------------- mounting
@@ -436,14 +499,26 @@ class FuseSession:
             self.send(req.unique, errno.EPROTO)
             self._end()
             return
-        flags = init.flags & WANTED_FLAGS
+        flags = init.flags & (WANTED_FLAGS | self.ops.wanted_flags)
+        backing = None
+        if self.ops.wanted_flags & wire.PASSTHROUGH:
+            if not flags & wire.PASSTHROUGH:
+                log.info("passthrough: the kernel does not offer it (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH); "
+                         "the daemon serves every read")
+            elif not may_register_backing():
+                flags &= ~wire.PASSTHROUGH
+                log.info("passthrough: not used, registering backing files needs CAP_SYS_ADMIN in the initial "
+                         "user namespace; the daemon serves every read")
+            else:
+                backing = BackingFiles(self.fd)
         self.proto_minor = min(init.minor, wire.KERNEL_MINOR)
         self.flags = flags
-        self.ops.negotiated(flags)
+        self.ops.negotiated(flags, backing)
         self.send(req.unique, 0, wire.init_out(
             minor=self.proto_minor, max_readahead=init.max_readahead, flags=flags,
             max_background=FUSE_MAX_BACKGROUND, congestion_threshold=FUSE_CONGESTION_THRESHOLD,
-            max_write=MAX_WRITE, max_pages=MAX_PAGES if flags & wire.MAX_PAGES else 0))
+            max_write=MAX_WRITE, max_pages=MAX_PAGES if flags & wire.MAX_PAGES else 0,
+            max_stack_depth=PASSTHROUGH_STACK_DEPTH if flags & wire.PASSTHROUGH else 0))
         log.debug("FUSE %d.%d, flags %#x of %#x offered", wire.KERNEL_MAJOR, init.minor, flags, init.flags)
 
     def send(self, unique: int, error: int, reply: Reply = None) -> None:

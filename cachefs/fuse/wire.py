@@ -14,8 +14,10 @@ its own buffer beside it, joined by the session's ``os.writev``.
 Protocol version. cachefs answers INIT with minor ``KERNEL_MINOR`` (the kernel then speaks the lower
 of its own and this) and refuses kernels below ``MIN_KERNEL_MINOR``: 7.23 (Linux 3.15) is the
 version whose structs every reply here has (the 64-byte ``fuse_init_out``, ``fuse_rename2_in``,
-FUSE_NO_OPEN_SUPPORT, READDIRPLUS); everything newer (MAX_PAGES 7.28, FOPEN_NOFLUSH) is used only
-when the kernel's INIT offers it.
+FUSE_NO_OPEN_SUPPORT, READDIRPLUS); everything newer (MAX_PAGES 7.28, FOPEN_NOFLUSH, PASSTHROUGH
+7.40) is used only when the kernel's INIT offers it. PASSTHROUGH is a bit of ``flags2``, read by the
+kernel only with INIT_EXT, and fills two words of the same 64-byte ``fuse_init_out`` (``flags2``,
+``max_stack_depth``); its ``backing_id`` is the word of ``fuse_open_out`` that was padding before.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ CACHE_SYMLINKS = 1 << 23
 NO_OPENDIR_SUPPORT = 1 << 24
 EXPLICIT_INVAL_DATA = 1 << 25
 INIT_EXT = 1 << 30
+# Bits 32 and up travel in fuse_init_in/out.flags2 (only when INIT_EXT is set in both directions).
+PASSTHROUGH = 1 << 37  # reads and mmap of a file opened with FOPEN_PASSTHROUGH go to a backing file
 
 # Flags of fuse_open_out.open_flags.
 FOPEN_DIRECT_IO = 1 << 0
@@ -142,6 +146,19 @@ FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_NONSEEKABLE = 1 << 2
 FOPEN_CACHE_DIR = 1 << 3
 FOPEN_NOFLUSH = 1 << 5
+FOPEN_PASSTHROUGH = 1 << 7
+# The only flags the kernel accepts beside FOPEN_PASSTHROUGH (fs/fuse/iomode.c refuses the open with
+# EIO otherwise): no KEEP_CACHE, since a passed-through file never uses the FUSE inode's page cache.
+FOPEN_PASSTHROUGH_ALLOWED = FOPEN_PASSTHROUGH | FOPEN_DIRECT_IO | FOPEN_NOFLUSH
+
+# ioctls on /dev/fuse (``_IOW(229, nr, type)``: direction write 1 << 30, the argument's size << 16,
+# the magic << 8, the number), for passthrough: register an open file as a backing file (returns its
+# id) and drop a registration. The kernel keeps the file itself while an open file uses it.
+_IOC_WRITE = 1 << 30
+DEV_IOC_MAGIC = 229
+BACKING_MAP = struct.Struct("<iIQ")            # fuse_backing_map: fd flags padding
+DEV_IOC_BACKING_OPEN = _IOC_WRITE | BACKING_MAP.size << 16 | DEV_IOC_MAGIC << 8 | 1
+DEV_IOC_BACKING_CLOSE = _IOC_WRITE | 4 << 16 | DEV_IOC_MAGIC << 8 | 2
 
 # fuse_setattr_in.valid
 FATTR_MODE = 1 << 0
@@ -166,7 +183,8 @@ ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)   # nodeid generation entry_valid a
 ATTR_OUT = struct.Struct("<QII" + _ATTR)       # attr_valid attr_valid_nsec dummy attr
 INIT_IN = struct.Struct("<IIII")               # major minor max_readahead flags (flags2 follows from 7.36)
 INIT_IN_FLAGS2 = struct.Struct("<I")
-INIT_OUT = struct.Struct("<IIIIHHIIHH32x")     # ... max_write time_gran max_pages map_alignment, unused to 64 bytes
+# ... max_write time_gran max_pages map_alignment flags2 max_stack_depth, unused to 64 bytes
+INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")
 GETATTR_IN = struct.Struct("<IIQ")             # getattr_flags dummy fh
 SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")  # valid pad fh size lock_owner atime mtime ctime nsec x3 mode unused uid gid unused
 OPEN_IN = struct.Struct("<II")                 # flags open_flags
@@ -290,8 +308,16 @@ def attr_out(a: Attr, attr_timeout: float) -> bytes:
     return ATTR_OUT.pack(attr_s, attr_ns, 0, *_attr_fields(a))
 
 
-def open_out(fh: int, flags: int) -> bytes:
-    return OPEN_OUT.pack(fh, flags, 0)
+def open_out(fh: int, flags: int, backing_id: int = 0) -> bytes:
+    """An OPEN/CREATE answer; ``backing_id`` (from DEV_IOC_BACKING_OPEN) only with FOPEN_PASSTHROUGH."""
+    return OPEN_OUT.pack(fh, flags, backing_id)
+
+
+def backing_map(fd: int) -> bytearray:
+    """The argument of DEV_IOC_BACKING_OPEN for the open file ``fd`` (flags and padding must be 0).
+
+    A bytearray: ``fcntl.ioctl`` then returns the call's result, which is the backing id."""
+    return bytearray(BACKING_MAP.pack(fd, 0, 0))
 
 
 def write_out(size: int) -> bytes:
@@ -309,9 +335,13 @@ def getxattr_size(size: int) -> bytes:
 
 
 def init_out(*, minor: int, max_readahead: int, flags: int, max_background: int, congestion_threshold: int,
-             max_write: int, max_pages: int, time_gran: int = 1) -> bytes:
+             max_write: int, max_pages: int, time_gran: int = 1, max_stack_depth: int = 0) -> bytes:
+    """The INIT answer. Flags above bit 31 go into ``flags2``, and INIT_EXT is set with them (the
+    kernel reads ``flags2`` only then); ``max_stack_depth`` matters only with PASSTHROUGH."""
+    if flags >> 32:
+        flags |= INIT_EXT
     return INIT_OUT.pack(KERNEL_MAJOR, minor, max_readahead, flags & 0xFFFFFFFF, max_background,
-                         congestion_threshold, max_write, time_gran, max_pages, 0)
+                         congestion_threshold, max_write, time_gran, max_pages, 0, flags >> 32, max_stack_depth)
 
 
 class InitIn(NamedTuple):

@@ -356,12 +356,13 @@ def read_direct(path: Path) -> bytes:
 def test_traffic_counts_where_every_byte_came_from_exactly(
         mounter: Mounter, servers: tuple[SeaweedS3, SeaweedS3], cluster_env: dict[str, str]) -> None:
     """What the cache saved (issue 26), counted on a real mount: a cold read comes from the source,
-    a re-read after dropping RAM from disk, a second node's read from the cluster tier."""
+    a re-read after dropping RAM from disk, a second node's read from the cluster tier. Without
+    passthrough: the daemon serves (and counts) every read."""
     source, cluster = servers
     clear_cluster(cluster)
     key = "data/part-1.bin"
     data, blocks = FILES[key], -(-len(FILES[key]) // BLOCK)
-    first = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster, "--readahead", "0"), env=cluster_env)
+    first = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster, "--readahead", "0", "--no-passthrough"), env=cluster_env)
     before = first.stats()["traffic"]
     assert bounded(lambda: read_direct(first.path / key), READ_BOUND_S, "cold read") == data
     wait_drained(first)
@@ -389,7 +390,7 @@ def test_traffic_counts_where_every_byte_came_from_exactly(
     assert t["source"]["read_bytes"] - before["source"]["read_bytes"] == len(data)  # no new GET
     assert t["hit_ratios"] == {"local": 0.5, "cluster": 0.0, "source": 0.5}
 
-    second = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster, "--readahead", "0"), env=cluster_env)
+    second = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster, "--readahead", "0", "--no-passthrough"), env=cluster_env)
     assert bounded(lambda: read_direct(second.path / key), READ_BOUND_S, "second node") == data
     s = second.stats()
     t = s["traffic"]

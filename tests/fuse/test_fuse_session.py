@@ -56,7 +56,9 @@ class Ops:
     def failure(self, opcode: int, exc: BaseException) -> int:
         return 5
 
-    def negotiated(self, flags: int) -> None:
+    wanted_flags = 0
+
+    def negotiated(self, flags: int, backing: object) -> None:
         self.flags = flags
 
 

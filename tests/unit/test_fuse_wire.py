@@ -72,6 +72,41 @@ def test_init_reply_bytes() -> None:
     assert out[32:] == bytes(32)
 
 
+def test_the_recorded_kernel_offers_passthrough_in_flags2() -> None:
+    init = wire.parse_init(request(INIT).body)
+    assert wire.PASSTHROUGH == 1 << 37 and init.flags & wire.PASSTHROUGH  # bit 5 of flags2 (0x5FD)
+
+
+def test_init_reply_with_passthrough_bytes() -> None:
+    """fuse_init_out from offset 32: flags2 (u32), max_stack_depth (u32), request_timeout (u16), unused."""
+    out = wire.init_out(minor=31, max_readahead=0x20000, flags=wire.ASYNC_READ | wire.PASSTHROUGH, max_background=64,
+                        congestion_threshold=48, max_write=1 << 20, max_pages=256, max_stack_depth=1)
+    assert len(out) == 64
+    # The kernel reads flags2 only when INIT_EXT (bit 30) is set in flags: init_out sets it.
+    assert out[12:16] == struct.pack("<I", 1 | 1 << 30)
+    assert out[32:36] == struct.pack("<I", 1 << 5)
+    assert out[36:40] == struct.pack("<I", 1)
+    assert out[40:] == bytes(24)
+
+
+def test_open_reply_with_a_backing_id_bytes() -> None:
+    """fuse_open_out: fh (u64), open_flags (u32), backing_id (s32)."""
+    out = wire.open_out(0x1122334455667788, wire.FOPEN_PASSTHROUGH | wire.FOPEN_NOFLUSH, 3)
+    assert out == struct.pack("<QIi", 0x1122334455667788, 1 << 7 | 1 << 5, 3)
+    assert wire.open_out(9, wire.FOPEN_KEEP_CACHE) == struct.pack("<QIi", 9, 2, 0)
+    # What the kernel accepts beside FOPEN_PASSTHROUGH (fs/fuse/iomode.c): no KEEP_CACHE.
+    assert wire.FOPEN_PASSTHROUGH_ALLOWED == (1 << 7) | (1 << 0) | (1 << 5)
+
+
+def test_backing_map_and_its_ioctls() -> None:
+    """struct fuse_backing_map {int32 fd; uint32 flags; uint64 padding}, and the ioctl numbers
+    _IOW(229, 1, struct fuse_backing_map) and _IOW(229, 2, uint32_t) as the kernel's headers give them."""
+    arg = wire.backing_map(7)
+    assert isinstance(arg, bytearray) and bytes(arg) == struct.pack("<iIQ", 7, 0, 0) and len(arg) == 16
+    assert wire.DEV_IOC_BACKING_OPEN == 0x4010E501
+    assert wire.DEV_IOC_BACKING_CLOSE == 0x4004E502
+
+
 def test_recorded_lookup_read_readdirplus_release_flush() -> None:
     lookup = request(LOOKUP)
     assert (lookup.opcode, lookup.nodeid, lookup.name(), lookup.pid) == (wire.LOOKUP, 1, b"f", 0x3D88)

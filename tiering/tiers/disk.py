@@ -109,6 +109,17 @@ the capacity and ``--dirty-wait``, not by a figure other programs move). One ``s
 a few microseconds against the milliseconds of writing a block. A probe that fails counts as
 "enough room": a broken probe must not turn into misses.
 
+Whole files (passthrough)
+-------------------------
+``assemble_whole(ref, block_size)`` writes the plain copy of one object version whose every block is
+on this tier, each block checked on the way (``tiering.tiers.wholefile``), and ``whole_file(ref)``
+finds it again; the FUSE layer hands it to the kernel, which then reads it without the daemon. A
+whole file is an entry of the same LRU index under its own name (``w`` + digest, in ``whole/``): it
+counts in ``used_bytes()``, makes room by evicting as a put does, is evicted like a block (never
+pinned: it is rebuilt from the blocks), and goes with ``evict_unpinned`` and ``discard_whole``. The
+start-up scan removes every whole file it finds: only what this process checked is handed to the
+kernel.
+
 One cache directory belongs to one process at a time; two daemons sharing one would evict each
 other's files without knowing it.
 """
@@ -117,6 +128,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -134,7 +146,16 @@ from tiering.tiers.blockformat import (
     encode_token,
     object_footprint,
 )
-from tiering.blocks import BlockData, BlockKey
+from tiering.blocks import BlockData, BlockKey, ObjectRef, block_count, block_range
+from tiering.tiers.wholefile import (
+    WHOLE_DIRNAME,
+    WHOLE_PREFIX,
+    WholeFileStats,
+    whole_digest,
+    whole_path,
+    write_whole,
+)
+from tiering.private import open_private
 from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.private import PRIVATE_DIR_MODE
@@ -235,6 +256,8 @@ class DiskTier:
         self.health = TierHealth(clock, name=name)
         self.directory = Path(directory)
         self._blocks_dir = self.directory / BLOCKS_DIRNAME
+        self._whole_dir = self.directory / WHOLE_DIRNAME
+        self.whole_stats = WholeFileStats()
         self._high_bytes = int(capacity_bytes * high_watermark)
         self._low_bytes = int(capacity_bytes * low_watermark)
         self.min_free_bytes = min_free_bytes
@@ -257,10 +280,11 @@ class DiskTier:
         self._staged = 0  # bytes reserved by write-back staging (SpaceBudget), part of _used
 
         check_cache_dir(self.directory)
-        try:
-            self._blocks_dir.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cache directory {self._blocks_dir} cannot be created: {exc.strerror}") from exc
+        for sub in (self._blocks_dir, self._whole_dir):
+            try:
+                sub.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cache directory {sub} cannot be created: {exc.strerror}") from exc
         self._load()
 
     # -- BlockTier ------------------------------------------------------------------------------
@@ -424,6 +448,111 @@ class DiskTier:
         """Bytes held by staged write-back data (included in ``used_bytes()``)."""
         return self._staged
 
+    # -- whole files (see "Whole files" above) ----------------------------------------------------
+
+    def whole_file(self, ref: ObjectRef) -> Path | None:
+        """The whole file of ``ref`` if this process assembled it and holds it still; marks it used.
+        Index lookup only, no I/O: its recency is not stamped on the file, as a block's is, since
+        no whole file outlives the process."""
+        if self.health.state is TierState.DOWN:
+            return None
+        wkey = WHOLE_PREFIX + whole_digest(ref)
+        with self._lock:
+            if wkey not in self._index or wkey in self._busy:
+                return None
+            self._index.move_to_end(wkey)
+        return self._path(wkey)
+
+    def whole_name(self, ref: ObjectRef) -> Path:
+        """Where the whole file of ``ref`` is (or would be); no I/O."""
+        return self._path(WHOLE_PREFIX + whole_digest(ref))
+
+    def whole_snapshot(self) -> dict[str, int]:
+        """Whole files held now and their bytes (part of ``len()`` and ``used_bytes()``), and counters."""
+        with self._lock:
+            sizes = [size for key, (size, _gen) in self._index.items() if key.startswith(WHOLE_PREFIX)]
+            st = self.whole_stats
+            return {"files": len(sizes), "bytes": sum(sizes), "assembled": st.assembled,
+                    "assembled_bytes": st.assembled_bytes, "failed": st.failed,
+                    "removed_at_start": st.removed_at_start}
+
+    def discard_whole(self, ref: ObjectRef) -> None:
+        self._drop(WHOLE_PREFIX + whole_digest(ref))
+
+    def assemble_whole(self, ref: ObjectRef, block_size: int) -> Path | None:
+        """Write the whole file of ``ref`` from its blocks on this tier, each checked as ``get`` checks
+        it; its path, or None when a block is not here (or fails its check), the file does not fit,
+        or the disk fails (a failure is counted, never raised). Blocking: call it from a worker thread."""
+        wkey = WHOLE_PREFIX + whole_digest(ref)
+        size = ref.size
+        keys = [BlockKey(ref.key, ref.etag, index) for index in range(block_count(size, block_size))]
+        if self.capacity_bytes == 0 or size > self.capacity_bytes or self.health.state is TierState.DOWN:
+            return None
+        shortfall = self._free_shortfall(size)
+        with self._lock:
+            if wkey in self._index and wkey not in self._busy:
+                return self._path(wkey)
+            digests = {key.digest() for key in keys}
+            if wkey in self._busy or any(d not in self._index or d in self._busy for d in digests):
+                return None  # being assembled by another thread, or not whole on this tier
+            # The blocks to copy must not be the room made for their copy.
+            self._busy.update(digests)
+            try:
+                before = self._used
+                victims = self._make_room(size, shortfall)
+            finally:
+                self._busy.difference_update(digests)
+            fits = self._used + size <= self.capacity_bytes and before - self._used >= shortfall
+            if fits:
+                self._used += size
+                self._busy.add(wkey)
+        self._unlink_all(victims)
+        if not fits:
+            return None
+        path = self._path(wkey)
+        tmp = path.with_name(f"{TMP_PREFIX}{wkey}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
+        parts = [(block_range(key.index, size, block_size)[0], functools.partial(self._read_checked, key))
+                 for key in keys]
+        try:
+            path.parent.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+            write_whole(tmp, path, size, parts, open_private)
+        except (OSError, CorruptBlockError) as exc:
+            with self._lock:
+                self._used -= size
+                self._busy.discard(wkey)
+                self.whole_stats.failed += 1
+            if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+                self._count_error()
+                self.health.record_failure(exc)
+            log.debug("%s tier: no whole file of %r: %s", self.name, ref.key, exc)
+            return None
+        with self._lock:
+            self._index[wkey] = (size, next(self._generations))
+            self._busy.discard(wkey)
+            self.whole_stats.assembled += 1
+            self.whole_stats.assembled_bytes += size
+        return path
+
+    def _read_checked(self, key: BlockKey) -> BlockData | None:
+        """One block, checked as ``get`` checks it, without counting a hit or a miss (assembly is
+        not a read); None if it is not here any more. A corrupt block is dropped and counted."""
+        digest = key.digest()
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is None or digest in self._busy:
+                return None
+        path = self._path(digest)
+        try:
+            return self.files.read(path, encode_token(key), entry[0])
+        except FileNotFoundError:
+            return None
+        except CorruptBlockError as exc:
+            log.warning("%s tier: dropping corrupt block %s (%s): %s", self.name, path, key, exc)
+            with self._lock:
+                self.stats.corrupt_blocks += 1
+            self._drop(digest, entry[1])
+            return None
+
     # -- extras ---------------------------------------------------------------------------------
 
     def keys(self) -> list[BlockKey]:
@@ -471,7 +600,8 @@ class DiskTier:
             return True
 
     def evict_unpinned(self) -> tuple[int, int]:
-        """Drop every block eviction may take (all but pinned and busy ones): ``(blocks, bytes)``."""
+        """Drop every block eviction may take (all but pinned and busy ones), and every whole file:
+        ``(blocks, bytes)``, the bytes counting the whole files too."""
         with self._lock:
             victims = [d for d in self._index if self._evictable(d)]
             freed = 0
@@ -482,7 +612,7 @@ class DiskTier:
                 self._known.pop(digest, None)
                 self._busy.add(digest)
         self._unlink_all(victims)
-        return len(victims), freed
+        return sum(1 for d in victims if not d.startswith(WHOLE_PREFIX)), freed
 
     def __repr__(self) -> str:
         return (
@@ -575,6 +705,8 @@ class DiskTier:
     # -- helpers --------------------------------------------------------------------------------
 
     def _path(self, digest: str) -> Path:
+        if digest.startswith(WHOLE_PREFIX):
+            return whole_path(self._whole_dir, digest[len(WHOLE_PREFIX):])
         return self._blocks_dir / digest[:2] / f"{digest}{BLOCK_SUFFIX}"
 
     def _next_stamp(self) -> int:
@@ -640,6 +772,23 @@ class DiskTier:
 
     # -- start-up -------------------------------------------------------------------------------
 
+    def _remove_whole_files(self) -> None:
+        """Remove every whole file (and temp file) under ``whole/``: see "Whole files" above."""
+        removed = 0
+        with os.scandir(self._whole_dir) as subdirs:
+            for sub in subdirs:
+                if not sub.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(sub.path) as entries:
+                    for entry in entries:
+                        if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                            try:
+                                os.unlink(entry.path)
+                                removed += 1
+                            except FileNotFoundError:
+                                pass
+        self.whole_stats.removed_at_start = removed
+
     def _load(self) -> None:
         """Index the blocks already on disk (names and stat only) and remove leftover temp files."""
         found: list[tuple[int, str, int]] = []
@@ -670,6 +819,7 @@ class DiskTier:
                             found.append((st.st_mtime_ns, digest, st.st_size))
                         else:
                             log.debug("%s tier: ignoring unexpected file %s", self.name, entry.path)
+        self._remove_whole_files()
         found.sort()
         for mtime_ns, digest, size in found:
             self._index[digest] = (size, 0)
