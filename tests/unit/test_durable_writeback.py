@@ -40,6 +40,7 @@ from tiering.writeback.durable import (
     JournalKeys,
     read_lease,
 )
+from tiering.writeback.clusterjournal import TAG_WRITER
 from tiering.writeback.recovery import RecoveryReport, list_writers, recover_prefix
 from tests.support.clusterkeys import TEST_KEY
 
@@ -62,11 +63,11 @@ class BreakableStore(InMemoryObjectStore):
         if self.down:
             raise ObjectStoreUnavailableError("cluster store unreachable (test)")
 
-    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+    async def put(self, key, size, read, **options):  # type: ignore[no-untyped-def]
         self._gate()
         if self.refuse_data and "/data/" in key:
             raise ObjectStoreUnavailableError("data piece lost (test)")
-        return await super().put(key, size, read)
+        return await super().put(key, size, read, **options)
 
     async def put_if(self, key, size, read, *, if_match=None, if_none_match=False, metadata=None):  # type: ignore[no-untyped-def]
         self._gate()
@@ -303,17 +304,17 @@ class GatedStore(InMemoryObjectStore):
         self.gates: list[asyncio.Event] = []
         self.started = asyncio.Event()
 
-    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+    async def put(self, key, size, read, **options):  # type: ignore[no-untyped-def]
         gate = asyncio.Event()
         self.gates.append(gate)
         self.started.set()
         await gate.wait()
-        return await super().put(key, size, read)
+        return await super().put(key, size, read, **options)
 
     async def put_if(self, key, size, read, **conditions):  # type: ignore[no-untyped-def]
         # The writer's tagged uploads (write durability cluster) come this way; the recoverer's
-        # conditional puts (untagged) pass.
-        if not conditions.get("metadata"):
+        # conditional puts (untagged: at most the file's mtime) pass.
+        if TAG_WRITER not in (conditions.get("metadata") or {}):
             return await super().put_if(key, size, read, **conditions)
         gate = asyncio.Event()
         self.gates.append(gate)
@@ -457,11 +458,11 @@ class HangingStore(BreakableStore):
         self.hang = False
         self.hung_calls = 0
 
-    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+    async def put(self, key, size, read, **options):  # type: ignore[no-untyped-def]
         if self.hang:
             self.hung_calls += 1
             await asyncio.Event().wait()
-        return await super().put(key, size, read)
+        return await super().put(key, size, read, **options)
 
 
 async def test_a_close_after_an_fsync_that_timed_out_fails_at_once_while_the_store_is_silent(

@@ -53,6 +53,9 @@ new one. A multipart upload that fails or is cancelled is aborted; one cut short
 daemon stays incomplete on the server (invisible, but billed) until the bucket's
 AbortIncompleteMultipartUpload lifecycle rule removes it. ``copy`` (rename) is a server-side
 CopyObject guarded by ``CopySourceIfMatch``, or UploadPartCopy parts above CopyObject's 5 GiB limit.
+User metadata (the writer's ``mtime``, ``tiering.objectstore.mtimes``) goes with the PutObject or the
+CreateMultipartUpload; a copy keeps the source's (a multipart copy is created with it), and a copy
+onto itself with new metadata (REPLACE) is how an mtime changes without re-uploading the bytes.
 
 Credentials and ``environ``. The botocore session is built so that its configuration chain
 (profile, config and credentials file paths, region, ...) and its environment credential provider
@@ -158,6 +161,9 @@ MAX_UPLOAD_PARTS_IN_FLIGHT = 8
 # CopyObject copies at most 5 GiB; larger sources are copied with UploadPartCopy parts of this size.
 MAX_COPY_OBJECT_BYTES = 5 * 1024 * MiB
 COPY_PART_SIZE = 512 * MiB
+# Headers of an object that a copy with new metadata (MetadataDirective REPLACE) or a multipart copy
+# would drop unless sent again: what a HEAD returns of them is passed on (boto3's parameter names).
+_REPLACED_HEADERS = ("ContentType", "ContentEncoding", "ContentDisposition", "ContentLanguage", "CacheControl")
 # How long aborting a failed multipart upload may take; it is a courtesy (the upload is invisible),
 # so it must never hold up the error the caller is waiting for.
 ABORT_TIMEOUT_S = 10.0
@@ -601,17 +607,20 @@ class S3ObjectStore:
             data = bytes(data)  # a view of a block (botocore takes bytes, bytearray or a file)
         return data
 
-    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    async def put(self, key: str, size: int, read: ReadRange, *,
+                  metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         check_write_key(key)
         where = self._where(key)
         part_size = self._part_size_for(size)
         if size <= part_size:
+            extra: dict[str, Any] = {"Metadata": dict(metadata)} if metadata else {}
             async with self._upload_slots:
                 data = await self._read(read, 0, size, where)
                 self.stats.put_requests += 1
-                response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=data)
+                response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=data,
+                                            **extra)
         else:
-            response = await self._put_multipart(key, size, part_size, read)
+            response = await self._put_multipart(key, size, part_size, read, metadata=metadata)
         self.stats.bytes_written += size
         return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
 
@@ -719,12 +728,19 @@ class S3ObjectStore:
 
     async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
         """``head`` with the object's user metadata (names in lower case, without ``x-amz-meta-``)."""
+        info, metadata, _ = await self._head_full(key)
+        return info, metadata
+
+    async def _head_full(self, key: str) -> tuple[ObjectInfo, dict[str, str], dict[str, Any]]:
+        """HEAD: the info, the user metadata, and the headers a metadata REPLACE must send again."""
         self._check_key(key)
         self.stats.head_requests += 1
         response = await self._call("head_object", op="HEAD", where=self._where(key), Key=self.prefix + key)
         info = ObjectInfo(key=key, size=int(response["ContentLength"]), etag=response["ETag"],
                           mtime=response["LastModified"].timestamp())
-        return info, {str(name).lower(): str(value) for name, value in (response.get("Metadata") or {}).items()}
+        metadata = {str(name).lower(): str(value) for name, value in (response.get("Metadata") or {}).items()}
+        kept = {name: response[name] for name in _REPLACED_HEADERS if response.get(name)}
+        return info, metadata, kept
 
     async def delete_if(self, key: str, if_match: str) -> None:
         """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag."""
@@ -732,26 +748,37 @@ class S3ObjectStore:
         self.stats.delete_requests += 1
         await self._call("delete_object", op="DELETE", where=self._where(key), Key=self.prefix + key, IfMatch=if_match)
 
-    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    async def copy(self, src: str, etag: str, dst: str, *,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        """CopyObject keeps the source's user metadata by itself (MetadataDirective COPY); with
+        ``metadata`` it is sent whole (REPLACE: the source's, with those names set, and the content
+        headers read by the HEAD, which REPLACE would drop). UploadPartCopy parts carry none, so the
+        multipart upload is created with the source's (and ``metadata``)."""
         check_write_key(dst)
-        source = await self.head(src)  # the size decides CopyObject or UploadPartCopy
+        # The size decides CopyObject or UploadPartCopy; the metadata goes to a REPLACE or a multipart copy.
+        source, source_metadata, headers = await self._head_full(src)
         if _strip_etag(source.etag) != _strip_etag(etag):
             raise changed_error(self._where(src))
         where = self._where(dst)
         copy_source = {"Bucket": self.bucket, "Key": self.prefix + src}
+        merged = {**source_metadata, **(metadata or {})}
         self.stats.copy_requests += 1
         if source.size <= MAX_COPY_OBJECT_BYTES:
+            extra: dict[str, Any] = {}
+            if metadata:
+                extra = {"MetadataDirective": "REPLACE", "Metadata": merged, **headers}
             response = await self._call("copy_object", op="COPY", where=where, Key=self.prefix + dst,
-                                        CopySource=copy_source, CopySourceIfMatch=etag)
+                                        CopySource=copy_source, CopySourceIfMatch=etag, **extra)
             new_etag = response["CopyObjectResult"]["ETag"]
         else:
-            new_etag = await self._copy_multipart(dst, copy_source, etag, source.size)
+            new_etag = await self._copy_multipart(dst, copy_source, etag, source.size, {"Metadata": merged, **headers})
         return ObjectInfo(key=dst, size=source.size, etag=_quote_etag(new_etag), mtime=time.time())
 
-    async def _copy_multipart(self, dst: str, copy_source: dict[str, str], etag: str, size: int) -> str:
+    async def _copy_multipart(self, dst: str, copy_source: dict[str, str], etag: str, size: int,
+                              attributes: dict[str, Any]) -> str:
         where = self._where(dst)
         full = self.prefix + dst
-        created = await self._call("create_multipart_upload", op="COPY", where=where, Key=full)
+        created = await self._call("create_multipart_upload", op="COPY", where=where, Key=full, **attributes)
         upload_id = created["UploadId"]
         count = -(-size // COPY_PART_SIZE)
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -84,6 +85,7 @@ from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
 from tiering.engine.blockcache import BlockCache
 from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
+from tiering.objectstore.mtimes import mtime_metadata
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth
 from tiering.writeback.datafiles import DataFiles
@@ -183,7 +185,7 @@ class WriteBack:
                 df.refs = 2  # current and acknowledged
                 sf = StagedFile(record.key, size=record.size, mtime=record.mtime, may_exist=record.may_exist,
                                 current=df)
-                sf.acked = Acked(df, record.size, record.crc32, record.seq)
+                sf.acked = Acked(df, record.size, record.crc32, record.seq, record.mtime)
                 sf.crc_upto, sf.crc_value = record.size, record.crc32
                 self.files.add(sf)
                 entry.sf = sf
@@ -338,9 +340,35 @@ class WriteBack:
         finally:
             self.datafiles.unref(df)
 
-    def set_mtime(self, sf: StagedFile, mtime: float) -> None:
-        """utimens on a staged file: shown until upload (the store sets its own LastModified)."""
-        sf.mtime = mtime
+    async def set_mtime(self, sf: StagedFile, mtime: float) -> bool:
+        """utimens on a staged file. Its mtime goes to the store with its bytes (``send``), so a
+        change is journaled like a write: an open file's next close or fsync acknowledges it; a file
+        whose acknowledged version waits for its upload is acknowledged again now (the same bytes,
+        the new mtime: one more upload of them). False when nothing of the file is pending: it is in
+        the store as it is, and the caller changes the stored object's mtime (``set_stored_mtime``)."""
+        async with sf.lock:
+            _check_live(sf)
+            key = sf.key
+            entry = self.index.get(key) if key is not None else None
+            pending = sf.unacked or (entry is not None and entry.sf is sf)
+            if not pending or sf.current is None:
+                sf.mtime = mtime  # shown now; the store's object gets it from the caller
+                return False
+            sf.mtime = mtime
+            if sf.holders > 0 and sf.unacked:
+                return True  # written and still open: its close or fsync acknowledges it with the bytes
+            sf.unacked = True
+            await self._commit_locked(sf)
+        return True
+
+    async def set_stored_mtime(self, key: str, etag: str, mtime: float) -> ObjectInfo:
+        """utimens on a file that is only in the store (at ``etag``): a server-side copy onto itself
+        with the new ``mtime`` metadata, as rclone's SetModTime does, durable when it returns. The
+        key's pending operations are held off meanwhile; its info with ``mtime`` as the view shows it."""
+        async with self.uploader.quiesce(key), self._locks.hold(key):
+            copied = await self.store.copy(key, etag, key, metadata=mtime_metadata(mtime))
+            self.records.note_base(key, copied.etag)  # this writer's own version: a recovery's base
+        return dataclasses.replace(copied, mtime=mtime)
 
     async def commit(self, sf: StagedFile) -> None:
         """Make the file's content durable (I1); with write-through, also wait for its upload. Fails
@@ -471,7 +499,7 @@ class WriteBack:
                     await self.records.remove(src, durable=True)
                     self._drop_entry(src)
                 df.refs += 1
-                old_acked, sf.acked = sf.acked, Acked(df, size, crc, seq)
+                old_acked, sf.acked = sf.acked, Acked(df, size, crc, seq, sf.mtime)
                 if old_acked is not None:
                     self.datafiles.unref(old_acked.data)
                 sf.unacked = False
@@ -647,7 +675,7 @@ class WriteBack:
             await self.records.write(Record(key, PUT, seq, data=df.name, size=size, crc32=crc, mtime=sf.mtime,
                                             since=since, may_exist=sf.may_exist))
             df.refs += 1
-            old, sf.acked = sf.acked, Acked(df, size, crc, seq)
+            old, sf.acked = sf.acked, Acked(df, size, crc, seq, sf.mtime)
             if old is not None:
                 self.datafiles.unref(old.data)
             sf.unacked = False
@@ -734,6 +762,8 @@ async def send(entry: Entry, store: ObjectStore, records: Records, datafiles: Da
     acked = sf.acked
     if acked is None:
         raise ObjectStoreError(f"internal: {entry.key!r} has no acknowledged version to upload")
+    # The writer's mtime goes with the bytes (rclone's ``mtime`` convention), and the view shows it.
+    metadata = mtime_metadata(acked.mtime) if acked.mtime > 0 else {}
     df = acked.data
     df.refs += 1
     sf.may_exist = True  # from now on the store may hold it, whatever happens
@@ -742,8 +772,10 @@ async def send(entry: Entry, store: ObjectStore, records: Records, datafiles: Da
         tag = records.upload_tag(acked.seq)
         tagging = conditional(store) if tag is not None else None
         if tagging is not None:
-            return await tagging.put_if(entry.key, acked.size, read, metadata=tag)
-        return await store.put(entry.key, acked.size, read)
+            info = await tagging.put_if(entry.key, acked.size, read, metadata={**metadata, **(tag or {})})
+        else:
+            info = await store.put(entry.key, acked.size, read, metadata=metadata)
+        return dataclasses.replace(info, mtime=acked.mtime) if metadata else info
     finally:
         datafiles.unref(df)
 
