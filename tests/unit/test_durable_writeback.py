@@ -213,6 +213,28 @@ async def test_recovery_after_the_node_is_lost_applies_writes_renames_and_delete
     assert again.state == "already"
 
 
+async def test_recovery_uploads_carry_the_writers_mtime(
+        tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore]) -> None:
+    """A recovered upload carries the mtime the file had when acknowledged (its last write, or what
+    utimens set after close, which is journaled again), in rclone's ``mtime`` metadata."""
+    source, cluster = stores
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    await write(node.wb, "touched.bin", b"t")
+    sf = node.wb.file("touched.bin")
+    assert sf is not None and await node.wb.set_mtime(sf, 1_500_000_000.25)  # rsync -t: utimes after close
+    await write(node.wb, "written.bin", b"w")
+    written = node.wb.file("written.bin")
+    assert written is not None
+    written_mtime = written.mtime
+    prefix = node.durable.prefix
+    node.lose()
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
+    assert sorted(report.uploaded) == ["touched.bin", "written.bin"], report
+    assert source._objects["touched.bin"].metadata["mtime"] == "1500000000.25"
+    assert float(source._objects["written.bin"].metadata["mtime"]) == pytest.approx(written_mtime, abs=1e-6)
+
+
 async def test_the_writers_own_upload_of_an_older_version_is_the_base_of_the_next(
         tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore]) -> None:
     source, cluster = stores
