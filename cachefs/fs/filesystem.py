@@ -638,6 +638,8 @@ class CacheFS:
                 raise FsError(errno.EINVAL)
             sf = await self._truncate_node(node, size)
             self.stats.truncates += 1
+            if mtime is not None:
+                sf.mtime, mtime = mtime, None  # acknowledged with the truncation (one journal record)
             if fh is None and node.writers == 0 and self.writeback is not None:
                 await self.writeback.commit(sf)  # truncate(2) by path: nothing else will acknowledge it
         if mtime is not None and not node.is_dir:
