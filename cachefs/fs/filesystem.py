@@ -50,6 +50,7 @@ from cachefs.fs.listings import ListingCache
 from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
+from cachefs.fs.times import set_mtime
 from cachefs.mounts import CONTROL_XATTR
 from cachefs.names import NAME_MAX, encode_name, key_length_problem, name_problem
 from cachefs.paths import join
@@ -643,27 +644,8 @@ class CacheFS:
             if fh is None and node.writers == 0 and self.writeback is not None:
                 await self.writeback.commit(sf)  # truncate(2) by path: nothing else will acknowledge it
         if mtime is not None and not node.is_dir:
-            await self._set_mtime(node, mtime)
+            await set_mtime(self._writer(), self.listings, node, self._staged(node), mtime)
         return self._attributes(node)
-
-    async def _set_mtime(self, node: Node, mtime: float) -> None:
-        """utimens: the mtime is kept in the object's ``mtime`` metadata (rclone's convention), so it
-        survives a remount and a cache wipe. A file with staged changes carries it with its next
-        upload (journaled now if nothing else would acknowledge it); a file only in the store gets it
-        by a server-side copy onto itself, done before this returns (docs/semantics.md, "mtime")."""
-        wb = self._writer()
-        staged = self._staged(node)
-        if staged is not None and await wb.set_mtime(staged, mtime):
-            return
-        info = node.info
-        ref = (staged.clean_ref or staged.base) if staged is not None else None
-        etag = ref.etag if ref is not None else info.etag if info is not None else STAGED_ETAG
-        if etag == STAGED_ETAG:
-            return  # nothing in the store yet: the staged file's first upload carries it
-        if staged is None and info is not None and info.mtime == mtime:
-            return  # already so (``cp -p`` onto an equal file, a second ``touch -d``): no request
-        updated = await wb.set_stored_mtime(node.path, etag, mtime)
-        self.listings.applied(node.path, updated)  # the view, its node and the index show it now
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
         if not stat.S_ISREG(mode):

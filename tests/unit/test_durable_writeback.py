@@ -222,7 +222,8 @@ async def test_recovery_uploads_carry_the_writers_mtime(
     await node.wb.start()
     await write(node.wb, "touched.bin", b"t")
     sf = node.wb.file("touched.bin")
-    assert sf is not None and await node.wb.set_mtime(sf, 1_500_000_000.25)  # rsync -t: utimes after close
+    assert sf is not None
+    await node.wb.set_mtime(sf, 1_500_000_000.25)  # rsync -t: utimes after close
     await write(node.wb, "written.bin", b"w")
     written = node.wb.file("written.bin")
     assert written is not None

@@ -57,7 +57,7 @@ User metadata (the writer's ``mtime``, ``tiering.objectstore.mtimes``) goes with
 CreateMultipartUpload; a copy keeps the source's (a multipart copy is created with it), and a copy
 onto itself with new metadata (REPLACE) is how an mtime changes without re-uploading the bytes.
 
-Credentials and ``environ``. The botocore session is built so that its configuration chain
+Credentials and ``environ`` (``tiering.objectstore.s3session``). The botocore session is built so that its configuration chain
 (profile, config and credentials file paths, region, ...) and its environment credential provider
 read the ``environ`` mapping given to the store instead of ``os.environ``: tests can hand a store
 the environment of one server without touching the process's; ``AWS_EC2_METADATA_DISABLED=true`` in
@@ -76,11 +76,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
-import botocore.exceptions as bexc
 import s3fs
-from aiobotocore.credentials import AioEnvProvider
-from aiobotocore.session import AioSession
-from botocore.configprovider import ConfigChainFactory, ConfiguredEndpointProvider
 
 from tiering.errors import (
     ObjectChangedError,
@@ -98,7 +94,8 @@ from tiering.objectstore.keys import (
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
 from tiering.objectstore.rangedget import RangedGetter
-from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
+from tiering.objectstore.s3presign import UrlSigner
+from tiering.objectstore.s3session import aws_session, configured_endpoint_url
 from tiering.objectstore.s3errors import (
     INVALID_RANGE_CODES,
     NOT_FOUND_CODES,
@@ -197,52 +194,6 @@ def _strip_etag(etag: str) -> str:
 def _quote_etag(etag: str) -> str:
     """The ETag in the quoted form listings and HEAD give (some servers answer writes without quotes)."""
     return f'"{_strip_etag(etag)}"'
-
-
-def aws_session(environ: Mapping[str, str]) -> AioSession:
-    """A botocore session whose configuration chain and env credential provider read ``environ``."""
-    env = dict(environ)
-    session = AioSession()
-    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=fast_timestamp)
-    factory = ConfigChainFactory(session=session, environ=env)
-    store = session.get_component("config_store")
-    for name, (config_name, env_vars, default, typecast) in AioSession.SESSION_VARIABLES.items():
-        store.set_config_provider(name, factory.create_config_chain(
-            instance_name=name, env_var_names=env_vars, config_property_names=config_name,
-            default=default, conversion_func=typecast,
-        ))
-    resolver = session.get_component("credential_provider")
-    imds_disabled = env.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true"
-    resolver.providers = [
-        AioEnvProvider(environ=env) if p.METHOD == "env" else p
-        for p in resolver.providers
-        if not (imds_disabled and p.METHOD == "iam-role")  # botocore would read this from os.environ
-    ]
-    return session
-
-
-def configured_endpoint_url(environ: Mapping[str, str]) -> str | None:
-    """The S3 endpoint botocore would use for a client given none, from ``environ`` and the AWS config
-    file it names: ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``, then the profile's ``services``
-    section's ``s3.endpoint_url``, then its ``endpoint_url``; None where none is set or
-    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``/``ignore_configured_endpoint_urls`` is true (AWS's order for
-    service-specific endpoints, read by botocore's own provider over ``environ``).
-
-    Resolved once, here, so that the source's identity (``cachefs.settings.source_identity``: its cache
-    directory and cluster-tier keys) names the server the store talks to: the store passes this URL to
-    its client, and a store without one tells botocore to ignore configured endpoints (issue 34:
-    ``AWS_ENDPOINT_URL_S3`` was used by botocore and missing from the identity, so another server's
-    data was cached and shared as the AWS bucket's). ``ValueError`` for a config file that names a
-    ``services`` section it does not have."""
-    session = aws_session(environ)
-    try:
-        if session.get_config_variable("ignore_configured_endpoint_urls"):
-            return None
-        url = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=session.get_scoped_config(),
-                                         client_name="s3", environ=dict(environ)).provide()
-    except (bexc.InvalidConfigError, bexc.ProfileNotFound, bexc.ConfigParseError) as exc:
-        raise ValueError(f"the AWS config file: {exc}") from None
-    return str(url) if url else None
 
 
 class S3ObjectStore:

@@ -340,35 +340,15 @@ class WriteBack:
         finally:
             self.datafiles.unref(df)
 
-    async def set_mtime(self, sf: StagedFile, mtime: float) -> bool:
-        """utimens on a staged file. Its mtime goes to the store with its bytes (``send``), so a
-        change is journaled like a write: an open file's next close or fsync acknowledges it; a file
-        whose acknowledged version waits for its upload is acknowledged again now (the same bytes,
-        the new mtime: one more upload of them). False when nothing of the file is pending: it is in
-        the store as it is, and the caller changes the stored object's mtime (``set_stored_mtime``)."""
+    async def set_mtime(self, sf: StagedFile, mtime: float) -> None:
+        """utimens on a file with staged changes: its mtime goes to the store with its bytes (``send``),
+        so it is acknowledged like a write: by the next close or fsync of a file being written, else now."""
         async with sf.lock:
             _check_live(sf)
-            key = sf.key
-            entry = self.index.get(key) if key is not None else None
-            pending = sf.unacked or (entry is not None and entry.sf is sf)
-            if not pending or sf.current is None:
-                sf.mtime = mtime  # shown now; the store's object gets it from the caller
-                return False
             sf.mtime = mtime
-            if sf.holders > 0 and sf.unacked:
-                return True  # written and still open: its close or fsync acknowledges it with the bytes
-            sf.unacked = True
-            await self._commit_locked(sf)
-        return True
-
-    async def set_stored_mtime(self, key: str, etag: str, mtime: float) -> ObjectInfo:
-        """utimens on a file that is only in the store (at ``etag``): a server-side copy onto itself
-        with the new ``mtime`` metadata, as rclone's SetModTime does, durable when it returns. The
-        key's pending operations are held off meanwhile; its info with ``mtime`` as the view shows it."""
-        async with self.uploader.quiesce(key), self._locks.hold(key):
-            copied = await self.store.copy(key, etag, key, metadata=mtime_metadata(mtime))
-            self.records.note_base(key, copied.etag)  # this writer's own version: a recovery's base
-        return dataclasses.replace(copied, mtime=mtime)
+            if sf.current is not None and (sf.holders == 0 or not sf.unacked):
+                sf.unacked = True
+                await self._commit_locked(sf)
 
     async def commit(self, sf: StagedFile) -> None:
         """Make the file's content durable (I1); with write-through, also wait for its upload. Fails
