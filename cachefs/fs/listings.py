@@ -118,6 +118,9 @@ class ListingCache:
         self._bad_keys = WarnOnce()
         self._applied_log: deque[tuple[str, str, ObjectInfo | None, bool]] = deque()
         self._applied_total = 0
+        # The mtime of each version (key -> ETag, mtime) this mount put in the store lately: a LIST
+        # that comes after reports only LastModified (``_mtimes``). Bounded like the applied log.
+        self._own_mtimes: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._listings)
@@ -315,8 +318,8 @@ class ListingCache:
 
     async def _mtimes(self, path: str, entries: dict[str, ObjectInfo | None], previous: CachedDir | None) -> bool:
         """Give each file of a new listing the mtime its writer set, where it can be known: a version
-        (ETag) already listed keeps the mtime shown for it (set through this mount, or read from its
-        metadata), and with ``mtime_from_metadata`` every other version's ``mtime`` metadata is read
+        (ETag) this mount put lately, or one already listed, keeps the mtime shown for it (set through
+        this mount, or read from its metadata), and with ``mtime_from_metadata`` every other version's ``mtime`` metadata is read
         by a HEAD (at most ``MTIME_HEADS_IN_FLIGHT`` at once); the rest show LastModified. False when
         a HEAD failed: the listing is answered but not kept, so the next lookup tries again."""
         unknown: list[str] = []
@@ -325,7 +328,10 @@ class ListingCache:
             if info is None:
                 continue
             before = old.get(name)
-            if before is not None and before.etag == info.etag:
+            own = self._own_mtimes.get(join(path, name))
+            if own is not None and own[0] == info.etag:
+                entries[name] = dataclasses.replace(info, mtime=own[1])
+            elif before is not None and before.etag == info.etag:
                 if before.mtime != info.mtime:
                     entries[name] = dataclasses.replace(info, mtime=before.mtime)
             elif self.settings.mtime_from_metadata:
@@ -424,6 +430,12 @@ class ListingCache:
         parent, _, name = path.rpartition("/")
         self._applied_log.append((parent, name, info, marker))
         self._applied_total += 1
+        if not marker:
+            self._own_mtimes.pop(path, None)
+            if info is not None:
+                self._own_mtimes[path] = (info.etag, info.mtime)
+                if len(self._own_mtimes) > MAX_APPLIED_LOG:
+                    self._own_mtimes.popitem(last=False)
         if len(self._applied_log) > MAX_APPLIED_LOG:
             self._applied_log.popleft()
         listing = self._listings.get(parent)

@@ -102,3 +102,22 @@ async def test_mtime_from_metadata_shows_what_rclone_and_s3fs_wrote(env: Env, va
     env.clock.advance(TTL + 1)
     assert (await lookup(reader, "other.bin")).mtime_ns / 1e9 == pytest.approx(shown, abs=1e-6)
     assert env.inner.stats.head_requests == heads + 2  # the same versions: not HEADed again
+
+
+async def test_a_journaled_mtime_is_uploaded_by_the_next_mount(tmp_path: Path) -> None:
+    """The mtime is in the journal record: a mount that stopped (or died) before the upload leaves
+    it to the next one, which uploads the file with it."""
+    first = Env(tmp_path, upload_delay_s=600)
+    await first.wb.start()
+    await create(first.fs, "later.bin", b"not uploaded yet")
+    await first.fs.setattr((await lookup(first.fs, "later.bin")).inode, mtime=SET_MTIME)
+    await first.wb.stop()
+    assert "later.bin" not in first.keys()
+    second = Env(tmp_path, store=first.inner)
+    await second.wb.start()
+    try:
+        await second.flush()
+        assert stored_mtime(second, "later.bin") == SET_MTIME
+        assert (await lookup(second.fs, "later.bin")).mtime_ns == int(SET_MTIME * 1e9)
+    finally:
+        await second.wb.stop()
