@@ -17,6 +17,7 @@ import dataclasses
 
 from cachefs.fs.inodes import Node
 from cachefs.fs.listings import ListingCache
+from tiering.blocks import ObjectRef
 from tiering.objectstore.mtimes import mtime_metadata
 from tiering.writeback import STAGED_ETAG, WriteBack
 from tiering.writeback.staged import StagedFile
@@ -40,6 +41,10 @@ async def set_mtime(wb: WriteBack, listings: ListingCache, node: Node, staged: S
     async with wb.quiesce(key):
         copied = await wb.store.copy(key, etag, key, metadata=mtime_metadata(mtime))
     wb.records.note_base(key, copied.etag)
-    if staged is not None:
+    if staged is not None:  # the same bytes under the copy's ETag (a new one if the object had parts)
         staged.mtime = mtime
+        if staged.base is not None:
+            staged.base = ObjectRef(key, copied.etag, staged.base.size)
+        if staged.clean_ref is not None:
+            staged.clean_ref = ObjectRef(key, copied.etag, staged.clean_ref.size)
     listings.applied(key, dataclasses.replace(copied, mtime=mtime))  # the view, the node and the index
