@@ -1,7 +1,7 @@
 """The mtime a writer sets, kept in the object's metadata, on a real mount over SeaweedFS (issue 38).
 
-``touch -d``/``os.utime`` on a file written through the mount (before its upload), on a file only in
-the bucket (a server-side copy onto itself) and on a multipart-sized file; the bucket then holds
+``os.utime`` on a file written through the mount (before its upload) and on a multipart-sized file,
+``cp -p`` into the mount, ``touch -d`` on a file only in the bucket (a server-side copy onto itself); the bucket then holds
 rclone's ``x-amz-meta-mtime`` (checked with boto3), a rename keeps it, and ``stat`` shows it again
 after a remount (the metadata index keeps it, even with every listing refetched: ``--dir-ttl 0``)
 and after the cache directory is wiped (``--mtime-from-metadata`` reads it back with a HEAD).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import uuid
 
 import pytest
@@ -57,11 +58,16 @@ def test_a_set_mtime_is_in_the_bucket_and_survives_a_remount_and_a_cache_wipe(se
     os.utime(root / "big.bin", ns=(SET_NS, SET_NS))
     (root / "written.bin").write_bytes(b"no utime: the time of its last write")
     written_ns = os.stat(root / "written.bin").st_mtime_ns
-    os.utime(root / "clean.bin", ns=(SET_NS, SET_NS))  # only in the bucket: a copy onto itself
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"copied in with cp -p")
+    os.utime(local, ns=(SET_NS, SET_NS))
+    subprocess.run(["cp", "-p", str(local), str(root / "cp-p.bin")], check=True, timeout=60)  # futimens on the open fd
+    # Only in the bucket: touch -d is a copy onto itself.
+    subprocess.run(["touch", "-d", f"@{SET_TEXT}", str(root / "clean.bin")], check=True, timeout=60)
     assert meta(seaweed, bucket, "clean.bin")["mtime"] == SET_TEXT  # done before utime returned
     os.rename(root / "clean.bin", root / "moved.bin")  # a server-side copy keeps the metadata
     flush_ok(m)
-    for name in ("staged.bin", "big.bin", "moved.bin"):
+    for name in ("staged.bin", "big.bin", "moved.bin", "cp-p.bin"):
         assert meta(seaweed, bucket, name)["mtime"] == SET_TEXT, name
         assert_mtime(root / name, SET_NS)
     assert abs(float(meta(seaweed, bucket, "written.bin")["mtime"]) * 1e9 - written_ns) <= TOLERANCE_NS
@@ -71,7 +77,7 @@ def test_a_set_mtime_is_in_the_bucket_and_survives_a_remount_and_a_cache_wipe(se
 
     # Remounted on the same cache, every listing fetched again: the index keeps what was set.
     m = mounter.mount(source, "--dir-ttl", "0", env=s3env(seaweed), cache_dir=cache, mountpoint=root)
-    for name in ("staged.bin", "big.bin", "moved.bin"):
+    for name in ("staged.bin", "big.bin", "moved.bin", "cp-p.bin"):
         assert_mtime(root / name, SET_NS)
     assert_mtime(root / "written.bin", written_ns)
     assert m.unmount().returncode == 0
@@ -79,10 +85,10 @@ def test_a_set_mtime_is_in_the_bucket_and_survives_a_remount_and_a_cache_wipe(se
     # The cache wiped: only the metadata can tell, and --mtime-from-metadata reads it.
     shutil.rmtree(cache)
     m = mounter.mount(source, "--mtime-from-metadata", env=s3env(seaweed), cache_dir=cache, mountpoint=root)
-    for name in ("staged.bin", "big.bin", "moved.bin"):
+    for name in ("staged.bin", "big.bin", "moved.bin", "cp-p.bin"):
         assert_mtime(root / name, SET_NS)
     assert_mtime(root / "written.bin", written_ns)
-    assert m.stats()["filesystem"]["mtime_heads"] == 4
+    assert m.stats()["filesystem"]["mtime_heads"] == 5  # one per file, none again
     assert m.unmount().returncode == 0
 
 
