@@ -22,11 +22,18 @@ from tiering.objectstore.mtimes import mtime_metadata
 from tiering.writeback import STAGED_ETAG, WriteBack
 from tiering.writeback.staged import StagedFile
 
+# Two mtimes this close are the same one: the kernel's nanoseconds and our float seconds differ by a
+# fraction of a microsecond, which is also what the metadata keeps (``tiering.objectstore.mtimes``).
+SAME_MTIME_S = 1e-6
+
 
 async def set_mtime(wb: WriteBack, listings: ListingCache, node: Node, staged: StagedFile | None,
                     mtime: float) -> None:
     """Set the mtime of file ``node`` (``staged``: its staged file, if any) to ``mtime``."""
     key = node.path
+    shown = staged.mtime if staged is not None else node.info.mtime if node.info is not None else None
+    if shown is not None and abs(shown - mtime) < SAME_MTIME_S:
+        return  # already so (``touch -a``, ``cp -p`` onto an equal file, a second ``touch -d``): no request
     if staged is not None and staged.current is not None:
         entry = wb.index.get(key)
         if staged.unacked or (entry is not None and entry.sf is staged):
@@ -36,8 +43,6 @@ async def set_mtime(wb: WriteBack, listings: ListingCache, node: Node, staged: S
     etag = ref.etag if ref is not None else node.info.etag if node.info is not None else STAGED_ETAG
     if etag == STAGED_ETAG:
         return  # nothing in the store yet (a creation not acknowledged): its first upload carries it
-    if staged is None and node.info is not None and node.info.mtime == mtime:
-        return  # already so (``cp -p`` onto an equal file, a second ``touch -d``): no request
     async with wb.quiesce(key):
         copied = await wb.store.copy(key, etag, key, metadata=mtime_metadata(mtime))
     wb.records.note_base(key, copied.etag)
