@@ -324,11 +324,13 @@ class ListingCache:
         a HEAD failed: the listing is answered but not kept, so the next lookup tries again."""
         unknown: list[str] = []
         old = previous.entries if previous is not None else {}
+        if not old and not self._own_mtimes and not self.settings.mtime_from_metadata:
+            return True  # nothing to know more than LastModified (the first listing of a read-only mount)
         for name, info in entries.items():
             if info is None:
                 continue
             before = old.get(name)
-            own = self._own_mtimes.get(join(path, name))
+            own = self._own_mtimes.get(join(path, name)) if self._own_mtimes else None
             if own is not None and own[0] == info.etag:
                 entries[name] = dataclasses.replace(info, mtime=own[1])
             elif before is not None and before.etag == info.etag:
