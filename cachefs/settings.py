@@ -111,6 +111,9 @@ class FsSettings:
     passthrough: bool = True
     rename_dir_limit: int = DEFAULT_RENAME_DIR_LIMIT
     metadata_timeout_s: float = DEFAULT_METADATA_TIMEOUT_S
+    # A listed file's mtime is read from its ``mtime`` metadata by a HEAD, once per version
+    # (``--mtime-from-metadata``); off: the writer's mtime only where this mount set or saw it.
+    mtime_from_metadata: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.metadata_timeout_s <= 600:

@@ -26,7 +26,7 @@ feature that silently turns itself off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Final, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Final, Iterable, Mapping, Protocol, runtime_checkable
 
 from tiering.blocks import BlockData, BlockKey
 from tiering.health import TierHealth
@@ -300,8 +300,15 @@ class ObjectStore(Protocol):
         it is gone, ``ObjectStoreUnavailableError`` on timeouts and connection failures.
         """
 
-    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
+        """``head`` with the object's user metadata (S3's ``x-amz-meta-*``: names in lower case,
+        without the prefix); ``ObjectNotFoundError`` if absent. A store without user metadata gives
+        what it can (the local store: the file's mtime, ``tiering.objectstore.mtimes``)."""
+
+    async def put(self, key: str, size: int, read: ReadRange, *,
+                  metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """Create or replace ``key`` with ``size`` bytes taken from ``read``; the new object's info.
+        ``metadata``: user metadata stored with it (the writer's ``mtime``, ``tiering.objectstore.mtimes``).
 
         Atomic: a reader sees the old object or the whole new one, never a part or a mix (S3 PUT and
         CompleteMultipartUpload are atomic; the local store writes a temp file and renames it).
@@ -312,8 +319,13 @@ class ObjectStore(Protocol):
     async def delete(self, key: str) -> None:
         """Remove ``key``; an absent key is not an error (as S3's DeleteObject)."""
 
-    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    async def copy(self, src: str, etag: str, dst: str, *,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         """Server-side copy of ``src`` (only while its ETag is ``etag``) to ``dst``; ``dst``'s info.
+
+        ``dst`` gets ``src``'s user metadata (whatever its size: CopyObject or UploadPartCopy), with
+        the names in ``metadata`` set to its values (``src == dst``: a metadata change in place,
+        as rclone and s3fs-fuse set an mtime).
 
         ``ObjectChangedError`` if ``src`` has another ETag now, ``ObjectNotFoundError`` if absent.
         """

@@ -160,6 +160,10 @@ def register(sub: Any) -> None:
     m.add_argument("--metadata-timeout", type=seconds, default=DEFAULT_METADATA_TIMEOUT_S, metavar="S",
                    help=f"a listing or attribute refresh the store does not answer within this serves the cached "
                         f"(stale) entry, or EIO if there is none (default {DEFAULT_METADATA_TIMEOUT_S:g})")
+    m.add_argument("--mtime-from-metadata", action="store_true",
+                   help="show each file's mtime from its 'mtime' metadata (rclone, s3fs-fuse and cachefs "
+                        "write it): one HEAD per file version listed, remembered in the metadata index; "
+                        "without it, LastModified except for files this cache saw written or touched")
     m.add_argument("--connect-timeout", type=seconds, default=DEFAULT_CONNECT_TIMEOUT_S, metavar="S",
                    help=argparse.SUPPRESS)
     m.add_argument("--read-timeout", type=seconds, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
@@ -293,8 +297,8 @@ def mount_settings(args: argparse.Namespace, environ: dict[str, str]) -> MountSe
                  if getattr(args, name) is not None}
         fs = FsSettings(attr_ttl_s=args.attr_ttl, dir_ttl_s=args.dir_ttl, read_only=args.read_only,
                         direct_io=args.direct_io, passthrough=args.passthrough,
-                        rename_dir_limit=args.rename_dir_limit,
-                        metadata_timeout_s=args.metadata_timeout, **owner)
+                        rename_dir_limit=args.rename_dir_limit, metadata_timeout_s=args.metadata_timeout,
+                        mtime_from_metadata=args.mtime_from_metadata, **owner)
         writeback = WriteBackSettings(upload_delay_s=args.upload_delay, max_uploads=args.max_uploads,
                                       space_wait_s=args.dirty_wait, write_through=args.write_through,
                                       upload_max_delay_s=args.upload_max_delay, stop_timeout_s=args.stop_timeout,

@@ -166,6 +166,7 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "index_listings": fs.stats.index_listings,
             "index_errors": fs.stats.index_errors,
             "index_entries": fs.listings.index.total_entries if fs.listings.index is not None else 0,
+            "mtime_heads": fs.stats.mtime_heads,
             "stale_attributes_served": fs.stats.stale_attributes_served,
             "opens": fs.stats.opens,
             "opens_waited": fs.stats.opens_waited,

@@ -51,6 +51,7 @@ from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.passthrough import WholeFiles, WholeFileStore
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
 from cachefs.fs.stats import FsStats
+from cachefs.fs.times import set_mtime
 from cachefs.mounts import CONTROL_XATTR
 from cachefs.names import NAME_MAX, encode_name, key_length_problem, name_problem
 from cachefs.paths import join
@@ -664,12 +665,12 @@ class CacheFS:
                 raise FsError(errno.EINVAL)
             sf = await self._truncate_node(node, size)
             self.stats.truncates += 1
+            if mtime is not None:
+                sf.mtime, mtime = mtime, None  # acknowledged with the truncation (one journal record)
             if fh is None and node.writers == 0 and self.writeback is not None:
                 await self.writeback.commit(sf)  # truncate(2) by path: nothing else will acknowledge it
         if mtime is not None and not node.is_dir:
-            staged = self._staged(node)
-            if staged is not None and self.writeback is not None:
-                self.writeback.set_mtime(staged, mtime)
+            await set_mtime(self._writer(), self.listings, node, self._staged(node), mtime)
         return self._attributes(node)
 
     async def mknod(self, parent_inode: int, name: bytes, mode: int) -> Attributes:

@@ -31,6 +31,7 @@ is empty.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections import OrderedDict, deque
@@ -44,7 +45,8 @@ from cachefs.names import WarnOnce, name_problem
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.clock import Clock
-from tiering.errors import ObjectStoreError, ObjectStoreUnavailableError
+from tiering.errors import ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError
+from tiering.objectstore.mtimes import metadata_mtime
 from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.storehealth import StoreHealth, bounded, request_deadline
 from tiering.writeback import MISSING, WriteBack
@@ -60,6 +62,10 @@ MAX_CACHED_LISTING_ENTRIES = 250_000
 # Store changes remembered for patching listings that were being fetched when the change landed; a
 # LIST outlived by more changes than this is answered but not cached.
 MAX_APPLIED_LOG = 10_000
+# HEADs in flight while a listing's mtimes are read from metadata (``--mtime-from-metadata``): one
+# per file never listed before. 32 keeps a loopback or in-region store busy (a HEAD is ~1-20 ms of
+# waiting, no bytes) without queueing behind the mount's reads in the store's connection pool.
+MTIME_HEADS_IN_FLIGHT = 32
 
 
 @dataclass
@@ -112,6 +118,9 @@ class ListingCache:
         self._bad_keys = WarnOnce()
         self._applied_log: deque[tuple[str, str, ObjectInfo | None, bool]] = deque()
         self._applied_total = 0
+        # The mtime of each version (key -> ETag, mtime) this mount put in the store lately: a LIST
+        # that comes after reports only LastModified (``_mtimes``). Bounded like the applied log.
+        self._own_mtimes: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._listings)
@@ -295,8 +304,9 @@ class ListingCache:
                 self._skip(join(path, name), "a directory of the same name exists")
             else:
                 entries[name] = info
+        cacheable = await self._mtimes(path, entries, stale)
         listing = CachedDir(entries, self.clock.monotonic() + self.settings.dir_ttl_s)
-        if self._replay_applied(path, listing, mark):
+        if cacheable and self._replay_applied(path, listing, mark):
             self._remember(path, listing)
             await self._to_index(path, listing, fetched_at)
         # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
@@ -305,6 +315,61 @@ class ListingCache:
             if node is not None and entry is not None and not node.is_dir:
                 node.info = entry
         return listing
+
+    async def _mtimes(self, path: str, entries: dict[str, ObjectInfo | None], previous: CachedDir | None) -> bool:
+        """Give each file of a new listing the mtime its writer set, where it can be known: a version
+        (ETag) this mount put lately, or one already listed, keeps the mtime shown for it (set through
+        this mount, or read from its metadata), and with ``mtime_from_metadata`` every other version's ``mtime`` metadata is read
+        by a HEAD (at most ``MTIME_HEADS_IN_FLIGHT`` at once); the rest show LastModified. False when
+        a HEAD failed: the listing is answered but not kept, so the next lookup tries again."""
+        unknown: list[str] = []
+        old = previous.entries if previous is not None else {}
+        if not old and not self._own_mtimes and not self.settings.mtime_from_metadata:
+            return True  # nothing to know more than LastModified (the first listing of a read-only mount)
+        for name, info in entries.items():
+            if info is None:
+                continue
+            before = old.get(name)
+            own = self._own_mtimes.get(join(path, name)) if self._own_mtimes else None
+            if own is not None and own[0] == info.etag:
+                entries[name] = dataclasses.replace(info, mtime=own[1])
+            elif before is not None and before.etag == info.etag:
+                if before.mtime != info.mtime:
+                    entries[name] = dataclasses.replace(info, mtime=before.mtime)
+            elif self.settings.mtime_from_metadata:
+                unknown.append(name)
+        if not unknown:
+            return True
+        slots = asyncio.Semaphore(MTIME_HEADS_IN_FLIGHT)
+        failed = 0
+
+        async def head(name: str) -> None:
+            nonlocal failed
+            info = entries[name]
+            assert info is not None
+            key = join(path, name)
+            try:
+                async with slots:
+                    with request_deadline(self.settings.metadata_timeout_s):
+                        stored, metadata = await bounded(self.health, lambda: self.store.head_metadata(key), None,
+                                                         f"HEAD /{key}")
+            except ObjectNotFoundError:
+                return  # gone since the LIST: the next listing drops it
+            except ObjectStoreError as exc:
+                failed += 1
+                log.debug("reading the mtime metadata of /%s failed: %s", key, exc)
+                return
+            self.stats.mtime_heads += 1
+            mtime = metadata_mtime(metadata)
+            if mtime is not None and stored.etag == info.etag:
+                entries[name] = dataclasses.replace(info, mtime=mtime)
+
+        await asyncio.gather(*(head(name) for name in unknown))
+        if failed:
+            self.stats.listing_errors += 1
+            log.warning("mtime metadata of %d files in /%s could not be read: they show LastModified for now",
+                        failed, path)
+        return not failed
 
     def _warn_stale(self, path: str, exc: BaseException) -> None:
         """One warning per outage of the store (every stale listing is counted in the stats)."""
@@ -367,6 +432,12 @@ class ListingCache:
         parent, _, name = path.rpartition("/")
         self._applied_log.append((parent, name, info, marker))
         self._applied_total += 1
+        if not marker:
+            self._own_mtimes.pop(path, None)
+            if info is not None:
+                self._own_mtimes[path] = (info.etag, info.mtime)
+                if len(self._own_mtimes) > MAX_APPLIED_LOG:
+                    self._own_mtimes.popitem(last=False)
         if len(self._applied_log) > MAX_APPLIED_LOG:
             self._applied_log.popleft()
         listing = self._listings.get(parent)

@@ -19,6 +19,7 @@ and a replaced file's handles keep reading and writing its content, which nothin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 from typing import Awaitable, Callable
@@ -115,6 +116,8 @@ class Renamer:
         async with wb.quiesce(dst):
             copied = await self.store.copy(src, info.etag, dst)
             await wb.forget(dst, copied.etag)
+        # The copy keeps the object's metadata, its ``mtime`` with it: the view shows the same.
+        copied = dataclasses.replace(copied, mtime=info.mtime)
         await wb.remove(src, may_exist=True, base_etag=info.etag)
         replaced = self.inodes.at(dst)
         if replaced is not None:

@@ -17,6 +17,7 @@ class FsStats:
     stale_listings_served: int = 0
     index_listings: int = 0  # listings answered from the on-disk metadata index (no LIST)
     index_errors: int = 0  # metadata index operations that failed (answered by listing instead)
+    mtime_heads: int = 0  # HEADs that read a listed file's mtime metadata (--mtime-from-metadata)
     stale_attributes_served: int = 0  # getattr/open kept a node's attributes: store unreachable, listing gone
     opens: int = 0
     passthrough_opens: int = 0  # opens the kernel reads by itself from a whole file (no READ reaches us)

@@ -33,6 +33,7 @@ from typing import AsyncIterator, Callable, Iterable, Iterator
 import pytest
 
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ReadOnlySourceError
+from tiering.objectstore.mtimes import metadata_mtime, mtime_metadata
 from tiering.objectstore import FsspecObjectStore, InMemoryObjectStore, LocalObjectStore, S3ObjectStore, parse_source
 from tiering.protocols import ANY_VERSION, ObjectStore
 from tests.support.httpserver import StaticHttpServer, write_file
@@ -643,6 +644,54 @@ async def test_copy_above_the_single_request_limit(backend: Backend, store: Obje
     info = await store.copy("cp/src", src.etag, "cp/dst")
     assert info.size == len(data)
     assert await content(store, "cp/dst") == data
+
+
+# A writer's mtime with microseconds, far from any upload time, in rclone's form.
+WRITER_MTIME = 1_500_000_000.123456
+
+
+@pytest.mark.writes
+@pytest.mark.parametrize("size", [700, 12 * 1024 * 1024 + 3], ids=["single", "multipart"])
+async def test_put_keeps_the_writers_mtime_and_a_copy_keeps_it(backend: Backend, store: ObjectStore,
+                                                                monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """The mtime write-back uploads with (``x-amz-meta-mtime``, rclone's format) is read back by
+    ``head_metadata``, also after a PutObject / multipart upload and after a server-side copy, under
+    CopyObject's limit and above it (UploadPartCopy parts carry no metadata of their own)."""
+    if size > 1024 * 1024 and not backend.is_s3:
+        pytest.skip("multipart uploads and copies are S3's")
+    if backend.is_s3:
+        from tiering.objectstore import s3
+
+        monkeypatch.setattr(s3, "MAX_COPY_OBJECT_BYTES", 6 * 1024 * 1024)
+        monkeypatch.setattr(s3, "COPY_PART_SIZE", 5 * 1024 * 1024)
+    data = os.urandom(size)
+    src = await store.put("m/src", size, reader(data), metadata=mtime_metadata(WRITER_MTIME))
+    _, metadata = await store.head_metadata("m/src")
+    assert metadata_mtime(metadata) == pytest.approx(WRITER_MTIME, abs=1e-6)
+    if backend.is_s3:
+        assert metadata["mtime"] == "1500000000.123456"  # exactly what rclone writes and reads
+    copied = await store.copy("m/src", src.etag, "m/dst")
+    _, metadata = await store.head_metadata("m/dst")
+    assert metadata_mtime(metadata) == pytest.approx(WRITER_MTIME, abs=1e-6)
+    assert await content(store, "m/dst") == data and copied.size == size
+
+
+@pytest.mark.writes
+async def test_a_copy_onto_itself_sets_a_new_mtime_and_keeps_the_bytes(backend: Backend, store: ObjectStore) -> None:
+    """utimens on a file only in the store: CopyObject onto itself with MetadataDirective REPLACE
+    (rclone's SetModTime), guarded by the source's ETag; the other metadata stays."""
+    data = os.urandom(5000)
+    src = await store.put("t/f", len(data), reader(data), metadata={"mtime": "1400000000", "owner": "me"})
+    await store.copy("t/f", src.etag, "t/f", metadata=mtime_metadata(WRITER_MTIME))
+    info, metadata = await store.head_metadata("t/f")
+    assert metadata_mtime(metadata) == pytest.approx(WRITER_MTIME, abs=1e-6)
+    if backend.is_s3 or backend.name == "memory":
+        assert metadata.get("owner") == "me"
+    assert await content(store, "t/f") == data
+    newer = os.urandom(10)
+    await store.put("t/f", len(newer), reader(newer))
+    with pytest.raises(ObjectChangedError):
+        await store.copy("t/f", info.etag, "t/f", metadata=mtime_metadata(WRITER_MTIME))
 
 
 @pytest.mark.writes

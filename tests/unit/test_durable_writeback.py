@@ -40,6 +40,7 @@ from tiering.writeback.durable import (
     JournalKeys,
     read_lease,
 )
+from tiering.writeback.clusterjournal import TAG_WRITER
 from tiering.writeback.recovery import RecoveryReport, list_writers, recover_prefix
 from tests.support.clusterkeys import TEST_KEY
 
@@ -62,11 +63,11 @@ class BreakableStore(InMemoryObjectStore):
         if self.down:
             raise ObjectStoreUnavailableError("cluster store unreachable (test)")
 
-    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+    async def put(self, key, size, read, **options):  # type: ignore[no-untyped-def]
         self._gate()
         if self.refuse_data and "/data/" in key:
             raise ObjectStoreUnavailableError("data piece lost (test)")
-        return await super().put(key, size, read)
+        return await super().put(key, size, read, **options)
 
     async def put_if(self, key, size, read, *, if_match=None, if_none_match=False, metadata=None):  # type: ignore[no-untyped-def]
         self._gate()
@@ -212,6 +213,29 @@ async def test_recovery_after_the_node_is_lost_applies_writes_renames_and_delete
     assert again.state == "already"
 
 
+async def test_recovery_uploads_carry_the_writers_mtime(
+        tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore]) -> None:
+    """A recovered upload carries the mtime the file had when acknowledged (its last write, or what
+    utimens set after close, which is journaled again), in rclone's ``mtime`` metadata."""
+    source, cluster = stores
+    node = Node(tmp_path / "a", source, cluster)
+    await node.wb.start()
+    await write(node.wb, "touched.bin", b"t")
+    sf = node.wb.file("touched.bin")
+    assert sf is not None
+    await node.wb.set_mtime(sf, 1_500_000_000.25)  # rsync -t: utimes after close
+    await write(node.wb, "written.bin", b"w")
+    written = node.wb.file("written.bin")
+    assert written is not None
+    written_mtime = written.mtime
+    prefix = node.durable.prefix
+    node.lose()
+    report = await recover_prefix(source, cluster, prefix, key=TEST_KEY, owner="r", assume_dead=True)
+    assert sorted(report.uploaded) == ["touched.bin", "written.bin"], report
+    assert source._objects["touched.bin"].metadata["mtime"] == "1500000000.25"
+    assert float(source._objects["written.bin"].metadata["mtime"]) == pytest.approx(written_mtime, abs=1e-6)
+
+
 async def test_the_writers_own_upload_of_an_older_version_is_the_base_of_the_next(
         tmp_path: Path, stores: tuple[InMemoryObjectStore, BreakableStore]) -> None:
     source, cluster = stores
@@ -303,17 +327,17 @@ class GatedStore(InMemoryObjectStore):
         self.gates: list[asyncio.Event] = []
         self.started = asyncio.Event()
 
-    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+    async def put(self, key, size, read, **options):  # type: ignore[no-untyped-def]
         gate = asyncio.Event()
         self.gates.append(gate)
         self.started.set()
         await gate.wait()
-        return await super().put(key, size, read)
+        return await super().put(key, size, read, **options)
 
     async def put_if(self, key, size, read, **conditions):  # type: ignore[no-untyped-def]
         # The writer's tagged uploads (write durability cluster) come this way; the recoverer's
-        # conditional puts (untagged) pass.
-        if not conditions.get("metadata"):
+        # conditional puts (untagged: at most the file's mtime) pass.
+        if TAG_WRITER not in (conditions.get("metadata") or {}):
             return await super().put_if(key, size, read, **conditions)
         gate = asyncio.Event()
         self.gates.append(gate)
@@ -457,11 +481,11 @@ class HangingStore(BreakableStore):
         self.hang = False
         self.hung_calls = 0
 
-    async def put(self, key, size, read):  # type: ignore[no-untyped-def]
+    async def put(self, key, size, read, **options):  # type: ignore[no-untyped-def]
         if self.hang:
             self.hung_calls += 1
             await asyncio.Event().wait()
-        return await super().put(key, size, read)
+        return await super().put(key, size, read, **options)
 
 
 async def test_a_close_after_an_fsync_that_timed_out_fails_at_once_while_the_store_is_silent(

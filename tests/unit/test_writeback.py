@@ -854,24 +854,24 @@ class DirectoryTreeStore(InMemoryObjectStore):
                 self.in_flight[marker] = True
                 self.overlaps.append((marker, key))
 
-    async def put(self, key: str, size: int, read):  # type: ignore[no-untyped-def]
+    async def put(self, key: str, size: int, read, **options):  # type: ignore[no-untyped-def]
         self._below(key)
         if not key.endswith("/"):
-            return await super().put(key, size, read)
+            return await super().put(key, size, read, **options)
         self.in_flight[key] = False
         self.marker_started.set()
         try:
             await asyncio.wait_for(self.gate.wait(), 5.0)
-            info = await super().put(key, size, read)
+            info = await super().put(key, size, read, **options)
             if self.in_flight[key]:
                 self.delete_object(key)  # the tree's implicit directory won: no marker object
             return info
         finally:
             del self.in_flight[key]
 
-    async def copy(self, src: str, etag: str, dst: str):  # type: ignore[no-untyped-def]
+    async def copy(self, src: str, etag: str, dst: str, **options):  # type: ignore[no-untyped-def]
         self._below(dst)
-        return await super().copy(src, etag, dst)
+        return await super().copy(src, etag, dst, **options)
 
 
 async def test_a_marker_put_never_overlaps_a_write_below_it_so_a_renamed_tree_keeps_its_markers(

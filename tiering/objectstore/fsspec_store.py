@@ -64,7 +64,7 @@ import email.utils
 import errno
 import logging
 from datetime import datetime
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from urllib.parse import quote, unquote
 
@@ -519,13 +519,19 @@ class FsspecObjectStore:
         self.stats.errors += 1
         return ReadOnlySourceError(f"{self.protocol}:// sources are read-only in cachefs: cannot write {key!r}")
 
-    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
+        """No user metadata is read from these sources: their own dates stand (``_mtime``)."""
+        return await self.head(key), {}
+
+    async def put(self, key: str, size: int, read: ReadRange, *,
+                  metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         raise self._read_only(key)
 
     async def delete(self, key: str) -> None:
         raise self._read_only(key)
 
-    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    async def copy(self, src: str, etag: str, dst: str, *,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         raise self._read_only(dst)
 
     async def close(self) -> None:

@@ -38,8 +38,9 @@ import errno
 import os
 import secrets
 import stat
+import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 from tiering.errors import (
     AccessDeniedError,
@@ -57,6 +58,7 @@ from tiering.objectstore.keys import (
     clamp_range,
     key_room,
 )
+from tiering.objectstore.mtimes import metadata_mtime, mtime_metadata
 from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 
 T = TypeVar("T")
@@ -233,14 +235,18 @@ class LocalObjectStore:
             raise _classify(exc, repr(key)) from exc
         return os.path.join(parent, name)
 
-    def _replace_sync(self, key: str, target: str, fill: Callable[[int], None]) -> ObjectInfo:
-        """Write a temp file with ``fill(fd)``, fsync it, rename it over ``target``, fsync the dir."""
+    def _replace_sync(self, key: str, target: str, fill: Callable[[int], None],
+                      mtime: float | None = None) -> ObjectInfo:
+        """Write a temp file with ``fill(fd)``, fsync it, rename it over ``target``, fsync the dir.
+        ``mtime``: the writer's, given to the file (a directory tree keeps it as its own attribute)."""
         directory = os.path.dirname(target)
         tmp = os.path.join(directory, TMP_PREFIX + secrets.token_hex(8))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 fill(fd)
+                if mtime is not None:
+                    os.utime(fd, ns=(time.time_ns(), round(mtime * 1e9)))
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -257,7 +263,7 @@ class LocalObjectStore:
             raise _classify(exc, repr(key)) from exc
         return _info(key, st)
 
-    def _put_sync(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    def _put_sync(self, key: str, size: int, read: ReadRange, mtime: float | None = None) -> ObjectInfo:
         target = self._write_target(key)
         if key.endswith("/"):
             try:
@@ -277,7 +283,7 @@ class LocalObjectStore:
                 _write_all(fd, chunk)
                 pos += len(chunk)
 
-        return self._replace_sync(key, target, fill)
+        return self._replace_sync(key, target, fill, mtime)
 
     def _delete_sync(self, key: str) -> None:
         check_write_key(key)
@@ -299,7 +305,7 @@ class LocalObjectStore:
                 return  # absent, or a directory that still has entries (it stays, as on S3)
             raise _classify(exc, repr(key)) from exc
 
-    def _copy_sync(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    def _copy_sync(self, src: str, etag: str, dst: str, mtime: float | None = None) -> ObjectInfo:
         path = self._resolve(src, directory=False)
         try:
             src_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -322,7 +328,7 @@ class LocalObjectStore:
                     _write_all(fd, chunk)
                     pos += len(chunk)
 
-            return self._replace_sync(dst, target, fill)
+            return self._replace_sync(dst, target, fill, st.st_mtime if mtime is None else mtime)
         finally:
             os.close(src_fd)
 
@@ -357,9 +363,15 @@ class LocalObjectStore:
         self.stats.bytes_read += len(data)
         return data
 
-    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
+        """No user metadata in a directory tree: the file's own mtime stands for it."""
+        info = await self.head(key)
+        return info, mtime_metadata(info.mtime)
+
+    async def put(self, key: str, size: int, read: ReadRange, *,
+                  metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         self.stats.put_requests += 1
-        info = await self._run(self._put_sync, key, size, read)
+        info = await self._run(self._put_sync, key, size, read, metadata_mtime(metadata or {}))
         self.stats.bytes_written += size
         return info
 
@@ -367,9 +379,10 @@ class LocalObjectStore:
         self.stats.delete_requests += 1
         await self._run(self._delete_sync, key)
 
-    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    async def copy(self, src: str, etag: str, dst: str, *,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         self.stats.copy_requests += 1
-        return await self._run(self._copy_sync, src, etag, dst)
+        return await self._run(self._copy_sync, src, etag, dst, metadata_mtime(metadata or {}))
 
     async def close(self) -> None:
         pass

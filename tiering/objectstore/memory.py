@@ -147,7 +147,8 @@ class InMemoryObjectStore:
         self.stats.bytes_read += len(data)
         return data
 
-    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    async def put(self, key: str, size: int, read: ReadRange, *,
+                  metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         check_write_key(key)
         self.stats.requests += 1
         self.stats.put_requests += 1
@@ -156,7 +157,7 @@ class InMemoryObjectStore:
             self.stats.errors += 1
             raise ObjectStoreError(f"put {key!r}: the source gave {len(data)} bytes, not {size}")
         self.stats.bytes_written += size
-        return self.put_object(key, data)
+        return self.put_object(key, data, metadata=metadata)
 
     async def delete(self, key: str) -> None:
         check_write_key(key)
@@ -202,7 +203,8 @@ class InMemoryObjectStore:
             raise ObjectChangedError(f"delete {key!r}: ETag is {current.info.etag}, not {if_match}")
         self._objects.pop(key, None)
 
-    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    async def copy(self, src: str, etag: str, dst: str, *,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         check_write_key(dst)
         self.stats.requests += 1
         self.stats.copy_requests += 1
@@ -211,7 +213,8 @@ class InMemoryObjectStore:
         if stored.info.etag != etag:
             self.stats.errors += 1
             raise ObjectChangedError(f"object {src!r} changed: ETag is now {stored.info.etag}, not {etag}")
-        return self.put_object(dst, stored.data, metadata=stored.metadata)  # S3 copies metadata too
+        # S3 copies the user metadata too; ``metadata`` sets names in it (MetadataDirective REPLACE).
+        return self.put_object(dst, stored.data, metadata={**stored.metadata, **(metadata or {})})
 
     async def close(self) -> None:
         pass
@@ -317,17 +320,23 @@ class FailingObjectStore:
             self.inner.stats.errors += 1
             raise self.write_error
 
-    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
+        await self._before(self.fail_heads, f"head {key!r}")
+        return await self.inner.head_metadata(key)
+
+    async def put(self, key: str, size: int, read: ReadRange, *,
+                  metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         await self._before_write("put", key)
-        return await self.inner.put(key, size, read)
+        return await self.inner.put(key, size, read, metadata=metadata)
 
     async def delete(self, key: str) -> None:
         await self._before_write("delete", key)
         await self.inner.delete(key)
 
-    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    async def copy(self, src: str, etag: str, dst: str, *,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         await self._before_write("copy", dst)
-        return await self.inner.copy(src, etag, dst)
+        return await self.inner.copy(src, etag, dst, metadata=metadata)
 
     async def close(self) -> None:
         await self.inner.close()

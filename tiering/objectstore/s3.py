@@ -53,8 +53,11 @@ new one. A multipart upload that fails or is cancelled is aborted; one cut short
 daemon stays incomplete on the server (invisible, but billed) until the bucket's
 AbortIncompleteMultipartUpload lifecycle rule removes it. ``copy`` (rename) is a server-side
 CopyObject guarded by ``CopySourceIfMatch``, or UploadPartCopy parts above CopyObject's 5 GiB limit.
+User metadata (the writer's ``mtime``, ``tiering.objectstore.mtimes``) goes with the PutObject or the
+CreateMultipartUpload; a copy keeps the source's (a multipart copy is created with it), and a copy
+onto itself with new metadata (REPLACE) is how an mtime changes without re-uploading the bytes.
 
-Credentials and ``environ``. The botocore session is built so that its configuration chain
+Credentials and ``environ`` (``tiering.objectstore.s3session``). The botocore session is built so that its configuration chain
 (profile, config and credentials file paths, region, ...) and its environment credential provider
 read the ``environ`` mapping given to the store instead of ``os.environ``: tests can hand a store
 the environment of one server without touching the process's; ``AWS_EC2_METADATA_DISABLED=true`` in
@@ -73,11 +76,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
-import botocore.exceptions as bexc
 import s3fs
-from aiobotocore.credentials import AioEnvProvider
-from aiobotocore.session import AioSession
-from botocore.configprovider import ConfigChainFactory, ConfiguredEndpointProvider
 
 from tiering.errors import (
     ObjectChangedError,
@@ -95,7 +94,8 @@ from tiering.objectstore.keys import (
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
 from tiering.objectstore.rangedget import RangedGetter
-from tiering.objectstore.s3presign import UrlSigner, fast_timestamp
+from tiering.objectstore.s3presign import UrlSigner
+from tiering.objectstore.s3session import aws_session, configured_endpoint_url
 from tiering.objectstore.s3errors import (
     INVALID_RANGE_CODES,
     NOT_FOUND_CODES,
@@ -158,6 +158,9 @@ MAX_UPLOAD_PARTS_IN_FLIGHT = 8
 # CopyObject copies at most 5 GiB; larger sources are copied with UploadPartCopy parts of this size.
 MAX_COPY_OBJECT_BYTES = 5 * 1024 * MiB
 COPY_PART_SIZE = 512 * MiB
+# Headers of an object that a copy with new metadata (MetadataDirective REPLACE) or a multipart copy
+# would drop unless sent again: what a HEAD returns of them is passed on (boto3's parameter names).
+_REPLACED_HEADERS = ("ContentType", "ContentEncoding", "ContentDisposition", "ContentLanguage", "CacheControl")
 # How long aborting a failed multipart upload may take; it is a courtesy (the upload is invisible),
 # so it must never hold up the error the caller is waiting for.
 ABORT_TIMEOUT_S = 10.0
@@ -191,52 +194,6 @@ def _strip_etag(etag: str) -> str:
 def _quote_etag(etag: str) -> str:
     """The ETag in the quoted form listings and HEAD give (some servers answer writes without quotes)."""
     return f'"{_strip_etag(etag)}"'
-
-
-def aws_session(environ: Mapping[str, str]) -> AioSession:
-    """A botocore session whose configuration chain and env credential provider read ``environ``."""
-    env = dict(environ)
-    session = AioSession()
-    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=fast_timestamp)
-    factory = ConfigChainFactory(session=session, environ=env)
-    store = session.get_component("config_store")
-    for name, (config_name, env_vars, default, typecast) in AioSession.SESSION_VARIABLES.items():
-        store.set_config_provider(name, factory.create_config_chain(
-            instance_name=name, env_var_names=env_vars, config_property_names=config_name,
-            default=default, conversion_func=typecast,
-        ))
-    resolver = session.get_component("credential_provider")
-    imds_disabled = env.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true"
-    resolver.providers = [
-        AioEnvProvider(environ=env) if p.METHOD == "env" else p
-        for p in resolver.providers
-        if not (imds_disabled and p.METHOD == "iam-role")  # botocore would read this from os.environ
-    ]
-    return session
-
-
-def configured_endpoint_url(environ: Mapping[str, str]) -> str | None:
-    """The S3 endpoint botocore would use for a client given none, from ``environ`` and the AWS config
-    file it names: ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``, then the profile's ``services``
-    section's ``s3.endpoint_url``, then its ``endpoint_url``; None where none is set or
-    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``/``ignore_configured_endpoint_urls`` is true (AWS's order for
-    service-specific endpoints, read by botocore's own provider over ``environ``).
-
-    Resolved once, here, so that the source's identity (``cachefs.settings.source_identity``: its cache
-    directory and cluster-tier keys) names the server the store talks to: the store passes this URL to
-    its client, and a store without one tells botocore to ignore configured endpoints (issue 34:
-    ``AWS_ENDPOINT_URL_S3`` was used by botocore and missing from the identity, so another server's
-    data was cached and shared as the AWS bucket's). ``ValueError`` for a config file that names a
-    ``services`` section it does not have."""
-    session = aws_session(environ)
-    try:
-        if session.get_config_variable("ignore_configured_endpoint_urls"):
-            return None
-        url = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=session.get_scoped_config(),
-                                         client_name="s3", environ=dict(environ)).provide()
-    except (bexc.InvalidConfigError, bexc.ProfileNotFound, bexc.ConfigParseError) as exc:
-        raise ValueError(f"the AWS config file: {exc}") from None
-    return str(url) if url else None
 
 
 class S3ObjectStore:
@@ -601,17 +558,20 @@ class S3ObjectStore:
             data = bytes(data)  # a view of a block (botocore takes bytes, bytearray or a file)
         return data
 
-    async def put(self, key: str, size: int, read: ReadRange) -> ObjectInfo:
+    async def put(self, key: str, size: int, read: ReadRange, *,
+                  metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         check_write_key(key)
         where = self._where(key)
         part_size = self._part_size_for(size)
         if size <= part_size:
+            extra: dict[str, Any] = {"Metadata": dict(metadata)} if metadata else {}
             async with self._upload_slots:
                 data = await self._read(read, 0, size, where)
                 self.stats.put_requests += 1
-                response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=data)
+                response = await self._call("put_object", op="PUT", where=where, Key=self.prefix + key, Body=data,
+                                            **extra)
         else:
-            response = await self._put_multipart(key, size, part_size, read)
+            response = await self._put_multipart(key, size, part_size, read, metadata=metadata)
         self.stats.bytes_written += size
         return ObjectInfo(key=key, size=size, etag=_quote_etag(response["ETag"]), mtime=time.time())
 
@@ -719,12 +679,19 @@ class S3ObjectStore:
 
     async def head_metadata(self, key: str) -> tuple[ObjectInfo, dict[str, str]]:
         """``head`` with the object's user metadata (names in lower case, without ``x-amz-meta-``)."""
+        info, metadata, _ = await self._head_full(key)
+        return info, metadata
+
+    async def _head_full(self, key: str) -> tuple[ObjectInfo, dict[str, str], dict[str, Any]]:
+        """HEAD: the info, the user metadata, and the headers a metadata REPLACE must send again."""
         self._check_key(key)
         self.stats.head_requests += 1
         response = await self._call("head_object", op="HEAD", where=self._where(key), Key=self.prefix + key)
         info = ObjectInfo(key=key, size=int(response["ContentLength"]), etag=response["ETag"],
                           mtime=response["LastModified"].timestamp())
-        return info, {str(name).lower(): str(value) for name, value in (response.get("Metadata") or {}).items()}
+        metadata = {str(name).lower(): str(value) for name, value in (response.get("Metadata") or {}).items()}
+        kept = {name: response[name] for name in _REPLACED_HEADERS if response.get(name)}
+        return info, metadata, kept
 
     async def delete_if(self, key: str, if_match: str) -> None:
         """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag."""
@@ -732,26 +699,37 @@ class S3ObjectStore:
         self.stats.delete_requests += 1
         await self._call("delete_object", op="DELETE", where=self._where(key), Key=self.prefix + key, IfMatch=if_match)
 
-    async def copy(self, src: str, etag: str, dst: str) -> ObjectInfo:
+    async def copy(self, src: str, etag: str, dst: str, *,
+                   metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        """CopyObject keeps the source's user metadata by itself (MetadataDirective COPY); with
+        ``metadata`` it is sent whole (REPLACE: the source's, with those names set, and the content
+        headers read by the HEAD, which REPLACE would drop). UploadPartCopy parts carry none, so the
+        multipart upload is created with the source's (and ``metadata``)."""
         check_write_key(dst)
-        source = await self.head(src)  # the size decides CopyObject or UploadPartCopy
+        # The size decides CopyObject or UploadPartCopy; the metadata goes to a REPLACE or a multipart copy.
+        source, source_metadata, headers = await self._head_full(src)
         if _strip_etag(source.etag) != _strip_etag(etag):
             raise changed_error(self._where(src))
         where = self._where(dst)
         copy_source = {"Bucket": self.bucket, "Key": self.prefix + src}
+        merged = {**source_metadata, **(metadata or {})}
         self.stats.copy_requests += 1
         if source.size <= MAX_COPY_OBJECT_BYTES:
+            extra: dict[str, Any] = {}
+            if metadata:
+                extra = {"MetadataDirective": "REPLACE", "Metadata": merged, **headers}
             response = await self._call("copy_object", op="COPY", where=where, Key=self.prefix + dst,
-                                        CopySource=copy_source, CopySourceIfMatch=etag)
+                                        CopySource=copy_source, CopySourceIfMatch=etag, **extra)
             new_etag = response["CopyObjectResult"]["ETag"]
         else:
-            new_etag = await self._copy_multipart(dst, copy_source, etag, source.size)
+            new_etag = await self._copy_multipart(dst, copy_source, etag, source.size, {"Metadata": merged, **headers})
         return ObjectInfo(key=dst, size=source.size, etag=_quote_etag(new_etag), mtime=time.time())
 
-    async def _copy_multipart(self, dst: str, copy_source: dict[str, str], etag: str, size: int) -> str:
+    async def _copy_multipart(self, dst: str, copy_source: dict[str, str], etag: str, size: int,
+                              attributes: dict[str, Any]) -> str:
         where = self._where(dst)
         full = self.prefix + dst
-        created = await self._call("create_multipart_upload", op="COPY", where=where, Key=full)
+        created = await self._call("create_multipart_upload", op="COPY", where=where, Key=full, **attributes)
         upload_id = created["UploadId"]
         count = -(-size // COPY_PART_SIZE)
 

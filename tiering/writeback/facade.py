@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -84,6 +85,7 @@ from tiering.blocks import ObjectRef
 from tiering.clock import Clock, SystemClock
 from tiering.engine.blockcache import BlockCache
 from tiering.errors import AccessDeniedError, CacheError, ObjectStoreError
+from tiering.objectstore.mtimes import mtime_metadata
 from tiering.protocols import ObjectInfo, ObjectStore, SpaceBudget
 from tiering.storehealth import StoreHealth
 from tiering.writeback.datafiles import DataFiles
@@ -183,7 +185,7 @@ class WriteBack:
                 df.refs = 2  # current and acknowledged
                 sf = StagedFile(record.key, size=record.size, mtime=record.mtime, may_exist=record.may_exist,
                                 current=df)
-                sf.acked = Acked(df, record.size, record.crc32, record.seq)
+                sf.acked = Acked(df, record.size, record.crc32, record.seq, record.mtime)
                 sf.crc_upto, sf.crc_value = record.size, record.crc32
                 self.files.add(sf)
                 entry.sf = sf
@@ -338,9 +340,15 @@ class WriteBack:
         finally:
             self.datafiles.unref(df)
 
-    def set_mtime(self, sf: StagedFile, mtime: float) -> None:
-        """utimens on a staged file: shown until upload (the store sets its own LastModified)."""
-        sf.mtime = mtime
+    async def set_mtime(self, sf: StagedFile, mtime: float) -> None:
+        """utimens on a file with staged changes: its mtime goes to the store with its bytes (``send``),
+        so it is acknowledged like a write: by the next close or fsync of a file being written, else now."""
+        async with sf.lock:
+            _check_live(sf)
+            sf.mtime = mtime
+            if sf.current is not None and (sf.holders == 0 or not sf.unacked):
+                sf.unacked = True
+                await self._commit_locked(sf)
 
     async def commit(self, sf: StagedFile) -> None:
         """Make the file's content durable (I1); with write-through, also wait for its upload. Fails
@@ -471,7 +479,7 @@ class WriteBack:
                     await self.records.remove(src, durable=True)
                     self._drop_entry(src)
                 df.refs += 1
-                old_acked, sf.acked = sf.acked, Acked(df, size, crc, seq)
+                old_acked, sf.acked = sf.acked, Acked(df, size, crc, seq, sf.mtime)
                 if old_acked is not None:
                     self.datafiles.unref(old_acked.data)
                 sf.unacked = False
@@ -647,7 +655,7 @@ class WriteBack:
             await self.records.write(Record(key, PUT, seq, data=df.name, size=size, crc32=crc, mtime=sf.mtime,
                                             since=since, may_exist=sf.may_exist))
             df.refs += 1
-            old, sf.acked = sf.acked, Acked(df, size, crc, seq)
+            old, sf.acked = sf.acked, Acked(df, size, crc, seq, sf.mtime)
             if old is not None:
                 self.datafiles.unref(old.data)
             sf.unacked = False
@@ -734,6 +742,8 @@ async def send(entry: Entry, store: ObjectStore, records: Records, datafiles: Da
     acked = sf.acked
     if acked is None:
         raise ObjectStoreError(f"internal: {entry.key!r} has no acknowledged version to upload")
+    # The writer's mtime goes with the bytes (rclone's ``mtime`` convention), and the view shows it.
+    metadata = mtime_metadata(acked.mtime) if acked.mtime > 0 else {}
     df = acked.data
     df.refs += 1
     sf.may_exist = True  # from now on the store may hold it, whatever happens
@@ -742,8 +752,10 @@ async def send(entry: Entry, store: ObjectStore, records: Records, datafiles: Da
         tag = records.upload_tag(acked.seq)
         tagging = conditional(store) if tag is not None else None
         if tagging is not None:
-            return await tagging.put_if(entry.key, acked.size, read, metadata=tag)
-        return await store.put(entry.key, acked.size, read)
+            info = await tagging.put_if(entry.key, acked.size, read, metadata={**metadata, **(tag or {})})
+        else:
+            info = await store.put(entry.key, acked.size, read, metadata=metadata)
+        return dataclasses.replace(info, mtime=acked.mtime) if metadata else info
     finally:
         datafiles.unref(df)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from tiering.checksum import crc32
 from tiering.clusterkey import ClusterKey
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
+from tiering.objectstore.mtimes import mtime_metadata
 from tiering.protocols import ObjectStore
 from tiering.writeback.durable import (
     ABSENT,
@@ -234,7 +235,8 @@ async def _replay(source: ConditionalStore, cluster: ObjectStore, prefix: str, r
 
         async def put(base: str) -> None:
             await source.put_if(key, record.size, lambda s, e: pread_exact(fd, e - s, s),
-                                if_none_match=base == ABSENT, if_match=None if base == ABSENT else base)
+                                if_none_match=base == ABSENT, if_match=None if base == ABSENT else base,
+                                metadata=mtime_metadata(record.mtime) if record.mtime > 0 else None)
 
         try:
             await put(base)

@@ -106,6 +106,7 @@ class Acked:
     size: int
     crc32: int
     seq: int
+    mtime: float = 0.0  # the file's mtime when acknowledged: uploaded with it (0: unknown, none sent)
 
 
 class StagedFile:
