@@ -132,6 +132,20 @@ class StatFs:
     name_max: int = NAME_MAX
 
 
+def node_attributes(node: Node, s: FsSettings, file_mode: int, dir_mode: int) -> Attributes:
+    """What the kernel is told about ``node``: a staged file's size and mtime, else the store's."""
+    sf = node.staged
+    if node.is_dir:
+        mode, size, mtime = stat.S_IFDIR | dir_mode, 0, node.mtime
+    elif sf is not None and not sf.disposed:
+        mode, size, mtime = stat.S_IFREG | file_mode, sf.size, sf.mtime
+    else:
+        assert node.info is not None
+        mode, size, mtime = stat.S_IFREG | file_mode, node.info.size, node.info.mtime
+    return Attributes(inode=node.inode, mode=mode, size=size, mtime_ns=int(mtime * 1e9), uid=s.uid, gid=s.gid,
+                      nlink=_nlink(node), attr_timeout=s.attr_ttl_s, entry_timeout=s.dir_ttl_s)
+
+
 class CacheFS:
     def __init__(
         self,
@@ -172,26 +186,7 @@ class CacheFS:
 
     # ------------------------------------------------------------------ attributes
     def _attributes(self, node: Node) -> Attributes:
-        s = self.settings
-        sf = node.staged
-        if node.is_dir:
-            mode, size, mtime = stat.S_IFDIR | self.dir_mode, 0, node.mtime
-        elif sf is not None and not sf.disposed:
-            mode, size, mtime = stat.S_IFREG | self.file_mode, sf.size, sf.mtime
-        else:
-            assert node.info is not None
-            mode, size, mtime = stat.S_IFREG | self.file_mode, node.info.size, node.info.mtime
-        return Attributes(
-            inode=node.inode,
-            mode=mode,
-            size=size,
-            mtime_ns=int(mtime * 1e9),
-            uid=s.uid,
-            gid=s.gid,
-            nlink=_nlink(node),
-            attr_timeout=s.attr_ttl_s,
-            entry_timeout=s.dir_ttl_s,
-        )
+        return node_attributes(node, self.settings, self.file_mode, self.dir_mode)
 
     def _node_for(self, path: str, info: ObjectInfo | None) -> Node:
         """The node for ``path``, created or updated from the latest listing entry."""

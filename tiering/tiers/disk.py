@@ -126,8 +126,6 @@ other's files without knowing it.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import functools
 import itertools
 import logging
@@ -139,6 +137,15 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from tiering.tiers.blockfile import BlockFiles
+from tiering.tiers.diskdir import (
+    BLOCK_SUFFIX,
+    TMP_PREFIX,
+    TMP_SUFFIX,
+    check_cache_dir,
+    filesystem_free_bytes,
+    remove_whole_files,
+    scan_blocks,
+)
 from tiering.tiers.blockformat import (
     CorruptBlockError,
     block_file_size,
@@ -170,57 +177,6 @@ __all__ = ["DiskTier", "CorruptBlockError", "block_file_size", "check_cache_dir"
            "filesystem_free_bytes", "object_footprint"]
 
 BLOCKS_DIRNAME = "blocks"
-BLOCK_SUFFIX = ".blk"
-TMP_PREFIX = "."
-TMP_SUFFIX = ".tmp"
-_DIGEST_LEN = 64  # hex SHA-256
-_HEX = frozenset("0123456789abcdef")
-
-
-def check_cache_dir(path: Path) -> None:
-    """Create ``path`` if needed and prove it writable with a probe file; raise ``OSError`` if not.
-
-    The message is one line naming the path and the reason, for the CLI to show as is.
-    """
-    path = Path(path)
-    try:
-        path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
-    except FileExistsError as exc:
-        raise NotADirectoryError(errno.ENOTDIR, f"cache directory {path} exists and is not a directory") from exc
-    except OSError as exc:
-        raise OSError(exc.errno, f"cache directory {path} cannot be created: {exc.strerror or exc}") from exc
-    if not path.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, f"cache directory {path} is not a directory")
-    probe = path / f".probe-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, b"cachefs")
-        finally:
-            os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            # Writable, but full (another program filled the disk): not a permission problem. Whether
-            # the caches fit is decided with the sizes (``cachefs.cli.resources``); the disk tier
-            # evicts, and pending writes must still be uploaded from here.
-            with contextlib.suppress(OSError):
-                os.unlink(probe)
-            return
-        raise OSError(exc.errno, f"cache directory {path} is not writable: {exc.strerror or exc}") from exc
-
-
-def filesystem_free_bytes(path: Path) -> int:
-    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (``f_bavail``), the
-    probe the daemon passes as ``free_space``: the root-reserved blocks stay for the system."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def _is_hex(text: str) -> bool:
-    return all(c in _HEX for c in text)
-
-
 
 
 class DiskTier:
@@ -772,54 +728,10 @@ class DiskTier:
 
     # -- start-up -------------------------------------------------------------------------------
 
-    def _remove_whole_files(self) -> None:
-        """Remove every whole file (and temp file) under ``whole/``: see "Whole files" above."""
-        removed = 0
-        with os.scandir(self._whole_dir) as subdirs:
-            for sub in subdirs:
-                if not sub.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(sub.path) as entries:
-                    for entry in entries:
-                        if entry.is_file(follow_symlinks=False) or entry.is_symlink():
-                            try:
-                                os.unlink(entry.path)
-                                removed += 1
-                            except FileNotFoundError:
-                                pass
-        self.whole_stats.removed_at_start = removed
-
     def _load(self) -> None:
         """Index the blocks already on disk (names and stat only) and remove leftover temp files."""
-        found: list[tuple[int, str, int]] = []
-        removed_tmp = 0
-        with os.scandir(self._blocks_dir) as subdirs:
-            for sub in subdirs:
-                if len(sub.name) != 2 or not _is_hex(sub.name) or not sub.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(sub.path) as entries:
-                    for entry in entries:
-                        name = entry.name
-                        if name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX):
-                            try:
-                                os.unlink(entry.path)
-                                removed_tmp += 1
-                            except FileNotFoundError:
-                                pass
-                            continue
-                        digest = name[: -len(BLOCK_SUFFIX)]
-                        if (
-                            name.endswith(BLOCK_SUFFIX)
-                            and len(digest) == _DIGEST_LEN
-                            and digest.startswith(sub.name)
-                            and _is_hex(digest)
-                            and entry.is_file(follow_symlinks=False)
-                        ):
-                            st = entry.stat(follow_symlinks=False)
-                            found.append((st.st_mtime_ns, digest, st.st_size))
-                        else:
-                            log.debug("%s tier: ignoring unexpected file %s", self.name, entry.path)
-        self._remove_whole_files()
+        found, removed_tmp = scan_blocks(self._blocks_dir, self.name)
+        self.whole_stats.removed_at_start = remove_whole_files(self._whole_dir)
         found.sort()
         for mtime_ns, digest, size in found:
             self._index[digest] = (size, 0)
