@@ -52,12 +52,13 @@ def test_one_second_shares_its_query_but_not_across_credentials_or_seconds(monke
     keys = SigningKeys()
     url = "http://127.0.0.1:8333/bucket/" + percent_encode("k.bin", safe=KEY_SAFE_CHARS)
     first = ReadOnlyCredentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "token-1")
+    later = NOW + datetime.timedelta(seconds=1)
     for credentials, now in [(first, NOW),
-                             (ReadOnlyCredentials("AKIDEXAMPLE", "another-secret", "token-1"), NOW),
-                             (ReadOnlyCredentials("AKIDEXAMPLE", "another-secret", "token-2"), NOW),
-                             (ReadOnlyCredentials("AKIDOTHER", "another-secret", "token-2"), NOW),
-                             (first, NOW + datetime.timedelta(seconds=1)),
-                             (first, NOW + datetime.timedelta(days=1))]:
+                             (first, later),  # each case differs from the one before in one thing
+                             (ReadOnlyCredentials("AKIDEXAMPLE", "another-secret", "token-1"), later),
+                             (ReadOnlyCredentials("AKIDEXAMPLE", "another-secret", "token-2"), later),
+                             (ReadOnlyCredentials("AKIDOTHER", "another-secret", "token-2"), later),
+                             (ReadOnlyCredentials("AKIDOTHER", "another-secret", "token-2"), later + datetime.timedelta(days=1))]:
         monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda now=now: now)
         request = AWSRequest(method="GET", url=url)
         S3SigV4QueryAuth(credentials, "s3", "eu-west-3", expires=900).add_auth(request)
