@@ -123,7 +123,10 @@ def sigv4_query(url: str, host: str, credentials: Any, region: str, service: str
     path = url[url.find("/", url.find("//") + 2):]  # the URL has no query: what follows the authority
     canonical = f"GET\n{path}\n{parts.canonical_query}\nhost:{host}\n\nhost\nUNSIGNED-PAYLOAD"
     to_sign = parts.to_sign_head + hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-    signature = hmac.digest(parts.key, to_sign.encode("utf-8"), "sha256").hex()
+    # hmac.new, not the one-shot hmac.digest: that one releases the GIL around OpenSSL's HMAC (3.11),
+    # and on the event loop a release costs a wait for the GIL to come back from the worker threads
+    # (measured with 6 threads hashing: 20 us of wall time per call against 4 us).
+    signature = hmac.new(parts.key, to_sign.encode("utf-8"), hashlib.sha256).hexdigest()
     return f"{url}?{parts.query}&X-Amz-Signature={signature}"
 
 
