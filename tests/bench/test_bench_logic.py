@@ -220,6 +220,18 @@ def test_per_file_costs_are_in_milliseconds(tmp_path: Path) -> None:
     assert sample["cpu"] == 2.0 and sample["thread"] == 1.0 and sample["value"] == 300.0
 
 
+def test_a_cold_file_is_checked_in_all_and_on_its_busiest_thread(tmp_path: Path) -> None:
+    """Issue 35: the daemon's CPU per cold file (<= 0.5 ms) and the part of it on its busiest thread
+    (<= 0.15 ms), both from the announced epoch."""
+    b, tools = make_bench(tmp_path, ["--tools", "cachefs", "--rounds", "1"])
+    b.add("cachefs", "epoch_1r_announced", 0, 500.0, procstat.Span(0.4, 0.2), 1000)  # 0.4 ms, 0.2 ms busiest
+    b.rounds = [{"round": 1, "loadavg": [0.1, 0.1, 0.1], "foreign_busy": 0.01, "quiet": True, "warnings": []}]
+    targets = {t["target"]: t for t in report.summarise(b, tools, b.args, "now")["targets"]}  # type: ignore[arg-type]
+    assert targets["daemon CPU per cold file (announced epoch) <= 0.5 ms"]["status"] == "PASS"
+    busiest = targets["busiest daemon thread per cold file (announced epoch) <= 0.15 ms"]
+    assert busiest["status"] == "MISS" and busiest["measured"] == pytest.approx(0.2)
+
+
 def test_quick_and_full_sets_choose_their_defaults_and_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     quick = bench.parse_args([])
     assert quick.set == "quick" and quick.files == bench.QUICK_DEFAULTS["files"] and quick.rounds >= 3

@@ -44,3 +44,24 @@ def test_the_host_header_drops_default_ports_only() -> None:
     assert url_host("http://127.0.0.1:80/b/k") == "127.0.0.1"
     assert url_host("http://127.0.0.1:8333/b/k") == "127.0.0.1:8333"
     assert url_host("http://[::1]:8333/b/k") == "[::1]:8333"
+
+
+def test_one_second_shares_its_query_but_not_across_credentials_or_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-second parts are reused only for the same credentials and second: a rotated key or
+    token, or the next second, signs as botocore does for them (never with the previous ones)."""
+    keys = SigningKeys()
+    url = "http://127.0.0.1:8333/bucket/" + percent_encode("k.bin", safe=KEY_SAFE_CHARS)
+    first = ReadOnlyCredentials("AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "token-1")
+    later = NOW + datetime.timedelta(seconds=1)
+    for credentials, now in [(first, NOW),
+                             (first, later),  # each case differs from the one before in one thing
+                             (ReadOnlyCredentials("AKIDEXAMPLE", "another-secret", "token-1"), later),
+                             (ReadOnlyCredentials("AKIDEXAMPLE", "another-secret", "token-2"), later),
+                             (ReadOnlyCredentials("AKIDOTHER", "another-secret", "token-2"), later),
+                             (ReadOnlyCredentials("AKIDOTHER", "another-secret", "token-2"), later + datetime.timedelta(days=1))]:
+        monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda now=now: now)
+        request = AWSRequest(method="GET", url=url)
+        S3SigV4QueryAuth(credentials, "s3", "eu-west-3", expires=900).add_auth(request)
+        got = sigv4_query(url, url_host(url), credentials, "eu-west-3", "s3", 900,
+                          now.replace(tzinfo=datetime.timezone.utc), keys)
+        assert got == request.prepare().url
