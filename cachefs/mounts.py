@@ -71,6 +71,27 @@ def process_stat(pid: int) -> list[str] | None:
     return text[text.rfind(")") + 2:].split()  # comm may itself hold spaces or ')'
 
 
+def process_waits(pid: int) -> str:
+    """Where ``pid`` is, for a one-line error about a process that does not exit: its state and what
+    its threads wait in (``/proc/PID/task/*/wchan``), most common first; "" if it is gone."""
+    fields = process_stat(pid)
+    if fields is None:
+        return ""
+    waits: dict[str, int] = {}
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                wchan = (task / "wchan").read_text().strip()
+            except OSError:
+                continue
+            name = "running" if wchan in ("", "0") else wchan
+            waits[name] = waits.get(name, 0) + 1
+    except OSError:
+        pass
+    held = ", ".join(f"{n} in {w}" for w, n in sorted(waits.items(), key=lambda item: -item[1])[:4])
+    return f"state {fields[0]}" + (f", threads: {held}" if held else "")
+
+
 def cache_dir_holder(directory: Path) -> str | None:
     """The pid (as written) of the daemon holding ``directory``'s lock, or None when it is free.
 

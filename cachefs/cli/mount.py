@@ -698,7 +698,9 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     # The daemon uploads what was written since the flush before it exits, for up to its --stop-timeout.
     wait_s = args.timeout if args.force else max(args.timeout, _stop_timeout(info) + STOP_MARGIN_S)
     if pid is not None and not _wait_exit(pid, wait_s):
-        print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {wait_s:g} s",
+        where = mounts.process_waits(pid)
+        print(f"cachefs: error: unmounted {path}, but daemon pid {pid} did not exit within {wait_s:g} s"
+              f"{f' ({where})' if where else ''}",
               file=sys.stderr)
         return 1
     dead = " (its daemon was not running)" if pid is None else ""

@@ -79,6 +79,7 @@ class Mount:
         result = run_cli("unmount", str(self.path), env=self.env)
         if result.returncode != 0:  # what the daemon said last goes into the failing assertion's message
             result.stderr += self.daemon_log_tail()
+            print(f"cachefs unmount {self.path} failed (exit {result.returncode}):\n{result.stderr}")  # shown whole
         return result
 
     def daemon_log_tail(self, lines: int = 60) -> str:

@@ -161,15 +161,21 @@ def test_second_epoch_served_from_cache(backend: Backend, mounter) -> None:
     read_all(m.path, files)
     first = m.stats()
     assert first["object_store"]["get_requests"] > 0
-    read_all(m.path, files)
-    second = m.stats()
     # Nothing fetched again, and with keep_cache the kernel page cache served the re-read. Not
     # necessarily every page: the kernel may reclaim clean pages between the epochs (this VM runs
-    # DAMON's proactive reclaim, and one CI-like run saw one read more, 14 against 13). Without
-    # keep_cache each open drops the file's pages and the re-read asks for all of them again.
-    assert second["object_store"]["get_requests"] == first["object_store"]["get_requests"]
-    again = second["filesystem"]["reads"] - first["filesystem"]["reads"]
-    assert again <= first["filesystem"]["reads"] // 4, f"{again} of {first['filesystem']['reads']} reads repeated"
+    # DAMON's proactive reclaim; one CI-like run saw 14 reads against 13, and two test runs side by
+    # side 7 of 13), so up to three epochs are read and one must be served by the page cache. Without
+    # keep_cache each open drops the file's pages and every re-read asks for all of them again.
+    repeated, done = [], first
+    for _ in range(3):
+        read_all(m.path, files)
+        now = m.stats()
+        repeated.append(now["filesystem"]["reads"] - done["filesystem"]["reads"])
+        assert now["object_store"]["get_requests"] == first["object_store"]["get_requests"]
+        done = now
+        if repeated[-1] <= first["filesystem"]["reads"] // 4:
+            break
+    assert min(repeated) <= first["filesystem"]["reads"] // 4, f"{repeated} of {first['filesystem']['reads']} reads repeated"
 
 
 def test_remount_reuses_disk_cache(backend: Backend, mounter, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs import mounts
 from cachefs.mounts import FSTYPE, MountEntry, check_mountpoint, find_mount, mount_entries, other_views
 
 MOUNTINFO = r"""22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
@@ -147,3 +148,26 @@ def test_mount_users_finds_a_process_by_its_working_directory_or_open_file(tmp_p
         for child in (by_cwd, by_fd):
             child.stdin.close()
             child.wait(timeout=30)
+
+
+def test_process_waits_names_the_state_and_where_the_threads_wait() -> None:
+    """`cachefs unmount`'s line about a daemon that does not exit says where it is (issue 37)."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        where = ""
+        while time.monotonic() < deadline:
+            where = mounts.process_waits(child.pid)
+            if where.startswith("state S"):
+                break
+            time.sleep(0.05)
+        assert where.startswith("state S, threads: 1 in "), where
+        assert "running" not in where, where
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    assert mounts.process_waits(child.pid) == ""  # gone (reaped)
