@@ -16,8 +16,10 @@ Fixtures for FUSE mounts live in ``tests/fuse/conftest.py``.
 
 from __future__ import annotations
 
+import asyncio
+import io
 import uuid
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -50,6 +52,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return LONG_FILES_FIRST.index(path) if path in LONG_FILES_FIRST else len(LONG_FILES_FIRST)
 
     items.sort(key=rank)  # stable: the order within each file, and of all other files, is kept
+    for item in items:  # every coroutine test: no task may outlive it unbounded (see the fixture)
+        if item.get_closest_marker("asyncio") is not None and hasattr(item, "fixturenames"):
+            item.fixturenames.insert(0, "_no_task_outlives_its_test")
+
+
+# A coroutine test's tasks left running at its end are cancelled and get this long to finish.
+LEFTOVER_TASK_WAIT_S = 10.0
+
+
+@pytest.fixture
+async def _no_task_outlives_its_test() -> AsyncIterator[None]:
+    """Torn down last of a coroutine test's fixtures (before its event loop): the tasks still running
+    are cancelled, as the loop's own teardown would, but with a bound. One that ignores its
+    cancellation fails the test with its stack instead of holding the worker for ever (pytest-asyncio
+    waits for every task without a deadline, and pytest-timeout's alarm is swallowed by the task it
+    interrupts: seen once, a worker held 45 minutes after test_fs_writes' last test)."""
+    yield
+    current = asyncio.current_task()
+    left = [task for task in asyncio.all_tasks() if task is not current and not task.done()]
+    if not left:
+        return
+    for task in left:
+        task.cancel()
+    _, stuck = await asyncio.wait(left, timeout=LEFTOVER_TASK_WAIT_S)
+    if not stuck:
+        return
+    stacks = io.StringIO()
+    for task in stuck:
+        task.print_stack(file=stacks)
+        asyncio.tasks._unregister_task(task)  # the loop's teardown would otherwise wait for it for ever
+    pytest.fail(f"{len(stuck)} task(s) ignored their cancellation for {LEFTOVER_TASK_WAIT_S:g} s after the "
+                f"test:\n{stacks.getvalue()}", pytrace=False)
 
 
 def unique_bucket_name(tag: str = "t") -> str:
