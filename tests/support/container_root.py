@@ -26,6 +26,8 @@ import json
 import os
 import sys
 
+from container_ns import detach_foreign_fuse_mounts  # a sibling module: this runs as a file
+
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -54,6 +56,8 @@ def main(argv: list[str]) -> None:
     fds = [(os.open(source, os.O_PATH), target) for source, target in binds]  # a file too (the termination log)
     targets = [target for _, target in binds]
     image = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in _image_paths() if _covered(path, targets)]
+    # As runc's pivot_root: no copy of another FUSE mount of the host stays in this namespace (container_ns).
+    detach_foreign_fuse_mounts([source for source, _ in binds] + _image_paths())
     for fd, target in sorted(fds, key=lambda pair: pair[1].count("/")):
         if os.path.isdir(f"/proc/self/fd/{fd}"):
             os.makedirs(target, exist_ok=True)

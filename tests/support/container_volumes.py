@@ -13,6 +13,8 @@ with the mounts the kubelet passes it:
   propagation the kubelet maps its ``mountPropagation`` to: ``None`` (the default) -> ``rprivate``,
   ``HostToContainer`` -> ``rslave``, ``Bidirectional`` -> ``rshared``; a ``readOnly`` volume mount
   is remounted read-only (``MS_REMOUNT | MS_BIND | MS_RDONLY``) on the container's bind alone;
+- every other FUSE mount the namespace copied from the host is detached first, as runc's pivot_root
+  leaves the host's mounts behind (``container_ns``);
 - then it sleeps until killed: the test runs commands in the namespace with ``nsenter``.
 
 What this reproduces (issue 36): a bind made ``rslave`` receives the mounts later made *on top of*
@@ -30,6 +32,8 @@ import os
 import signal
 import sys
 
+from container_ns import detach_foreign_fuse_mounts  # a sibling module: this runs as a file
+
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
 MS_PRIVATE, MS_SLAVE, MS_SHARED = 1 << 18, 1 << 19, 1 << 20
 PROPAGATION = {"None": MS_PRIVATE, "HostToContainer": MS_SLAVE, "Bidirectional": MS_SHARED}
@@ -45,7 +49,9 @@ def _mount(source: str | None, target: str, flags: int) -> None:
 
 def main(argv: list[str]) -> None:
     (spec,) = argv
-    for source, dest, propagation, read_only in json.loads(spec):
+    volumes = json.loads(spec)
+    detach_foreign_fuse_mounts([source for source, *_ in volumes])  # as runc's pivot_root would
+    for source, dest, propagation, read_only in volumes:
         os.makedirs(dest, exist_ok=True)
         _mount(source, dest, MS_BIND | MS_REC)
         _mount(None, dest, MS_REC | PROPAGATION[propagation])
