@@ -49,6 +49,20 @@ def _require_fuse() -> None:
     require_fuse()
 
 
+def read_dropping_page_cache(path: Path) -> bytes:
+    """Drop the kernel's cached pages of the file first (FUSE has no O_DIRECT for us), then read:
+    every byte comes from the daemon (its RAM or disk tier) or, through passthrough, the backing file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT_S,
             cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.fuse.conftest import run_cli
+from tests.fuse.conftest import read_dropping_page_cache, run_cli
 from tests.fuse.writeback_support import LoopbackProxy, bounded, flush, get_bytes, s3env
 from tests.support.s3servers import SeaweedS3
 
@@ -67,20 +67,6 @@ def frozen_by_sigstop(server: SeaweedS3) -> Iterator[Callable[[], None]]:
 def read_file(path: Path) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
-
-
-def read_dropping_page_cache(path: Path) -> bytes:
-    """Drop the kernel's cached pages of the file first (FUSE has no O_DIRECT for us), then read:
-    every byte comes from the daemon's RAM or disk tier."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        chunks = []
-        while chunk := os.read(fd, MiB):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def write_file(path: Path, data: bytes, *, fsync: bool) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.fuse.session import may_register_backing
-from tests.fuse.conftest import Mount, Mounter, run_cli
+from tests.fuse.conftest import Mount, Mounter, read_dropping_page_cache, run_cli
 
 MiB = 1024 * 1024
 BLOCK = ["--block-size", "1MiB"]
@@ -74,19 +74,6 @@ def counts(mount: Mount) -> tuple[int, int]:
     return doc["filesystem"]["reads"], doc["fuse"]["passthrough_opens"]
 
 
-def read_uncached(path: Path) -> bytes:
-    """The file's bytes, after its pages are dropped from the mount's page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        parts = []
-        while chunk := os.read(fd, MiB):
-            parts.append(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
-
-
 def until_passed_through(mount: Mount, path: Path) -> None:
     """Open ``path`` until an open passes through (its blocks reached the disk tier); fails past SETTLE_S."""
     deadline = time.monotonic() + SETTLE_S
@@ -110,7 +97,7 @@ def test_a_file_whole_on_the_disk_tier_is_read_with_no_read_request(
     assert mount.stats()["fuse"]["passthrough"] is True
     until_passed_through(mount, path)
     reads, opens = counts(mount)
-    assert read_uncached(path) == data
+    assert read_dropping_page_cache(path) == data
     assert counts(mount) == (reads, opens + 1)  # one more passthrough open, and no READ at all
     # mmap reads the backing file too.
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
@@ -165,7 +152,7 @@ def test_a_changed_etag_is_never_served_from_the_old_whole_file(
         os.close(held)
     reads = counts(mount)[0]
     assert path.read_bytes() == new  # no page of the old version is kept for it
-    assert read_uncached(path) == new  # the new version: not whole on disk yet, served by the daemon
+    assert read_dropping_page_cache(path) == new  # the new version: not whole on disk yet, served by the daemon
     assert counts(mount)[0] > reads
 
 
@@ -177,7 +164,7 @@ def test_a_writable_mount_never_passes_through(passthrough_machine: None, mounte
     mount = mounter.mount(f"file://{store}", *BLOCK, *args)
     path = mount.path / "w.bin"
     for _ in range(3):
-        assert read_uncached(path) == data
+        assert read_dropping_page_cache(path) == data
     doc = mount.stats()
     assert doc["fuse"]["passthrough"] is False and doc["fuse"]["passthrough_opens"] == 0
     assert doc["filesystem"]["reads"] >= 3
@@ -194,7 +181,7 @@ def test_eviction_removes_the_whole_file(passthrough_machine: None, mounter: Mou
         path = mount.path / "e" / name
         assert path.read_bytes() == content
         until_passed_through(mount, path)
-        assert read_uncached(path) == content
+        assert read_dropping_page_cache(path) == content
     assert len(whole_files(mount)) == 2
     result = run_cli("evict", str(mount.path), str(mount.path / "e" / "x.bin"), env=mount.env)
     assert result.returncode == 0, result.stderr
@@ -205,6 +192,6 @@ def test_eviction_removes_the_whole_file(passthrough_machine: None, mounter: Mou
     assert whole_files(mount) == [] and mount.stats()["fuse"]["whole_files"]["bytes"] == 0
     # Evicted: the next open is served by the daemon again, from the source.
     reads, opens = counts(mount)
-    assert read_uncached(mount.path / "e" / "x.bin") == data
+    assert read_dropping_page_cache(mount.path / "e" / "x.bin") == data
     reads_after, opens_after = counts(mount)
     assert opens_after == opens and reads_after > reads
