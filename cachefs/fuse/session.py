@@ -12,7 +12,9 @@ at the end. The mount's source (``df``, ``findmnt``) is the bucket URL, without 
 **Serving** runs on the daemon's asyncio loop: ``loop.add_reader`` on the non-blocking descriptor
 reads each request into one reused buffer (``os.readv``; max_write plus a page, the kernel's
 minimum), decodes it (``cachefs.fuse.wire``), and answers with one ``os.writev`` of the reply header
-and the handler's buffers (a read's data is the engine's memoryview: no join, no copy). Handlers the
+and the handler's buffers (a read's data is the engine's memoryview: no join, no copy); a reply of
+``OFFLOAD_MIN_BYTES`` or more is written by a writer thread instead (``cachefs.fuse.replies``), so the
+kernel's copy of its bytes is not the loop's. Handlers the
 filesystem answers without waiting (release, forget, statfs, readdir, xattrs) run inline; the others
 run as tasks, at most ``max_tasks`` at once (reading pauses at the bound). A task's request outlives
 the buffer, so its arguments are copied out first (a few bytes), except a WRITE's payload: its buffer
@@ -58,6 +60,7 @@ from pathlib import Path
 from typing import Protocol, Union
 
 from cachefs.fuse import wire
+from cachefs.fuse.replies import OFFLOAD_MIN_BYTES, ReplyWriters, write_reply
 from cachefs.fuse.wire import FuseError, Request
 from cachefs.mounts import FSTYPE, mount_source
 from cachefs.tuning import FUSE_CONGESTION_THRESHOLD, FUSE_MAX_BACKGROUND
@@ -317,6 +320,7 @@ class FuseSession:
         self._reading = False
         self._max_tasks = 1
         self._closed = False
+        self._writers: ReplyWriters | None = None  # large replies' writev, off the loop (cachefs.fuse.replies)
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -348,6 +352,7 @@ class FuseSession:
         if self._closed:
             return
         self._closed = True
+        self._close_writers()
         if not self.handed_over and self.fd >= 0:
             unmount(self.mountpoint, privileged=self.privileged)
         if self.fd >= 0:
@@ -360,6 +365,7 @@ class FuseSession:
         self._ended = self._loop.create_future()
         self._max_tasks = max(1, max_tasks)
         os.set_blocking(self.fd, False)
+        self._writers = ReplyWriters(self.fd, self._gone_from_thread)
         self._resume()
         try:
             await self._ended
@@ -370,6 +376,24 @@ class FuseSession:
                 task.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+            await asyncio.to_thread(self._close_writers)
+
+    @property
+    def offloaded_replies(self) -> int:
+        """Replies written by a writer thread so far."""
+        return self._writers.offloaded if self._writers is not None else 0
+
+    def _close_writers(self) -> None:
+        if self._writers is not None:
+            self._writers.close()
+
+    def _gone_from_thread(self) -> None:
+        """A writer thread found the connection gone (ENODEV): end the session on the loop."""
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._end)
+            except RuntimeError:  # the loop closed in between: serve has ended anyway
+                pass
 
     def _resume(self) -> None:
         if not self._reading and self._loop is not None and not self._ended.done():  # type: ignore[union-attr]
@@ -529,17 +553,14 @@ class FuseSession:
             buffers: list[Buffer] = [wire.out_header(unique, error, 0)]
         elif isinstance(reply, (bytes, bytearray, memoryview)):
             buffers = [wire.out_header(unique, 0, len(reply)), reply]
+            if len(reply) >= OFFLOAD_MIN_BYTES and self._writers is not None and self._writers.submit(buffers):
+                return
         else:
-            buffers = [wire.out_header(unique, 0, sum(len(part) for part in reply)), *reply]
+            size = sum(len(part) for part in reply)
+            buffers = [wire.out_header(unique, 0, size), *reply]
+            if size >= OFFLOAD_MIN_BYTES and self._writers is not None and self._writers.submit(buffers):
+                return
         self.write(buffers)
 
     def write(self, buffers: Sequence[Buffer]) -> None:
-        try:
-            os.writev(self.fd, buffers)
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:  # the kernel gave up on the request (interrupted, or aborted)
-                return
-            if exc.errno == errno.ENODEV:
-                self._end()
-                return
-            log.error("a FUSE reply failed: %s", exc)
+        write_reply(self.fd, buffers, self._end)
