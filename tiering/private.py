@@ -105,7 +105,7 @@ def check_cache_dirs(root: Path, source_dir: Path) -> None:
     check_private_dir(source_dir, "cache directory")
 
 
-def open_private(path: Path, flags: int) -> int:
+def open_private(path: Path | str, flags: int) -> int:
     """``os.open`` of one of the daemon's own files: never through a symlink, 0600 if created, no
     inheritance by children. ``flags`` as for ``os.open`` (``O_RDWR | O_CREAT``, ...)."""
     try:

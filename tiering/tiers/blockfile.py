@@ -27,6 +27,10 @@ page-aligned (the kernel answers ``EINVAL``; counted in ``unaligned_writes``: a 
 come from the pool); a packed block (format version 1: small blocks, and large ones an earlier
 version wrote); and everything on a filesystem that refuses ``O_DIRECT`` at open (tmpfs before
 Linux 6.6, some FUSE filesystems: logged once, then never asked again).
+
+A packed block (everything under 1 MiB: a small file's block) is read in one ``preadv`` into its
+header, a block buffer and one byte more (``_read_packed``): the layout follows from the token and
+the indexed size, a byte read past the data is a trailing byte, and the checks are the same.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from tiering.tiers.blockformat import (
     check_data,
     check_fixed_header,
     check_header_token,
+    packed_offset,
 )
 from tiering.blocks import BlockData
 from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN, align_up, aligned_page
@@ -111,6 +116,37 @@ def _pread_into(fd: _BlockFd, buffer: memoryview, offset: int, want: int) -> int
     return min(got, want)
 
 
+
+def _read_packed(fd: int, token: bytes, indexed_size: int) -> BlockData | None:
+    """A packed block (the data right after its header: every block under ``ALIGNED_MIN_BYTES``) read
+    in one ``preadv`` into its header, a block buffer and one more byte, then checked as ``_read``
+    checks it. None where the file is not laid out so (an aligned or an older block, a short read):
+    the caller then reads it step by step.
+
+    One system call where the step-by-step read makes three (header page, data, ``fstat`` for
+    trailing bytes): a disk-tier hit of a 100 KiB file cost 67 us of worker CPU, two thirds of it
+    system calls and the path (measured on a loaded 2-core VM)."""
+    offset = packed_offset(len(token))
+    data_len = indexed_size - offset
+    if not 0 <= data_len < ALIGNED_MIN_BYTES:
+        return None
+    head = bytearray(offset)
+    buffer = BLOCK_BUFFERS.take(data_len)
+    extra = bytearray(1)  # filled only when the file holds bytes after the data
+    got = os.preadv(fd, [head, buffer, extra], 0)
+    if got < offset + data_len:
+        return None
+    if got > offset + data_len:
+        raise CorruptBlockError("trailing bytes after the data")
+    fixed = bytes(head[:FIXED_HEADER_SIZE])
+    header = check_fixed_header(fixed, token)
+    if header.data_offset != offset or header.data_len != data_len:
+        raise CorruptBlockError(f"file is {indexed_size} bytes, header says {header.data_offset + header.data_len}")
+    check_header_token(fixed, memoryview(head)[FIXED_HEADER_SIZE:], token)
+    data = buffer.toreadonly()
+    check_data(data, data_len, header.data_crc)
+    return data
+
 class BlockFiles:
     """Writes and reads the block files of one tier (see the module docstring)."""
 
@@ -148,7 +184,7 @@ class BlockFiles:
             os.close(fd.fd)
         os.replace(tmp, final)
 
-    def read(self, path: Path, token: bytes, indexed_size: int) -> BlockData:
+    def read(self, path: Path | str, token: bytes, indexed_size: int) -> BlockData:
         """Read and check the block file ``path`` of ``indexed_size`` bytes for ``token``: a read-only
         view of a pool buffer. Raises ``CorruptBlockError`` (any failed check, or a symlink) or
         ``OSError``.
@@ -164,12 +200,17 @@ class BlockFiles:
             self._refused(path)
             return self._read(path, token, indexed_size, False)
 
-    def _read(self, path: Path, token: bytes, indexed_size: int, direct: bool) -> BlockData:
+    def _read(self, path: Path | str, token: bytes, indexed_size: int, direct: bool) -> BlockData:
         try:
             fd = self._open(path, os.O_RDONLY, direct)
         except UnsafePathError as exc:  # a symlink where a block file should be: not ours
             raise CorruptBlockError(str(exc)) from exc
         try:
+            if not fd.direct:
+                packed = _read_packed(fd.fd, token, indexed_size)
+                if packed is not None:
+                    return packed
+                # Not laid out as a packed block of this size: read it step by step.
             page = aligned_page(DIRECT_ALIGN)
             got = _pread_into(fd, page, 0, DIRECT_ALIGN)
             fixed = bytes(page[:min(got, FIXED_HEADER_SIZE)])
@@ -196,7 +237,7 @@ class BlockFiles:
         check_data(data, data_len, data_crc)
         return data
 
-    def _open(self, path: Path, flags: int, direct: bool) -> _BlockFd:
+    def _open(self, path: Path | str, flags: int, direct: bool) -> _BlockFd:
         """Open a block file, with ``O_DIRECT`` when asked and the filesystem takes it: one that refuses
         it (``EINVAL`` at open: tmpfs before Linux 6.6, some FUSE filesystems) turns it off for the
         tier, with one log line. Prefix directories are made on first use."""
@@ -209,22 +250,22 @@ class BlockFiles:
                 self._refused(path)
         return _BlockFd(self._open_dirs(path, flags), False)
 
-    def _refused(self, path: Path) -> None:
+    def _refused(self, path: Path | str) -> None:
         """The filesystem refused O_DIRECT: every later block goes through the page cache (logged once)."""
         if self.direct:
             self.direct = False
             log.info("%s tier: the filesystem of %s does not take O_DIRECT; blocks go through the page cache",
-                     self.name, path.parent)
+                     self.name, Path(path).parent)
 
     @staticmethod
-    def _open_dirs(path: Path, flags: int) -> int:
+    def _open_dirs(path: Path | str, flags: int) -> int:
         try:
             return open_private(path, flags)
         except FileNotFoundError:
             if not flags & os.O_CREAT:
                 raise
             # Prefix directories are made on first use (and again if someone removed them).
-            os.makedirs(path.parent, mode=PRIVATE_DIR_MODE, exist_ok=True)
+            os.makedirs(Path(path).parent, mode=PRIVATE_DIR_MODE, exist_ok=True)
             return open_private(path, flags)
 
     def _count_unaligned(self) -> None:

@@ -86,6 +86,11 @@ def data_offset(token_len: int, data_len: int) -> int:
     return _offset(_version_for(data_len), token_len)
 
 
+def packed_offset(token_len: int) -> int:
+    """Where the data of a packed block (format version 1) starts: right after its header."""
+    return _offset(FORMAT_VERSION, token_len)
+
+
 def _offset(version: int, token_len: int) -> int:
     head = _FIXED.size + token_len + _HEADER_CRC.size
     return align_up(head) if version == ALIGNED_VERSION else head

@@ -212,6 +212,7 @@ class DiskTier:
         self.health = TierHealth(clock, name=name)
         self.directory = Path(directory)
         self._blocks_dir = self.directory / BLOCKS_DIRNAME
+        self._blocks_str = str(self._blocks_dir)
         self._whole_dir = self.directory / WHOLE_DIRNAME
         self.whole_stats = WholeFileStats()
         self._high_bytes = int(capacity_bytes * high_watermark)
@@ -256,7 +257,7 @@ class DiskTier:
             self._count_miss()
             return None
         size, gen = entry
-        path = self._path(digest)
+        path = self._hit_path(digest)
         try:
             data = self.files.read(path, encode_token(key), size)
         except FileNotFoundError:
@@ -665,12 +666,19 @@ class DiskTier:
             return whole_path(self._whole_dir, digest[len(WHOLE_PREFIX):])
         return self._blocks_dir / digest[:2] / f"{digest}{BLOCK_SUFFIX}"
 
+    def _hit_path(self, digest: str) -> str:
+        """``_path`` as a string, made without pathlib: the path of every disk-tier hit (pathlib cost
+        a hit of a 100 KiB file 10-30 us of its 55-67)."""
+        if digest.startswith(WHOLE_PREFIX):
+            return str(self._path(digest))
+        return f"{self._blocks_str}/{digest[:2]}/{digest}{BLOCK_SUFFIX}"
+
     def _next_stamp(self) -> int:
         """A strictly increasing wall-clock stamp in ns for mtimes (lock held)."""
         self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
         return self._last_stamp_ns
 
-    def _touch(self, path: Path, stamp_ns: int) -> None:
+    def _touch(self, path: Path | str, stamp_ns: int) -> None:
         # Recency for the next start-up only: losing one stamp is harmless, so no error accounting.
         try:
             os.utime(path, ns=(stamp_ns, stamp_ns))
