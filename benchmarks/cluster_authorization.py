@@ -1,7 +1,7 @@
 """Extra source requests of the cluster tier's source check, on shuffled epochs of small files.
 
 A cluster hit is served only once the volume's own source credentials have shown they may read the
-object (``tiering.engine.authorize``: a HEAD per object version, remembered). This counts what that
+object (``tiering.engine.authorize``: a one-byte GET per object version, remembered). This counts what that
 costs where it costs most: many small files (one block each), read in a shuffled order, epoch after
 epoch, by a fresh node whose RAM tier is far smaller than the dataset and which has no disk tier, so
 every epoch goes to the cluster tier. A first node fills the cluster store from the source. The

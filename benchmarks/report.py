@@ -407,8 +407,8 @@ def authorization_markdown(result: dict[str, Any]) -> list[str]:
     lines = ["", "## Cluster tier: the source check's extra requests (issue 34)", "",
              (f"{rows[0]['files']} of the small files, shuffled, read whole by a fresh node through the cluster "
               "tier (a first node filled it); each cluster hit is served only once the node's own source "
-              "credentials have answered a HEAD of that object version. Exact counts, in-memory stores."), "",
-             "| epoch | source HEADs (the extra requests) | source GETs | proofs | blocks from the cluster tier |",
+              "credentials have answered a one-byte GET of that object version. Exact counts, in-memory stores."), "",
+             "| epoch | source HEADs | source GETs (the extra requests: one byte each) | proofs | blocks from the cluster tier |",
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['epoch']} | {r['source_heads']} | {r['source_gets']} | {r['proofs']} | {r['cluster_blocks']} |")

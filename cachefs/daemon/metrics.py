@@ -55,7 +55,7 @@ TIER_STATES = ("healthy", "unstable", "down")
 # The shared cluster tier (tier="cluster"): the counters above where they mean the same (hits,
 # misses, hit bytes, inserts, errors, corrupt blocks, state), and its write-behind queue.
 TIER_FORGED_BLOCKS_TOTAL = "cachefs_tier_forged_blocks_total"  # cluster frames whose MAC failed
-TIER_AUTHORIZATION_REQUESTS_TOTAL = "cachefs_tier_authorization_requests_total"  # source HEADs before a hit
+TIER_AUTHORIZATION_REQUESTS_TOTAL = "cachefs_tier_authorization_requests_total"  # source one-byte GETs before a hit
 TIER_AUTHORIZATION_REFUSED_TOTAL = "cachefs_tier_authorization_refused_total"  # hits the source refused
 TIER_WRITE_BEHIND_DEPTH = "cachefs_tier_write_behind_depth"  # blocks waiting or being uploaded
 TIER_WRITE_BEHIND_BYTES = "cachefs_tier_write_behind_bytes"  # their bytes (held in memory)

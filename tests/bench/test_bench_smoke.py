@@ -60,10 +60,10 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
     assert data["engine_unavailable"] == {} and data["cluster_unavailable"] is None
     assert data["errors"] == {}, data["errors"]
     assert set(data["figures"]) == set(FIGURES) | set(CACHEFS_ONLY)
-    # The cluster tier's source check: one HEAD per file the first epoch, none after (issue 34).
+    # The cluster tier's source check: one one-byte GET per file the first epoch, none after (issue 34).
     auth = data["cluster_authorization"]
     assert [r["epoch"] for r in auth] == [1, 2, 3]
-    assert auth[0]["source_heads"] == auth[0]["files"] > 0 and auth[0]["source_gets"] == 0
+    assert auth[0]["source_gets"] == auth[0]["proofs"] == auth[0]["files"] > 0 and auth[0]["source_heads"] == 0
     assert all(r["source_heads"] == 0 and r["source_gets"] == 0 for r in auth[1:])
     # The FUSE layer beside libfuse's null server and the page cache (issue 39): every figure present.
     layer = data["fuse_layer"]

@@ -41,6 +41,14 @@ class ListOnlyStore(FailingObjectStore):
         raise AccessDeniedError(f"get {key!r}: Access Denied")
 
 
+class HeadOnlyStore(FailingObjectStore):
+    """A source that answers HEAD but refuses the bytes (403), as S3 does for a volume that holds
+    ``s3:GetObject`` but not ``kms:Decrypt`` on an SSE-KMS object."""
+
+    async def get_range(self, key: str, etag: str, start: int, end: int):  # type: ignore[no-untyped-def]
+        raise AccessDeniedError(f"get {key!r}: Access Denied")
+
+
 async def _warm(tmp_path: Path) -> tuple[InMemoryClusterTier, FailingObjectStore, ObjectRef]:
     source, ref = _source()
     cluster = InMemoryClusterTier()
@@ -65,13 +73,24 @@ async def test_a_volume_the_source_refuses_gets_eacces_and_nothing_cluster_cache
     assert engine.disk is not None and engine.disk.stats.inserts == 0 and engine.ram.stats.inserts == 0
 
 
-async def test_the_proof_is_one_head_per_object_version_shared_by_its_blocks_and_epochs(tmp_path: Path) -> None:
+async def test_a_volume_that_may_head_but_not_read_the_bytes_gets_eacces(tmp_path: Path) -> None:
+    """A HEAD is no proof: it shows neither the bytes nor the right to decrypt them."""
+    cluster, source, ref = await _warm(tmp_path)
+    engine = _engine(tmp_path / "kms", HeadOnlyStore(source.inner), cluster)
+    with pytest.raises(AccessDeniedError):
+        await engine.read(ref, 0, SIZE)
+    assert cluster.stats.hits >= 1 and engine.stats.cluster_served == 0 and engine.stats.cluster_refused >= 1
+    await engine.close()
+
+
+async def test_the_proof_is_one_byte_get_per_object_version_shared_by_its_blocks_and_epochs(tmp_path: Path) -> None:
     cluster, source, ref = await _warm(tmp_path)
     engine = _engine(tmp_path / "second", source, cluster)
-    heads = source.stats.head_requests
+    heads, gets = source.stats.head_requests, source.stats.get_requests
     assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE  # every block from the cluster tier
     assert engine.stats.cluster_served == BLOCKS and engine.stats.store_fetches == 0
-    assert engine.stats.cluster_authorizations == source.stats.head_requests - heads == 1
+    assert engine.stats.cluster_authorizations == source.stats.get_requests - gets == 1
+    assert source.stats.head_requests == heads
     await engine.evict_all()  # the next epoch, on a node that kept nothing: remembered, no request
     assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE
     # A disk-tier copy of a cluster hit still being written during evict_all may serve a block: either

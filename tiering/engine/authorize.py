@@ -4,18 +4,20 @@ Why. The cluster tier is shared by every volume of the same source, whoever moun
 it was fetched by some node with *its* volume's credentials. A volume whose credentials may list a
 bucket but not read from it (or may read only part of it) would otherwise read, through the cluster
 tier, what the source would refuse it. So a cluster hit is served only once this volume's source
-store has answered a HEAD of the object (S3 answers HEAD under the same permission as GET:
-``s3:GetObject``) with the very ETag the block belongs to. A HEAD rather than a one-byte GET: the
-same proof, no body, and it works for an empty object.
+store has answered a one-byte GET of the object with ``If-Match: <the ETag the block belongs to>``.
+A GET, not a HEAD: S3 answers HEAD under ``s3:GetObject`` too, but a HEAD returns no byte of the
+object, so it does not show that the volume may decrypt it (an SSE-KMS object needs ``kms:Decrypt``
+for its bytes, and a volume without it must not read them through the cluster tier); the one byte
+costs the same round trip. An empty object has no block to serve: a HEAD is enough for it.
 
 Cost. The proof is per object version, remembered in memory (``AUTHORIZED_MAX`` versions, least
 recently used dropped first) and shared by concurrent loads (one request in flight per version): a
 file read block by block costs one HEAD, not one per block, and a later epoch over the same files
 costs nothing, nor does a block the node copied to its disk tier (served from there without the
 cluster tier). Measured on the shuffled 100 KiB epoch (``benchmarks/cluster_authorization.py``): one
-HEAD per file on the first epoch through the cluster tier, none after (docs/security.md).
+one-byte GET per file on the first epoch through the cluster tier, none after (docs/security.md).
 
-Answers. The source's ETag differs (the object changed): no proof, the hit is dropped and the load
+Answers. The source's ETag differs (the object changed: 412, ``ObjectChangedError``): no proof, the hit is dropped and the load
 goes to the source, which answers for the new version. The source refuses (``AccessDeniedError``):
 raised, counted in ``cluster_refused``, so the read fails as the source's own GET would (EACCES),
 and nothing cluster-cached is returned. The source is unreachable or slow: no proof, the hit is
@@ -31,7 +33,7 @@ import logging
 
 from tiering.blocks import ObjectRef
 from tiering.engine.stats import EngineStats
-from tiering.errors import AccessDeniedError, ObjectStoreError
+from tiering.errors import AccessDeniedError, ObjectChangedError, ObjectStoreError
 from tiering.protocols import ObjectStore
 from tiering.storehealth import StoreHealth
 
@@ -95,15 +97,19 @@ class SourceAuthorization:
         self._stats.cluster_authorizations += 1
         try:
             async with asyncio.timeout(self._timeout_s):
-                info = await self._store.head(ref.key)
+                if ref.size == 0:
+                    return (await self._store.head(ref.key)).etag == ref.etag
+                await self._store.get_range(ref.key, ref.etag, 0, 1)  # If-Match: this version or 412
         except AccessDeniedError:
             self._stats.cluster_refused += 1
             raise
+        except ObjectChangedError:
+            return False
         except (ObjectStoreError, TimeoutError) as exc:
             log.debug("cluster tier: could not prove %r readable from the source (%s); the hit is not served",
                       ref.key, exc or "timeout")
             return False
-        return info.etag == ref.etag
+        return True
 
 
 __all__ = ["AUTHORIZED_MAX", "SourceAuthorization"]
