@@ -147,6 +147,11 @@ def test_a_forged_block_is_never_served_and_is_counted(mounter: Mounter, weed: S
                                         endpoint_url=weed.endpoint_url).source_identity(), BLOCK, key)
     name = cluster_object_key(token)
     assert name in store_keys(weed, "blocks/"), "the token computed here is not the daemon's"
+    # Tenants B and C, with their own credentials, cannot read A's block even knowing its name (the
+    # name is computed from public facts, as here); the store's identity is the driver's alone.
+    for tenant in ("tenant-b", "tenant-c"):
+        client = weed.identity_client(tenant)
+        assert access_denied(lambda: client.get_object(Bucket=STORE, Key=name)), tenant
     forgeries = {
         "previous format (CRC-32)": frame_header(token, poison) + poison,
         "a MAC under another key": encode_frame(OTHER_KEY.derive(BLOCKS), token, poison),
