@@ -519,7 +519,8 @@ class NodeOps:
         mount pod) is started: a ``diskCache`` share (``"50%"``) becomes that share of the room on
         the cache filesystem (its free space plus what this volume's slot holds already); a size is
         checked against that room as ``cachefs mount`` would check it. The refusal's message is the
-        same on every retry (sizes rounded to GiB), so the kubelet's Events fold into one."""
+        same on every retry (sizes rounded to GiB), so the kubelet's Events fold into one, and has no
+        ``%``: the Event would show it as a sign no StorageClass accepts (``errors.for_kubernetes``)."""
         if cache.disk_share_percent is None and not cache.disk_bytes:
             return cache
         try:
@@ -535,7 +536,7 @@ class NodeOps:
                 log.info("volume %s: diskCache %g%% of %.1f GiB of room on the node's cache disk is %d MiB",
                          volume_id, cache.disk_share_percent, room / GiB, size // MiB)
                 return dataclasses.replace(cache, disk_bytes=size, disk_share_percent=None)
-            asked = f"diskCache {cache.disk_share_percent:g}% (less than {MIN_DISK_CACHE_BYTES // MiB} MiB here)"
+            asked = f"diskCache {cache.disk_share_percent:g} percent (less than {MIN_DISK_CACHE_BYTES // MiB} MiB here)"
         elif cache.disk_bytes is not None and cache.disk_bytes > room:
             asked = f"diskCache {cache.disk_bytes / GiB:.1f} GiB"
         else:
@@ -543,8 +544,8 @@ class NodeOps:
         raise CsiError(Code.RESOURCE_EXHAUSTED,
                        f"volume {volume_id}: {asked} does not fit this node's cache disk ({room / GiB:.0f} GiB free "
                        f"for it, at {self.settings.cache_root}); give the volume a smaller diskCache, or a share of "
-                       f"the free space such as diskCache: \"50%\" (a StorageClass's parameters cannot change: "
-                       "a new StorageClass, or a PersistentVolume's volumeAttributes)")
+                       "the free space in percent, as the default StorageClass cachefs does (a StorageClass's "
+                       "parameters cannot change: a new StorageClass, or a PersistentVolume's volumeAttributes)")
 
     # -- cache slots --------------------------------------------------------------------------------
     def volume_cache_dir(self, volume_id: str) -> Path:
