@@ -95,12 +95,14 @@ class Flag:
     flag: str
     key: str
     kind: str  # "bool" (present or not), "list" (comma-joined; left out when empty), "text", "name" (left out
-    # when empty), "count" (0: left out)
+    # when empty), "count" (0: left out), "store" (a name; when empty, the release's own store if installed)
     description: str
     schema: dict[str, Any]
     default: Any
 
 
+# The release's own cluster store (deploy/components/cluster-store/service.yaml), with its namespace.
+RELEASE_STORE = "http://cachefs-cluster-store.%s.svc:8333"
 # An allow-list entry: an origin, or an origin and a path prefix (csi_driver.trust compares the path too).
 ENDPOINT = {"type": "string", "pattern": r"^(aws|https?://[^/,\s]+(/[^,\s]*)?)$"}
 BUCKET = {"type": "string", "pattern": r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"}
@@ -115,9 +117,10 @@ FLAGS = {
              "allowing only the paths below it; `aws` for AWS's own); empty: any but loopback and link-local "
              "addresses (deploy/README.md, \"What a volume may ask\")",
              {"type": "array", "items": ENDPOINT, "uniqueItems": True}, []),
-        Flag("--cluster-store-endpoint", "node.clusterStoreEndpoint", "name",
-             "the cluster store's endpoint (e.g. `http://cachefs-cluster-store.NAMESPACE.svc:8333`): never "
-             "allowed as a volume's source endpointUrl, whatever the allow-list; empty: none",
+        Flag("--cluster-store-endpoint", "node.clusterStoreEndpoint", "store",
+             "the cluster store's endpoint: never allowed as a volume's source endpointUrl, whatever the "
+             "allow-list; empty: the release's own store with clusterStore.enabled "
+             "(`http://cachefs-cluster-store.NAMESPACE.svc:8333`), else none",
              {"type": "string", "pattern": r"^(https?://[^/,\s]+/?)?$"}, ""),
         Flag("--allowed-buckets", "node.allowedBuckets", "list",
              "the only buckets a volume may mount; empty: any",
@@ -432,6 +435,11 @@ def flag_lines(flag: Flag, default: Any) -> list[str]:
                 '<INDENT><ITEM>{{ printf "' + flag.flag + '=%s" (join "," .) | quote }}', "{{- end }}"]
     if flag.kind == "name":
         return ["{{- with " + value + " }}", '<INDENT><ITEM>{{ printf "' + flag.flag + '=%s" . | quote }}', "{{- end }}"]
+    if flag.kind == "store":  # the release's own store unless another is named
+        return ["{{- if " + value + " }}", '<INDENT><ITEM>{{ printf "' + flag.flag + '=%s" ' + value + ' | quote }}',
+                "{{- else if .Values.clusterStore.enabled }}",
+                '<INDENT><ITEM>{{ printf "' + flag.flag + '=' + RELEASE_STORE + '" .Release.Namespace | quote }}',
+                "{{- end }}"]
     if flag.kind == "count":
         return ["{{- if " + value + " }}", "<INDENT><ITEM>" + flag.flag + "={{ " + value + " }}", "{{- end }}"]
     return ['<INDENT><ITEM>{{ printf "' + flag.flag + '=%s" ' + value + " | quote }}"]
@@ -453,7 +461,7 @@ def parametrize_args(args: list[str], flags: tuple[Flag, ...], markers: Markers,
             default = value.split(",") if value else []
         elif flag.kind == "count":
             default = int(value or 0)
-        elif flag.kind == "name":
+        elif flag.kind in ("name", "store"):
             default = value
         else:
             default = value

@@ -267,6 +267,19 @@ def test_the_trust_values_become_flags_the_driver_parses() -> None:
     assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/c"}
 
 
+def test_the_releases_own_cluster_store_is_never_a_source_endpoint() -> None:
+    """With clusterStore.enabled and no endpoint named, the node plugin still knows the store's
+    endpoint (in the release's namespace), which it refuses as any volume's source endpoint."""
+    def store_flag(values: dict[str, Any], namespace: str = "cachefs") -> str | None:
+        args = plugin(render(values, namespace), "cachefs-csi-node", "cachefs-csi")["args"]
+        return build_parser().parse_args([a.replace("$(NODE_NAME)", "node-1") for a in args]).cluster_store_endpoint
+
+    assert not store_flag({})  # no store installed: none
+    assert store_flag({"clusterStore": {"enabled": True}}, "ml-infra") == "http://cachefs-cluster-store.ml-infra.svc:8333"
+    named = {"clusterStore": {"enabled": True}, "node": {"clusterStoreEndpoint": "http://store.example:8333"}}
+    assert store_flag(named) == "http://store.example:8333"
+
+
 def test_notes_name_the_secrets_each_option_needs() -> None:
     assert "cachefs-provisioner-credentials" in notes({})
     assert "cachefs-cluster-store-credentials" not in notes({})
@@ -421,6 +434,7 @@ def test_every_value_set_renders_what_kustomize_renders_for_the_same_choices(tmp
         patches=[
             ({"kind": "DaemonSet", "name": "cachefs-csi-node"}, flag_patches(node_args, 0, [
                 "--log-level=DEBUG", "--allowed-endpoints=https://s3.storage.example.com,aws",
+                "--cluster-store-endpoint=http://cachefs-cluster-store.ml-cache.svc:8333",
                 "--allowed-buckets=ml-volumes,ml-out", "--allow-node-identity",
                 "--mount-pod-service-account=cachefs-mounts", "--max-volumes=20"]) + [
                 {"op": "replace", "path": f"{container}/0/imagePullPolicy", "value": "Always"},
