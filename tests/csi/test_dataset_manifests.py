@@ -94,6 +94,13 @@ def test_spec_cache_declares_exactly_the_keys_the_operator_takes() -> None:
     assert prune(doc, schema())[1] == []
     assert volume_attributes(doc["spec"])["directIo"] == "true"
     assert parse_spec(doc["spec"])  # the driver's parser takes the value
+    doc["spec"]["cache"] = {"diskCache": "50%"}  # a share of the node's cache disk, as StorageClasses may ask
+    assert not list(jsonschema.Draft7Validator(schema()).iter_errors(doc))
+    assert volume_attributes(doc["spec"])["diskCache"] == "50%"
+    assert parse_spec(doc["spec"])
+    doc["spec"]["cache"] = {"diskCache": "150%"}  # the schema takes the shape, the driver's parser the range
+    with pytest.raises(SpecError, match="from 1% to 100%"):
+        parse_spec(doc["spec"])
     doc["spec"]["cache"] = {"uploadDelay": 5}  # a write-back key: a Dataset volume is read-only
     with pytest.raises(SpecError, match="unknown key 'uploadDelay'"):
         parse_spec(doc["spec"])
