@@ -238,7 +238,6 @@ class CacheFS:
         thread retrying an open answered ESTALE answers once an unlink or a rename of the name under way
         is done, and the file it answers is kept for that thread's OPEN (``cachefs.fs.retries``)."""
         self.stats.lookups += 1
-        retrying = self.retries.retrying(caller)
         parent = self.inodes.get(parent_inode)
         if not parent.is_dir:
             raise FsError(errno.ENOTDIR)
@@ -253,27 +252,27 @@ class CacheFS:
         elif text == "..":
             node = self.inodes.at(parent.path.rpartition("/")[0]) or self.inodes.root
         else:
-            try:
-                node = await self._resolve(parent, text, settled=retrying)
-            except FsError:
-                self.retries.failed(caller)  # a retried open(2) fails here: it is over
-                raise
+            node = await self._resolve(parent, text, caller)
         node.lookups += 1
-        if retrying and not node.is_dir:
-            self.retries.looked_up(caller, node)
         return self._attributes(node)
 
-    async def _resolve(self, parent: Node, text: str, *, settled: bool) -> Node:
-        """The node ``text`` names in ``parent``. ``settled``: not while an unlink or a rename over it
-        is under way (it may have decided what to keep already), but once it is done."""
+    async def _resolve(self, parent: Node, text: str, caller: int) -> Node:
+        """The node ``text`` names in ``parent``. For a retry's lookup (``cachefs.fs.retries``): not while
+        an unlink or a rename over it is under way (it may have decided what to keep already), but once
+        it is done, and its OPEN is awaited."""
         path = join(parent.path, text)
+        retrying = self.retries.retrying(caller, path)
         deadline = self.clock.monotonic() + LOSING_NAME_WAIT_S
         while True:
             value = await self.listings.lookup(parent.path, text)
             if value is MISSING:
+                if retrying:
+                    self.retries.failed(caller, path)  # a retried open(2) fails here: it is over
                 raise FsError(errno.ENOENT)
             node = self._node_for(path, value)  # type: ignore[arg-type]
-            if not settled or not await self.kept.settled(node, deadline - self.clock.monotonic()):
+            if not retrying or not await self.kept.settled(node, deadline - self.clock.monotonic()):
+                if retrying and not node.is_dir:
+                    self.retries.looked_up(caller, path, node)
                 return node
 
     def forget(self, inode: int, nlookup: int) -> None:
@@ -293,9 +292,10 @@ class CacheFS:
     async def open(self, inode: int, flags: int, caller: int = 0) -> tuple[FileHandle, bool]:
         """Open a file; returns the handle and whether the kernel may keep its cached pages. ``caller``:
         the thread that opens (the FUSE header's pid), 0 if unknown (see ``cachefs.fs.retries``)."""
-        retry = self.retries.take(caller)
+        node = self.inodes.get(inode)
+        retry = self.retries.take(caller, node)
         try:
-            return await self._open(self.inodes.get(inode), flags, caller, retried=retry is not None)
+            return await self._open(node, flags, caller, retried=retry is not None)
         finally:
             self.retries.end(retry)  # the handle holds what was kept for it by now
 
@@ -322,7 +322,7 @@ class CacheFS:
                 self.stats.retried_opens_stale += 1
             else:
                 self.stats.stale_opens += 1
-            self.retries.stale(caller)  # (taken for a retry, it may have been a first try all the same)
+            self.retries.stale(caller, node.path)  # (taken for a retry, it may have been a first try all the same)
             raise FsError(errno.ESTALE, f"/{node.path} was replaced or removed while it was opened")
         if retried and node.deleted:
             self.stats.retried_opens_kept += 1  # the version its retry looked up, kept for it
