@@ -291,3 +291,24 @@ async def test_unknown_threads_retrying_one_name_at_once_each_open_the_version_t
         assert await env.fs.read(fh, 0, SIZE + 10) == b"the first replacement"
         env.fs.release(fh)
     assert env.fs.stats.retried_opens_kept == 2 and env.fs.inodes.get(retried[0].inode).awaited_opens == 0
+
+
+async def test_a_retried_open_of_a_version_too_large_to_keep_answers_estale_and_is_counted(env: Env, monkeypatch) -> None:
+    """The bound of what is kept for readers holds for a retry too (documented): a version only in the
+    store, over ``KEEP_FOR_READERS_MAX_BYTES``, replaced between the retry's lookup and its OPEN is
+    not copied in, and the OPEN answers ESTALE, counted in ``retried_opens_stale``."""
+    monkeypatch.setattr(keep, "KEEP_FOR_READERS_MAX_BYTES", SIZE - 1)
+    attrs = await lookup(env.fs, "victim")
+    await env.fs.unlink(ROOT_INODE, b"victim")
+    await env.fs.rename(ROOT_INODE, b"stored", ROOT_INODE, b"victim", 0)  # SIZE bytes, only in the store
+    with pytest.raises(FsError):
+        await env.fs.open(attrs.inode, os.O_RDONLY, caller=THREAD)
+    retried = await env.fs.lookup(ROOT_INODE, b"victim", caller=THREAD)
+    gets = env.inner.stats.get_requests
+    await replace_by_rename(env, "staged")
+    assert env.inner.stats.get_requests == gets
+    await env.flush()
+    with pytest.raises(FsError) as stale:
+        await env.fs.open(retried.inode, os.O_RDONLY, caller=THREAD)
+    assert stale.value.errno == errno.ESTALE
+    assert (env.fs.stats.stale_opens, env.fs.stats.retried_opens_stale, env.fs.stats.retried_opens_kept) == (1, 1, 0)
