@@ -171,6 +171,8 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "opens": fs.stats.opens,
             "opens_waited": fs.stats.opens_waited,
             "stale_opens": fs.stats.stale_opens,
+            "retried_opens_kept": fs.stats.retried_opens_kept,
+            "retried_opens_stale": fs.stats.retried_opens_stale,
             "reads": fs.stats.reads,
             "read_bytes": fs.stats.read_bytes,
             "skipped_keys": fs.stats.skipped_keys,

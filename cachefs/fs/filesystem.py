@@ -11,6 +11,10 @@ mount. It is a facade over the state objects it holds, each with its own module:
 * **Handles** (``cachefs.fs.handles``): an open file pins one version of its object (key, ETag,
   size): reads through that handle never mix bytes of two versions.
 * **Rename** (``cachefs.fs.rename``): copies and journaled deletes, not atomic.
+* **Kept files** (``cachefs.fs.keep``): the content of a file losing its name (unlink, rename over
+  it) kept for the handles that still use it; opens racing with it wait for it.
+* **Retried opens** (``cachefs.fs.retries``): the threads whose open was answered ESTALE, and the
+  file each one's retry looked up, kept for that open as for an open handle.
 
 The kernel's page cache is used across opens (``keep_cache``) as long as the object's ETag is the
 one seen at the previous open; when it changed, the open answers without ``keep_cache`` and the
@@ -33,23 +37,23 @@ still imply it, as on the read path.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 
 from cachefs.fs.allocate import FALLOC_FL_KEEP_SIZE, check_fallocate, fallocate
 from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
+from cachefs.fs.keep import LOSING_NAME_WAIT_S, KeptFiles
 from cachefs.fs.listings import ListingCache
 from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.passthrough import WholeFiles, WholeFileStore
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
+from cachefs.fs.retries import RetriedOpens
 from cachefs.fs.stats import FsStats
 from cachefs.fs.times import set_mtime
 from cachefs.mounts import CONTROL_XATTR
@@ -70,18 +74,11 @@ from tiering.writeback.staged import StagedFile
 # Blocks reported to statfs are in units of this size (the usual 4 KiB page).
 STATFS_BLOCK_SIZE = 4096
 
-# A file unlinked, or replaced by a rename, while handles opened only for reading hold it is first
-# copied into staging (through the block cache), so they go on reading the parts never cached, up to
-# this size: the unlink waits for the copy, which at the 300-700 MiB/s a cold read reaches (see
-# docs/dataplane.md) takes a fraction of a second, and at a slow 50 MB/s link still little more than
-# one. Larger files are not fetched: what was cached still reads, the rest answers ENOENT (ESTALE
-# after a rename over it). Writers are always kept: their next write needs the content.
-KEEP_FOR_READERS_MAX_BYTES = 64 * 1024 * 1024
-
-# How long an open waits for an unlink or a rename over its file that is under way (``_losing_name``).
-# Those are bounded themselves (a copy-in of at most KEEP_FOR_READERS_MAX_BYTES, a server-side copy, a
-# durable record's deadline); past this the open goes on as if it had come first.
-LOSING_NAME_WAIT_S = 60.0
+# How long the retry of an open answered ESTALE (``cachefs.fs.retries``) may take between its lookup and
+# its OPEN, for the file that lookup answered to be kept for it. Both are steps of one open(2) in one
+# thread, microseconds apart; the bound covers a thread descheduled on a loaded machine many times over.
+# The kernel forgetting the inode ends the wait sooner, so what is kept rarely lives this long.
+RETRY_OPEN_WINDOW_S = 30.0
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -94,6 +91,18 @@ def _nlink(node: Node) -> int:
     if node.is_dir:
         return 1
     return 0 if node.deleted else 1
+
+
+def _new_name(name: bytes) -> str:
+    """A new name as text: valid UTF-8 (object keys are), and a valid POSIX name."""
+    try:
+        text = name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FsError(errno.EINVAL, "file names must be valid UTF-8 to become object keys") from None
+    problem = name_problem(text)
+    if problem is not None:
+        raise FsError(problem.errno, problem.reason)
+    return text
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,9 @@ class CacheFS:
         self.listings = ListingCache(store, self.clock, settings, self.inodes, self.stats, health=cache.health,
                                      index=index, pinned=pinned)
         self.handles = HandleTable()
-        self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit, self._keep_for_handles)
+        self.retries = RetriedOpens(self.clock, RETRY_OPEN_WINDOW_S, self._hold_for_awaited)
+        self.kept = KeptFiles(self.inodes, self.retries, self._staged, self._stage_for_write)
+        self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit, self.kept.keep)
         self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount
         # Whole files on the disk tier, for the kernel to read opens of them itself (passthrough).
         self.whole = (WholeFiles(whole_files, cache.block_size, cache.cached_blocks)
@@ -222,7 +233,10 @@ class CacheFS:
         node.info = info
 
     # ------------------------------------------------------------------ FUSE operations
-    async def lookup(self, parent_inode: int, name: bytes) -> Attributes:
+    async def lookup(self, parent_inode: int, name: bytes, caller: int = 0) -> Attributes:
+        """``caller``: the thread that asks (the FUSE header's pid), 0 if unknown. The lookup of a
+        thread retrying an open answered ESTALE answers once an unlink or a rename of the name under way
+        is done, and the file it answers is kept for that thread's OPEN (``cachefs.fs.retries``)."""
         self.stats.lookups += 1
         parent = self.inodes.get(parent_inode)
         if not parent.is_dir:
@@ -238,15 +252,33 @@ class CacheFS:
         elif text == "..":
             node = self.inodes.at(parent.path.rpartition("/")[0]) or self.inodes.root
         else:
-            value = await self.listings.lookup(parent.path, text)
-            if value is MISSING:
-                raise FsError(errno.ENOENT)
-            node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
+            node = await self._resolve(parent, text, caller)
         node.lookups += 1
         return self._attributes(node)
 
+    async def _resolve(self, parent: Node, text: str, caller: int) -> Node:
+        """The node ``text`` names in ``parent``. For a retry's lookup (``cachefs.fs.retries``): not while
+        an unlink or a rename over it is under way (it may have decided what to keep already), but once
+        it is done, and its OPEN is awaited."""
+        path = join(parent.path, text)
+        retrying = self.retries.retrying(caller, path)
+        deadline = self.clock.monotonic() + LOSING_NAME_WAIT_S
+        while True:
+            value = await self.listings.lookup(parent.path, text)
+            if value is MISSING:
+                if retrying:
+                    self.retries.failed(caller, path)  # a retried open(2) fails here: it is over
+                raise FsError(errno.ENOENT)
+            node = self._node_for(path, value)  # type: ignore[arg-type]
+            if not retrying or not await self.kept.settled(node, deadline - self.clock.monotonic()):
+                if retrying and not node.is_dir:
+                    self.retries.looked_up(caller, path, node)
+                return node
+
     def forget(self, inode: int, nlookup: int) -> None:
         self.inodes.forget(inode, nlookup)
+        if len(self.retries):
+            self.retries.forgotten(self.inodes)
 
     def add_lookup(self, inode: int) -> None:
         """The kernel took a reference through readdirplus."""
@@ -257,9 +289,17 @@ class CacheFS:
         await self._refresh(node)
         return self._attributes(node)
 
-    async def open(self, inode: int, flags: int) -> tuple[FileHandle, bool]:
-        """Open a file; returns the handle and whether the kernel may keep its cached pages."""
+    async def open(self, inode: int, flags: int, caller: int = 0) -> tuple[FileHandle, bool]:
+        """Open a file; returns the handle and whether the kernel may keep its cached pages. ``caller``:
+        the thread that opens (the FUSE header's pid), 0 if unknown (see ``cachefs.fs.retries``)."""
         node = self.inodes.get(inode)
+        retry = self.retries.take(caller, node)
+        try:
+            return await self._open(node, flags, caller, retried=retry is not None)
+        finally:
+            self.retries.end(retry)  # the handle holds what was kept for it by now
+
+    async def _open(self, node: Node, flags: int, caller: int, *, retried: bool) -> tuple[FileHandle, bool]:
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if flags & _WRITE_FLAGS and self.settings.read_only:
@@ -267,19 +307,25 @@ class CacheFS:
         writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         if writable or flags & os.O_TRUNC:
             self._writer()
-        if node.losing_name is not None:
-            # An unlink or a rename over this file is under way: its open handles were counted before
-            # it started (their content is kept). Wait for it rather than take the store's version
-            # that is about to go, which a later read would find replaced (ESTALE) or deleted.
+        if await self.kept.settled(node):
+            # An unlink or a rename over this file was under way: its open handles were counted before
+            # it started (their content is kept). This waited for it rather than take the store's
+            # version about to go, which a later read would find replaced (ESTALE) or deleted.
             self.stats.opens_waited += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(node.losing_name.wait(), LOSING_NAME_WAIT_S)
         if node.deleted and self._staged(node) is None:
             # Its name went (and with it the stored version) before this open arrived: the kernel
             # resolved the path just before. ESTALE makes it look the name up again (the open is
-            # retried once with LOOKUP_REVAL), and it opens what the name holds now.
-            self.stats.stale_opens += 1
+            # retried once with LOOKUP_REVAL), and it opens what the name holds now; that file is kept
+            # for the retry if its name goes too before the retry's OPEN (``cachefs.fs.retries``),
+            # unless it is a file over ``KEEP_FOR_READERS_MAX_BYTES`` only in the store.
+            if retried:
+                self.stats.retried_opens_stale += 1
+            else:
+                self.stats.stale_opens += 1
+            self.retries.stale(caller, node.path)  # (taken for a retry, it may have been a first try all the same)
             raise FsError(errno.ESTALE, f"/{node.path} was replaced or removed while it was opened")
+        if retried and node.deleted:
+            self.stats.retried_opens_kept += 1  # the version its retry looked up, kept for it
         if self._staged(node) is None:
             await self._refresh(node)
         if flags & os.O_TRUNC:
@@ -439,29 +485,25 @@ class CacheFS:
         if old is sf:
             return
         wb = self.writeback
-        if old is not None and wb is not None and node.open_handles:
-            wb.unhold(old, node.open_handles)
+        holders = node.open_handles + node.awaited_opens
+        if old is not None and wb is not None and holders:
+            wb.unhold(old, holders)
         node.staged = sf
-        if sf is not None and wb is not None and node.open_handles:
-            wb.hold(sf, node.open_handles)
+        if sf is not None and wb is not None and holders:
+            wb.hold(sf, holders)
         node.local_gen += 1
+
+    def _hold_for_awaited(self, node: Node, held: bool) -> None:
+        """An open of ``node`` is awaited now (``held``), or no longer (``cachefs.fs.retries``): its staged
+        file is held for it as for an open handle (``_set_staged``), and what was kept for it goes after."""
+        if node.staged is not None and self.writeback is not None:
+            (self.writeback.hold if held else self.writeback.unhold)(node.staged)
 
     def _ref(self, node: Node) -> ObjectRef:
         info = node.info
         if info is None:
             raise FsError(errno.ENOENT)
         return ObjectRef(info.key, info.etag, info.size)
-
-    def _text(self, name: bytes) -> str:
-        """A new name as text: valid UTF-8 (object keys are), and a valid POSIX name."""
-        try:
-            text = name.decode("utf-8")
-        except UnicodeDecodeError:
-            raise FsError(errno.EINVAL, "file names must be valid UTF-8 to become object keys") from None
-        problem = name_problem(text)
-        if problem is not None:
-            raise FsError(problem.errno, problem.reason)
-        return text
 
     def _check_key(self, path: str, *, directory: bool) -> None:
         """ENAMETOOLONG for a new name whose object key the store could never hold (S3: 1,024 bytes
@@ -515,37 +557,6 @@ class CacheFS:
         self._set_staged(node, sf)
         return sf
 
-    @contextlib.asynccontextmanager
-    async def _losing_name(self, path: str) -> AsyncIterator[None]:
-        """The file at ``path`` (if the kernel knows one) is about to lose its name: opens of it wait
-        until this block ends. Without it, an open arriving between ``_keep_for_handles`` (which counts
-        the handles open then) and the delete or replacement in the store got the store's version and
-        read ESTALE once it was replaced (issue 38, finding 4)."""
-        node = self.inodes.at(path)
-        if node is None or node.is_dir or node.losing_name is not None:
-            yield  # nothing known at that name, or an unlink/rename of it already holds the opens
-            return
-        done = node.losing_name = asyncio.Event()
-        try:
-            yield
-        finally:
-            node.losing_name = None
-            done.set()
-
-    async def _keep_for_handles(self, path: str) -> None:
-        """Before the file at ``path`` loses its name (unlink, a rename over it): a file that open
-        handles still use is staged, so that write-back copies its stored version in before the object
-        is deleted or replaced (``WriteBack.keep_for_handles``): writers always, handles opened only for
-        reading up to ``KEEP_FOR_READERS_MAX_BYTES``."""
-        node = self.inodes.at(path)
-        if node is None or node.is_dir or not node.open_handles or self._staged(node) is not None:
-            return
-        info = node.info
-        if node.writers or (info is not None and info.size <= KEEP_FOR_READERS_MAX_BYTES):
-            sf = await self._stage_for_write(node)
-            if info is not None:
-                sf.mtime = info.mtime  # staged, not changed: fstat on its handles shows the same file
-
     async def _truncate_node(self, node: Node, size: int) -> StagedFile:
         wb = self._writer()
         sf = self._staged(node)
@@ -564,7 +575,7 @@ class CacheFS:
         """creat/open(O_CREAT): a new empty file (staged), or the existing one opened with ``flags``."""
         wb = self._writer()
         parent = self._dir(parent_inode)
-        text = self._text(name)
+        text = _new_name(name)
         path = join(parent.path, text)
         value = await self.listings.lookup(parent.path, text)
         if value is None:
@@ -680,7 +691,7 @@ class CacheFS:
     async def mkdir(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
         wb = self._writer()
         parent = self._dir(parent_inode)
-        text = self._text(name)
+        text = _new_name(name)
         if await self.listings.lookup(parent.path, text) is not MISSING:
             raise FsError(errno.EEXIST)
         path = join(parent.path, text)
@@ -694,15 +705,15 @@ class CacheFS:
     async def unlink(self, parent_inode: int, name: bytes) -> None:
         wb = self._writer()
         parent = self._dir(parent_inode)
-        text = self._text(name)
+        text = _new_name(name)
         value = await self.listings.lookup(parent.path, text)
         if value is MISSING:
             raise FsError(errno.ENOENT)
         if value is None:
             raise FsError(errno.EISDIR)
         path = join(parent.path, text)
-        async with self._losing_name(path):
-            await self._keep_for_handles(path)
+        async with self.kept.losing_name(path):
+            await self.kept.keep(path)
             node = self.inodes.at(path)
             assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
             staged = value.etag == STAGED_ETAG
@@ -715,7 +726,7 @@ class CacheFS:
     async def rmdir(self, parent_inode: int, name: bytes) -> None:
         wb = self._writer()
         parent = self._dir(parent_inode)
-        text = self._text(name)
+        text = _new_name(name)
         value = await self.listings.lookup(parent.path, text)
         if value is MISSING:
             raise FsError(errno.ENOENT)
@@ -738,8 +749,8 @@ class CacheFS:
         if flags & RENAME_EXCHANGE:
             raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
         src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
-        src_name, dst_name = self._text(old_name), self._text(new_name)
-        async with self._losing_name(join(dst_dir.path, dst_name)):
+        src_name, dst_name = _new_name(old_name), _new_name(new_name)
+        async with self.kept.losing_name(join(dst_dir.path, dst_name)):
             renamed = await self.renamer.rename(wb, src_dir.path, src_name, dst_dir.path, dst_name, flags)
         if renamed:
             self.stats.renames += 1

@@ -44,10 +44,12 @@ class Node:
     writers: int = 0  # open handles that may write
     deleted: bool = False  # unlinked (or replaced by a rename) while the kernel still knows it
     local_gen: int = 0  # bumped by every change made through the mount (handles follow it)
-    # Set while an unlink or a rename over this file runs (``CacheFS._losing_name``): an open arriving
+    # Set while an unlink or a rename over this file runs (``cachefs.fs.keep``): an open arriving
     # meanwhile waits for it, so it either counts among the handles whose content is kept or sees
     # the file gone (ESTALE, and the kernel looks the name up again).
     losing_name: asyncio.Event | None = None
+    # Retried opens awaited (``cachefs.fs.retries``): the content is kept for them as for open handles.
+    awaited_opens: int = 0
 
 
 class InodeTable:
@@ -70,6 +72,10 @@ class InodeTable:
         if node is None:
             raise FsError(errno.ENOENT, f"unknown inode {inode}")
         return node
+
+    def known(self, node: Node) -> bool:
+        """Whether ``node`` is still in the table (the kernel has not forgotten it)."""
+        return self._nodes.get(node.inode) is node
 
     def at(self, path: str) -> Node | None:
         """The node that has name ``path`` now, if the kernel knows one."""

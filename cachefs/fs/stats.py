@@ -26,6 +26,8 @@ class FsStats:
     passthrough_active: bool = False  # the FUSE connection agreed to passthrough and may register files
     opens_waited: int = 0  # opens that waited for an unlink or a rename over their file to finish
     stale_opens: int = 0  # opens of a file whose name went first: ESTALE, the kernel looks it up again
+    retried_opens_kept: int = 0  # their retries whose file went after their lookup: opened its kept content
+    retried_opens_stale: int = 0  # retries answered ESTALE too (a file over 64 MiB went): the application saw it
     reads: int = 0
     read_bytes: int = 0
     skipped_keys: int = 0

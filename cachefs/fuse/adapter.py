@@ -250,7 +250,7 @@ class FuseOperations:
 
     # ------------------------------------------------------------------------------- reading
     async def lookup(self, req: Request) -> Reply:
-        return entry(await self.fs.lookup(req.nodeid, req.name()))
+        return entry(await self.fs.lookup(req.nodeid, req.name(), req.pid))
 
     async def getattr(self, req: Request) -> Reply:
         return attr(await self.fs.getattr(req.nodeid))
@@ -275,7 +275,7 @@ class FuseOperations:
         if self.no_open:
             raise FuseError(errno.ENOSYS)  # from now on the kernel opens files itself (see __init__)
         flags = wire.OPEN_IN.unpack_from(req.body)[0]
-        fh, keep_cache = await self.fs.open(req.nodeid, flags)
+        fh, keep_cache = await self.fs.open(req.nodeid, flags, req.pid)
         out = self._open_flags(keep_cache, flags)
         if self.passthrough is not None:
             backing_id = await self.passthrough.open(req.nodeid, fh, flags)

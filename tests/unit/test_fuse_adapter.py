@@ -152,6 +152,31 @@ async def test_every_failure_is_answered_with_its_errno_and_the_session_goes_on(
             assert await kernel.call(opcode, body, unique=unique) == (code, b"")
 
 
+class CallerFs:
+    """Stands in for CacheFS: records which thread each LOOKUP and OPEN names."""
+
+    def __init__(self) -> None:
+        self.callers: list[tuple[str, int]] = []
+
+    async def lookup(self, parent: int, name: bytes, caller: int = 0) -> None:
+        self.callers.append(("lookup", caller))
+        raise FsError(errno.ENOENT)
+
+    async def open(self, inode: int, flags: int, caller: int = 0) -> None:
+        self.callers.append(("open", caller))
+        raise FsError(errno.ESTALE)
+
+
+async def test_lookups_and_opens_name_the_thread_that_sent_them() -> None:
+    """The header's pid (the calling thread) reaches CacheFS: the kernel's retry of an open answered
+    ESTALE is told apart by it (``cachefs.fs.retries``)."""
+    fs = CallerFs()
+    async for kernel, _ in serving(FuseOperations(fs)):  # type: ignore[arg-type]
+        assert (await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), unique=10))[0] == errno.ESTALE
+        assert (await kernel.call(wire.LOOKUP, b"x\0", unique=11))[0] == errno.ENOENT
+    assert fs.callers == [("open", 4242), ("lookup", 4242)]
+
+
 async def test_unexpected_errors_are_logged_with_their_traceback(caplog: pytest.LogCaptureFixture) -> None:
     bug = ValueError("bug")
     async for kernel, _ in serving(FuseOperations(RaisingFs(bug))):  # type: ignore[arg-type]
@@ -249,7 +274,7 @@ class BlockingFs:
         self.writes.append(bytes(data))
         return len(data)
 
-    async def lookup(self, parent: int, name: bytes) -> None:
+    async def lookup(self, parent: int, name: bytes, caller: int = 0) -> None:
         raise FsError(errno.ENOENT)
 
 
