@@ -46,6 +46,7 @@ from cachefs.fs.allocate import FALLOC_FL_KEEP_SIZE, check_fallocate, fallocate
 from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
+from cachefs.fs.kernelcache import KernelCache
 from cachefs.fs.listings import ListingCache
 from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.passthrough import WholeFiles, WholeFileStore
@@ -409,6 +410,10 @@ class CacheFS:
         raise FsError(errno.EPERM if what in ("link", "symlink") else errno.ENOTSUP, f"{what} is not supported")
 
     # ------------------------------------------------------------------ write-back: wiring and views
+    def attach_kernel_cache(self, kernel: KernelCache) -> None:
+        """Tell ``kernel`` what re-listing finds changed in the bucket (``cachefs.fs.kernelcache``)."""
+        self.listings.kernel = kernel
+
     def attach_writeback(self, writeback: WriteBack) -> None:
         """Make the mount writable through ``writeback`` (the daemon's write-back feature calls this)."""
         self.writeback = writeback

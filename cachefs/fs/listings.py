@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cachefs.fs.inodes import InodeTable
+from cachefs.fs.kernelcache import KernelCache, NoKernelCache
 from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.stats import FsStats
 from cachefs.names import WarnOnce, name_problem
@@ -112,6 +113,7 @@ class ListingCache:
         self.inodes = inodes
         self.stats = stats
         self.writeback: WriteBack | None = None
+        self.kernel: KernelCache = NoKernelCache()  # told what a new listing changed (``_follow``)
         self.entry_count = 0  # entries held across all cached listings
         self._listings: OrderedDict[str, CachedDir] = OrderedDict()
         self._flights: dict[str, asyncio.Task[CachedDir]] = {}
@@ -309,12 +311,53 @@ class ListingCache:
         if cacheable and self._replay_applied(path, listing, mark):
             self._remember(path, listing)
             await self._to_index(path, listing, fetched_at)
-        # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
+        self._follow(path, entries, stale)
+        return listing
+
+    def _follow(self, path: str, entries: dict[str, ObjectInfo | None], previous: CachedDir | None) -> None:
+        """Bring the nodes the kernel knows up to date with a new store listing of ``path``, so getattr
+        and open see new sizes and ETags, and tell the kernel (``kernel``) what it holds that changed:
+        an inode whose version changed loses its attributes and pages, and its entry; an entry whose
+        name is gone from the listing (or became a directory, or a file) is dropped.
+
+        Only nodes matter: the kernel holds an entry or an inode only while its node lives. Names
+        added need nothing (a lookup answered ENOENT leaves no entry the kernel trusts: FUSE
+        revalidates such negative entries every time), nor do names with a change pending in
+        write-back (the kernel sees the staged view, which the store's does not change). Names gone
+        are found against the previous listing of ``path`` (in RAM or in the index); without one,
+        the kernel's own timeouts drop them."""
+        kernel = self.kernel
+        directory = self.inodes.at(path)
         for name, entry in entries.items():
             node = self.inodes.at(join(path, name))
-            if node is not None and entry is not None and not node.is_dir:
-                node.info = entry
-        return listing
+            if node is None:
+                continue
+            if node.is_dir != (entry is None):
+                # A file became a directory or back (told once: the previous listing had the old kind).
+                was = previous.entries.get(name, MISSING) if previous is not None else MISSING
+                if directory is not None and (was is None) == node.is_dir and not self._pending(path, name):
+                    kernel.forget_entry(directory.inode, name.encode())
+                continue
+            if entry is None:
+                continue
+            before = node.info
+            node.info = entry
+            if (directory is not None and before is not None and (before.etag, before.size) != (entry.etag, entry.size)
+                    and node.staged is None and not self._pending(path, name)):
+                kernel.forget_inode(node.inode)
+                kernel.forget_entry(directory.inode, name.encode())
+        if directory is None or previous is None:
+            return
+        for name in previous.entries.keys() - entries.keys():
+            if self.inodes.at(join(path, name)) is not None and not self._pending(path, name):
+                kernel.forget_entry(directory.inode, name.encode())
+
+    def _pending(self, path: str, name: str) -> bool:
+        """Whether write-back has a change of ``name`` in ``path`` that the store does not show yet."""
+        if self.writeback is None:
+            return False
+        marker = object()
+        return self.writeback.resolve(path, name, marker) is not marker
 
     async def _mtimes(self, path: str, entries: dict[str, ObjectInfo | None], previous: CachedDir | None) -> bool:
         """Give each file of a new listing the mtime its writer set, where it can be known: a version

@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
-from cachefs.fuse.session import BackingFiles, Reply
+from cachefs.fuse.session import BackingFiles, Notifier, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
@@ -221,12 +221,30 @@ class FuseOperations:
     def wanted_flags(self) -> int:
         return wire.PASSTHROUGH if self.wants_passthrough else 0
 
-    def negotiated(self, flags: int, backing: BackingFiles | None) -> None:
+    def negotiated(self, flags: int, backing: BackingFiles | None, notifier: Notifier | None) -> None:
         """What the kernel agreed to at INIT (READDIR or READDIRPLUS is told by the opcode itself)."""
         self.no_open = self.no_open and bool(flags & wire.NO_OPEN_SUPPORT)
         if backing is not None and flags & wire.PASSTHROUGH and self.wants_passthrough:
             self.passthrough = Passthrough(self.fs, backing)
             self.fs.stats.passthrough_active = True
+        if notifier is not None:
+            notifier.report = self.notified
+            self.fs.attach_kernel_cache(notifier)
+
+    def notified(self, code: int, error: int) -> None:
+        """Count a notification's outcome (called from the notifier's thread; only it writes these)."""
+        stats = self.fs.stats
+        if error == errno.ENOBUFS:
+            stats.inval_dropped += 1
+            return
+        if code == wire.NOTIFY_INVAL_ENTRY:
+            stats.inval_entries += 1
+        else:
+            stats.inval_inodes += 1
+        if error == errno.ENOENT:
+            stats.inval_not_cached += 1
+        elif error:
+            stats.inval_errors += 1
 
     def failure(self, opcode: int, exc: BaseException) -> int:
         """The errno ``exc`` is answered with; bugs are logged with their traceback."""

@@ -26,6 +26,11 @@ answer). An opcode no handler takes is answered ENOSYS, which the kernel remembe
 that fails with ENODEV means the mount is gone: ``serve`` returns. ENOENT on a reply means the
 kernel gave up on that request (interrupted or aborted): nothing to do.
 
+**Notifications** (``Notifier``): FUSE_NOTIFY_INVAL_ENTRY and _INODE, which the filesystem sends
+when a re-list finds a change made behind the mount's back (``cachefs.fs.kernelcache``), are written
+by a thread of their own, never from the loop: the kernel may wait inside that write for a lock a
+request we have not answered yet holds.
+
 **Passthrough** (Linux 6.9+, ``CONFIG_FUSE_PASSTHROUGH``): when the adapter asks for it
 (``Operations.wanted_flags``), the kernel offers it and this process may register backing files
 (``may_register_backing``: CAP_SYS_ADMIN in the initial user namespace, what the kernel checks), INIT
@@ -51,8 +56,10 @@ import os
 import socket
 import stat
 import struct
+import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol, Union
@@ -84,6 +91,13 @@ CANCEL_WAIT_S = 10
 READS_PER_WAKEUP = 16
 # The longest part of fusermount3's stderr that becomes the reason (its messages are one line).
 MAX_REASON_CHARS = 300
+# Invalidations waiting for the notifier thread: a re-list that finds a whole directory changed
+# queues two per file (~100 bytes each, ~6 MiB at the bound). Past it they are dropped and counted:
+# the kernel then keeps what it has until its timeouts run out, as without notifications.
+MAX_QUEUED_NOTICES = 65_536
+# How long close() waits for the notifier thread; it may be held in the kernel on a lock a request
+# we no longer answer holds, and then ends with the process.
+NOTIFIER_JOIN_S = 2.0
 
 # What the kernel may do, and cachefs wants (each used only when the kernel's INIT offers it):
 # reads in parallel and in the background, 1 MiB requests, lookups of one directory in parallel,
@@ -124,8 +138,9 @@ class Operations(Protocol):
         """INIT flags the adapter would use beyond ``WANTED_FLAGS`` (PASSTHROUGH, or 0)."""
         ...
 
-    def negotiated(self, flags: int, backing: BackingFiles | None) -> None:
-        """What the kernel agreed to; ``backing`` registers backing files where PASSTHROUGH was agreed."""
+    def negotiated(self, flags: int, backing: BackingFiles | None, notifier: Notifier | None) -> None:
+        """What the kernel agreed to; ``backing`` registers backing files where PASSTHROUGH was agreed,
+        ``notifier`` tells the kernel to drop what it cached (None: the kernel takes no notifications)."""
         ...
 
 
@@ -171,6 +186,77 @@ class BackingFiles:
 
     def close(self, backing_id: int) -> None:
         fcntl.ioctl(self.fd, wire.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
+
+
+class Notifier:
+    """Unsolicited messages to the kernel (unique 0): FUSE_NOTIFY_INVAL_ENTRY and _INODE, written by a
+    thread of their own.
+
+    Not from the loop: the kernel handles a notification inside the write, and it may wait there for
+    what a request we have not answered yet holds (``fuse_reverse_inval_entry`` takes the parent
+    directory's inode lock, which a LOOKUP or a CREATE in it holds; ``invalidate_inode_pages2`` waits
+    for a page a READ holds locked). Written from the loop, the reply that would release it could
+    never be sent. The thread owns a duplicate of the descriptor, closed when it ends, so it never
+    writes to a number reused after the session closed its own.
+
+    ``report(code, error)`` is called from the thread after each write (0, or the positive errno):
+    ENOENT means the kernel did not hold that entry or inode (normal: it forgot it, or never had it).
+    A notice past ``MAX_QUEUED_NOTICES`` waiting is dropped and reported at once with ENOBUFS.
+    """
+
+    def __init__(self, fd: int, report: Callable[[int, int], None] | None = None) -> None:
+        self.report = report
+        self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._fd = os.dup(fd)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="fuse-notify", daemon=True)
+        self._thread.start()
+
+    def forget_entry(self, parent: int, name: bytes) -> None:
+        """The kernel drops its entry ``name`` in directory ``parent`` (its next use looks it up)."""
+        self._put(wire.notify_inval_entry(parent, name))
+
+    def forget_inode(self, inode: int) -> None:
+        """The kernel drops ``inode``'s attributes and cached pages (its next stat or read asks)."""
+        self._put(wire.notify_inval_inode(inode, 0, 0))
+
+    def _put(self, message: list[bytes]) -> None:
+        if self._closed:
+            return
+        if self._queue.qsize() >= MAX_QUEUED_NOTICES:
+            if self.report is not None:
+                self.report(wire.OUT_HEADER.unpack(message[0])[1], errno.ENOBUFS)
+            return
+        self._queue.put(message)
+
+    def _run(self) -> None:
+        try:
+            while (message := self._queue.get()) is not None:
+                code = wire.OUT_HEADER.unpack(message[0])[1]
+                try:
+                    os.writev(self._fd, message)
+                    error = 0
+                except OSError as exc:
+                    error = exc.errno or errno.EIO
+                    if error == errno.ENODEV:  # the connection is gone: nothing more to tell
+                        return
+                    if error != errno.ENOENT:
+                        log.debug("a FUSE notification (%d) failed: %s", code, exc)
+                if self.report is not None:
+                    self.report(code, error)
+        finally:
+            os.close(self._fd)
+
+    def close(self) -> None:
+        """Stop taking notices, let the thread write what is queued, and wait for it (bounded)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(NOTIFIER_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("the FUSE notifier thread did not end in %g s (held in the kernel); it ends with the process",
+                        NOTIFIER_JOIN_S)
 
 
 # --------------------------------------------------------------------------------------- mounting
@@ -317,6 +403,7 @@ class FuseSession:
         self._reading = False
         self._max_tasks = 1
         self._closed = False
+        self.notifier: Notifier | None = None
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -348,6 +435,8 @@ class FuseSession:
         if self._closed:
             return
         self._closed = True
+        if self.notifier is not None:
+            self.notifier.close()
         if not self.handed_over and self.fd >= 0:
             unmount(self.mountpoint, privileged=self.privileged)
         if self.fd >= 0:
@@ -513,7 +602,9 @@ class FuseSession:
                 backing = BackingFiles(self.fd)
         self.proto_minor = min(init.minor, wire.KERNEL_MINOR)
         self.flags = flags
-        self.ops.negotiated(flags, backing)
+        if self.notifier is None and self.proto_minor >= wire.NOTIFY_INVAL_MIN_MINOR:
+            self.notifier = Notifier(self.fd)
+        self.ops.negotiated(flags, backing, self.notifier)
         self.send(req.unique, 0, wire.init_out(
             minor=self.proto_minor, max_readahead=init.max_readahead, flags=flags,
             max_background=FUSE_MAX_BACKGROUND, congestion_threshold=FUSE_CONGESTION_THRESHOLD,

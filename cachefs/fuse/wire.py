@@ -109,6 +109,9 @@ OPCODE_NAMES = {globals()[name]: name.lower() for name in (
 NOTIFY_INVAL_INODE = 2
 NOTIFY_INVAL_ENTRY = 3
 NOTIFY_DELETE = 6
+# The protocol minor that brought INVAL_INODE and INVAL_ENTRY (7.12, Linux 2.6.31): older than the
+# oldest supported kernel, so every connection takes them; checked anyway, as the kernel's code is.
+NOTIFY_INVAL_MIN_MINOR = 12
 
 # ------------------------------------------------------------------------------------ INIT flags
 ASYNC_READ = 1 << 0

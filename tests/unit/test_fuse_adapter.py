@@ -112,6 +112,9 @@ class RaisingFs:
     lookup = getattr = open = read = opendir = flush = fsync = _araise
     forget = release = releasedir = readdir = statfs = getxattr = listxattr = add_lookup = _raise
 
+    def attach_kernel_cache(self, kernel: object) -> None:
+        pass  # told at INIT, before any operation
+
 
 # Each read-side request, with arguments that reach the fs method.
 REQUESTS = [
@@ -421,6 +424,71 @@ async def test_a_changed_object_is_estale_through_the_adapter(fs: CacheFS, store
         fh = open_of((await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=f))[1])[0]
         store.put_object("dir/file.bin", b"x" * 100)
         assert (await kernel.call(wire.READ, read_in(fh, 0, 10), nodeid=f))[0] == errno.ESTALE
+
+
+async def test_a_relist_that_finds_a_change_notifies_the_kernel_from_another_thread(
+        fs: CacheFS, store: InMemoryObjectStore) -> None:
+    """FUSE_NOTIFY_INVAL_INODE for a file with a new version and _ENTRY for its name and for a name
+    gone: unsolicited messages (unique 0, the code in the error field), counted in the stats."""
+    store.put_object("dir/gone.bin", b"g")
+    async for kernel, session in serving(FuseOperations(fs)):
+        await kernel.call(wire.INIT, init_in(45, wire.DO_READDIRPLUS), nodeid=0)
+        assert session.notifier is not None
+        d = entry_of((await kernel.call(wire.LOOKUP, b"dir\0"))[1])[0]
+        f = entry_of((await kernel.call(wire.LOOKUP, b"file.bin\0", nodeid=d))[1])[0]
+        await kernel.call(wire.LOOKUP, b"gone.bin\0", nodeid=d)
+        store.put_object("dir/file.bin", b"x" * 300)
+        store.delete_object("dir/gone.bin")
+        fs.clock.advance(6)  # type: ignore[attr-defined]  # past dir_ttl_s: the next lookup lists again
+        kernel.send(encode(wire.LOOKUP, b"other\0", nodeid=d, unique=77))
+        replies, notices = [], []
+        while len(replies) < 1 or len(notices) < 3:
+            unique, error, payload = await kernel.reply()
+            if unique == 0:
+                notices.append((-error, payload))  # (reply() negates the header's error field)
+            else:
+                replies.append((error, payload))
+        assert replies == [(errno.ENOENT, b"")]
+        assert sorted(notices) == sorted([
+            (wire.NOTIFY_INVAL_INODE, struct.pack("<Qqq", f, 0, 0)),
+            (wire.NOTIFY_INVAL_ENTRY, struct.pack("<QII", d, 8, 0) + b"file.bin\0"),
+            (wire.NOTIFY_INVAL_ENTRY, struct.pack("<QII", d, 8, 0) + b"gone.bin\0"),
+        ])
+        deadline = asyncio.get_running_loop().time() + REPLY_WAIT_S  # counted after each write, by its thread
+        while (fs.stats.inval_entries, fs.stats.inval_inodes) != (2, 1):
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        assert await kernel.nothing()
+
+
+def test_notification_outcomes_are_counted(fs: CacheFS) -> None:
+    ops = FuseOperations(fs)
+    ops.notified(wire.NOTIFY_INVAL_ENTRY, 0)
+    ops.notified(wire.NOTIFY_INVAL_ENTRY, errno.ENOENT)  # the kernel did not hold it: normal
+    ops.notified(wire.NOTIFY_INVAL_INODE, errno.ENOENT)
+    ops.notified(wire.NOTIFY_INVAL_INODE, errno.EINVAL)
+    ops.notified(wire.NOTIFY_INVAL_INODE, errno.ENOBUFS)  # never sent: too many queued
+    s = fs.stats
+    assert (s.inval_entries, s.inval_inodes, s.inval_not_cached, s.inval_errors, s.inval_dropped) == (2, 2, 2, 1, 1)
+
+
+async def test_a_notifier_past_its_bound_drops_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachefs.fuse import session as session_module
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    outcomes: list[tuple[int, int]] = []
+    monkeypatch.setattr(session_module, "MAX_QUEUED_NOTICES", 0)
+    notifier = session_module.Notifier(ours.fileno(), lambda code, error: outcomes.append((code, error)))
+    try:
+        notifier.forget_inode(5)
+        assert outcomes == [(wire.NOTIFY_INVAL_INODE, errno.ENOBUFS)]
+        monkeypatch.setattr(session_module, "MAX_QUEUED_NOTICES", 10)
+        notifier.forget_entry(1, b"n")
+    finally:
+        notifier.close()
+        ours.close()
+    assert theirs.recv(100) == b"".join(wire.notify_inval_entry(1, b"n"))
+    assert outcomes[1:] == [(wire.NOTIFY_INVAL_ENTRY, 0)]
+    theirs.close()
 
 
 WRITE_REQUESTS = [
