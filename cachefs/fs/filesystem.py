@@ -47,7 +47,7 @@ from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
 from cachefs.fs.kernelcache import KernelCache
-from cachefs.fs.listings import ListingCache
+from cachefs.fs.listings import UNKNOWN, ListingCache
 from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.passthrough import WholeFiles, WholeFileStore
 from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
@@ -202,9 +202,27 @@ class CacheFS:
                 node.info = info
         return node
 
+    def _refresh_now(self, node: Node) -> bool:
+        """``_refresh`` where it needs no waiting; False where the directory must be listed (then
+        call ``_refresh``). The answer of a listing is remembered on the node for as long as that
+        listing holds (``Node.fresh_until``): a warm file's open costs no lookup at all."""
+        if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
+            return True
+        listings = self.listings
+        if node.fresh_gen == listings.generation and node.fresh_until > self.clock.monotonic():
+            return True
+        parent, _, name = node.path.rpartition("/")
+        info, until = listings.lookup_now(parent, name)
+        if info is UNKNOWN:
+            return False
+        if isinstance(info, ObjectInfo) and info.etag != STAGED_ETAG:
+            node.info = info
+            node.fresh_until, node.fresh_gen = until, listings.generation
+        return True
+
     async def _refresh(self, node: Node) -> None:
         """Bring a file node's ObjectInfo up to date if its attributes expired."""
-        if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
+        if self._refresh_now(node):
             return
         parent, _, name = node.path.rpartition("/")
         try:
@@ -258,8 +276,32 @@ class CacheFS:
         await self._refresh(node)
         return self._attributes(node)
 
+    def open_now(self, inode: int, flags: int) -> tuple[FileHandle, bool] | None:
+        """``open`` where nothing needs waiting for, or None (then call ``open``): an unlink or a
+        rename of the file under way, O_TRUNC, or a listing to fetch. Raises as ``open`` does."""
+        node = self.inodes.get(inode)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if flags & _WRITE_FLAGS and self.settings.read_only:
+            raise FsError(errno.EROFS)
+        if node.losing_name is not None or flags & os.O_TRUNC:
+            return None
+        writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        if writable:
+            self._writer()
+        staged = self._staged(node)
+        if node.deleted and staged is None:
+            self.stats.stale_opens += 1
+            raise FsError(errno.ESTALE, f"/{node.path} was replaced or removed while it was opened")
+        if staged is None and not self._refresh_now(node):
+            return None
+        return self._open_handle(node, writable=writable)
+
     async def open(self, inode: int, flags: int) -> tuple[FileHandle, bool]:
         """Open a file; returns the handle and whether the kernel may keep its cached pages."""
+        opened = self.open_now(inode, flags)
+        if opened is not None:
+            return opened
         node = self.inodes.get(inode)
         if node.is_dir:
             raise FsError(errno.EISDIR)
@@ -292,7 +334,10 @@ class CacheFS:
         if offset < 0 or size < 0:
             raise FsError(errno.EINVAL)
         node = handle.node
-        window = handle.readahead.on_read(offset, size)
+        readahead = handle.readahead
+        if readahead is None:
+            readahead = handle.readahead = ReadAhead(self.cache.block_size, self.cache.readahead_limit)
+        window = readahead.on_read(offset, size)
         sf = self._staged(node) if self.writeback is not None else None
         if sf is not None:
             data = await self.writeback.read(sf, offset, size)  # type: ignore[union-attr]
@@ -455,7 +500,10 @@ class CacheFS:
         info = node.info
         if info is None:
             raise FsError(errno.ENOENT)
-        return ObjectRef(info.key, info.etag, info.size)
+        ref = node.ref
+        if ref is None or ref.etag != info.etag or ref.key != info.key or ref.size != info.size:
+            ref = node.ref = ObjectRef(info.key, info.etag, info.size)  # once per version, not per open
+        return ref
 
     def _text(self, name: bytes) -> str:
         """A new name as text: valid UTF-8 (object keys are), and a valid POSIX name."""
@@ -495,10 +543,7 @@ class CacheFS:
             if self.read_order is not None:
                 self.read_order.opened(ref, self.cache.is_cached)
         self.stats.opens += 1
-        fh = self.handles.add(FileHandleState(
-            node, ref, ReadAhead(self.cache.block_size, self.cache.readahead_limit),
-            writable=writable, local_gen=node.local_gen,
-        ))
+        fh = self.handles.add(FileHandleState(node, ref, writable=writable, local_gen=node.local_gen))
         node.open_handles += 1
         if writable:
             node.writers += 1

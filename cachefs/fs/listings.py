@@ -54,7 +54,7 @@ from tiering.writeback import MISSING, WriteBack
 
 log = logging.getLogger(__name__)
 
-_UNKNOWN = object()  # no fresh listing holds the answer: list the directory
+UNKNOWN = object()  # no fresh listing holds the answer: list the directory
 
 # The hot set in RAM is bounded by the number of entries it holds across all directories (about
 # 200 bytes each): 250,000 entries is ~50 MiB, room for two 100,000-entry directories being walked.
@@ -115,6 +115,10 @@ class ListingCache:
         self.writeback: WriteBack | None = None
         self.kernel: KernelCache = NoKernelCache()  # told what a new listing changed (``_follow``)
         self.entry_count = 0  # entries held across all cached listings
+        # Bumped whenever an answer may change before its listing expires (a change reached the
+        # store, a listing was dropped): what a caller remembered of an answer (``lookup_now``'s
+        # expiry) holds only while this is unchanged.
+        self.generation = 0
         self._listings: OrderedDict[str, CachedDir] = OrderedDict()
         self._flights: dict[str, asyncio.Task[CachedDir]] = {}
         self._bad_keys = WarnOnce()
@@ -135,13 +139,21 @@ class ListingCache:
     # ------------------------------------------------------------------ the merged view
     async def lookup(self, path: str, name: str) -> object:
         """``name`` in directory ``path`` with pending changes applied: info, None (a directory), MISSING."""
-        stored = self._indexed_lookup(path, name)
-        if stored is _UNKNOWN:
+        stored, _ = self._indexed_lookup(path, name)
+        if stored is UNKNOWN:
             listing = await self.get(path)
             stored = listing.entries.get(name, MISSING)
         if self.writeback is None:
             return stored
         return self.writeback.resolve(path, name, stored)
+
+    def lookup_now(self, path: str, name: str) -> tuple[object, float]:
+        """``lookup`` without waiting, and the monotonic time until which the store's part of the answer
+        holds (while ``generation`` is unchanged); ``(UNKNOWN, 0)`` where the directory must be listed."""
+        stored, until = self._indexed_lookup(path, name)
+        if stored is UNKNOWN or self.writeback is None:
+            return stored, until
+        return self.writeback.resolve(path, name, stored), until
 
     async def entries(self, path: str) -> dict[str, ObjectInfo | None]:
         """Everything directory ``path`` holds now, pending changes applied."""
@@ -173,24 +185,25 @@ class ListingCache:
         assert self.index is not None
         return self.index.wall()
 
-    def _indexed_lookup(self, path: str, name: str) -> object:
-        """``name`` from a fresh listing of ``path`` in RAM or in the index; ``_UNKNOWN`` if neither
-        holds one (the caller lists the directory)."""
+    def _indexed_lookup(self, path: str, name: str) -> tuple[object, float]:
+        """``name`` from a fresh listing of ``path`` in RAM or in the index, and when that listing
+        expires; ``(UNKNOWN, 0)`` if neither holds one (the caller lists the directory)."""
         cached = self._listings.get(path)
         if cached is not None and cached.expires_at > self.clock.monotonic():
             self._listings.move_to_end(path)
-            return cached.entries.get(name, MISSING)
+            return cached.entries.get(name, MISSING), cached.expires_at
         if self.index is None or path in self._flights:
-            return _UNKNOWN
+            return UNKNOWN, 0.0
         try:
             hit = self.index.lookup(path, name)
         except Exception as exc:  # noqa: BLE001 - a failing index is a miss, never an error
             self._index_failed(exc)
-            return _UNKNOWN
+            return UNKNOWN, 0.0
         if hit is None:
-            return MISSING if self.pinned else _UNKNOWN
+            return (MISSING, float("inf")) if self.pinned else (UNKNOWN, 0.0)
         fetched_at, entry = hit
-        return entry if self._fresh_until(fetched_at) is not None else _UNKNOWN
+        until = self._fresh_until(fetched_at)
+        return (entry, until) if until is not None else (UNKNOWN, 0.0)
 
     def _index_failed(self, exc: BaseException) -> None:
         self.stats.index_errors += 1
@@ -440,6 +453,7 @@ class ListingCache:
 
     def forget(self, path: str) -> None:
         """Drop the cached listing of ``path`` (the next lookup lists it again)."""
+        self.generation += 1
         self._forget_hot(path)
         self._index_call(lambda index: index.forget(path))
 
@@ -450,6 +464,7 @@ class ListingCache:
 
     def forget_under(self, path: str) -> None:
         """Drop the cached listings of ``path`` and of every directory below it."""
+        self.generation += 1
         prefix = path + "/"
         for cached in [p for p in self._listings if p == path or p.startswith(prefix)]:
             self._forget_hot(cached)
@@ -470,6 +485,7 @@ class ListingCache:
         """A pending change reached the store: bring the cached store listing and the node up to date
         (the overlay stops covering it now). Listings being fetched right now are patched when they
         land (``_replay_applied``)."""
+        self.generation += 1
         marker = key.endswith("/")
         path = key[:-1] if marker else key
         parent, _, name = path.rpartition("/")

@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
-from cachefs.fuse.session import BackingFiles, Notifier, Reply
+from cachefs.fuse.session import LATER, BackingFiles, Later, Notifier, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
@@ -202,8 +202,8 @@ class FuseOperations:
         # every read must reach the daemon through a handle's FOPEN_DIRECT_IO.
         self.no_open = immutable and not direct_io
         self.implicit: dict[int, int] = {}
-        self.inline: dict[int, Callable[[Request], Reply]] = {
-            wire.FORGET: self.forget, wire.BATCH_FORGET: self.batch_forget, wire.RELEASE: self.release,
+        self.inline: dict[int, Callable[[Request], Reply | Later]] = {
+            wire.OPEN: self.open_now, wire.FORGET: self.forget, wire.BATCH_FORGET: self.batch_forget, wire.RELEASE: self.release,
             wire.RELEASEDIR: self.releasedir, wire.READDIR: self.readdir, wire.READDIRPLUS: self.readdir,
             wire.STATFS: self.statfs, wire.GETXATTR: self.getxattr, wire.LISTXATTR: self.listxattr,
             wire.SETXATTR: self.setxattr, wire.REMOVEXATTR: self.removexattr, wire.SYMLINK: self.symlink,
@@ -288,6 +288,16 @@ class FuseOperations:
         for nodeid, nlookup in wire.FORGET_ONE.iter_unpack(req.body[wire.BATCH_FORGET_IN.size:][:count * 16]):
             self._forget(nodeid, nlookup)
         return None
+
+    def open_now(self, req: Request) -> Reply | Later:
+        """An open answered at once where ``CacheFS.open_now`` can (a warm file: no task, no wait)."""
+        if self.no_open or self.passthrough is not None:
+            return LATER
+        flags = wire.OPEN_IN.unpack_from(req.body)[0]
+        opened = self.fs.open_now(req.nodeid, flags)
+        if opened is None:
+            return LATER
+        return wire.open_out(opened[0], self._open_flags(opened[1], flags))
 
     async def open(self, req: Request) -> Reply:
         if self.no_open:

@@ -13,8 +13,8 @@ at the end. The mount's source (``df``, ``findmnt``) is the bucket URL, without 
 reads each request into one reused buffer (``os.readv``; max_write plus a page, the kernel's
 minimum), decodes it (``cachefs.fuse.wire``), and answers with one ``os.writev`` of the reply header
 and the handler's buffers (a read's data is the engine's memoryview: no join, no copy). Handlers the
-filesystem answers without waiting (release, forget, statfs, readdir, xattrs) run inline; the others
-run as tasks, at most ``max_tasks`` at once (reading pauses at the bound). A task's request outlives
+filesystem answers without waiting (release, forget, statfs, readdir, xattrs, and an open whose
+file's listing is fresh) run inline; the others run as tasks, at most ``max_tasks`` at once (reading pauses at the bound). A task's request outlives
 the buffer, so its arguments are copied out first (a few bytes), except a WRITE's payload: its buffer
 is set aside until the write ends and the next read uses another (a small pool).
 
@@ -122,11 +122,23 @@ Buffer = Union[bytes, bytearray, memoryview]
 Reply = Union[None, Buffer, Sequence[Buffer]]
 
 
+class Later:
+    """What an inline handler returns when it cannot answer without waiting (see ``Operations``)."""
+
+    __slots__ = ()
+
+
+LATER = Later()
+
+
 class Operations(Protocol):
-    """What the session needs of the adapter: the handlers by opcode, and the errno of a failure."""
+    """What the session needs of the adapter: the handlers by opcode, and the errno of a failure.
+
+    An opcode may have both: its inline handler answers what it can at once and returns ``LATER``
+    for the rest, which then runs as a task through ``handlers`` (a warm OPEN costs no task)."""
 
     @property
-    def inline(self) -> dict[int, Callable[[Request], Reply]]: ...
+    def inline(self) -> dict[int, Callable[[Request], Reply | Later]]: ...
 
     @property
     def handlers(self) -> dict[int, Callable[[Request], Awaitable[Reply]]]: ...
@@ -517,8 +529,10 @@ class FuseSession:
             except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
                 self.send(req.unique, self.ops.failure(opcode, exc))
                 return
-            if opcode not in NO_REPLY:
-                self.send(req.unique, 0, reply)
+            if reply is LATER:
+                self._start(req, self.ops.handlers[opcode])
+            elif opcode not in NO_REPLY:
+                self.send(req.unique, 0, reply)  # type: ignore[arg-type]
             return
         handler = self.ops.handlers.get(opcode)
         if handler is not None:
