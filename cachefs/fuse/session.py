@@ -118,6 +118,10 @@ INTERRUPTIBLE = frozenset({wire.LOOKUP, wire.GETATTR, wire.READ, wire.OPENDIR, w
                            wire.STATFS, wire.GETXATTR, wire.LISTXATTR})
 NO_REPLY = frozenset({wire.FORGET, wire.BATCH_FORGET})
 
+# wire.out_header without its call: every reply packs one (the header's fields, as the kernel wants).
+_OUT_HEADER_PACK = wire.OUT_HEADER.pack
+_OUT_HEADER_SIZE = wire.OUT_HEADER.size
+
 Buffer = Union[bytes, bytearray, memoryview]
 Reply = Union[None, Buffer, Sequence[Buffer]]
 
@@ -407,6 +411,8 @@ class FuseSession:
         self.proto_minor = 0
         self.flags = 0
         self._buffer = bytearray(BUFFER_SIZE)
+        self._view = memoryview(self._buffer)  # of _buffer, made once per buffer, not per request
+        self._buffers = [self._buffer]  # what readv fills
         self._spare: list[bytearray] = []
         self._tasks: dict[int, tuple[asyncio.Task[None], int]] = {}
         self._interrupted: set[int] = set()
@@ -493,7 +499,7 @@ class FuseSession:
                 self._pause()  # resumed when a task ends
                 return
             try:
-                length = os.readv(self.fd, [self._buffer])
+                length = os.readv(self.fd, self._buffers)
             except BlockingIOError:
                 return
             except InterruptedError:
@@ -508,7 +514,7 @@ class FuseSession:
             if length == 0:  # end of file: the connection is gone
                 self._end()
                 return
-            self._dispatch(memoryview(self._buffer)[:length])
+            self._dispatch(self._view[:length])
             if self._ended is None or self._ended.done():
                 return
 
@@ -553,6 +559,8 @@ class FuseSession:
             # The payload stays where it was read; the next request goes into another buffer.
             held = self._buffer
             self._buffer = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
+            self._view = memoryview(self._buffer)
+            self._buffers = [self._buffer]
         else:
             req = req._replace(body=memoryview(req.body.tobytes()))
         assert self._loop is not None
@@ -631,11 +639,11 @@ class FuseSession:
         if self._closed:
             return
         if error or reply is None:
-            buffers: list[Buffer] = [wire.out_header(unique, error, 0)]
+            buffers: list[Buffer] = [_OUT_HEADER_PACK(_OUT_HEADER_SIZE, -error, unique)]
         elif isinstance(reply, (bytes, bytearray, memoryview)):
-            buffers = [wire.out_header(unique, 0, len(reply)), reply]
+            buffers = [_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, unique), reply]
         else:
-            buffers = [wire.out_header(unique, 0, sum(len(part) for part in reply)), *reply]
+            buffers = [_OUT_HEADER_PACK(_OUT_HEADER_SIZE + sum(len(part) for part in reply), 0, unique), *reply]
         self.write(buffers)
 
     def write(self, buffers: Sequence[Buffer]) -> None:

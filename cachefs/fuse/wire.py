@@ -261,7 +261,11 @@ def parse_request(buffer: memoryview) -> Request:
     if length > len(buffer) or length < IN_HEADER.size:
         raise ValueError(f"request of {len(buffer)} bytes says it has {length}")
     # Extensions (security contexts, supplementary groups) come after the arguments; none is asked for.
-    return Request(opcode, unique, nodeid, uid, gid, pid, buffer[IN_HEADER.size:length - extlen * 8])
+    # (tuple.__new__ directly: the named tuple's own __new__ is a Python call, once per request.)
+    return _new_tuple(Request, (opcode, unique, nodeid, uid, gid, pid, buffer[IN_HEADER.size:length - extlen * 8]))
+
+
+_new_tuple = tuple.__new__
 
 
 # ----------------------------------------------------------------------------------------- replies
