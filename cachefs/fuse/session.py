@@ -57,6 +57,7 @@ import socket
 import stat
 import struct
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -422,6 +423,7 @@ class FuseSession:
         self._max_tasks = 1
         self._closed = False
         self.notifier: Notifier | None = None
+        self._poller = select.poll()  # registered with the descriptor by serve()
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -467,6 +469,8 @@ class FuseSession:
         self._ended = self._loop.create_future()
         self._max_tasks = max(1, max_tasks)
         os.set_blocking(self.fd, False)
+        self._poller = select.poll()
+        self._poller.register(self.fd, select.POLLIN)
         self._resume()
         try:
             await self._ended
@@ -494,7 +498,12 @@ class FuseSession:
             self._ended.set_result(None)
 
     def _readable(self) -> None:
-        for _ in range(READS_PER_WAKEUP):
+        for i in range(READS_PER_WAKEUP):
+            # After the first request, look before reading: a read that finds nothing raises
+            # BlockingIOError (0.77 us measured here, against 0.26 us for a poll), and one client
+            # waiting for its reply leaves nothing behind it most of the time.
+            if i and not self._poller.poll(0):
+                return
             if len(self._tasks) >= self._max_tasks:
                 self._pause()  # resumed when a task ends
                 return
