@@ -241,26 +241,45 @@ class CacheFS:
         node.info = info
 
     # ------------------------------------------------------------------ FUSE operations
-    async def lookup(self, parent_inode: int, name: bytes) -> Attributes:
-        self.stats.lookups += 1
+    def lookup_now(self, parent_inode: int, name: bytes) -> Attributes | None:
+        """``lookup`` where the parent's listing is fresh (in RAM or the index), or None: then call
+        ``lookup``, which lists it. Raises as ``lookup`` does."""
         parent = self.inodes.get(parent_inode)
         if not parent.is_dir:
+            self.stats.lookups += 1
             raise FsError(errno.ENOTDIR)
         if len(name) > NAME_MAX:
+            self.stats.lookups += 1
             raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
         try:
             text = name.decode("utf-8")
         except UnicodeDecodeError:
+            self.stats.lookups += 1
             raise FsError(errno.ENOENT) from None
-        if text == ".":
-            node = parent
-        elif text == "..":
-            node = self.inodes.at(parent.path.rpartition("/")[0]) or self.inodes.root
-        else:
-            value = await self.listings.lookup(parent.path, text)
-            if value is MISSING:
-                raise FsError(errno.ENOENT)
-            node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
+        if text == "." or text == "..":
+            self.stats.lookups += 1
+            node = parent if text == "." else self.inodes.at(parent.path.rpartition("/")[0]) or self.inodes.root
+            node.lookups += 1
+            return self._attributes(node)
+        value, _ = self.listings.lookup_now(parent.path, text)
+        if value is UNKNOWN:
+            return None
+        self.stats.lookups += 1
+        return self._looked_up(parent, text, value)
+
+    async def lookup(self, parent_inode: int, name: bytes) -> Attributes:
+        attrs = self.lookup_now(parent_inode, name)
+        if attrs is not None:
+            return attrs
+        self.stats.lookups += 1
+        parent = self.inodes.get(parent_inode)
+        text = name.decode("utf-8")  # checked by lookup_now
+        return self._looked_up(parent, text, await self.listings.lookup(parent.path, text))
+
+    def _looked_up(self, parent: Node, text: str, value: object) -> Attributes:
+        if value is MISSING:
+            raise FsError(errno.ENOENT)
+        node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
         node.lookups += 1
         return self._attributes(node)
 
@@ -270,6 +289,11 @@ class CacheFS:
     def add_lookup(self, inode: int) -> None:
         """The kernel took a reference through readdirplus."""
         self.inodes.get(inode).lookups += 1
+
+    def getattr_now(self, inode: int) -> Attributes | None:
+        """``getattr`` where its listing is fresh, or None: then call ``getattr``."""
+        node = self.inodes.get(inode)
+        return self._attributes(node) if self._refresh_now(node) else None
 
     async def getattr(self, inode: int) -> Attributes:
         node = self.inodes.get(inode)

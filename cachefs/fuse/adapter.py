@@ -203,7 +203,8 @@ class FuseOperations:
         self.no_open = immutable and not direct_io
         self.implicit: dict[int, int] = {}
         self.inline: dict[int, Callable[[Request], Reply | Later]] = {
-            wire.OPEN: self.open_now, wire.FORGET: self.forget, wire.BATCH_FORGET: self.batch_forget, wire.RELEASE: self.release,
+            wire.LOOKUP: self.lookup_now, wire.GETATTR: self.getattr_now, wire.OPEN: self.open_now,
+            wire.FORGET: self.forget, wire.BATCH_FORGET: self.batch_forget, wire.RELEASE: self.release,
             wire.RELEASEDIR: self.releasedir, wire.READDIR: self.readdir, wire.READDIRPLUS: self.readdir,
             wire.STATFS: self.statfs, wire.GETXATTR: self.getxattr, wire.LISTXATTR: self.listxattr,
             wire.SETXATTR: self.setxattr, wire.REMOVEXATTR: self.removexattr, wire.SYMLINK: self.symlink,
@@ -267,6 +268,14 @@ class FuseOperations:
         return out
 
     # ------------------------------------------------------------------------------- reading
+    def lookup_now(self, req: Request) -> Reply | Later:
+        attrs = self.fs.lookup_now(req.nodeid, req.name())
+        return LATER if attrs is None else entry(attrs)
+
+    def getattr_now(self, req: Request) -> Reply | Later:
+        attrs = self.fs.getattr_now(req.nodeid)
+        return LATER if attrs is None else attr(attrs)
+
     async def lookup(self, req: Request) -> Reply:
         return entry(await self.fs.lookup(req.nodeid, req.name()))
 

@@ -110,7 +110,7 @@ class RaisingFs:
         raise self.exc
 
     lookup = getattr = open = read = opendir = flush = fsync = _araise
-    forget = release = releasedir = readdir = statfs = getxattr = listxattr = add_lookup = open_now = _raise
+    forget = release = releasedir = readdir = statfs = getxattr = listxattr = add_lookup = open_now = lookup_now = getattr_now = _raise
 
     def attach_kernel_cache(self, kernel: object) -> None:
         pass  # told at INIT, before any operation
@@ -406,32 +406,43 @@ async def test_an_immutable_mount_lets_the_kernel_open_files_itself(fs: CacheFS)
     assert FuseOperations(fs, immutable=True, direct_io=True).no_open is False
 
 
-async def test_an_open_whose_listing_is_fresh_is_answered_inline_and_the_rest_as_a_task(
+async def test_requests_whose_listing_is_fresh_are_answered_inline_and_the_rest_as_tasks(
         fs: CacheFS, store: InMemoryObjectStore) -> None:
+    """LOOKUP, GETATTR and OPEN run as a task only when a directory must be listed first."""
     ops = FuseOperations(fs)
-    tasks: list[int] = []
-    slow = ops.handlers[wire.OPEN]
+    tasks: list[tuple[str, int]] = []
 
-    async def counted(req: wire.Request) -> Any:
-        tasks.append(req.unique)
-        return await slow(req)
+    def counting(opcode: int) -> Any:
+        slow = ops.handlers[opcode]
 
-    ops.handlers[wire.OPEN] = counted
+        async def counted(req: wire.Request) -> Any:
+            tasks.append((wire.OPCODE_NAMES[opcode], req.unique))
+            return await slow(req)
+        return counted
+
+    for opcode in (wire.LOOKUP, wire.GETATTR, wire.OPEN):
+        ops.handlers[opcode] = counting(opcode)
     async for kernel, _ in serving(ops):
-        d = entry_of((await kernel.call(wire.LOOKUP, b"dir\0"))[1])[0]
-        f = entry_of((await kernel.call(wire.LOOKUP, b"file.bin\0", nodeid=d))[1])[0]
+        d = entry_of((await kernel.call(wire.LOOKUP, b"dir\0", unique=1))[1])[0]
+        f = entry_of((await kernel.call(wire.LOOKUP, b"file.bin\0", nodeid=d, unique=2))[1])[0]
+        assert tasks == [("lookup", 1), ("lookup", 2)]  # each listed a directory
+        assert (await kernel.call(wire.LOOKUP, b"nothing\0", nodeid=d, unique=3))[0] == errno.ENOENT
+        assert entry_of((await kernel.call(wire.LOOKUP, b"file.bin\0", nodeid=d, unique=4))[1])[0] == f
+        error, payload = await kernel.call(wire.GETATTR, wire.GETATTR_IN.pack(0, 0, 0), nodeid=f, unique=5)
+        assert error == 0 and struct.unpack_from("<Q", payload, 16 + 8)[0] == 100
         for unique in (10, 11):
             error, payload = await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=f, unique=unique)
             assert error == 0 and open_of(payload)[1] & wire.FOPEN_NOFLUSH
-        assert tasks == []  # the listing the lookup made answers both: no task, no wait
+        assert len(tasks) == 2  # the listings made answer all of these: no task, no wait
         store.put_object("dir/file.bin", b"new" * 10)
         fs.clock.advance(6)  # type: ignore[attr-defined]  # the listing expired: this open must list again
         error, payload = await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=f, unique=12)
         fh, flags = open_of(payload)
-        assert error == 0 and tasks == [12] and not flags & wire.FOPEN_KEEP_CACHE  # a new version: pages dropped
+        assert error == 0 and tasks[2:] == [("open", 12)] and not flags & wire.FOPEN_KEEP_CACHE  # new version
         assert await kernel.call(wire.READ, read_in(fh, 0, 6), nodeid=f) == (0, b"newnew")
         assert (await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=d, unique=13))[0] == errno.EISDIR
-        assert tasks == [12]
+        assert len(tasks) == 3
+    assert fs.stats.lookups == 4
 
 
 async def test_posix_errors_through_the_adapter(fs: CacheFS) -> None:
