@@ -208,6 +208,10 @@ class CacheFS:
         listing holds (``Node.fresh_until``): a warm file's open costs no lookup at all."""
         if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
             return True
+        return self._store_info_now(node)
+
+    def _store_info_now(self, node: Node) -> bool:
+        """``_refresh_now`` of a file node known to have no staged data."""
         listings = self.listings
         if node.fresh_gen == listings.generation and node.fresh_until > self.clock.monotonic():
             return True
@@ -317,9 +321,9 @@ class CacheFS:
         if node.deleted and staged is None:
             self.stats.stale_opens += 1
             raise FsError(errno.ESTALE, f"/{node.path} was replaced or removed while it was opened")
-        if staged is None and not self._refresh_now(node):
+        if staged is None and not self._store_info_now(node):
             return None
-        return self._open_handle(node, writable=writable)
+        return self._open_handle(node, writable=writable, staged=staged)
 
     async def open(self, inode: int, flags: int) -> tuple[FileHandle, bool]:
         """Open a file; returns the handle and whether the kernel may keep its cached pages."""
@@ -553,9 +557,12 @@ class CacheFS:
             raise FsError(errno.ENOTDIR)
         return node
 
-    def _open_handle(self, node: Node, *, writable: bool) -> tuple[FileHandle, bool]:
-        """A new handle; the kernel may keep its cached pages only of an unchanged store version."""
-        sf = self._staged(node)
+    def _open_handle(self, node: Node, *, writable: bool, staged: StagedFile | None | object = MISSING
+                     ) -> tuple[FileHandle, bool]:
+        """A new handle; the kernel may keep its cached pages only of an unchanged store version.
+        ``staged``: what ``_staged(node)`` just answered, where the caller asked it."""
+        sf = self._staged(node) if staged is MISSING else staged
+        assert sf is None or isinstance(sf, StagedFile)
         ref: ObjectRef | None = None
         if sf is not None:
             keep_cache = False

@@ -16,6 +16,7 @@ import os
 import socket
 import stat
 import struct
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -515,8 +516,14 @@ async def test_a_notifier_past_its_bound_drops_and_counts(monkeypatch: pytest.Mo
     from cachefs.fuse import session as session_module
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     outcomes: list[tuple[int, int]] = []
+    threads: list[str] = []
+
+    def report(code: int, error: int) -> None:
+        outcomes.append((code, error))
+        threads.append(threading.current_thread().name)
+
     monkeypatch.setattr(session_module, "MAX_QUEUED_NOTICES", 0)
-    notifier = session_module.Notifier(ours.fileno(), lambda code, error: outcomes.append((code, error)))
+    notifier = session_module.Notifier(ours.fileno(), report)
     try:
         notifier.forget_inode(5)
         assert outcomes == [(wire.NOTIFY_INVAL_INODE, errno.ENOBUFS)]
@@ -527,6 +534,7 @@ async def test_a_notifier_past_its_bound_drops_and_counts(monkeypatch: pytest.Mo
         ours.close()
     assert theirs.recv(100) == b"".join(wire.notify_inval_entry(1, b"n"))
     assert outcomes[1:] == [(wire.NOTIFY_INVAL_ENTRY, 0)]
+    assert threads[1:] == ["fuse-notify"]  # written by its own thread, never the loop's
     theirs.close()
 
 
