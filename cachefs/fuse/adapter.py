@@ -3,7 +3,9 @@
 Each handler unpacks its request's arguments (``cachefs.fuse.wire``), calls one ``CacheFS`` method
 and packs the answer; the session (``cachefs.fuse.session``) reads the requests and sends the
 replies. Handlers whose ``CacheFS`` method never waits are plain functions the session calls inline
-(``inline``); the others are coroutines it runs as tasks (``handlers``).
+(``inline``); the others are coroutines it runs as tasks (``handlers``). LOOKUP, GETATTR and OPEN
+have both: the inline one (``*_now``, over ``CacheFS.*_now``) answers when the listing it needs is
+fresh and returns ``LATER`` when a directory must be listed first, and the coroutine does the rest.
 
 Errors become errno here and only here (``failure``, which the session calls for anything a handler
 raises other than ``FuseError``): domain errors (``FsError``, the engine's ``CacheError``) carry

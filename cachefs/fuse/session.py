@@ -13,8 +13,9 @@ at the end. The mount's source (``df``, ``findmnt``) is the bucket URL, without 
 reads each request into one reused buffer (``os.readv``; max_write plus a page, the kernel's
 minimum), decodes it (``cachefs.fuse.wire``), and answers with one ``os.writev`` of the reply header
 and the handler's buffers (a read's data is the engine's memoryview: no join, no copy). Handlers the
-filesystem answers without waiting (release, forget, statfs, readdir, xattrs, and an open whose
-file's listing is fresh) run inline; the others run as tasks, at most ``max_tasks`` at once (reading pauses at the bound). A task's request outlives
+filesystem answers without waiting (release, forget, statfs, readdir, xattrs, and a lookup, getattr
+or open whose listing is fresh: those return ``LATER`` otherwise) run inline; the others run as
+tasks, at most ``max_tasks`` at once (reading pauses at the bound). A task's request outlives
 the buffer, so its arguments are copied out first (a few bytes), except a WRITE's payload: its buffer
 is set aside until the write ends and the next read uses another (a small pool).
 
@@ -256,6 +257,7 @@ class Notifier:
                 except OSError as exc:
                     error = exc.errno or errno.EIO
                     if error == errno.ENODEV:  # the connection is gone: nothing more to tell
+                        self._closed = True
                         return
                     if error != errno.ENOENT:
                         log.debug("a FUSE notification (%d) failed: %s", code, exc)
