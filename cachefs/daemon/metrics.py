@@ -117,6 +117,12 @@ FUSE_PASSTHROUGH = "cachefs_fuse_passthrough"  # 1 when the connection uses pass
 FUSE_PASSTHROUGH_OPENS_TOTAL = "cachefs_fuse_passthrough_opens_total"
 FUSE_PASSTHROUGH_REFUSED_TOTAL = "cachefs_fuse_passthrough_refused_total"  # opens answered ETXTBSY
 FUSE_PASSTHROUGH_FALLBACKS_TOTAL = "cachefs_fuse_passthrough_fallbacks_total"  # registrations refused
+# Notifications telling the kernel to drop an entry or inode that changed in the bucket.
+FUSE_INVAL_ENTRIES_TOTAL = "cachefs_fuse_inval_entries_total"
+FUSE_INVAL_INODES_TOTAL = "cachefs_fuse_inval_inodes_total"
+FUSE_INVAL_NOT_CACHED_TOTAL = "cachefs_fuse_inval_not_cached_total"  # ENOENT: the kernel did not hold it
+FUSE_INVAL_ERRORS_TOTAL = "cachefs_fuse_inval_errors_total"
+FUSE_INVAL_DROPPED_TOTAL = "cachefs_fuse_inval_dropped_total"  # not sent: too many queued
 WHOLE_FILES = "cachefs_whole_files"  # whole files on the disk tier now
 WHOLE_FILE_BYTES = "cachefs_whole_file_bytes"
 WHOLE_FILES_ASSEMBLED_TOTAL = "cachefs_whole_files_assembled_total"
@@ -422,6 +428,13 @@ class CacheFSCollector(Collector):
         yield CounterMetricFamily(FUSE_PASSTHROUGH_FALLBACKS_TOTAL,
                                   "Whole files the kernel would not register; the daemon served those reads.",
                                   value=section.get("passthrough_fallbacks", 0))
+        for name, key, text in (
+                (FUSE_INVAL_ENTRIES_TOTAL, "inval_entries", "Entries the kernel was told to drop (changed in the bucket)."),
+                (FUSE_INVAL_INODES_TOTAL, "inval_inodes", "Inodes whose attributes and pages the kernel was told to drop."),
+                (FUSE_INVAL_NOT_CACHED_TOTAL, "inval_not_cached", "Of those, ones the kernel did not hold (ENOENT)."),
+                (FUSE_INVAL_ERRORS_TOTAL, "inval_errors", "Notifications the kernel refused otherwise."),
+                (FUSE_INVAL_DROPPED_TOTAL, "inval_dropped", "Notifications not sent: too many were queued.")):
+            yield CounterMetricFamily(name, text, value=section.get(key, 0))
         whole = section.get("whole_files") or {}
         yield GaugeMetricFamily(WHOLE_FILES, "Whole files on the disk tier (passthrough).", value=whole.get("files", 0))
         yield GaugeMetricFamily(WHOLE_FILE_BYTES, "Bytes of whole files on the disk tier (part of its used bytes).",

@@ -196,6 +196,13 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "passthrough_opens": fs.stats.passthrough_opens,
             "passthrough_refused": fs.stats.passthrough_refused,
             "passthrough_fallbacks": fs.stats.passthrough_fallbacks,
+            # Notifications that the kernel drop a name or inode changed in the bucket (a re-list saw
+            # it): written, not held by the kernel (ENOENT: normal), refused, dropped unsent.
+            "inval_entries": fs.stats.inval_entries,
+            "inval_inodes": fs.stats.inval_inodes,
+            "inval_not_cached": fs.stats.inval_not_cached,
+            "inval_errors": fs.stats.inval_errors,
+            "inval_dropped": fs.stats.inval_dropped,
             "whole_files": fs.whole.store.whole_snapshot() if fs.whole is not None else {},
         },
         # The shared cluster tier (tiering.tiers.cluster) and its write-behind queue; absent without one.

@@ -15,6 +15,8 @@ mount. It is a facade over the state objects it holds, each with its own module:
   it) kept for the handles that still use it; opens racing with it wait for it.
 * **Retried opens** (``cachefs.fs.retries``): the threads whose open was answered ESTALE, and the
   file each one's retry looked up, kept for that open as for an open handle.
+* **Name changes** (``cachefs.fs.names``): create, mkdir, unlink, rmdir and rename, each new name
+  checked, made through write-back.
 
 The kernel's page cache is used across opens (``keep_cache``) as long as the object's ETag is the
 one seen at the previous open; when it changed, the open answers without ``keep_cache`` and the
@@ -49,15 +51,17 @@ from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
 from cachefs.fs.keep import LOSING_NAME_WAIT_S, KeptFiles
-from cachefs.fs.listings import ListingCache
+from cachefs.fs.kernelcache import KernelCache
+from cachefs.fs.listings import UNKNOWN, ListingCache
 from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.passthrough import WholeFiles, WholeFileStore
-from cachefs.fs.rename import RENAME_EXCHANGE, Renamer
+from cachefs.fs.names import NameChanges
+from cachefs.fs.rename import Renamer
 from cachefs.fs.retries import RetriedOpens
 from cachefs.fs.stats import FsStats
 from cachefs.fs.times import set_mtime
 from cachefs.mounts import CONTROL_XATTR
-from cachefs.names import NAME_MAX, encode_name, key_length_problem, name_problem
+from cachefs.names import NAME_MAX, encode_name
 from cachefs.paths import join
 from cachefs.settings import FsSettings
 from tiering.blocks import ObjectRef
@@ -68,7 +72,6 @@ from tiering.protocols import ObjectInfo, ObjectStore
 from tiering.policy.readahead import ReadAhead
 from tiering.policy.readorder import ReadOrder
 from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
-from tiering.writeback.pending import staged_info
 from tiering.writeback.staged import StagedFile
 
 # Blocks reported to statfs are in units of this size (the usual 4 KiB page).
@@ -91,18 +94,6 @@ def _nlink(node: Node) -> int:
     if node.is_dir:
         return 1
     return 0 if node.deleted else 1
-
-
-def _new_name(name: bytes) -> str:
-    """A new name as text: valid UTF-8 (object keys are), and a valid POSIX name."""
-    try:
-        text = name.decode("utf-8")
-    except UnicodeDecodeError:
-        raise FsError(errno.EINVAL, "file names must be valid UTF-8 to become object keys") from None
-    problem = name_problem(text)
-    if problem is not None:
-        raise FsError(problem.errno, problem.reason)
-    return text
 
 
 @dataclass(frozen=True)
@@ -190,6 +181,7 @@ class CacheFS:
         self.retries = RetriedOpens(self.clock, RETRY_OPEN_WINDOW_S, self._hold_for_awaited)
         self.kept = KeptFiles(self.inodes, self.retries, self._staged, self._stage_for_write)
         self.renamer = Renamer(store, self.listings, self.inodes, settings.rename_dir_limit, self.kept.keep)
+        self.names = NameChanges(self)
         self.writeback: WriteBack | None = None  # set by attach_writeback on a writable mount
         # Whole files on the disk tier, for the kernel to read opens of them itself (passthrough).
         self.whole = (WholeFiles(whole_files, cache.block_size, cache.cached_blocks)
@@ -212,9 +204,31 @@ class CacheFS:
                 node.info = info
         return node
 
+    def _refresh_now(self, node: Node) -> bool:
+        """``_refresh`` where it needs no waiting; False where the directory must be listed (then
+        call ``_refresh``). The answer of a listing is remembered on the node for as long as that
+        listing holds (``Node.fresh_until``): a warm file's open costs no lookup at all."""
+        if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
+            return True
+        return self._store_info_now(node)
+
+    def _store_info_now(self, node: Node) -> bool:
+        """``_refresh_now`` of a file node known to have no staged data."""
+        listings = self.listings
+        if node.fresh_gen == listings.generation and node.fresh_until > self.clock.monotonic():
+            return True
+        parent, _, name = node.path.rpartition("/")
+        info, until = listings.lookup_now(parent, name)
+        if info is UNKNOWN:
+            return False
+        if isinstance(info, ObjectInfo) and info.etag != STAGED_ETAG:
+            node.info = info
+            node.fresh_until, node.fresh_gen = until, listings.generation
+        return True
+
     async def _refresh(self, node: Node) -> None:
         """Bring a file node's ObjectInfo up to date if its attributes expired."""
-        if node.is_dir or node.inode == ROOT_INODE or node.deleted or self._staged(node) is not None:
+        if self._refresh_now(node):
             return
         parent, _, name = node.path.rpartition("/")
         try:
@@ -233,26 +247,48 @@ class CacheFS:
         node.info = info
 
     # ------------------------------------------------------------------ FUSE operations
-    async def lookup(self, parent_inode: int, name: bytes, caller: int = 0) -> Attributes:
-        """``caller``: the thread that asks (the FUSE header's pid), 0 if unknown. The lookup of a
-        thread retrying an open answered ESTALE answers once an unlink or a rename of the name under way
-        is done, and the file it answers is kept for that thread's OPEN (``cachefs.fs.retries``)."""
-        self.stats.lookups += 1
+    def lookup_now(self, parent_inode: int, name: bytes, caller: int = 0) -> Attributes | None:
+        """``lookup`` where the parent's listing is fresh (in RAM or the index) and the lookup is no
+        retry's (``cachefs.fs.retries``), or None: then call ``lookup``. Raises as ``lookup`` does."""
         parent = self.inodes.get(parent_inode)
         if not parent.is_dir:
+            self.stats.lookups += 1
             raise FsError(errno.ENOTDIR)
         if len(name) > NAME_MAX:
+            self.stats.lookups += 1
             raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
         try:
             text = name.decode("utf-8")
         except UnicodeDecodeError:
+            self.stats.lookups += 1
             raise FsError(errno.ENOENT) from None
-        if text == ".":
-            node = parent
-        elif text == "..":
-            node = self.inodes.at(parent.path.rpartition("/")[0]) or self.inodes.root
-        else:
-            node = await self._resolve(parent, text, caller)
+        if text == "." or text == "..":
+            self.stats.lookups += 1
+            node = parent if text == "." else self.inodes.at(parent.path.rpartition("/")[0]) or self.inodes.root
+            node.lookups += 1
+            return self._attributes(node)
+        if len(self.retries) and self.retries.retrying(caller, join(parent.path, text)):
+            return None
+        value, _ = self.listings.lookup_now(parent.path, text)
+        if value is UNKNOWN:
+            return None
+        self.stats.lookups += 1
+        if value is MISSING:
+            raise FsError(errno.ENOENT)
+        node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
+        node.lookups += 1
+        return self._attributes(node)
+
+    async def lookup(self, parent_inode: int, name: bytes, caller: int = 0) -> Attributes:
+        """``caller``: the thread that asks (the FUSE header's pid), 0 if unknown. The lookup of a
+        thread retrying an open answered ESTALE answers once an unlink or a rename of the name under way
+        is done, and the file it answers is kept for that thread's OPEN (``cachefs.fs.retries``)."""
+        attrs = self.lookup_now(parent_inode, name, caller)
+        if attrs is not None:
+            return attrs
+        self.stats.lookups += 1
+        parent = self.inodes.get(parent_inode)
+        node = await self._resolve(parent, name.decode("utf-8"), caller)  # (checked by lookup_now)
         node.lookups += 1
         return self._attributes(node)
 
@@ -284,14 +320,41 @@ class CacheFS:
         """The kernel took a reference through readdirplus."""
         self.inodes.get(inode).lookups += 1
 
+    def getattr_now(self, inode: int) -> Attributes | None:
+        """``getattr`` where its listing is fresh, or None: then call ``getattr``."""
+        node = self.inodes.get(inode)
+        return self._attributes(node) if self._refresh_now(node) else None
+
     async def getattr(self, inode: int) -> Attributes:
         node = self.inodes.get(inode)
         await self._refresh(node)
         return self._attributes(node)
 
+    def open_now(self, inode: int, flags: int, caller: int = 0) -> tuple[FileHandle, bool] | None:
+        """``open`` where nothing needs waiting for, or None (then call ``open``): an unlink or a
+        rename of the file under way or done (ESTALE, and its retry, are ``open``'s), a retried open,
+        O_TRUNC, or a listing to fetch. Raises as ``open`` does."""
+        node = self.inodes.get(inode)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if flags & _WRITE_FLAGS and self.settings.read_only:
+            raise FsError(errno.EROFS)
+        if node.losing_name is not None or node.deleted or flags & os.O_TRUNC or len(self.retries):
+            return None
+        writable = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        if writable:
+            self._writer()
+        staged = self._staged(node)
+        if staged is None and not self._store_info_now(node):
+            return None
+        return self._open_handle(node, writable=writable, staged=staged)
+
     async def open(self, inode: int, flags: int, caller: int = 0) -> tuple[FileHandle, bool]:
         """Open a file; returns the handle and whether the kernel may keep its cached pages. ``caller``:
         the thread that opens (the FUSE header's pid), 0 if unknown (see ``cachefs.fs.retries``)."""
+        opened = self.open_now(inode, flags, caller)
+        if opened is not None:
+            return opened
         node = self.inodes.get(inode)
         retry = self.retries.take(caller, node)
         try:
@@ -337,7 +400,10 @@ class CacheFS:
         if offset < 0 or size < 0:
             raise FsError(errno.EINVAL)
         node = handle.node
-        window = handle.readahead.on_read(offset, size)
+        readahead = handle.readahead
+        if readahead is None:
+            readahead = handle.readahead = ReadAhead(self.cache.block_size, self.cache.readahead_limit)
+        window = readahead.on_read(offset, size)
         sf = self._staged(node) if self.writeback is not None else None
         if sf is not None:
             data = await self.writeback.read(sf, offset, size)  # type: ignore[union-attr]
@@ -455,6 +521,10 @@ class CacheFS:
         raise FsError(errno.EPERM if what in ("link", "symlink") else errno.ENOTSUP, f"{what} is not supported")
 
     # ------------------------------------------------------------------ write-back: wiring and views
+    def attach_kernel_cache(self, kernel: KernelCache) -> None:
+        """Tell ``kernel`` what re-listing finds changed in the bucket (``cachefs.fs.kernelcache``)."""
+        self.listings.kernel = kernel
+
     def attach_writeback(self, writeback: WriteBack) -> None:
         """Make the mount writable through ``writeback`` (the daemon's write-back feature calls this)."""
         self.writeback = writeback
@@ -503,14 +573,10 @@ class CacheFS:
         info = node.info
         if info is None:
             raise FsError(errno.ENOENT)
-        return ObjectRef(info.key, info.etag, info.size)
-
-    def _check_key(self, path: str, *, directory: bool) -> None:
-        """ENAMETOOLONG for a new name whose object key the store could never hold (S3: 1,024 bytes
-        with the prefix): refused when made, never acknowledged and then failing every upload."""
-        problem = key_length_problem(path, self.store.max_key_bytes, directory=directory)
-        if problem:
-            raise FsError(errno.ENAMETOOLONG, problem)
+        ref = node.ref
+        if ref is None or ref.etag != info.etag or ref.key != info.key or ref.size != info.size:
+            ref = node.ref = ObjectRef(info.key, info.etag, info.size)  # once per version, not per open
+        return ref
 
     def _dir(self, inode: int) -> Node:
         node = self.inodes.get(inode)
@@ -518,9 +584,12 @@ class CacheFS:
             raise FsError(errno.ENOTDIR)
         return node
 
-    def _open_handle(self, node: Node, *, writable: bool) -> tuple[FileHandle, bool]:
-        """A new handle; the kernel may keep its cached pages only of an unchanged store version."""
-        sf = self._staged(node)
+    def _open_handle(self, node: Node, *, writable: bool, staged: StagedFile | None | object = MISSING
+                     ) -> tuple[FileHandle, bool]:
+        """A new handle; the kernel may keep its cached pages only of an unchanged store version.
+        ``staged``: what ``_staged(node)`` just answered, where the caller asked it."""
+        sf = self._staged(node) if staged is MISSING else staged
+        assert sf is None or isinstance(sf, StagedFile)
         ref: ObjectRef | None = None
         if sf is not None:
             keep_cache = False
@@ -532,10 +601,7 @@ class CacheFS:
             if self.read_order is not None:
                 self.read_order.opened(ref, self.cache.is_cached)
         self.stats.opens += 1
-        fh = self.handles.add(FileHandleState(
-            node, ref, ReadAhead(self.cache.block_size, self.cache.readahead_limit),
-            writable=writable, local_gen=node.local_gen,
-        ))
+        fh = self.handles.add(FileHandleState(node, ref, writable=writable, local_gen=node.local_gen))
         node.open_handles += 1
         if writable:
             node.writers += 1
@@ -573,28 +639,7 @@ class CacheFS:
     # ------------------------------------------------------------------ write operations
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int) -> tuple[FileHandle, bool, Attributes]:
         """creat/open(O_CREAT): a new empty file (staged), or the existing one opened with ``flags``."""
-        wb = self._writer()
-        parent = self._dir(parent_inode)
-        text = _new_name(name)
-        path = join(parent.path, text)
-        value = await self.listings.lookup(parent.path, text)
-        if value is None:
-            raise FsError(errno.EISDIR)
-        if value is not MISSING:
-            if flags & os.O_EXCL:
-                raise FsError(errno.EEXIST)
-            node = self._node_for(path, value)  # type: ignore[arg-type]
-            node.lookups += 1
-            fh, keep = await self.open(node.inode, flags)
-            return fh, keep, self._attributes(node)
-        self._check_key(path, directory=False)
-        sf = await wb.create(path, may_exist=False)
-        node = self._node_for(path, staged_info(sf))
-        self._set_staged(node, sf)
-        node.lookups += 1
-        self.stats.creates += 1
-        fh, keep = self._open_handle(node, writable=True)
-        return fh, keep, self._attributes(node)
+        return await self.names.create(parent_inode, name, mode, flags)
 
     async def write(self, fh: int, offset: int, data: bytes) -> int:
         wb = self._writer()
@@ -689,68 +734,14 @@ class CacheFS:
         return attrs
 
     async def mkdir(self, parent_inode: int, name: bytes, mode: int) -> Attributes:
-        wb = self._writer()
-        parent = self._dir(parent_inode)
-        text = _new_name(name)
-        if await self.listings.lookup(parent.path, text) is not MISSING:
-            raise FsError(errno.EEXIST)
-        path = join(parent.path, text)
-        self._check_key(path, directory=True)
-        await wb.mkdir(path)
-        self.stats.mkdirs += 1
-        node = self._node_for(path, None)
-        node.lookups += 1
-        return self._attributes(node)
+        return await self.names.mkdir(parent_inode, name, mode)
 
     async def unlink(self, parent_inode: int, name: bytes) -> None:
-        wb = self._writer()
-        parent = self._dir(parent_inode)
-        text = _new_name(name)
-        value = await self.listings.lookup(parent.path, text)
-        if value is MISSING:
-            raise FsError(errno.ENOENT)
-        if value is None:
-            raise FsError(errno.EISDIR)
-        path = join(parent.path, text)
-        async with self.kept.losing_name(path):
-            await self.kept.keep(path)
-            node = self.inodes.at(path)
-            assert isinstance(value, ObjectInfo)  # neither MISSING nor None (a directory): a file
-            staged = value.etag == STAGED_ETAG
-            await wb.ensure_dir(parent.path)  # the directory stays, even once its last entry goes
-            await wb.remove(path, may_exist=not staged, base_etag=None if staged else value.etag)
-            self.stats.unlinks += 1
-            if node is not None:
-                self.inodes.unlink(node)
+        await self.names.unlink(parent_inode, name)
 
     async def rmdir(self, parent_inode: int, name: bytes) -> None:
-        wb = self._writer()
-        parent = self._dir(parent_inode)
-        text = _new_name(name)
-        value = await self.listings.lookup(parent.path, text)
-        if value is MISSING:
-            raise FsError(errno.ENOENT)
-        if value is not None:
-            raise FsError(errno.ENOTDIR)
-        path = join(parent.path, text)
-        if await self.listings.entries(path):
-            raise FsError(errno.ENOTEMPTY)
-        await wb.ensure_dir(parent.path)
-        await wb.rmdir(path)
-        self.stats.rmdirs += 1
-        self.listings.forget_under(path)
-        node = self.inodes.at(path)
-        if node is not None:
-            self.inodes.unlink(node)
+        await self.names.rmdir(parent_inode, name)
 
     async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int) -> None:
         """rename(2). Not atomic on an object store (see ``cachefs.fs.rename`` and the README)."""
-        wb = self._writer()
-        if flags & RENAME_EXCHANGE:
-            raise FsError(errno.EINVAL, "RENAME_EXCHANGE is not supported")
-        src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
-        src_name, dst_name = _new_name(old_name), _new_name(new_name)
-        async with self.kept.losing_name(join(dst_dir.path, dst_name)):
-            renamed = await self.renamer.rename(wb, src_dir.path, src_name, dst_dir.path, dst_name, flags)
-        if renamed:
-            self.stats.renames += 1
+        await self.names.rename(old_parent, old_name, new_parent, new_name, flags)

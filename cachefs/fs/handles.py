@@ -26,7 +26,8 @@ FileHandle = NewType("FileHandle", int)
 class FileHandleState:
     node: Node
     ref: ObjectRef | None  # the store version read through this handle (None: staged data)
-    readahead: ReadAhead
+    # Made at the first read (``CacheFS.read``): a warm open answered from the page cache never reads.
+    readahead: ReadAhead | None = None
     writable: bool = False
     local_gen: int = 0  # node.local_gen when ref was taken
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 from cachefs.fs.errors import FsError
+from tiering.blocks import ObjectRef
 from tiering.protocols import ObjectInfo
 from tiering.writeback.staged import StagedFile
 
@@ -28,7 +29,8 @@ InodeNo = NewType("InodeNo", int)
 ROOT_INODE = InodeNo(1)
 
 
-# slots: a node with its path and table entries is ~315 bytes instead of ~365 (measured, 3.11); a walk
+# slots: a node with its path and table entries is ~315 bytes instead of ~365 (measured, 3.11; three
+# slots for opens added since, 24 bytes, their values shared until the node is opened); a walk
 # of a million-object bucket leaves a node per entry the kernel caches, most of the RSS after one.
 @dataclass(slots=True)
 class Node:
@@ -50,6 +52,11 @@ class Node:
     losing_name: asyncio.Event | None = None
     # Retried opens awaited (``cachefs.fs.retries``): the content is kept for them as for open handles.
     awaited_opens: int = 0
+    # ``info`` came from a listing that holds until this monotonic time, while the listing cache's
+    # generation is ``fresh_gen``: an open or getattr then needs no lookup (``CacheFS._refresh_now``).
+    fresh_until: float = 0.0
+    fresh_gen: int = -1
+    ref: ObjectRef | None = None  # ``info`` as the version its handles read (``CacheFS._ref``)
 
 
 class InodeTable:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cachefs.fs.inodes import InodeTable
+from cachefs.fs.kernelcache import KernelCache, NoKernelCache
 from cachefs.fs.metaindex import MetadataIndex
 from cachefs.fs.stats import FsStats
 from cachefs.names import WarnOnce, name_problem
@@ -53,7 +54,7 @@ from tiering.writeback import MISSING, WriteBack
 
 log = logging.getLogger(__name__)
 
-_UNKNOWN = object()  # no fresh listing holds the answer: list the directory
+UNKNOWN = object()  # no fresh listing holds the answer: list the directory
 
 # The hot set in RAM is bounded by the number of entries it holds across all directories (about
 # 200 bytes each): 250,000 entries is ~50 MiB, room for two 100,000-entry directories being walked.
@@ -112,7 +113,12 @@ class ListingCache:
         self.inodes = inodes
         self.stats = stats
         self.writeback: WriteBack | None = None
+        self.kernel: KernelCache = NoKernelCache()  # told what a new listing changed (``_follow``)
         self.entry_count = 0  # entries held across all cached listings
+        # Bumped whenever an answer may change before its listing expires (a change reached the
+        # store, a listing was dropped): what a caller remembered of an answer (``lookup_now``'s
+        # expiry) holds only while this is unchanged.
+        self.generation = 0
         self._listings: OrderedDict[str, CachedDir] = OrderedDict()
         self._flights: dict[str, asyncio.Task[CachedDir]] = {}
         self._bad_keys = WarnOnce()
@@ -133,13 +139,21 @@ class ListingCache:
     # ------------------------------------------------------------------ the merged view
     async def lookup(self, path: str, name: str) -> object:
         """``name`` in directory ``path`` with pending changes applied: info, None (a directory), MISSING."""
-        stored = self._indexed_lookup(path, name)
-        if stored is _UNKNOWN:
+        stored, _ = self._indexed_lookup(path, name)
+        if stored is UNKNOWN:
             listing = await self.get(path)
             stored = listing.entries.get(name, MISSING)
         if self.writeback is None:
             return stored
         return self.writeback.resolve(path, name, stored)
+
+    def lookup_now(self, path: str, name: str) -> tuple[object, float]:
+        """``lookup`` without waiting, and the monotonic time until which the store's part of the answer
+        holds (while ``generation`` is unchanged); ``(UNKNOWN, 0)`` where the directory must be listed."""
+        stored, until = self._indexed_lookup(path, name)
+        if stored is UNKNOWN or self.writeback is None:
+            return stored, until
+        return self.writeback.resolve(path, name, stored), until
 
     async def entries(self, path: str) -> dict[str, ObjectInfo | None]:
         """Everything directory ``path`` holds now, pending changes applied."""
@@ -171,24 +185,25 @@ class ListingCache:
         assert self.index is not None
         return self.index.wall()
 
-    def _indexed_lookup(self, path: str, name: str) -> object:
-        """``name`` from a fresh listing of ``path`` in RAM or in the index; ``_UNKNOWN`` if neither
-        holds one (the caller lists the directory)."""
+    def _indexed_lookup(self, path: str, name: str) -> tuple[object, float]:
+        """``name`` from a fresh listing of ``path`` in RAM or in the index, and when that listing
+        expires; ``(UNKNOWN, 0)`` if neither holds one (the caller lists the directory)."""
         cached = self._listings.get(path)
         if cached is not None and cached.expires_at > self.clock.monotonic():
             self._listings.move_to_end(path)
-            return cached.entries.get(name, MISSING)
+            return cached.entries.get(name, MISSING), cached.expires_at
         if self.index is None or path in self._flights:
-            return _UNKNOWN
+            return UNKNOWN, 0.0
         try:
             hit = self.index.lookup(path, name)
         except Exception as exc:  # noqa: BLE001 - a failing index is a miss, never an error
             self._index_failed(exc)
-            return _UNKNOWN
+            return UNKNOWN, 0.0
         if hit is None:
-            return MISSING if self.pinned else _UNKNOWN
+            return (MISSING, float("inf")) if self.pinned else (UNKNOWN, 0.0)
         fetched_at, entry = hit
-        return entry if self._fresh_until(fetched_at) is not None else _UNKNOWN
+        until = self._fresh_until(fetched_at)
+        return (entry, until) if until is not None else (UNKNOWN, 0.0)
 
     def _index_failed(self, exc: BaseException) -> None:
         self.stats.index_errors += 1
@@ -309,12 +324,53 @@ class ListingCache:
         if cacheable and self._replay_applied(path, listing, mark):
             self._remember(path, listing)
             await self._to_index(path, listing, fetched_at)
-        # Refresh nodes the kernel already knows, so getattr after the TTL sees new sizes/ETags.
+        self._follow(path, entries, stale)
+        return listing
+
+    def _follow(self, path: str, entries: dict[str, ObjectInfo | None], previous: CachedDir | None) -> None:
+        """Bring the nodes the kernel knows up to date with a new store listing of ``path``, so getattr
+        and open see new sizes and ETags, and tell the kernel (``kernel``) what it holds that changed:
+        an inode whose version changed loses its attributes and pages, and its entry; an entry whose
+        name is gone from the listing (or became a directory, or a file) is dropped.
+
+        Only nodes matter: the kernel holds an entry or an inode only while its node lives. Names
+        added need nothing (a lookup answered ENOENT leaves no entry the kernel trusts: FUSE
+        revalidates such negative entries every time), nor do names with a change pending in
+        write-back (the kernel sees the staged view, which the store's does not change). Names gone
+        are found against the previous listing of ``path`` (in RAM or in the index); without one,
+        the kernel's own timeouts drop them."""
+        kernel = self.kernel
+        directory = self.inodes.at(path)
         for name, entry in entries.items():
             node = self.inodes.at(join(path, name))
-            if node is not None and entry is not None and not node.is_dir:
-                node.info = entry
-        return listing
+            if node is None:
+                continue
+            if node.is_dir != (entry is None):
+                # A file became a directory or back (told once: the previous listing had the old kind).
+                was = previous.entries.get(name, MISSING) if previous is not None else MISSING
+                if directory is not None and (was is None) == node.is_dir and not self._pending(path, name):
+                    kernel.forget_entry(directory.inode, name.encode())
+                continue
+            if entry is None:
+                continue
+            before = node.info
+            node.info = entry
+            if (directory is not None and before is not None and (before.etag, before.size) != (entry.etag, entry.size)
+                    and node.staged is None and not self._pending(path, name)):
+                kernel.forget_inode(node.inode)
+                kernel.forget_entry(directory.inode, name.encode())
+        if directory is None or previous is None:
+            return
+        for name in previous.entries.keys() - entries.keys():
+            if self.inodes.at(join(path, name)) is not None and not self._pending(path, name):
+                kernel.forget_entry(directory.inode, name.encode())
+
+    def _pending(self, path: str, name: str) -> bool:
+        """Whether write-back has a change of ``name`` in ``path`` that the store does not show yet."""
+        if self.writeback is None:
+            return False
+        marker = object()
+        return self.writeback.resolve(path, name, marker) is not marker
 
     async def _mtimes(self, path: str, entries: dict[str, ObjectInfo | None], previous: CachedDir | None) -> bool:
         """Give each file of a new listing the mtime its writer set, where it can be known: a version
@@ -397,6 +453,7 @@ class ListingCache:
 
     def forget(self, path: str) -> None:
         """Drop the cached listing of ``path`` (the next lookup lists it again)."""
+        self.generation += 1
         self._forget_hot(path)
         self._index_call(lambda index: index.forget(path))
 
@@ -407,6 +464,7 @@ class ListingCache:
 
     def forget_under(self, path: str) -> None:
         """Drop the cached listings of ``path`` and of every directory below it."""
+        self.generation += 1
         prefix = path + "/"
         for cached in [p for p in self._listings if p == path or p.startswith(prefix)]:
             self._forget_hot(cached)
@@ -427,6 +485,7 @@ class ListingCache:
         """A pending change reached the store: bring the cached store listing and the node up to date
         (the overlay stops covering it now). Listings being fetched right now are patched when they
         land (``_replay_applied``)."""
+        self.generation += 1
         marker = key.endswith("/")
         path = key[:-1] if marker else key
         parent, _, name = path.rpartition("/")

@@ -24,6 +24,14 @@ class FsStats:
     passthrough_refused: int = 0  # opens answered ETXTBSY: another version held open through passthrough
     passthrough_fallbacks: int = 0  # whole files the kernel would not register (the daemon served them)
     passthrough_active: bool = False  # the FUSE connection agreed to passthrough and may register files
+    # Notifications that the kernel drop what it caches of a name or an inode changed in the bucket
+    # (cachefs.fs.kernelcache): written, of those the ones the kernel did not hold (ENOENT, normal),
+    # refused otherwise, and dropped unsent (too many queued).
+    inval_entries: int = 0
+    inval_inodes: int = 0
+    inval_not_cached: int = 0
+    inval_errors: int = 0
+    inval_dropped: int = 0
     opens_waited: int = 0  # opens that waited for an unlink or a rename over their file to finish
     stale_opens: int = 0  # opens of a file whose name went first: ESTALE, the kernel looks it up again
     retried_opens_kept: int = 0  # their retries whose file went after their lookup: opened its kept content

@@ -3,7 +3,9 @@
 Each handler unpacks its request's arguments (``cachefs.fuse.wire``), calls one ``CacheFS`` method
 and packs the answer; the session (``cachefs.fuse.session``) reads the requests and sends the
 replies. Handlers whose ``CacheFS`` method never waits are plain functions the session calls inline
-(``inline``); the others are coroutines it runs as tasks (``handlers``).
+(``inline``); the others are coroutines it runs as tasks (``handlers``). LOOKUP, GETATTR and OPEN
+have both: the inline one (``*_now``, over ``CacheFS.*_now``) answers when the listing it needs is
+fresh and returns ``LATER`` when a directory must be listed first, and the coroutine does the rest.
 
 Errors become errno here and only here (``failure``, which the session calls for anything a handler
 raises other than ``FuseError``): domain errors (``FsError``, the engine's ``CacheError``) carry
@@ -38,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
-from cachefs.fuse.session import BackingFiles, Reply
+from cachefs.fuse.session import LATER, BackingFiles, Later, Notifier, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
@@ -202,7 +204,8 @@ class FuseOperations:
         # every read must reach the daemon through a handle's FOPEN_DIRECT_IO.
         self.no_open = immutable and not direct_io
         self.implicit: dict[int, int] = {}
-        self.inline: dict[int, Callable[[Request], Reply]] = {
+        self.inline: dict[int, Callable[[Request], Reply | Later]] = {
+            wire.LOOKUP: self.lookup_now, wire.GETATTR: self.getattr_now, wire.OPEN: self.open_now,
             wire.FORGET: self.forget, wire.BATCH_FORGET: self.batch_forget, wire.RELEASE: self.release,
             wire.RELEASEDIR: self.releasedir, wire.READDIR: self.readdir, wire.READDIRPLUS: self.readdir,
             wire.STATFS: self.statfs, wire.GETXATTR: self.getxattr, wire.LISTXATTR: self.listxattr,
@@ -221,12 +224,30 @@ class FuseOperations:
     def wanted_flags(self) -> int:
         return wire.PASSTHROUGH if self.wants_passthrough else 0
 
-    def negotiated(self, flags: int, backing: BackingFiles | None) -> None:
+    def negotiated(self, flags: int, backing: BackingFiles | None, notifier: Notifier | None) -> None:
         """What the kernel agreed to at INIT (READDIR or READDIRPLUS is told by the opcode itself)."""
         self.no_open = self.no_open and bool(flags & wire.NO_OPEN_SUPPORT)
         if backing is not None and flags & wire.PASSTHROUGH and self.wants_passthrough:
             self.passthrough = Passthrough(self.fs, backing)
             self.fs.stats.passthrough_active = True
+        if notifier is not None:
+            notifier.report = self.notified
+            self.fs.attach_kernel_cache(notifier)
+
+    def notified(self, code: int, error: int) -> None:
+        """Count a notification's outcome (called from the notifier's thread; only it writes these)."""
+        stats = self.fs.stats
+        if error == errno.ENOBUFS:
+            stats.inval_dropped += 1
+            return
+        if code == wire.NOTIFY_INVAL_ENTRY:
+            stats.inval_entries += 1
+        else:
+            stats.inval_inodes += 1
+        if error == errno.ENOENT:
+            stats.inval_not_cached += 1
+        elif error:
+            stats.inval_errors += 1
 
     def failure(self, opcode: int, exc: BaseException) -> int:
         """The errno ``exc`` is answered with; bugs are logged with their traceback."""
@@ -249,6 +270,14 @@ class FuseOperations:
         return out
 
     # ------------------------------------------------------------------------------- reading
+    def lookup_now(self, req: Request) -> Reply | Later:
+        attrs = self.fs.lookup_now(req.nodeid, req.name(), req.pid)
+        return LATER if attrs is None else entry(attrs)
+
+    def getattr_now(self, req: Request) -> Reply | Later:
+        attrs = self.fs.getattr_now(req.nodeid)
+        return LATER if attrs is None else attr(attrs)
+
     async def lookup(self, req: Request) -> Reply:
         return entry(await self.fs.lookup(req.nodeid, req.name(), req.pid))
 
@@ -270,6 +299,16 @@ class FuseOperations:
         for nodeid, nlookup in wire.FORGET_ONE.iter_unpack(req.body[wire.BATCH_FORGET_IN.size:][:count * 16]):
             self._forget(nodeid, nlookup)
         return None
+
+    def open_now(self, req: Request) -> Reply | Later:
+        """An open answered at once where ``CacheFS.open_now`` can (a warm file: no task, no wait)."""
+        if self.no_open or self.passthrough is not None:
+            return LATER
+        flags = wire.OPEN_IN.unpack_from(req.body)[0]
+        opened = self.fs.open_now(req.nodeid, flags, req.pid)
+        if opened is None:
+            return LATER
+        return wire.open_out(opened[0], self._open_flags(opened[1], flags))
 
     async def open(self, req: Request) -> Reply:
         if self.no_open:

@@ -109,6 +109,9 @@ OPCODE_NAMES = {globals()[name]: name.lower() for name in (
 NOTIFY_INVAL_INODE = 2
 NOTIFY_INVAL_ENTRY = 3
 NOTIFY_DELETE = 6
+# The protocol minor that brought INVAL_INODE and INVAL_ENTRY (7.12, Linux 2.6.31): older than the
+# oldest supported kernel, so every connection takes them; checked anyway, as the kernel's code is.
+NOTIFY_INVAL_MIN_MINOR = 12
 
 # ------------------------------------------------------------------------------------ INIT flags
 ASYNC_READ = 1 << 0
@@ -258,7 +261,11 @@ def parse_request(buffer: memoryview) -> Request:
     if length > len(buffer) or length < IN_HEADER.size:
         raise ValueError(f"request of {len(buffer)} bytes says it has {length}")
     # Extensions (security contexts, supplementary groups) come after the arguments; none is asked for.
-    return Request(opcode, unique, nodeid, uid, gid, pid, buffer[IN_HEADER.size:length - extlen * 8])
+    # (tuple.__new__ directly: the named tuple's own __new__ is a Python call, once per request.)
+    return _new_tuple(Request, (opcode, unique, nodeid, uid, gid, pid, buffer[IN_HEADER.size:length - extlen * 8]))
+
+
+_new_tuple = tuple.__new__
 
 
 # ----------------------------------------------------------------------------------------- replies

@@ -6,7 +6,9 @@ type fuse.cachefs and the mount flags, and the session's close removes what it m
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -58,8 +60,9 @@ class Ops:
 
     wanted_flags = 0
 
-    def negotiated(self, flags: int, backing: object) -> None:
+    def negotiated(self, flags: int, backing: object, notifier: fuse_session.Notifier | None) -> None:
         self.flags = flags
+        self.notifier = notifier
 
 
 async def test_a_root_mount_negotiates_with_the_kernel_and_ends_at_unmount(tmp_path: Path) -> None:
@@ -76,6 +79,17 @@ async def test_a_root_mount_negotiates_with_the_kernel_and_ends_at_unmount(tmp_p
             await asyncio.to_thread(os.stat, target)
         assert session.proto_minor == wire.KERNEL_MINOR and ops.flags & wire.ASYNC_READ
         assert ops.flags & ~fuse_session.WANTED_FLAGS == 0
+        # The kernel takes our notifications: the root inode it holds (0), a name it never held (ENOENT;
+        # a message it could not decode would be EINVAL).
+        outcomes: list[tuple[int, int]] = []
+        assert ops.notifier is not None
+        ops.notifier.report = lambda code, error: outcomes.append((code, error))
+        ops.notifier.forget_inode(1)
+        ops.notifier.forget_entry(1, b"never-looked-up")
+        deadline = time.monotonic() + 10
+        while len(outcomes) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert outcomes == [(wire.NOTIFY_INVAL_INODE, 0), (wire.NOTIFY_INVAL_ENTRY, errno.ENOENT)]
         await asyncio.to_thread(fuse_session.unmount, str(target), privileged=True)
         await asyncio.wait_for(serving, 30)  # ENODEV: the mount is gone, serve returns
     finally:

@@ -350,6 +350,42 @@ async def test_keep_cache_only_while_the_object_is_unchanged(
     fs.release(fh4)
 
 
+async def test_a_warm_open_costs_no_lookup_while_its_listing_holds(
+    fs: CacheFS, store: InMemoryObjectStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node remembers until when the listing that gave its version holds: opens meanwhile ask
+    nothing; after that listing expires, or a change that reached the store, they ask again."""
+    asked: list[str] = []
+    lookup_now = fs.listings.lookup_now
+
+    def counted(path: str, name: str) -> tuple[object, float]:
+        asked.append(name)
+        return lookup_now(path, name)
+
+    monkeypatch.setattr(fs.listings, "lookup_now", counted)
+    a = await fs.lookup(ROOT_INODE, b"a.txt")
+    asked.clear()  # (the lookup asked too)
+    for _ in range(3):
+        opened = fs.open_now(a.inode, os.O_RDONLY)
+        assert opened is not None
+        fs.release(opened[0])
+    assert asked == ["a.txt"]
+    clock.advance(TTL / 2)
+    fs.listings.forget("")  # a listing dropped early (a rename, an rmdir): the memo goes with it
+    assert fs.open_now(a.inode, os.O_RDONLY) is None  # the root must be listed again: wait for it
+    fh, _ = await fs.open(a.inode, os.O_RDONLY)
+    fs.release(fh)
+    store.put_object("a.txt", b"longer now", mtime=MTIME)
+    clock.advance(TTL + 1)
+    assert fs.open_now(a.inode, os.O_RDONLY) is None  # expired
+    fh, keep = await fs.open(a.inode, os.O_RDONLY)
+    assert not keep and await fs.read(fh, 0, 100) == b"longer now"
+    fs.release(fh)
+    with pytest.raises(FsError) as caught:
+        fs.open_now(a.inode, os.O_RDONLY | os.O_TRUNC)  # refused at once, as ``open`` does
+    assert caught.value.errno == errno.EROFS
+
+
 async def test_a_handle_keeps_the_version_it_opened(fs: CacheFS, store: InMemoryObjectStore, clock: FakeClock) -> None:
     old = b"o" * (3 * BS)
     new = b"n" * (3 * BS)

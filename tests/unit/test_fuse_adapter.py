@@ -16,6 +16,7 @@ import os
 import socket
 import stat
 import struct
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -110,7 +111,10 @@ class RaisingFs:
         raise self.exc
 
     lookup = getattr = open = read = opendir = flush = fsync = _araise
-    forget = release = releasedir = readdir = statfs = getxattr = listxattr = add_lookup = _raise
+    forget = release = releasedir = readdir = statfs = getxattr = listxattr = add_lookup = open_now = lookup_now = getattr_now = _raise
+
+    def attach_kernel_cache(self, kernel: object) -> None:
+        pass  # told at INIT, before any operation
 
 
 # Each read-side request, with arguments that reach the fs method.
@@ -158,6 +162,14 @@ class CallerFs:
     def __init__(self) -> None:
         self.callers: list[tuple[str, int]] = []
 
+    def lookup_now(self, parent: int, name: bytes, caller: int = 0) -> None:
+        self.callers.append(("lookup_now", caller))
+        return None  # not answered at once: the task's lookup follows
+
+    def open_now(self, inode: int, flags: int, caller: int = 0) -> None:
+        self.callers.append(("open_now", caller))
+        return None
+
     async def lookup(self, parent: int, name: bytes, caller: int = 0) -> None:
         self.callers.append(("lookup", caller))
         raise FsError(errno.ENOENT)
@@ -174,7 +186,7 @@ async def test_lookups_and_opens_name_the_thread_that_sent_them() -> None:
     async for kernel, _ in serving(FuseOperations(fs)):  # type: ignore[arg-type]
         assert (await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), unique=10))[0] == errno.ESTALE
         assert (await kernel.call(wire.LOOKUP, b"x\0", unique=11))[0] == errno.ENOENT
-    assert fs.callers == [("open", 4242), ("lookup", 4242)]
+    assert fs.callers == [("open_now", 4242), ("open", 4242), ("lookup_now", 4242), ("lookup", 4242)]
 
 
 async def test_unexpected_errors_are_logged_with_their_traceback(caplog: pytest.LogCaptureFixture) -> None:
@@ -428,6 +440,45 @@ async def test_an_immutable_mount_lets_the_kernel_open_files_itself(fs: CacheFS)
     assert FuseOperations(fs, immutable=True, direct_io=True).no_open is False
 
 
+async def test_requests_whose_listing_is_fresh_are_answered_inline_and_the_rest_as_tasks(
+        fs: CacheFS, store: InMemoryObjectStore) -> None:
+    """LOOKUP, GETATTR and OPEN run as a task only when a directory must be listed first."""
+    ops = FuseOperations(fs)
+    tasks: list[tuple[str, int]] = []
+
+    def counting(opcode: int) -> Any:
+        slow = ops.handlers[opcode]
+
+        async def counted(req: wire.Request) -> Any:
+            tasks.append((wire.OPCODE_NAMES[opcode], req.unique))
+            return await slow(req)
+        return counted
+
+    for opcode in (wire.LOOKUP, wire.GETATTR, wire.OPEN):
+        ops.handlers[opcode] = counting(opcode)
+    async for kernel, _ in serving(ops):
+        d = entry_of((await kernel.call(wire.LOOKUP, b"dir\0", unique=1))[1])[0]
+        f = entry_of((await kernel.call(wire.LOOKUP, b"file.bin\0", nodeid=d, unique=2))[1])[0]
+        assert tasks == [("lookup", 1), ("lookup", 2)]  # each listed a directory
+        assert (await kernel.call(wire.LOOKUP, b"nothing\0", nodeid=d, unique=3))[0] == errno.ENOENT
+        assert entry_of((await kernel.call(wire.LOOKUP, b"file.bin\0", nodeid=d, unique=4))[1])[0] == f
+        error, payload = await kernel.call(wire.GETATTR, wire.GETATTR_IN.pack(0, 0, 0), nodeid=f, unique=5)
+        assert error == 0 and struct.unpack_from("<Q", payload, 16 + 8)[0] == 100
+        for unique in (10, 11):
+            error, payload = await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=f, unique=unique)
+            assert error == 0 and open_of(payload)[1] & wire.FOPEN_NOFLUSH
+        assert len(tasks) == 2  # the listings made answer all of these: no task, no wait
+        store.put_object("dir/file.bin", b"new" * 10)
+        fs.clock.advance(6)  # type: ignore[attr-defined]  # the listing expired: this open must list again
+        error, payload = await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=f, unique=12)
+        fh, flags = open_of(payload)
+        assert error == 0 and tasks[2:] == [("open", 12)] and not flags & wire.FOPEN_KEEP_CACHE  # new version
+        assert await kernel.call(wire.READ, read_in(fh, 0, 6), nodeid=f) == (0, b"newnew")
+        assert (await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=d, unique=13))[0] == errno.EISDIR
+        assert len(tasks) == 3
+    assert fs.stats.lookups == 4
+
+
 async def test_posix_errors_through_the_adapter(fs: CacheFS) -> None:
     async for kernel, _ in serving(FuseOperations(fs)):
         assert (await kernel.call(wire.LOOKUP, b"nope\0"))[0] == errno.ENOENT
@@ -446,6 +497,78 @@ async def test_a_changed_object_is_estale_through_the_adapter(fs: CacheFS, store
         fh = open_of((await kernel.call(wire.OPEN, wire.OPEN_IN.pack(os.O_RDONLY, 0), nodeid=f))[1])[0]
         store.put_object("dir/file.bin", b"x" * 100)
         assert (await kernel.call(wire.READ, read_in(fh, 0, 10), nodeid=f))[0] == errno.ESTALE
+
+
+async def test_a_relist_that_finds_a_change_notifies_the_kernel_from_another_thread(
+        fs: CacheFS, store: InMemoryObjectStore) -> None:
+    """FUSE_NOTIFY_INVAL_INODE for a file with a new version and _ENTRY for its name and for a name
+    gone: unsolicited messages (unique 0, the code in the error field), counted in the stats."""
+    store.put_object("dir/gone.bin", b"g")
+    async for kernel, session in serving(FuseOperations(fs)):
+        await kernel.call(wire.INIT, init_in(45, wire.DO_READDIRPLUS), nodeid=0)
+        assert session.notifier is not None
+        d = entry_of((await kernel.call(wire.LOOKUP, b"dir\0"))[1])[0]
+        f = entry_of((await kernel.call(wire.LOOKUP, b"file.bin\0", nodeid=d))[1])[0]
+        await kernel.call(wire.LOOKUP, b"gone.bin\0", nodeid=d)
+        store.put_object("dir/file.bin", b"x" * 300)
+        store.delete_object("dir/gone.bin")
+        fs.clock.advance(6)  # type: ignore[attr-defined]  # past dir_ttl_s: the next lookup lists again
+        kernel.send(encode(wire.LOOKUP, b"other\0", nodeid=d, unique=77))
+        replies, notices = [], []
+        while len(replies) < 1 or len(notices) < 3:
+            unique, error, payload = await kernel.reply()
+            if unique == 0:
+                notices.append((-error, payload))  # (reply() negates the header's error field)
+            else:
+                replies.append((error, payload))
+        assert replies == [(errno.ENOENT, b"")]
+        assert sorted(notices) == sorted([
+            (wire.NOTIFY_INVAL_INODE, struct.pack("<Qqq", f, 0, 0)),
+            (wire.NOTIFY_INVAL_ENTRY, struct.pack("<QII", d, 8, 0) + b"file.bin\0"),
+            (wire.NOTIFY_INVAL_ENTRY, struct.pack("<QII", d, 8, 0) + b"gone.bin\0"),
+        ])
+        deadline = asyncio.get_running_loop().time() + REPLY_WAIT_S  # counted after each write, by its thread
+        while (fs.stats.inval_entries, fs.stats.inval_inodes) != (2, 1):
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        assert await kernel.nothing()
+
+
+def test_notification_outcomes_are_counted(fs: CacheFS) -> None:
+    ops = FuseOperations(fs)
+    ops.notified(wire.NOTIFY_INVAL_ENTRY, 0)
+    ops.notified(wire.NOTIFY_INVAL_ENTRY, errno.ENOENT)  # the kernel did not hold it: normal
+    ops.notified(wire.NOTIFY_INVAL_INODE, errno.ENOENT)
+    ops.notified(wire.NOTIFY_INVAL_INODE, errno.EINVAL)
+    ops.notified(wire.NOTIFY_INVAL_INODE, errno.ENOBUFS)  # never sent: too many queued
+    s = fs.stats
+    assert (s.inval_entries, s.inval_inodes, s.inval_not_cached, s.inval_errors, s.inval_dropped) == (2, 2, 2, 1, 1)
+
+
+async def test_a_notifier_past_its_bound_drops_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cachefs.fuse import session as session_module
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    outcomes: list[tuple[int, int]] = []
+    threads: list[str] = []
+
+    def report(code: int, error: int) -> None:
+        outcomes.append((code, error))
+        threads.append(threading.current_thread().name)
+
+    monkeypatch.setattr(session_module, "MAX_QUEUED_NOTICES", 0)
+    notifier = session_module.Notifier(ours.fileno(), report)
+    try:
+        notifier.forget_inode(5)
+        assert outcomes == [(wire.NOTIFY_INVAL_INODE, errno.ENOBUFS)]
+        monkeypatch.setattr(session_module, "MAX_QUEUED_NOTICES", 10)
+        notifier.forget_entry(1, b"n")
+    finally:
+        notifier.close()
+        ours.close()
+    assert theirs.recv(100) == b"".join(wire.notify_inval_entry(1, b"n"))
+    assert outcomes[1:] == [(wire.NOTIFY_INVAL_ENTRY, 0)]
+    assert threads[1:] == ["fuse-notify"]  # written by its own thread, never the loop's
+    theirs.close()
 
 
 WRITE_REQUESTS = [

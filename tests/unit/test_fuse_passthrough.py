@@ -149,7 +149,7 @@ class WantingOps:
     def failure(self, opcode: int, exc: BaseException) -> int:
         return errno.EIO
 
-    def negotiated(self, flags: int, backing: object) -> None:
+    def negotiated(self, flags: int, backing: object, notifier: object) -> None:
         self.flags, self.backing = flags, backing
 
 

@@ -144,6 +144,40 @@ async def test_a_remount_within_the_ttl_lists_nothing(tmp_path: Path, store: InM
     assert second.stats.index_listings >= 1
 
 
+async def test_a_warm_open_of_a_file_whose_listing_is_only_in_the_index_queries_it_once(
+        tmp_path: Path, store: InMemoryObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a remount the listings are in the index, not in RAM: the first open of a file asks the
+    index (a point query) and remembers until when that listing holds; later opens ask nothing."""
+    wall = Wall()
+    first = make_fs(store, FakeClock(), MetadataIndex(tmp_path / "i.db", wall=wall))
+    await lookup_path(first, "b/c.bin")
+    first.listings.index.close()  # type: ignore[union-attr]
+    wall.now += TTL / 2
+    clock = FakeClock()
+    second = make_fs(store, clock, MetadataIndex(tmp_path / "i.db", wall=wall))
+    c = await lookup_path(second, "b/c.bin")
+    second.listings._forget_hot("b")  # the hot set let it go (as it does past its bound): only the index has it
+    index = second.listings.index
+    assert index is not None
+    queries: list[tuple[str, str]] = []
+    lookup = index.lookup
+
+    def counted(path: str, name: str) -> object:
+        queries.append((path, name))
+        return lookup(path, name)
+
+    monkeypatch.setattr(index, "lookup", counted)
+    for _ in range(3):
+        opened = second.open_now(c.inode, os.O_RDONLY)
+        assert opened is not None
+        second.release(opened[0])
+    assert queries == [("b", "c.bin")]
+    wall.now += TTL / 2 + 1  # the stored listing expired (its age is wall time)...
+    clock.advance(TTL / 2 + 1)  # ...and so did what the node remembered of it
+    assert second.open_now(c.inode, os.O_RDONLY) is None
+    assert len(queries) == 2
+
+
 async def test_after_the_ttl_a_remount_lists_again(tmp_path: Path, store: InMemoryObjectStore) -> None:
     wall = Wall()
     first = make_fs(store, FakeClock(), MetadataIndex(tmp_path / "i.db", wall=wall))
