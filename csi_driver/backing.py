@@ -134,6 +134,7 @@ class BackingBroker:
         self._unregister = unregister
         self._listener: socket.socket | None = None
         self._conns: list[socket.socket] = []
+        self._refused: set[socket.socket] = set()  # connections of a peer of another uid
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -163,6 +164,7 @@ class BackingBroker:
         for sock in [*self._conns, *([self._listener] if self._listener else [])]:
             sock.close()
         self._conns.clear()
+        self._refused.clear()
         self._listener = None
         self.ids.clear()
         try:
@@ -194,18 +196,20 @@ class BackingBroker:
             uid = peer_uid(conn)
         except OSError:
             uid = -1
-        if uid != self.uid or len(self._conns) >= MAX_CONNECTIONS:
-            why = (f"a peer of uid {uid}, not the daemon's {self.uid}" if uid != self.uid
-                   else f"more than {MAX_CONNECTIONS} connections")
-            log.warning("backing broker %s: refused %s", self.path, why)
-            self._answer(conn, -errno.EPERM)
+        if len(self._conns) >= MAX_CONNECTIONS:
+            log.warning("backing broker %s: refused a connection beyond %d", self.path, MAX_CONNECTIONS)
             conn.close()
             return
+        if uid != self.uid:
+            # Its first request is answered EPERM (so the peer can say why), and the connection closed.
+            log.warning("backing broker %s: refused a peer of uid %d, not the daemon's %d", self.path, uid, self.uid)
+            self._refused.add(conn)
         self._conns.append(conn)
 
     def _drop(self, conn: socket.socket) -> None:
         conn.close()
         self._conns.remove(conn)
+        self._refused.discard(conn)
 
     def _serve_one(self, conn: socket.socket) -> None:
         try:
@@ -220,13 +224,15 @@ class BackingBroker:
             if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) != REQUEST.size:
                 result = -errno.EINVAL
                 log.warning("backing broker %s: refused a malformed request", self.path)
+            elif conn in self._refused:
+                result = -errno.EPERM
             else:
                 op, arg = REQUEST.unpack(data)
                 result = self.handle(op, arg, fds)
         finally:
             for fd in fds:
                 os.close(fd)
-        if not self._answer(conn, result):
+        if not self._answer(conn, result) or conn in self._refused:
             self._drop(conn)
 
     def _answer(self, conn: socket.socket, result: int) -> bool:
