@@ -14,9 +14,7 @@ brings the FUSE session, the filesystem and the engine, which no other command n
 ``cachefs mount --fuse-fd-socket PATH`` serves a mount that a privileged process (the CSI node plugin)
 has already made: it receives the mounted ``/dev/fuse`` descriptor on the unix socket PATH
 (``cachefs.handover``), runs in the foreground, reports its start-up on that connection, and needs no
-privilege. It leaves the unmount to the process that mounted. With ``--backing-broker PATH`` (a
-read-only mount) the plugin listening there registers backing files for kernel passthrough, which the
-daemon, without CAP_SYS_ADMIN, may not (``cachefs.backing``).
+privilege. It leaves the unmount to the process that mounted.
 
 ``cachefs unmount`` flushes written data first (through the daemon's control API), then unmounts
 with ``fusermount3`` and waits for the daemon to exit (which uploads what was written meanwhile, within
@@ -256,9 +254,8 @@ def register(sub: Any) -> None:
     m.add_argument("--fuse-fd-socket", type=Path, default=None, metavar="PATH",
                    help="serve a mount made by a privileged process (the CSI node plugin): receive its /dev/fuse "
                         "descriptor on this unix socket instead of mounting; needs no privilege; implies --foreground")
-    m.add_argument("--backing-broker", type=Path, default=None, metavar="PATH",
-                   help="with --fuse-fd-socket on a read-only mount: have the node plugin listening on this unix "
-                        "socket register backing files for kernel passthrough, which this daemon may not do itself")
+    m.add_argument("--backing-broker", type=Path, default=None, metavar="PATH", help="the CSI node plugin's unix socket "
+                   "that registers backing files for kernel passthrough, which this daemon may not do itself")
 
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
     u.add_argument("mountpoint", type=Path)
@@ -408,8 +405,8 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
         read_timeout_s=args.read_timeout,
         stats_addr=args.stats_addr,
         exit_stats_file=Path(os.path.abspath(args.exit_stats_file)) if args.exit_stats_file is not None else None,
-        allow_other=args.allow_other,
-        log_level=args.log_level,
+        allow_other=args.allow_other, log_level=args.log_level,
+        backing_broker=Path(os.path.abspath(args.backing_broker)) if args.backing_broker is not None else None,
         cluster=cluster,
         manifest=Path(os.path.abspath(args.manifest)) if args.manifest is not None else None,
         manifest_key=args.manifest_key,
@@ -618,8 +615,7 @@ def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
     report_fd = os.dup(conn.fileno())
     conn.close()
     try:
-        broker = Path(os.path.abspath(args.backing_broker)) if args.backing_broker is not None else None
-        settings = dataclasses.replace(mount_settings(args, environ), fuse_fd=fuse_fd, backing_broker=broker)
+        settings = dataclasses.replace(mount_settings(args, environ), fuse_fd=fuse_fd)
         settings, notice = preflight(settings, check_mountpoint=False)
         refuse_if_in_use(settings)
     except (UsageError, ValueError) as exc:
@@ -645,8 +641,6 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str], environ: dict[str, 
     os.umask(PRIVATE_UMASK)
     if args.fuse_fd_socket is not None:
         return run_handed_over(args, environ)
-    if args.backing_broker is not None:
-        raise UsageError("--backing-broker needs --fuse-fd-socket: it serves a mount the node plugin made")
     settings = mount_settings(args, environ)
     if args.ready_fd is None:  # the child re-runs these checks only through the daemon itself
         settings, notice = preflight(settings)
