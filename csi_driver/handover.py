@@ -212,6 +212,7 @@ class HandoverMounter(CachefsMounter):
             try:
                 fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only, source=spec.source)
             except OSError as exc:
+                self._stop_broker(spec.target)
                 raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
             deadline = time.monotonic() + self.mount_timeout_s
             try:

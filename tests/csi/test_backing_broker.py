@@ -179,6 +179,21 @@ def test_a_file_renamed_away_and_replaced_is_refused(base: Path, cache: Path) ->
         os.close(fd)
 
 
+def test_a_path_that_names_another_file_is_refused(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path the kernel gives is the one the daemon's mount namespace sees (a mount pod's): where
+    the plugin finds another file under that name, the descriptor is refused, not the name trusted."""
+    sent = daemon_file(cache / "whole" / "ab" / "sent")
+    other = daemon_file(cache / "whole" / "ab" / "other")
+    fd = opened(sent)
+    real_readlink = os.readlink
+    monkeypatch.setattr(os, "readlink", lambda p: str(other) if p == f"/proc/self/fd/{fd}" else real_readlink(p))
+    try:
+        code, reason = refusal(fd, cache)
+        assert code == errno.EACCES and "names another file" in reason
+    finally:
+        os.close(fd)
+
+
 def test_a_hard_link_is_refused(base: Path, cache: Path) -> None:
     target = daemon_file(base / "elsewhere" / "secret")
     link = cache / "whole" / "ab" / "hard"
