@@ -79,6 +79,11 @@ def counts(target: Path) -> tuple[int, int]:
     return doc["filesystem"]["reads"], doc["fuse"]["passthrough_opens"]
 
 
+def why(daemon_log: Path) -> str:
+    """The daemon's passthrough lines, for a failure's message."""
+    return "\n".join(line for line in daemon_log.read_text().splitlines() if "passthrough" in line)
+
+
 def fuse_fds(pid: int) -> list[str]:
     found = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -101,22 +106,22 @@ def test_a_file_whole_on_the_disk_tier_is_read_without_the_unprivileged_daemon(
     driver.publish("vol-broker", target, context_for(seaweed, bucket, blockSize="1MiB"),
                    secrets=secrets_of(seaweed), readonly=True, capability=mount_capability())
     pid = daemon_pid(target)
+    (daemon_log,) = driver.cache_root.rglob("daemon.log")
     assert os.stat(f"/proc/{pid}").st_uid == NOBODY
     status = Path(f"/proc/{pid}/status").read_text()
     assert "CapEff:\t0000000000000000" in status  # it could not register a backing file itself
     path = target / "a.bin"
 
     assert path.read_bytes() == data  # cold: blocks fetched and written to the disk tier
-    assert call(target, "/stats")["fuse"]["passthrough"] is True  # INIT agreed: the broker answered
+    assert call(target, "/stats")["fuse"]["passthrough"] is True, why(daemon_log)  # the broker answered at INIT
     deadline = time.monotonic() + SETTLE_S
     while counts(target)[1] == 0:
-        assert time.monotonic() < deadline, f"no open passed through in {SETTLE_S} s: {call(target, '/stats')['fuse']}"
+        assert time.monotonic() < deadline, f"no passthrough open in {SETTLE_S} s: {why(daemon_log)}"
         with open(path, "rb") as fh:
             fh.read(1)
     reads, opens = counts(target)
     assert read_dropping_page_cache(path) == data
-    assert counts(target) == (reads, opens + 1)  # one more passthrough open, and no READ request at all
-    (daemon_log,) = driver.cache_root.rglob("daemon.log")
+    assert counts(target) == (reads, opens + 1), why(daemon_log)  # one more passthrough open, no READ at all
     assert "backing files are registered by the node plugin's broker" in daemon_log.read_text()
 
     # The plugin is SIGKILLed and started again: it serves the mount's broker again (adopt), and the
@@ -128,7 +133,7 @@ def test_a_file_whole_on_the_disk_tier_is_read_without_the_unprivileged_daemon(
     try:
         reads, opens = counts(target)
         assert read_dropping_page_cache(path) == data
-        assert counts(target) == (reads, opens + 1)
+        assert counts(target) == (reads, opens + 1), why(daemon_log)
         assert "passthrough: " not in daemon_log.read_text().split("registered by the node plugin's broker")[-1]
 
         # The plugin holds no descriptor of the connection: the daemon is its only holder.
