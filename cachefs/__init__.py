@@ -7,7 +7,7 @@
     fuse/     the kernel's FUSE protocol, spoken by cachefs itself: wire, session, adapter
     fs/       POSIX semantics: CacheFS over its inode table, listing cache, handles, rename
     loader    what a data loader calls to announce its read order (a client of the daemon)
-    client, manifest, paths, names, mounts, settings, handover, tuning
+    client, manifest, paths, names, mounts, settings, handover, backing, tuning
               small leaf modules the floors above share
 
 The order is checked by an import-linter ``layers`` contract (pyproject.toml).

@@ -203,6 +203,9 @@ class MountSettings:
     # A /dev/fuse descriptor already mounted at ``mountpoint`` by a privileged process and handed to
     # this daemon (``cachefs mount --fuse-fd-socket``, ``cachefs.handover``); None: the daemon mounts.
     fuse_fd: int | None = None
+    # The node plugin's backing-file broker for passthrough (``cachefs mount --backing-broker``,
+    # ``cachefs.backing``), used when this daemon may not register backing files itself.
+    backing_broker: Path | None = None
     # A mount pinned to a manifest (cachefs.fs.pinned): a local file, or a key in the source itself
     # (fetched at mount; the CSI volume attribute ``manifest``). Read-only.
     manifest: Path | None = None

@@ -11,7 +11,11 @@ stopped, the mount detached lazily):
    --fuse-fd-socket <run_dir>/fuse.sock`` (``launchers.DaemonSpec``);
 4. it sends the daemon the fd and closes its own copy, so that the daemon is the connection's only
    holder: the daemon's death ends the connection (ENOTCONN) instead of hanging the mount;
-5. it reads the daemon's start-up report (``OK``, or the one-line reason it cannot serve), checks
+5. for a read-only mount, it serves ``<run_dir>/backing.sock`` beforehand (``csi_driver.backing``),
+   where the daemon has it register passthrough backing files, each request carrying the daemon's
+   own fd (the plugin keeps none); the broker stops at unmount and is served again by ``resume``
+   after a restart of the plugin;
+6. it reads the daemon's start-up report (``OK``, or the one-line reason it cannot serve), checks
    that the mount answers, and tunes the connection's read-ahead and background requests
    (``cachefs.tuning``: sysfs, which an unprivileged daemon may not write).
 
@@ -41,9 +45,11 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from cachefs.backing import BROKER_SOCKET
 from cachefs.handover import MAX_SOCKET_PATH, HandoverError
 from cachefs.tuning import tune_fuse_connection
 from csi_driver import fusefd
+from csi_driver.backing import BackingBroker
 from csi_driver.errors import Code, CsiError
 from csi_driver.launchers import DaemonLauncher, DaemonSpec, daemon_name
 from csi_driver.mounter import (
@@ -104,6 +110,8 @@ class HandoverMounter(CachefsMounter):
         self.daemon_uid = daemon_uid
         self.daemon_gid = daemon_gid
         self.stop_timeout_s = stop_timeout_s
+        # The passthrough brokers of the read-only mounts, by target (csi_driver.backing).
+        self.brokers: dict[Path, BackingBroker] = {}
         # Targets being mounted now: a daemon that dies before it serves one is that mount's failure
         # (answered to the caller), not a broken mount to report (podwatch.BrokenMountReporter).
         self.mounting: set[Path] = set()
@@ -125,6 +133,8 @@ class HandoverMounter(CachefsMounter):
                                                      f"paths ({longest} exceeds {MAX_SOCKET_PATH} bytes)")
         args = self.mount_argv(request)[len(self.command):]
         args += ["--fuse-fd-socket", str(run_dir / "fuse.sock")]
+        if request.read_only:  # passthrough is for read-only mounts only
+            args += ["--backing-broker", str(run_dir / BROKER_SOCKET)]
         env = {key: value for key, value in self.child_environ(request).items() if key.startswith("AWS_")}
         env["XDG_RUNTIME_DIR"] = str(run_dir)  # the control socket: in the run dir, reachable from here
         return DaemonSpec(
@@ -195,11 +205,14 @@ class HandoverMounter(CachefsMounter):
                         self.launcher.describe(spec.name))
             self.launcher.stop(spec.name, self.stop_timeout_s)
         self._prepare_dirs(spec)
+        self._stop_broker(spec.target)  # an earlier daemon's, whose ids went with its connection
+        self._start_broker(spec)
         self.mounting.add(spec.target)
         try:
             try:
                 fd = fusefd.mount_fuse(spec.target, read_only=spec.read_only, source=spec.source)
             except OSError as exc:
+                self._stop_broker(spec.target)
                 raise CsiError(Code.INTERNAL, f"{what}: {exc.strerror or exc}") from None
             deadline = time.monotonic() + self.mount_timeout_s
             try:
@@ -240,8 +253,42 @@ class HandoverMounter(CachefsMounter):
                                           f"({problem})")
         tune_fuse_connection(spec.target)  # read-ahead, background requests: the daemon may not
 
+    # -- the passthrough broker ------------------------------------------------------------------------
+    def _start_broker(self, spec: DaemonSpec) -> None:
+        """Serve ``<run_dir>/backing.sock`` for a read-only mount. A broker that cannot start costs
+        passthrough only: the daemon, finding no broker, serves every read."""
+        if not spec.read_only:
+            return
+        broker = BackingBroker(spec.run_dir / BROKER_SOCKET, uid=os.geteuid() if spec.uid is None else spec.uid,
+                               gid=spec.gid, cache_dir=spec.cache_dir)
+        try:
+            broker.start()
+        except OSError as exc:
+            log.warning("%s: no passthrough broker (%s); its daemon serves every read", spec.target,
+                        exc.strerror or exc)
+            return
+        self.brokers[spec.target] = broker
+
+    def _stop_broker(self, target: Path) -> None:
+        broker = self.brokers.pop(target, None)
+        if broker is not None:
+            broker.stop()
+
+    def resume(self) -> None:
+        """After a restart of the plugin: serve the brokers of the read-only mounts whose daemons
+        serve on (their saved specs say which), so their passthrough goes on."""
+        for path in sorted(self.run_root.glob("*.spec.json")):
+            try:
+                spec = DaemonSpec.from_json(path.read_text())
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if spec.read_only and spec.target not in self.brokers and self.is_mounted(spec.target) \
+                    and not self.is_broken(spec.target):
+                self._start_broker(spec)
+
     def _undo(self, spec: DaemonSpec) -> None:
         """Stop the daemon (ending the connection), then detach the mount; log what cannot be undone."""
+        self._stop_broker(spec.target)
         try:
             self.launcher.stop(spec.name, self.stop_timeout_s)
         except CsiError as exc:
@@ -271,6 +318,7 @@ class HandoverMounter(CachefsMounter):
         while self.launcher.is_running(name) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         self.launcher.stop(name, self.stop_timeout_s)
+        self._stop_broker(target)
         shutil.rmtree(self.run_root / name, ignore_errors=True)
         self._spec_path(name).unlink(missing_ok=True)
 
@@ -284,6 +332,7 @@ class HandoverMounter(CachefsMounter):
 
     def detach(self, target: Path) -> None:
         """Lazily detach a dead mount (nothing is left to flush)."""
+        self._stop_broker(target)
         try:
             fusefd.unmount(target, lazy=True)
         except OSError as exc:

@@ -109,6 +109,10 @@ class Mounter(Protocol):
         """Mount ``target`` (a staged mount whose daemon died) again with a new daemon given what the
         first one was given, credentials included, without a request; ``CsiError`` where it cannot."""
 
+    def resume(self) -> None:
+        """At start-up: serve again what the live mounts' daemons need of the plugin (the passthrough
+        brokers of ``HandoverMounter``); nothing is mounted or unmounted."""
+
 
 def probe_broken(path: Path) -> bool:
     """Whether ``path`` is a FUSE mount whose daemon is gone.
@@ -230,6 +234,9 @@ class CachefsMounter:
         where = os.path.abspath(target)
         return sum(1 for entry in mounts.mount_entries() if entry.mountpoint == where)
 
+    def resume(self) -> None:
+        """Nothing to serve: a daemon this mounter starts mounts itself, as root."""
+
     def relaunch(self, target: Path) -> None:
         """Start the dead daemon of the mount at ``target`` again, without its credentials in hand;
         only a launcher that kept them can (``HandoverMounter`` over mount pods)."""
@@ -309,6 +316,9 @@ class FakeMounter:
 
     def layers(self, target: Path) -> int:
         return len(self._stacks.get(target, ())) or int(target in self.mounts)
+
+    def resume(self) -> None:
+        """Nothing to serve: no daemons."""
 
     def relaunch(self, target: Path) -> None:
         """A new daemon for the dead mount at ``target``, given what the first one was given."""

@@ -204,7 +204,9 @@ class NodeOps:
     # -- start-up -----------------------------------------------------------------------------------
     def adopt(self) -> list[StageRecord]:
         """Take up the volumes a previous run of the plugin staged: report each one's state, and drop
-        from its record the targets that are no longer mounted. Nothing is mounted or unmounted."""
+        from its record the targets that are no longer mounted, and have the mounter serve again what
+        the live mounts need of it (``Mounter.resume``). Nothing is mounted or unmounted."""
+        self.mounter.resume()
         found = self.records.all()
         for record in found:
             staging = Path(record.staging_path)

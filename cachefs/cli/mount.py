@@ -254,6 +254,8 @@ def register(sub: Any) -> None:
     m.add_argument("--fuse-fd-socket", type=Path, default=None, metavar="PATH",
                    help="serve a mount made by a privileged process (the CSI node plugin): receive its /dev/fuse "
                         "descriptor on this unix socket instead of mounting; needs no privilege; implies --foreground")
+    m.add_argument("--backing-broker", type=Path, default=None, metavar="PATH", help="the CSI node plugin's unix socket "
+                   "that registers backing files for kernel passthrough, which this daemon may not do itself")
 
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a cachefs mount")
     u.add_argument("mountpoint", type=Path)
@@ -403,8 +405,8 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
         read_timeout_s=args.read_timeout,
         stats_addr=args.stats_addr,
         exit_stats_file=Path(os.path.abspath(args.exit_stats_file)) if args.exit_stats_file is not None else None,
-        allow_other=args.allow_other,
-        log_level=args.log_level,
+        allow_other=args.allow_other, log_level=args.log_level,
+        backing_broker=Path(os.path.abspath(args.backing_broker)) if args.backing_broker is not None else None,
         cluster=cluster,
         manifest=Path(os.path.abspath(args.manifest)) if args.manifest is not None else None,
         manifest_key=args.manifest_key,

@@ -287,7 +287,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                                      read_only=settings.fs.read_only, passthrough=settings.fs.passthrough)
                 session = FuseSession(ops, str(settings.mountpoint),
                                       source=settings.source, read_only=settings.fs.read_only,
-                                      allow_other=settings.allow_other, fd=settings.fuse_fd)
+                                      allow_other=settings.allow_other, fd=settings.fuse_fd,
+                                      broker=settings.backing_broker)
                 try:
                     session.mount()
                 except OSError as exc:

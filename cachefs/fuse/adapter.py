@@ -40,7 +40,8 @@ from collections.abc import Awaitable, Callable
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
-from cachefs.fuse.session import LATER, BackingFiles, Later, Notifier, Reply
+from cachefs.backing import BrokerError
+from cachefs.fuse.session import LATER, Backing, Later, Notifier, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
@@ -92,7 +93,7 @@ class Passthrough:
     """Which inodes the kernel reads through a backing file, and which it reads through the daemon
     (see the module docstring); counts in ``fs.stats``."""
 
-    def __init__(self, fs: CacheFS, backing: BackingFiles) -> None:
+    def __init__(self, fs: CacheFS, backing: Backing) -> None:
         self.fs = fs
         self.backing = backing
         self.enabled = True  # False once the kernel refused a registration: no new ones are asked for
@@ -143,7 +144,10 @@ class Passthrough:
             return self.backing.open(path)
         except OSError as exc:
             self.fs.stats.passthrough_fallbacks += 1
-            if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY):
+            if isinstance(exc, BrokerError):  # the node plugin's broker: stuck, gone, or it refused
+                log.warning("passthrough: %s; the daemon serves every read from now on", exc.strerror)
+                self.enabled = self.fs.stats.passthrough_active = False
+            elif exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY):
                 log.warning("passthrough: the kernel refused a backing file (%s); the daemon serves every read "
                             "from now on", os.strerror(exc.errno or errno.EPERM))
                 self.enabled = self.fs.stats.passthrough_active = False
@@ -168,6 +172,10 @@ class Passthrough:
                 del self.held[nodeid]
                 try:
                     self.backing.close(held.backing_id)
+                except BrokerError as exc:  # the id stays registered until the connection ends
+                    if self.enabled:  # said once, when the broker broke
+                        log.warning("passthrough: %s; the daemon serves every read from now on", exc.strerror)
+                    self.enabled = self.fs.stats.passthrough_active = False
                 except OSError as exc:
                     log.warning("passthrough: closing backing id %d failed: %s", held.backing_id, exc)
             return
@@ -224,7 +232,7 @@ class FuseOperations:
     def wanted_flags(self) -> int:
         return wire.PASSTHROUGH if self.wants_passthrough else 0
 
-    def negotiated(self, flags: int, backing: BackingFiles | None, notifier: Notifier | None) -> None:
+    def negotiated(self, flags: int, backing: Backing | None, notifier: Notifier | None) -> None:
         """What the kernel agreed to at INIT (READDIR or READDIRPLUS is told by the opcode itself)."""
         self.no_open = self.no_open and bool(flags & wire.NO_OPEN_SUPPORT)
         if backing is not None and flags & wire.PASSTHROUGH and self.wants_passthrough:

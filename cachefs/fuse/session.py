@@ -40,8 +40,11 @@ request we have not answered yet holds.
 answers with PASSTHROUGH in ``flags2`` and ``max_stack_depth`` 1 (backing files on a filesystem that
 is not itself stacked, as the cache directory is; the FUSE mount may then still be an overlayfs
 layer). ``BackingFiles`` registers an open file with ``FUSE_DEV_IOC_BACKING_OPEN`` and drops the
-registration with ``FUSE_DEV_IOC_BACKING_CLOSE``; the adapter decides which opens use it. Where any
-condition fails the session says so in one log line and every read is served as before.
+registration with ``FUSE_DEV_IOC_BACKING_CLOSE``; the adapter decides which opens use it. A daemon
+without that capability (the CSI node plugin's mounts) is given a broker instead (``broker``: the
+plugin's socket, ``cachefs.backing``): INIT agrees to PASSTHROUGH when the broker answers a probe, and
+``BrokerBackingFiles`` has the plugin do each ioctl. Where any condition fails the session says so in
+one log line and every read is served as before.
 
 Growing this: cloned descriptors (``FUSE_DEV_IOC_CLONE``) would each get their own reader and buffer
 (a thread or a process per descriptor, sharing the adapter); see docs/architecture.md, "The FUSE layer".
@@ -53,7 +56,6 @@ import asyncio
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import logging
 import os
 import socket
@@ -68,6 +70,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol, Union
 
+from cachefs.backing import BrokerBackingFiles, BrokerError, register, unregister
 from cachefs.fuse import wire
 from cachefs.fuse.replies import OFFLOAD_MIN_BYTES, ReplyWriters, write_reply
 from cachefs.fuse.wire import FuseError, Request
@@ -159,7 +162,7 @@ class Operations(Protocol):
         """INIT flags the adapter would use beyond ``WANTED_FLAGS`` (PASSTHROUGH, or 0)."""
         ...
 
-    def negotiated(self, flags: int, backing: BackingFiles | None, notifier: Notifier | None) -> None:
+    def negotiated(self, flags: int, backing: Backing | None, notifier: Notifier | None) -> None:
         """What the kernel agreed to; ``backing`` registers backing files where PASSTHROUGH was agreed,
         ``notifier`` tells the kernel to drop what it cached (None: the kernel takes no notifications)."""
         ...
@@ -187,6 +190,17 @@ def may_register_backing(status: str = "/proc/self/status", userns: str = "/proc
     return False
 
 
+class Backing(Protocol):
+    """Registers backing files on this connection: ``BackingFiles`` itself, or ``BrokerBackingFiles``
+    through the CSI node plugin (``cachefs.backing``)."""
+
+    def open(self, path: str) -> int:
+        """The backing id of the plain file at ``path``; ``OSError`` if refused."""
+        ...
+
+    def close(self, backing_id: int) -> None: ...
+
+
 class BackingFiles:
     """Backing files registered on one FUSE connection (passthrough): ``open`` a plain file and get
     the id an OPEN answer names, ``close`` the id when no open file needs it any more (the kernel
@@ -201,12 +215,12 @@ class BackingFiles:
         this process's credentials); ``OSError`` with the kernel's errno if refused."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            return fcntl.ioctl(self.fd, wire.DEV_IOC_BACKING_OPEN, wire.backing_map(fd))
+            return register(self.fd, fd)
         finally:
             os.close(fd)
 
     def close(self, backing_id: int) -> None:
-        fcntl.ioctl(self.fd, wire.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
+        unregister(self.fd, backing_id)
 
 
 class Notifier:
@@ -405,7 +419,7 @@ class FuseSession:
     """One mount's connection to the kernel: mount, serve until unmounted or terminated, close."""
 
     def __init__(self, ops: Operations, mountpoint: str, *, source: str = SUBTYPE, read_only: bool = False,
-                 allow_other: bool = False, fd: int | None = None) -> None:
+                 allow_other: bool = False, fd: int | None = None, broker: Path | None = None) -> None:
         self.ops = ops
         self.mountpoint = mountpoint
         self.fsname = mount_source(source)
@@ -413,6 +427,8 @@ class FuseSession:
         self.allow_other = allow_other
         self.fd = -1 if fd is None else fd
         self.handed_over = fd is not None
+        self.broker = broker  # the node plugin's backing-file broker (cachefs.backing), for passthrough
+        self._broker_client: BrokerBackingFiles | None = None
         self.privileged = False
         self.proto_minor = 0
         self.flags = 0
@@ -466,6 +482,8 @@ class FuseSession:
             self.notifier.close()
         if not self.handed_over and self.fd >= 0:
             unmount(self.mountpoint, privileged=self.privileged)
+        if self._broker_client is not None:
+            self._broker_client.shutdown()
         if self.fd >= 0:
             os.close(self.fd)
 
@@ -646,17 +664,15 @@ class FuseSession:
             self._end()
             return
         flags = init.flags & (WANTED_FLAGS | self.ops.wanted_flags)
-        backing = None
+        backing: Backing | None = None
         if self.ops.wanted_flags & wire.PASSTHROUGH:
             if not flags & wire.PASSTHROUGH:
                 log.info("passthrough: the kernel does not offer it (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH); "
                          "the daemon serves every read")
-            elif not may_register_backing():
-                flags &= ~wire.PASSTHROUGH
-                log.info("passthrough: not used, registering backing files needs CAP_SYS_ADMIN in the initial "
-                         "user namespace; the daemon serves every read")
             else:
-                backing = BackingFiles(self.fd)
+                backing = self._backing()
+                if backing is None:
+                    flags &= ~wire.PASSTHROUGH
         self.proto_minor = min(init.minor, wire.KERNEL_MINOR)
         self.flags = flags
         if self.notifier is None and self.proto_minor >= wire.NOTIFY_INVAL_MIN_MINOR:
@@ -668,6 +684,26 @@ class FuseSession:
             max_write=MAX_WRITE, max_pages=MAX_PAGES if flags & wire.MAX_PAGES else 0,
             max_stack_depth=PASSTHROUGH_STACK_DEPTH if flags & wire.PASSTHROUGH else 0))
         log.debug("FUSE %d.%d, flags %#x of %#x offered", wire.KERNEL_MAJOR, init.minor, flags, init.flags)
+
+    def _backing(self) -> Backing | None:
+        """Who registers backing files for this connection: this process where it may, else the node
+        plugin's broker if it answers a probe (bounded: ``cachefs.backing.BROKER_TIMEOUT_S``), else
+        nobody (one log line; the daemon serves every read)."""
+        if may_register_backing():
+            return BackingFiles(self.fd)
+        if self.broker is None:
+            log.info("passthrough: not used, registering backing files needs CAP_SYS_ADMIN in the initial "
+                     "user namespace; the daemon serves every read")
+            return None
+        client = BrokerBackingFiles(self.broker, self.fd)
+        try:
+            client.probe()
+        except BrokerError as exc:
+            log.warning("passthrough: not used, %s; the daemon serves every read", exc.strerror)
+            return None
+        log.info("passthrough: backing files are registered by the node plugin's broker %s", self.broker)
+        self._broker_client = client
+        return client
 
     def send(self, unique: int, error: int, reply: Reply = None) -> None:
         """Answer request ``unique``: ``error`` (a positive errno), or 0 and the reply's buffers."""

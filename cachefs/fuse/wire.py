@@ -27,6 +27,14 @@ import stat
 import struct
 from typing import NamedTuple
 
+from cachefs.backing import (  # noqa: F401 - part of the protocol's vocabulary
+    BACKING_MAP,
+    DEV_IOC_BACKING_CLOSE,
+    DEV_IOC_BACKING_OPEN,
+    DEV_IOC_MAGIC,
+    backing_map,
+)
+
 KERNEL_MAJOR = 7
 # The minor this side speaks: every struct below has its 7.31 size, and nothing newer than 7.31 is
 # asked of the kernel through a version (FOPEN_NOFLUSH and the INIT flags are bits, not versions).
@@ -154,14 +162,8 @@ FOPEN_PASSTHROUGH = 1 << 7
 # EIO otherwise): no KEEP_CACHE, since a passed-through file never uses the FUSE inode's page cache.
 FOPEN_PASSTHROUGH_ALLOWED = FOPEN_PASSTHROUGH | FOPEN_DIRECT_IO | FOPEN_NOFLUSH
 
-# ioctls on /dev/fuse (``_IOW(229, nr, type)``: direction write 1 << 30, the argument's size << 16,
-# the magic << 8, the number), for passthrough: register an open file as a backing file (returns its
-# id) and drop a registration. The kernel keeps the file itself while an open file uses it.
-_IOC_WRITE = 1 << 30
-DEV_IOC_MAGIC = 229
-BACKING_MAP = struct.Struct("<iIQ")            # fuse_backing_map: fd flags padding
-DEV_IOC_BACKING_OPEN = _IOC_WRITE | BACKING_MAP.size << 16 | DEV_IOC_MAGIC << 8 | 1
-DEV_IOC_BACKING_CLOSE = _IOC_WRITE | 4 << 16 | DEV_IOC_MAGIC << 8 | 2
+# ioctls on /dev/fuse for passthrough (and their argument): cachefs.backing, shared with the CSI
+# node plugin's broker; named here too, beside the other structs of the kernel's protocol.
 
 # fuse_setattr_in.valid
 FATTR_MODE = 1 << 0
@@ -318,13 +320,6 @@ def attr_out(a: Attr, attr_timeout: float) -> bytes:
 def open_out(fh: int, flags: int, backing_id: int = 0) -> bytes:
     """An OPEN/CREATE answer; ``backing_id`` (from DEV_IOC_BACKING_OPEN) only with FOPEN_PASSTHROUGH."""
     return OPEN_OUT.pack(fh, flags, backing_id)
-
-
-def backing_map(fd: int) -> bytearray:
-    """The argument of DEV_IOC_BACKING_OPEN for the open file ``fd`` (flags and padding must be 0).
-
-    A bytearray: ``fcntl.ioctl`` then returns the call's result, which is the backing id."""
-    return bytearray(BACKING_MAP.pack(fd, 0, 0))
 
 
 def write_out(size: int) -> bytes:

@@ -187,7 +187,10 @@ def driver_run_root(workdir: Path) -> Path:
     return Path("/tmp") / f"csi-run-{hashlib.sha256(str(workdir).encode()).hexdigest()[:12]}"
 
 
-def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None) -> Driver:
+def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None,
+                 command: list[str] | None = None) -> Driver:
+    """``command``: the driver's program (default this venv's ``cachefs-csi``); its interpreter also
+    runs the daemons in process mode."""
     sock_dir = Path(tempfile.mkdtemp(prefix="csi-", dir="/tmp"))  # unix socket paths must stay short
     run_root = driver_run_root(workdir)
     sock = sock_dir / "csi.sock"
@@ -197,7 +200,8 @@ def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None) 
 
     (metrics_port,) = free_ports(1)
     exe = Path(sys.executable).with_name("cachefs-csi")
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "csi_driver.main"]
+    if command is None:
+        command = [str(exe)] if exe.exists() else [sys.executable, "-m", "csi_driver.main"]
     # The cluster key, as a driver with a cluster store holds it (``--cluster-store-secret`` in pods;
     # here the daemons are the driver's children and inherit the variable).
     env = dict(env or driver_environ())

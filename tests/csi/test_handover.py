@@ -329,17 +329,20 @@ class _NeverConnects(FakeLauncher):
 
 
 @pytest.mark.parametrize("launcher", [FakeLauncher, _NeverConnects])
-def test_a_launch_that_fails_leaves_no_mount(node_dirs, launcher) -> None:
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_launch_that_fails_leaves_no_mount(node_dirs, launcher, read_only: bool) -> None:
     target = node_dirs["staging"]
     target.mkdir(parents=True)
     fake = launcher()
     if type(fake) is FakeLauncher:
         fake.fail_next = CsiError(Code.UNAVAILABLE, "the API server is down")
     mounter = HandoverMounter(fake, node_dirs["run_root"], environ={}, mount_timeout_s=WAIT_S)
-    request = MountRequest(source="s3://bucket/x", target=target, cache_dir=node_dirs["cache_root"] / "slot-0")
+    request = MountRequest(source="s3://bucket/x", target=target, cache_dir=node_dirs["cache_root"] / "slot-0",
+                           read_only=read_only)
     with pytest.raises(CsiError) as info:
         mounter.mount(request)
     assert mounts.find_mount(target) is None  # the plugin's own mount was undone
+    assert mounter.brokers == {}  # nor a passthrough broker left serving
     assert not (node_dirs["run_root"] / daemon_name(target)).exists()
     assert ("stop", daemon_name(target)) in fake.calls
     if type(fake) is FakeLauncher:

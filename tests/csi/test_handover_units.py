@@ -352,3 +352,47 @@ def test_cachefs_mount_without_a_handover_listener_fails_in_one_line(tmp_path: P
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cachefs: error: cannot receive the FUSE descriptor"), lines
     assert not (tmp_path / "mnt").exists()  # it neither mounted nor created anything there
+
+
+def test_a_read_only_mount_names_its_passthrough_broker(tmp_path: Path, run_root: Path) -> None:
+    mounter = HandoverMounter(FakeLauncher(), run_root, command=["cachefs"], daemon_uid=65534, daemon_gid=65534)
+    spec = mounter.spec_for(_request(tmp_path, read_only=True))
+    assert spec.args[-4:] == ("--fuse-fd-socket", str(run_root / spec.name / "fuse.sock"),
+                              "--backing-broker", str(run_root / spec.name / "backing.sock"))
+    assert "--backing-broker" not in mounter.spec_for(_request(tmp_path)).args  # writable: no passthrough
+
+
+def test_a_restarted_plugin_serves_the_brokers_of_live_read_only_mounts(tmp_path: Path, run_root: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    mounter = HandoverMounter(FakeLauncher(), run_root, command=["cachefs"], daemon_uid=65534, daemon_gid=65534)
+    live = mounter.spec_for(_request(tmp_path, read_only=True))
+    dead = mounter.spec_for(_request(tmp_path, read_only=True, target=tmp_path / "dead"))
+    writable = mounter.spec_for(_request(tmp_path, target=tmp_path / "rw"))
+    for spec in (live, dead, writable):
+        spec.run_dir.mkdir(parents=True)
+        mounter._save_spec(spec)
+    monkeypatch.setattr(mounter, "is_mounted", lambda target: True)
+    monkeypatch.setattr(mounter, "is_broken", lambda target: target == dead.target)
+    mounter.resume()
+    try:
+        assert set(mounter.brokers) == {live.target}  # not the dead mount's, not the writable one's
+        sock = live.run_dir / "backing.sock"
+        st = os.stat(sock)
+        assert (st.st_uid, st.st_mode & 0o777) == (65534, 0o600)
+        assert mounter.brokers[live.target].cache_dir == os.path.realpath(live.cache_dir)
+        broker = mounter.brokers[live.target]
+        mounter.resume()  # again: the same broker
+        assert mounter.brokers[live.target] is broker
+    finally:
+        mounter._stop_broker(live.target)
+    assert mounter.brokers == {} and not sock.exists()
+
+
+def test_a_mount_that_fails_leaves_no_broker(tmp_path: Path, run_root: Path) -> None:
+    target = tmp_path / "not-a-directory"
+    target.write_bytes(b"")
+    mounter = HandoverMounter(FakeLauncher(), run_root, command=["cachefs"])
+    with pytest.raises(CsiError) as info:
+        mounter.mount(_request(tmp_path, target=target, read_only=True))
+    assert "is not a directory" in info.value.message
+    assert mounter.brokers == {} and not (run_root / daemon_name(target) / "backing.sock").exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import cachefs.fuse.session as session_module
+from cachefs.backing import BrokerError
 from cachefs.fs.stats import FsStats
 from cachefs.fuse import wire
 from cachefs.fuse.adapter import Passthrough
@@ -186,3 +187,68 @@ def test_may_register_backing_needs_cap_sys_admin_in_the_initial_user_namespace(
     status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
     assert session_module.may_register_backing(str(status)) is False
     assert session_module.may_register_backing(str(tmp_path / "missing")) is False
+
+
+class ProbedBroker:
+    """Stands in for ``BrokerBackingFiles``: its probe answers, or fails as a missing plugin does."""
+
+    fail = False
+
+    def __init__(self, path: Path, fuse_fd: int) -> None:
+        self.path, self.fuse_fd = path, fuse_fd
+
+    def probe(self) -> None:
+        if self.fail:
+            raise BrokerError(errno.ECONNREFUSED, f"cannot reach the node plugin's broker {self.path}")
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("broker", "answers", "agreed"), [
+    (True, True, True),  # an unprivileged daemon whose node plugin registers for it
+    (True, False, False),  # the plugin does not answer: not asked
+    (False, True, False),  # no broker named
+])
+async def test_an_unprivileged_daemon_agrees_to_passthrough_when_its_broker_answers(
+        monkeypatch: pytest.MonkeyPatch, broker: bool, answers: bool, agreed: bool) -> None:
+    monkeypatch.setattr(session_module, "may_register_backing", lambda: False)
+    monkeypatch.setattr(ProbedBroker, "fail", not answers)
+    monkeypatch.setattr(session_module, "BrokerBackingFiles", ProbedBroker)
+    ops = WantingOps()
+    async for kernel, session in serving(ops):
+        session.broker = Path("/run/x/backing.sock") if broker else None
+        error, payload = await kernel.call(wire.INIT, init_offering(wire.PASSTHROUGH | wire.ASYNC_READ), nodeid=0)
+        assert error == 0
+        flags2, depth = struct.unpack_from("<II", payload, 32)
+        assert bool(flags2 & 1 << 5) is agreed and depth == (1 if agreed else 0)
+        assert isinstance(ops.backing, ProbedBroker) is agreed
+        if agreed:
+            assert ops.backing.fuse_fd == session.fd  # the connection's own descriptor goes with each request
+
+
+class BrokenBroker(Backing):
+    def open(self, path: str) -> int:
+        raise BrokerError(errno.EPIPE, "the node plugin's broker /r/backing.sock did not answer within 2 s")
+
+    def close(self, backing_id: int) -> None:
+        raise BrokerError(errno.EPIPE, "the node plugin's broker /r/backing.sock did not answer within 2 s")
+
+
+async def test_a_broker_that_fails_turns_passthrough_off_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    fs, backing = Fs(), Backing()
+    pt = Passthrough(fs, backing)  # type: ignore[arg-type]
+    fs.paths = {1: "/w", 2: "/v"}
+    assert await pt.open(5, 1, os.O_RDONLY) == 1
+    pt.backing = BrokenBroker()  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="cachefs.fuse.adapter"):
+        pt.release(1)  # the close is the first call to find it stuck
+        assert not pt.enabled and not fs.stats.passthrough_active
+        assert await pt.open(6, 2, os.O_RDONLY) is None  # not asked again
+    assert [r.getMessage() for r in caplog.records] == [
+        "passthrough: the node plugin's broker /r/backing.sock did not answer within 2 s; the daemon serves every "
+        "read from now on"]
+    fs2 = Fs()
+    pt2 = Passthrough(fs2, BrokenBroker())  # type: ignore[arg-type]
+    fs2.paths = {1: "/w"}
+    assert await pt2.open(5, 1, os.O_RDONLY) is None and not pt2.enabled and fs2.stats.passthrough_fallbacks == 1
