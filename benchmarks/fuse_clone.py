@@ -35,6 +35,7 @@ import fcntl
 import os
 import queue
 import selectors
+import shutil
 import signal
 import stat
 import struct
@@ -403,6 +404,61 @@ def measure(args: argparse.Namespace, mode: str) -> dict[str, float]:
                 server.wait()
 
 
+# ---------------------------------------------------------------------------- the daemon itself
+def daemon_rounds(args: argparse.Namespace) -> None:
+    """cachefs itself, ``--fuse-threads 1`` against ``--threads``, two mounts of one ``file://`` tree
+    side by side (read-only, long timeouts, RAM tier large enough), rounds alternating."""
+    from cachefs.client import call
+
+    work = Path(tempfile.mkdtemp(prefix="fuseclone-daemon-"))
+    src = work / "src"
+    src.mkdir()
+    body = os.urandom(SMALL)
+    for i in range(args.files):
+        (src / f"f{i}").write_bytes(body)
+    with open(src / "big", "wb") as fh:
+        for _ in range(BIG >> 20):
+            fh.write(os.urandom(1 << 20))
+    variants = [1, args.threads]
+    mounts: list[tuple[int, str, int]] = []
+    try:
+        for n in variants:
+            mnt = work / f"mnt{n}"
+            mnt.mkdir()
+            result = subprocess.run([sys.executable, "-m", "cachefs", "mount", f"file://{src}", str(mnt), "--read-only",
+                                     "--cache-dir", str(work / f"cache{n}"), "--attr-ttl", "3600", "--dir-ttl", "3600",
+                                     "--ram-cache", "512MiB", "--no-passthrough", "--fuse-threads", str(n)],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise SystemExit(f"mount --fuse-threads {n} failed: {result.stderr}")
+            mounts.append((n, str(mnt), int(call(mnt, "/info")["pid"])))
+        for _, mnt, _ in mounts:  # pages, dentries and attributes cached; the big file in the RAM tier
+            run_readers("warm", mnt, args.files, 1, args.files)
+            run_readers("direct", mnt, BIG >> 20, 1, args.files)
+        print(f"cachefs --fuse-threads 1 vs {args.threads}, {args.readers} readers, load {os.getloadavg()[0]:.1f}")
+        print(f"{'round':>5} {'threads':>7} | warm file: us total, us busiest, files/s | O_DIRECT RAM re-read: "
+              "CPU-s/GiB total, busiest, GiB/s")
+        for r in range(args.rounds):
+            for n, mnt, pid in mounts:
+                m: dict[str, float] = {}
+                for workload, count, unit in (("warm", args.calls, 1), ("direct", args.mib, 1 / 1024)):
+                    before = threads_cpu([pid])
+                    wall = run_readers(workload, mnt, count, args.readers, args.files)
+                    after = threads_cpu([pid])
+                    used = {k: after[k] - before.get(k, 0.0) for k in after}
+                    amount = count * unit
+                    m[f"{workload}_total"] = sum(used.values()) / amount
+                    m[f"{workload}_busiest"] = max(used.values()) / amount
+                    m[f"{workload}_rate"] = amount / wall
+                print(f"{r:>5} {n:>7} | {m['warm_total'] * 1e6:8.1f} {m['warm_busiest'] * 1e6:8.1f} "
+                      f"{m['warm_rate']:9.0f} | {m['direct_total']:6.3f} {m['direct_busiest']:6.3f} "
+                      f"{m['direct_rate']:6.2f}  (load {os.getloadavg()[0]:.1f})", flush=True)
+    finally:
+        for _, mnt, _ in mounts:
+            subprocess.run([sys.executable, "-m", "cachefs", "unmount", mnt], capture_output=True, timeout=120)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd")
@@ -419,9 +475,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--mib", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--daemon", action="store_true", help="measure cachefs itself, --fuse-threads 1 against --threads")
     args = parser.parse_args()
     if args.cmd == "serve":
         serve(args)
+        return
+    if args.daemon:
+        daemon_rounds(args)
         return
     print(f"load {os.getloadavg()[0]:.1f}; {args.threads} threads/processes, {args.readers} readers")
     print(f"{'round':>5} {'mode':>13} | warm file: us total, us busiest, files/s | direct: CPU-s/GiB total, busiest, GiB/s")

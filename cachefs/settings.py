@@ -31,6 +31,14 @@ DEFAULT_DIR_TTL_S = 60.0
 # Longest TTL accepted (a day): beyond it a "cache" is a snapshot; the CSI volume attributes use the
 # same bound.
 MAX_TTL_S = 86400.0
+# Threads that read and answer one mount's requests (``cachefs mount --fuse-threads``), each on its
+# own clone of the /dev/fuse descriptor. 1: the asyncio loop reads them, as before. More pays where
+# the work per request is mostly system calls (they release the GIL): measured in
+# benchmarks/fuse_clone.py and docs/architecture.md ("Several readers"). At most 32: the Python
+# work of all of them is one thread's at a time (the GIL and the state lock), so past a few more
+# readers only wait.
+DEFAULT_FUSE_THREADS = 1
+MAX_FUSE_THREADS = 32
 # Negative lookups (a name that does not exist) are answered from the cached listing of the parent
 # for the same TTL as the listing, because they come from it.
 
@@ -212,8 +220,12 @@ class MountSettings:
     # The name of this source's directory inside ``cache_dir`` when it is not ``source_label()``: one an
     # older cachefs named after another spelling of the source (``cachefs.sourcedir``, found by the CLI).
     source_dir_name: str | None = None
+    # Threads reading the mount's requests, each on a clone of the /dev/fuse descriptor (``--fuse-threads``).
+    fuse_threads: int = DEFAULT_FUSE_THREADS
 
     def __post_init__(self) -> None:
+        if not 1 <= self.fuse_threads <= MAX_FUSE_THREADS:
+            raise ValueError(f"--fuse-threads {self.fuse_threads} must be between 1 and {MAX_FUSE_THREADS}")
         if self.writeback.durability == DURABILITY_CLUSTER:
             if self.fs.read_only:
                 raise ValueError("--write-durability cluster applies to writable mounts only")

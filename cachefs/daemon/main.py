@@ -48,6 +48,7 @@ from cachefs.daemon.stopping import Stopping
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseOperations
 from cachefs.fuse.session import FuseSession
+from cachefs.fuse.sharedloop import SharedLoop
 from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.sourcedir import has_staged_changes
@@ -287,7 +288,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                                      read_only=settings.fs.read_only, passthrough=settings.fs.passthrough)
                 session = FuseSession(ops, str(settings.mountpoint),
                                       source=settings.source, read_only=settings.fs.read_only,
-                                      allow_other=settings.allow_other, fd=settings.fuse_fd)
+                                      allow_other=settings.allow_other, fd=settings.fuse_fd,
+                                      threads=settings.fuse_threads)
                 try:
                     session.mount()
                 except OSError as exc:
@@ -375,8 +377,11 @@ def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]
     """Run the daemon on a fresh asyncio loop (the FUSE session serves on it)."""
     watchdog = ExitWatchdog()
     status = 1
+    # Several FUSE readers answer on the daemon's state in turn: its loop must be one they can share.
+    loop_factory = SharedLoop if settings.fuse_threads > 1 else None
     try:
-        asyncio.run(run_daemon(settings, ready, environ, warn, watchdog))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(run_daemon(settings, ready, environ, warn, watchdog))
         status = 0
     finally:
         watchdog.loop_ended(status)

@@ -53,13 +53,17 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol, Union
 
 from cachefs.fuse import wire
+from cachefs.fuse.sharedloop import SharedLoop
 from cachefs.fuse.wire import FuseError, Request
 from cachefs.mounts import FSTYPE, mount_source
+from cachefs.settings import MAX_FUSE_THREADS
 from cachefs.tuning import FUSE_CONGESTION_THRESHOLD, FUSE_MAX_BACKGROUND
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,12 @@ SPARE_BUFFERS = 4
 CANCEL_WAIT_S = 10
 # Requests read per wake-up of the loop before it looks at its other work.
 READS_PER_WAKEUP = 16
+# Interrupts of requests no reader has started yet, kept for when one does (a request and its
+# interrupt may be read by two threads); the oldest are dropped past this many (an interrupt that
+# came after its request was answered is never claimed).
+EARLY_INTERRUPTS = 1024
+# How long close() waits for the reader threads to see the end of the connection after unmounting.
+READER_JOIN_S = 5.0
 # The longest part of fusermount3's stderr that becomes the reason (its messages are one line).
 MAX_REASON_CHARS = 300
 
@@ -218,6 +228,18 @@ def open_device() -> int:
         raise MountError(exc.errno, f"failed to open {FUSE_DEVICE}: {os.strerror(exc.errno or errno.EIO)}") from None
 
 
+def clone_device(session_fd: int) -> int:
+    """A new /dev/fuse descriptor bound to the connection of ``session_fd`` (FUSE_DEV_IOC_CLONE): it
+    reads from the connection's one queue of requests, and a request read from it is answered on it."""
+    fd = open_device()
+    try:
+        fcntl.ioctl(fd, wire.DEV_IOC_CLONE, struct.pack("<I", session_fd))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def kernel_options(fd: int, rootmode: int, *, allow_other: bool) -> str:
     options = [f"fd={fd}", f"rootmode={rootmode:o}", f"user_id={os.getuid()}", f"group_id={os.getgid()}",
                "default_permissions"]
@@ -297,7 +319,7 @@ class FuseSession:
     """One mount's connection to the kernel: mount, serve until unmounted or terminated, close."""
 
     def __init__(self, ops: Operations, mountpoint: str, *, source: str = SUBTYPE, read_only: bool = False,
-                 allow_other: bool = False, fd: int | None = None) -> None:
+                 allow_other: bool = False, fd: int | None = None, threads: int = 1) -> None:
         self.ops = ops
         self.mountpoint = mountpoint
         self.fsname = mount_source(source)
@@ -317,6 +339,14 @@ class FuseSession:
         self._reading = False
         self._max_tasks = 1
         self._closed = False
+        # Several readers (``threads`` > 1, on a SharedLoop): started after INIT, one thread per
+        # descriptor (the session's and its clones); the loop then reads nothing.
+        self.threads = max(1, min(threads, MAX_FUSE_THREADS))
+        self._threaded = False
+        self._readers: list[threading.Thread] = []
+        self._readers_left = 0
+        self._room: threading.Condition | None = None
+        self._early: dict[int, None] = {}
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -340,18 +370,38 @@ class FuseSession:
 
     def terminate(self) -> None:
         """End ``serve`` (the mount stays until ``close``)."""
-        if self._ended is not None and not self._ended.done():
-            self._ended.set_result(None)
+        self._end()
 
     def close(self) -> None:
         """Make sure the mount is gone (unless it was handed over) and close the descriptor."""
         if self._closed:
             return
         self._closed = True
-        if not self.handed_over and self.fd >= 0:
+        unmounted = not self.handed_over and self.fd >= 0
+        if unmounted:
             unmount(self.mountpoint, privileged=self.privileged)
+        if self._readers and not self._readers_joined(READER_JOIN_S if unmounted else 0.0):
+            # A reader is still blocked reading the session's descriptor (a busy mount detached lazily,
+            # or a handed-over one): closing it under the thread could hand its number to another
+            # file. It goes with the process.
+            log.info("FUSE readers still wait on %s; its descriptor closes when the daemon exits", self.mountpoint)
+            return
         if self.fd >= 0:
             os.close(self.fd)
+
+    def _readers_joined(self, timeout_s: float) -> bool:
+        loop = self._loop
+        held = isinstance(loop, SharedLoop) and loop.in_loop_thread()
+        if held:
+            loop.state_lock.release()  # type: ignore[union-attr]  # (a reader may need it to finish)
+        try:
+            deadline = time.monotonic() + timeout_s
+            for reader in self._readers:
+                reader.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            if held:
+                loop.state_lock.acquire()  # type: ignore[union-attr]
+        return not any(reader.is_alive() for reader in self._readers)
 
     # ------------------------------------------------------------------------------------- serving
     async def serve(self, max_tasks: int) -> None:
@@ -372,6 +422,8 @@ class FuseSession:
                 await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
 
     def _resume(self) -> None:
+        if self._threaded:
+            return
         if not self._reading and self._loop is not None and not self._ended.done():  # type: ignore[union-attr]
             self._loop.add_reader(self.fd, self._readable)
             self._reading = True
@@ -385,6 +437,8 @@ class FuseSession:
         self._pause()
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(None)
+        if self._room is not None:
+            self._room.notify_all()  # readers waiting for room see the end
 
     def _readable(self) -> None:
         for _ in range(READS_PER_WAKEUP):
@@ -407,83 +461,181 @@ class FuseSession:
             if length == 0:  # end of file: the connection is gone
                 self._end()
                 return
-            self._dispatch(memoryview(self._buffer)[:length])
-            if self._ended is None or self._ended.done():
+            self._buffer = self._dispatch(self.fd, self._buffer, length)
+            if self._ended is None or self._ended.done() or self._threaded:
                 return
 
-    def _dispatch(self, view: memoryview) -> None:
+    def _dispatch(self, fd: int, buffer: bytearray, length: int) -> bytearray:
+        """Answer, or start answering, the request of ``length`` bytes read from ``fd`` into
+        ``buffer``; the buffer the next read of ``fd`` goes into."""
+        view = memoryview(buffer)[:length]
         try:
             req = wire.parse_request(view)
         except (ValueError, struct.error):
             log.error("a request of %d bytes could not be decoded; ignored", len(view))
-            return
+            return buffer
         opcode = req.opcode
         inline = self.ops.inline.get(opcode)
         if inline is not None:
             try:
                 reply = inline(req)
             except FuseError as exc:
-                self.send(req.unique, exc.errno)
-                return
+                self.send(req.unique, exc.errno, fd=fd)
+                return buffer
             except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
-                self.send(req.unique, self.ops.failure(opcode, exc))
-                return
+                self.send(req.unique, self.ops.failure(opcode, exc), fd=fd)
+                return buffer
             if opcode not in NO_REPLY:
-                self.send(req.unique, 0, reply)
-            return
+                self.send(req.unique, 0, reply, fd=fd)
+            return buffer
         handler = self.ops.handlers.get(opcode)
         if handler is not None:
-            self._start(req, handler)
-        elif opcode == wire.INIT:
+            return self._start(req, handler, fd, buffer)
+        if opcode == wire.INIT:
             self._init(req)
         elif opcode == wire.INTERRUPT:
             self._interrupt(wire.INTERRUPT_IN.unpack_from(req.body)[0])
         elif opcode == wire.DESTROY:
-            self.send(req.unique, 0)
+            self.send(req.unique, 0, fd=fd)
             self._end()
         elif opcode not in NO_REPLY:
-            self.send(req.unique, errno.ENOSYS)
+            self.send(req.unique, errno.ENOSYS, fd=fd)
+        return buffer
 
-    def _start(self, req: Request, handler: Callable[[Request], Awaitable[Reply]]) -> None:
+    def _start(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], fd: int,
+               buffer: bytearray) -> bytearray:
+        if self._threaded and req.unique in self._early:
+            del self._early[req.unique]  # its interrupt was read first, by another reader
+            if req.opcode in INTERRUPTIBLE:
+                self.send(req.unique, errno.EINTR, fd=fd)
+                return buffer
         held = None
         if req.opcode == wire.WRITE:
             # The payload stays where it was read; the next request goes into another buffer.
-            held = self._buffer
-            self._buffer = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
+            held = buffer
+            buffer = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
         else:
             req = req._replace(body=memoryview(req.body.tobytes()))
-        assert self._loop is not None
-        task = self._loop.create_task(self._run(req, handler, held))
-        self._tasks[req.unique] = (task, req.opcode)
+        loop = self._loop
+        assert loop is not None
+        coro = self._run(req, handler, held, fd)
+        if self._threaded and isinstance(loop, SharedLoop):
+            # A reader thread: the handler runs here until it first waits (a warm request never
+            # does), then on as a task of the loop.
+            loop.start_task(coro, lambda task: self._tasks.__setitem__(req.unique, (task, req.opcode)))
+        else:
+            self._tasks[req.unique] = (loop.create_task(coro), req.opcode)
+        return buffer
 
-    async def _run(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], held: bytearray | None) -> None:
+    async def _run(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], held: bytearray | None,
+                   fd: int) -> None:
         unique = req.unique
         try:
             reply = await handler(req)
         except FuseError as exc:
-            self.send(unique, exc.errno)
+            self.send(unique, exc.errno, fd=fd)
         except asyncio.CancelledError:
             if unique in self._interrupted:
-                self.send(unique, errno.EINTR)
+                self.send(unique, errno.EINTR, fd=fd)
             else:
                 raise  # the session ends
         except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
-            self.send(unique, self.ops.failure(req.opcode, exc))
+            self.send(unique, self.ops.failure(req.opcode, exc), fd=fd)
         else:
-            self.send(unique, 0, reply)
+            self.send(unique, 0, reply, fd=fd)
         finally:
             self._tasks.pop(unique, None)
             self._interrupted.discard(unique)
             if held is not None and len(self._spare) < SPARE_BUFFERS:
                 self._spare.append(held)
-            if not self._reading and len(self._tasks) < self._max_tasks:
+            if self._room is not None:
+                self._room.notify()
+            elif not self._reading and len(self._tasks) < self._max_tasks:
                 self._resume()
 
     def _interrupt(self, unique: int) -> None:
         entry = self._tasks.get(unique)
-        if entry is not None and entry[1] in INTERRUPTIBLE:
-            self._interrupted.add(unique)
-            entry[0].cancel()
+        if entry is not None:
+            if entry[1] in INTERRUPTIBLE:
+                self._interrupted.add(unique)
+                entry[0].cancel()
+        elif self._threaded:
+            # Its request may have been read by another reader that has not started it yet.
+            self._early[unique] = None
+            if len(self._early) > EARLY_INTERRUPTS:
+                del self._early[next(iter(self._early))]
+
+    # ------------------------------------------------------------------------------ several readers
+    def _start_readers(self) -> None:
+        """After INIT: one reader thread per descriptor, the session's and ``threads - 1`` clones.
+        Where the loop cannot be shared or no clone can be made, the loop reads alone, as before."""
+        loop = self._loop
+        if not isinstance(loop, SharedLoop):
+            log.warning("--fuse-threads %d needs the daemon's shared loop; the loop reads every request",
+                        self.threads)
+            return
+        fds = [self.fd]
+        for _ in range(self.threads - 1):
+            try:
+                fds.append(clone_device(self.fd))
+            except OSError as exc:
+                log.warning("cannot clone the FUSE descriptor (%s); %d reader(s) serve the mount",
+                            exc.strerror or exc, len(fds))
+                break
+        if len(fds) == 1:
+            return
+        self._pause()
+        self._threaded = True
+        self._room = threading.Condition(loop.state_lock)
+        self._readers_left = len(fds)
+        for number, fd in enumerate(fds):
+            reader = threading.Thread(target=self._reader, args=(loop, fd, fd != self.fd),
+                                      name=f"fuse-reader-{number}", daemon=True)
+            self._readers.append(reader)
+            reader.start()
+        log.info("%d threads read the mount's requests", len(fds))
+
+    def _reader(self, loop: SharedLoop, fd: int, owned: bool) -> None:
+        """One reader: blocks in ``readv`` (the GIL and the state lock released), then answers with
+        the state lock held, as the loop would; a handler that waits goes on as a task of the loop."""
+        asyncio.events._set_running_loop(loop)  # what handlers and the tasks they make expect to see
+        os.set_blocking(fd, True)
+        lock = loop.state_lock
+        room = self._room
+        assert room is not None and self._ended is not None
+        buffer = bytearray(BUFFER_SIZE)
+        try:
+            while not self._ended.done():
+                if len(self._tasks) >= self._max_tasks:
+                    with lock:
+                        while len(self._tasks) >= self._max_tasks and not self._ended.done():
+                            room.wait()
+                try:
+                    length = os.readv(fd, [buffer])
+                except OSError as exc:
+                    if exc.errno == errno.ENOENT:  # the request was interrupted before it was read
+                        continue
+                    if exc.errno != errno.ENODEV:
+                        log.error("reading %s failed: %s; the session ends", FUSE_DEVICE, exc)
+                    return
+                if length == 0:
+                    return
+                with lock:
+                    if self._ended.done():
+                        return  # (the session is ending: what is read now is left to the kernel's abort)
+                    buffer = self._dispatch(fd, buffer, length)
+                    wake = loop.take_wake()
+                if wake:
+                    loop.wake()
+        finally:
+            if owned:
+                os.close(fd)
+            loop.call_soon_threadsafe(self._reader_ended)
+
+    def _reader_ended(self) -> None:
+        self._readers_left -= 1
+        if self._readers_left == 0:
+            self._end()  # every reader saw the end of the connection
 
     def _init(self, req: Request) -> None:
         init = wire.parse_init(req.body)
@@ -514,6 +666,8 @@ class FuseSession:
         self.proto_minor = min(init.minor, wire.KERNEL_MINOR)
         self.flags = flags
         self.ops.negotiated(flags, backing)
+        if self.threads > 1:
+            self._start_readers()  # (before the answer: the kernel sends nothing else until it has it)
         self.send(req.unique, 0, wire.init_out(
             minor=self.proto_minor, max_readahead=init.max_readahead, flags=flags,
             max_background=FUSE_MAX_BACKGROUND, congestion_threshold=FUSE_CONGESTION_THRESHOLD,
@@ -521,8 +675,10 @@ class FuseSession:
             max_stack_depth=PASSTHROUGH_STACK_DEPTH if flags & wire.PASSTHROUGH else 0))
         log.debug("FUSE %d.%d, flags %#x of %#x offered", wire.KERNEL_MAJOR, init.minor, flags, init.flags)
 
-    def send(self, unique: int, error: int, reply: Reply = None) -> None:
-        """Answer request ``unique``: ``error`` (a positive errno), or 0 and the reply's buffers."""
+    def send(self, unique: int, error: int, reply: Reply = None, fd: int | None = None) -> None:
+        """Answer request ``unique``: ``error`` (a positive errno), or 0 and the reply's buffers, on the
+        descriptor the request was read from (``fd``; the session's by default): each clone of the
+        connection has its own list of requests awaiting an answer."""
         if self._closed:
             return
         if error or reply is None:
@@ -531,11 +687,11 @@ class FuseSession:
             buffers = [wire.out_header(unique, 0, len(reply)), reply]
         else:
             buffers = [wire.out_header(unique, 0, sum(len(part) for part in reply)), *reply]
-        self.write(buffers)
+        self.write(buffers, fd)
 
-    def write(self, buffers: Sequence[Buffer]) -> None:
+    def write(self, buffers: Sequence[Buffer], fd: int | None = None) -> None:
         try:
-            os.writev(self.fd, buffers)
+            os.writev(self.fd if fd is None else fd, buffers)
         except OSError as exc:
             if exc.errno == errno.ENOENT:  # the kernel gave up on the request (interrupted, or aborted)
                 return

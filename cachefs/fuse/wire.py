@@ -155,7 +155,11 @@ FOPEN_PASSTHROUGH_ALLOWED = FOPEN_PASSTHROUGH | FOPEN_DIRECT_IO | FOPEN_NOFLUSH
 # the magic << 8, the number), for passthrough: register an open file as a backing file (returns its
 # id) and drop a registration. The kernel keeps the file itself while an open file uses it.
 _IOC_WRITE = 1 << 30
+_IOC_READ = 2 << 30
 DEV_IOC_MAGIC = 229
+# Bind a fresh /dev/fuse descriptor to the connection of the one named in the argument (a u32):
+# ``_IOR(229, 0, uint32_t)``. Each clone has its own list of requests being answered.
+DEV_IOC_CLONE = _IOC_READ | 4 << 16 | DEV_IOC_MAGIC << 8 | 0
 BACKING_MAP = struct.Struct("<iIQ")            # fuse_backing_map: fd flags padding
 DEV_IOC_BACKING_OPEN = _IOC_WRITE | BACKING_MAP.size << 16 | DEV_IOC_MAGIC << 8 | 1
 DEV_IOC_BACKING_CLOSE = _IOC_WRITE | 4 << 16 | DEV_IOC_MAGIC << 8 | 2
