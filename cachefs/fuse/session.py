@@ -35,8 +35,14 @@ layer). ``BackingFiles`` registers an open file with ``FUSE_DEV_IOC_BACKING_OPEN
 registration with ``FUSE_DEV_IOC_BACKING_CLOSE``; the adapter decides which opens use it. Where any
 condition fails the session says so in one log line and every read is served as before.
 
-Growing this: cloned descriptors (``FUSE_DEV_IOC_CLONE``) would each get their own reader and buffer
-(a thread or a process per descriptor, sharing the adapter); see docs/architecture.md, "The FUSE layer".
+**Several readers** (``threads`` > 1, on a ``SharedLoop``): after INIT the session clones its
+descriptor (``FUSE_DEV_IOC_CLONE``) and one thread per descriptor reads requests, blocked in ``readv``
+with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
+step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
+turns the loop. Each reply goes on the descriptor its request was read from (each clone has its own
+list of requests being processed). An INTERRUPT read before its request is kept for the reader that
+starts it. When every reader has seen the end of the connection, ``serve`` returns; see
+docs/architecture.md, "Several readers".
 """
 
 from __future__ import annotations
