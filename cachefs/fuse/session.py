@@ -48,6 +48,7 @@ docs/architecture.md, "Several readers".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -350,6 +351,7 @@ class FuseSession:
         self.threads = max(1, min(threads, MAX_FUSE_THREADS))
         self._threaded = False
         self._readers: list[threading.Thread] = []
+        self._clones: list[int] = []
         self._readers_left = 0
         self._room: threading.Condition | None = None
         self._early: dict[int, None] = {}
@@ -387,11 +389,13 @@ class FuseSession:
         if unmounted:
             unmount(self.mountpoint, privileged=self.privileged)
         if self._readers and not self._readers_joined(READER_JOIN_S if unmounted else 0.0):
-            # A reader is still blocked reading the session's descriptor (a busy mount detached lazily,
-            # or a handed-over one): closing it under the thread could hand its number to another
-            # file. It goes with the process.
-            log.info("FUSE readers still wait on %s; its descriptor closes when the daemon exits", self.mountpoint)
+            # A reader is still blocked reading a descriptor (a busy mount detached lazily, or a
+            # handed-over one): closing it under the thread could hand its number to another file.
+            # They go with the process.
+            log.info("FUSE readers still wait on %s; its descriptors close when the daemon exits", self.mountpoint)
             return
+        for fd in self._clones:
+            os.close(fd)
         if self.fd >= 0:
             os.close(self.fd)
 
@@ -588,6 +592,7 @@ class FuseSession:
                 log.warning("cannot clone the FUSE descriptor (%s); %d reader(s) serve the mount",
                             exc.strerror or exc, len(fds))
                 break
+        self._clones = fds[1:]
         if len(fds) == 1:
             return
         self._pause()
@@ -595,15 +600,16 @@ class FuseSession:
         self._room = threading.Condition(loop.state_lock)
         self._readers_left = len(fds)
         for number, fd in enumerate(fds):
-            reader = threading.Thread(target=self._reader, args=(loop, fd, fd != self.fd),
+            reader = threading.Thread(target=self._reader, args=(loop, fd),
                                       name=f"fuse-reader-{number}", daemon=True)
             self._readers.append(reader)
             reader.start()
         log.info("%d threads read the mount's requests", len(fds))
 
-    def _reader(self, loop: SharedLoop, fd: int, owned: bool) -> None:
+    def _reader(self, loop: SharedLoop, fd: int) -> None:
         """One reader: blocks in ``readv`` (the GIL and the state lock released), then answers with
-        the state lock held, as the loop would; a handler that waits goes on as a task of the loop."""
+        the state lock held, as the loop would; a handler that waits goes on as a task of the loop,
+        which answers on ``fd`` (so ``close`` closes the clones, once the tasks are gone)."""
         asyncio.events._set_running_loop(loop)  # what handlers and the tasks they make expect to see
         os.set_blocking(fd, True)
         lock = loop.state_lock
@@ -621,12 +627,13 @@ class FuseSession:
                 except OSError as exc:
                     if exc.errno == errno.ENOENT:  # the request was interrupted before it was read
                         continue
-                    if exc.errno != errno.ENODEV:
+                    if exc.errno != errno.ENODEV:  # ENODEV: unmounted, every reader sees it
                         log.error("reading %s failed: %s; the session ends", FUSE_DEVICE, exc)
+                        loop.call_soon_threadsafe(self._end)
                     return
-                if length == 0:
+                if length == 0:  # end of file: the connection is gone
                     return
-                with lock:
+                with loop.holding_state():
                     if self._ended.done():
                         return  # (the session is ending: what is read now is left to the kernel's abort)
                     buffer = self._dispatch(fd, buffer, length)
@@ -634,9 +641,8 @@ class FuseSession:
                 if wake:
                     loop.wake()
         finally:
-            if owned:
-                os.close(fd)
-            loop.call_soon_threadsafe(self._reader_ended)
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: the daemon is ending anyway)
+                loop.call_soon_threadsafe(self._reader_ended)
 
     def _reader_ended(self) -> None:
         self._readers_left -= 1

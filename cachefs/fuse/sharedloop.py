@@ -23,12 +23,14 @@ readers were asked for (``cachefs mount --fuse-threads``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import math
+import os
 import select
 import selectors
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 T = TypeVar("T")
@@ -36,13 +38,15 @@ Ts = TypeVarTuple("Ts")
 
 
 class _LockedSelector(selectors.EpollSelector):
-    """Releases ``lock`` only while it waits for an event."""
+    """Releases ``lock`` while it waits for an event, and lets a thread that waits for the lock in
+    between turns of a loop that has no time to wait (``waiting``: how many threads want it)."""
 
     def __init__(self, lock: threading.Lock) -> None:
         super().__init__()
         self._lock = lock
         self._waiter = select.poll()
         self._waiter.register(self.fileno(), select.POLLIN)
+        self.waiting = 0
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if timeout is None or timeout > 0:
@@ -50,6 +54,14 @@ class _LockedSelector(selectors.EpollSelector):
             self._lock.release()
             try:
                 self._waiter.poll(wait_ms)
+            finally:
+                self._lock.acquire()
+        elif self.waiting:
+            # A busy loop would otherwise keep the lock from one turn to the next: readers with a
+            # request in hand get their turn between two (a lock has no queue: this is best effort).
+            self._lock.release()
+            try:
+                os.sched_yield()
             finally:
                 self._lock.acquire()
         return super().select(0)
@@ -67,7 +79,26 @@ class SharedLoop(asyncio.SelectorEventLoop):
         self._owner = threading.get_ident()
         self._foreign_scheduled = False
         self._captured: list[tuple[Callable[..., object], tuple[Any, ...], contextvars.Context | None]] | None = None
-        super().__init__(_LockedSelector(self.state_lock))
+        self._count_lock = threading.Lock()
+        self._selector_with_lock = _LockedSelector(self.state_lock)
+        super().__init__(self._selector_with_lock)
+
+    @contextlib.contextmanager
+    def holding_state(self) -> Iterator[None]:
+        """Hold ``state_lock`` (from a thread other than the loop's), counted while waiting for it so
+        that a busy loop lets go between two turns."""
+        selector = self._selector_with_lock
+        with self._count_lock:
+            selector.waiting += 1
+        try:
+            self.state_lock.acquire()
+        finally:
+            with self._count_lock:
+                selector.waiting -= 1
+        try:
+            yield
+        finally:
+            self.state_lock.release()
 
     # Called from another thread only with ``state_lock`` held (the loop's thread is waiting then).
     def call_soon(self, callback: Callable[[Unpack[Ts]], object], *args: Unpack[Ts],
