@@ -53,7 +53,8 @@ class Ops:
         self.forgotten: list[int] = []
         self.release_reads = asyncio.Event()
         self.inline = {wire.FORGET: self.forget}
-        self.handlers = {wire.GETATTR: self.getattr, wire.READ: self.read, wire.LOOKUP: self.lookup}
+        self.handlers = {wire.GETATTR: self.getattr, wire.READ: self.read, wire.LOOKUP: self.lookup,
+                         wire.OPEN: self.open}
 
     def negotiated(self, flags: int, backing: object) -> None:
         self.flags = flags
@@ -72,6 +73,14 @@ class Ops:
         await self.release_reads.wait()
         self.threads.append(threading.current_thread().name)
         return b"read %d" % req.nodeid
+
+    async def open(self, req: wire.Request) -> bytes:
+        """What the engine's calls do on their way: a deadline (which needs the current task) and a
+        timer set by the thread that took the first step, which the loop must then see."""
+        first = threading.current_thread().name
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.sleep(0.05)
+        return f"{first} then {threading.current_thread().name}".encode()
 
     async def lookup(self, req: wire.Request) -> bytes:
         await asyncio.Event().wait()
@@ -150,6 +159,11 @@ def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> N
     kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
     assert read_reply(kernel.kernel[1]) == (20, 0, b"read 7")
     assert kernel.ops.threads[-1] == "loop"
+
+
+def test_a_first_step_in_a_reader_is_a_task_step_with_deadlines_and_timers(kernel: Kernel) -> None:
+    kernel.send(2, request(wire.OPEN, 60, wire.OPEN_IN.pack(0, 0)))
+    assert read_reply(kernel.kernel[2]) == (60, 0, b"fuse-reader-2 then loop")
 
 
 def test_an_interrupt_read_by_another_reader_cancels_the_request(kernel: Kernel) -> None:
