@@ -19,12 +19,17 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from cachefs.cli.main import build_parser
+from cachefs.cli.mount import mount_settings
+from cachefs.client import UsageError
 from cachefs.fuse import session as fuse_session
 from cachefs.fuse import wire
 from cachefs.fuse.sharedloop import SharedLoop
+from cachefs.settings import DEFAULT_FUSE_THREADS, MountSettings
 
 WAIT_S = 10.0
 
@@ -214,3 +219,15 @@ def test_without_a_shared_loop_the_loop_reads_alone(monkeypatch: pytest.MonkeyPa
     asyncio.run(main())
     session.close()
     assert not session._threaded
+
+
+def test_the_option_reaches_the_settings_and_bad_values_are_refused(tmp_path: Path) -> None:
+    def settings(*extra: str) -> MountSettings:
+        argv = ["mount", "s3://bucket", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--read-only", *extra]
+        return mount_settings(build_parser().parse_args(argv), {})
+
+    assert settings().fuse_threads == DEFAULT_FUSE_THREADS
+    assert settings("--fuse-threads", "4").fuse_threads == 4
+    for bad in ("0", "33"):
+        with pytest.raises(UsageError, match=f"--fuse-threads {bad} must be between 1 and 32"):
+            settings("--fuse-threads", bad)
