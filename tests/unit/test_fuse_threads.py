@@ -160,6 +160,7 @@ def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> N
     kernel.send(1, request(wire.READ, 20, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=7))
     kernel.send(2, request(wire.GETATTR, 22, wire.GETATTR_IN.pack(0, 0, 0), nodeid=8))
     assert read_reply(kernel.kernel[2]) == (22, 0, struct.pack("<Q", 8))  # not held up by the waiting READ
+    wait_until(lambda: 20 in kernel.session._tasks)  # the READ waits (its reader may start it after the GETATTR)
     assert kernel.loop is not None
     kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
     assert read_reply(kernel.kernel[1]) == (20, 0, b"read 7")
@@ -231,3 +232,31 @@ def test_the_option_reaches_the_settings_and_bad_values_are_refused(tmp_path: Pa
     for bad in ("0", "33"):
         with pytest.raises(UsageError, match=f"--fuse-threads {bad} must be between 1 and 32"):
             settings("--fuse-threads", bad)
+
+
+def test_where_no_clone_can_be_made_the_loop_reads_alone(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A mount pod that may not open /dev/fuse (a CSI handover to an unprivileged daemon): one line
+    says so, and the loop serves every request on the session's descriptor, as before."""
+    kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    def refused(fd: int) -> int:
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(fuse_session, "clone_device", refused)
+    session = fuse_session.FuseSession(Ops(), "/unused", fd=daemon.detach(), threads=3)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        serving = asyncio.create_task(session.serve(4))
+        await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
+        assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+        await asyncio.to_thread(kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=5))
+        assert await asyncio.to_thread(read_reply, kernel) == (2, 0, struct.pack("<Q", 5))
+        kernel.close()
+        await asyncio.wait_for(serving, WAIT_S)
+
+    with asyncio.Runner(loop_factory=SharedLoop) as runner, caplog.at_level("WARNING"):
+        runner.run(main())
+        session.close()
+    assert not session._threaded
+    assert "cannot clone the FUSE descriptor (Permission denied); 1 reader(s) serve the mount" in caplog.text
