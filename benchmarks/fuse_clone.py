@@ -20,7 +20,9 @@ are the dispatch's and the kernel's, not a filesystem's. Shapes (``--mode``):
 
 Workloads, each from ``--readers`` reader processes: ``warm`` (open, read 100 KiB from the page
 cache, close: OPEN and RELEASE reach the server) and ``direct`` (1 MiB ``O_DIRECT`` reads of the big
-file: one READ each, the reply copied by the kernel into the reader's buffer). Figures: server CPU
+file: one READ each, the reply copied by the kernel into the reader's buffer); with ``--daemon`` also
+``buffered`` (one reader: the big file read through the page cache after its pages were dropped, so
+the kernel copies each reply into fresh pages). Figures: server CPU
 (``schedstat`` of every thread) in total and of its busiest thread, per file or per GiB, and the rate.
 
     .venv/bin/python -m benchmarks.fuse_clone --modes loop,handoff,threads,procs --threads 2 --rounds 3
@@ -347,6 +349,15 @@ if mode == "warm":
         fd = os.open(names[i % files], os.O_RDONLY)
         os.read(fd, 131072)
         os.close(fd)
+elif mode == "buffered":
+    fd = os.open(os.path.join(root, "big"), os.O_RDONLY)
+    size = 256 << 20
+    for _ in range(max(1, count // 256)):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the mount's pages of it dropped
+        offset = 0
+        while offset < size:
+            offset += len(os.pread(fd, 1 << 20, offset))
+    os.close(fd)
 else:
     import mmap
     buf = mmap.mmap(-1, 1 << 20)
@@ -437,13 +448,15 @@ def daemon_rounds(args: argparse.Namespace) -> None:
             run_readers("direct", mnt, BIG >> 20, 1, args.files)
         print(f"cachefs --fuse-threads 1 vs {args.threads}, {args.readers} readers, load {os.getloadavg()[0]:.1f}")
         print(f"{'round':>5} {'threads':>7} | warm file: us total, us busiest, files/s | O_DIRECT RAM re-read: "
-              "CPU-s/GiB total, busiest, GiB/s")
+              "CPU-s/GiB total, busiest, GiB/s | page-cache refill from the RAM tier: the same")
         for r in range(args.rounds):
             for n, mnt, pid in mounts:
                 m: dict[str, float] = {}
-                for workload, count, unit in (("warm", args.calls, 1), ("direct", args.mib, 1 / 1024)):
+                for workload, count, unit in (("warm", args.calls, 1), ("direct", args.mib, 1 / 1024),
+                                              ("buffered", args.mib, 1 / 1024)):
                     before = threads_cpu([pid])
-                    wall = run_readers(workload, mnt, count, args.readers, args.files)
+                    readers = 1 if workload == "buffered" else args.readers  # (one reader drops the pages)
+                    wall = run_readers(workload, mnt, count, readers, args.files)
                     after = threads_cpu([pid])
                     used = {k: after[k] - before.get(k, 0.0) for k in after}
                     amount = count * unit
@@ -452,7 +465,8 @@ def daemon_rounds(args: argparse.Namespace) -> None:
                     m[f"{workload}_rate"] = amount / wall
                 print(f"{r:>5} {n:>7} | {m['warm_total'] * 1e6:8.1f} {m['warm_busiest'] * 1e6:8.1f} "
                       f"{m['warm_rate']:9.0f} | {m['direct_total']:6.3f} {m['direct_busiest']:6.3f} "
-                      f"{m['direct_rate']:6.2f}  (load {os.getloadavg()[0]:.1f})", flush=True)
+                      f"{m['direct_rate']:6.2f} | {m['buffered_total']:6.3f} {m['buffered_busiest']:6.3f} "
+                      f"{m['buffered_rate']:6.2f}  (load {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         for _, mnt, _ in mounts:
             subprocess.run([sys.executable, "-m", "cachefs", "unmount", mnt], capture_output=True, timeout=120)
