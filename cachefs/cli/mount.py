@@ -198,8 +198,8 @@ def register(sub: Any) -> None:
                         "tier that the kernel could read itself (default: passthrough where the kernel and root allow)")
     m.add_argument("--fuse-threads", type=int, default=DEFAULT_FUSE_THREADS, metavar="N",
                    help="threads that read and answer the mount's requests, each on a clone of the FUSE "
-                        f"descriptor (1-{MAX_FUSE_THREADS}; default {DEFAULT_FUSE_THREADS}: the daemon's loop reads "
-                        "them; see docs/configuration.md)")
+                        f"descriptor (1-{MAX_FUSE_THREADS}, default {DEFAULT_FUSE_THREADS}; 1: the daemon's loop "
+                        "reads them; see docs/configuration.md)")
     m.add_argument("--write-through", action="store_true", default=False,
                    help="close() and fsync() return only once the upload succeeded, and report its failure")
     m.add_argument("--write-durability", choices=list(DURABILITIES), default=DURABILITY_LOCAL,

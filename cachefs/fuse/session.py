@@ -589,8 +589,9 @@ class FuseSession:
             try:
                 fds.append(clone_device(self.fd))
             except OSError as exc:
-                log.warning("cannot clone the FUSE descriptor (%s); %d reader(s) serve the mount",
-                            exc.strerror or exc, len(fds))
+                # (INFO: a handed-over mount's pod often has no /dev/fuse, and may serve without it)
+                log.info("cannot clone the FUSE descriptor (%s); %d reader(s) serve the mount",
+                         exc.strerror or exc, len(fds))
                 break
         self._clones = fds[1:]
         if len(fds) == 1:

@@ -255,7 +255,7 @@ def test_where_no_clone_can_be_made_the_loop_reads_alone(monkeypatch: pytest.Mon
         kernel.close()
         await asyncio.wait_for(serving, WAIT_S)
 
-    with asyncio.Runner(loop_factory=SharedLoop) as runner, caplog.at_level("WARNING"):
+    with asyncio.Runner(loop_factory=SharedLoop) as runner, caplog.at_level("INFO"):
         runner.run(main())
         session.close()
     assert not session._threaded
