@@ -35,8 +35,8 @@ MAX_TTL_S = 86400.0
 # own clone of the /dev/fuse descriptor; 1: the asyncio loop reads them. 2 by default: measured on
 # the 2-core VM (benchmarks/fuse_clone.py --daemon, docs/dataplane.md "Several readers of one
 # mount"), the busiest thread's CPU halves per warm file, per GiB re-read and per GiB of page-cache
-# refill, the total stays the same, and a refill of the page cache ran faster in every round: what
-# moves to the second core is the system calls (they release the GIL). At most 32: the Python work
+# refill in every round, at about the same total (rates moved both ways, mostly up): what moves to
+# the second core is the system calls (they release the GIL). At most 32: the Python work
 # of all of them is one thread's at a time (the GIL and the state lock), so past a few more readers
 # only wait.
 DEFAULT_FUSE_THREADS = 2
