@@ -46,16 +46,9 @@ from cachefs.cli.argtypes import address, fraction_or_size, mode, seconds, size,
 from cachefs.cli.resources import check_resources
 from cachefs.daemon.errors import SetupError
 from cachefs.handover import HandoverError, receive_fd
-from cachefs.settings import (
-    DEFAULT_ATTR_TTL_S,
-    DEFAULT_METADATA_TIMEOUT_S,
-    DEFAULT_DIR_TTL_S,
-    DEFAULT_RENAME_DIR_LIMIT,
-    MISSING_CLUSTER_KEY,
-    ClusterSettings,
-    FsSettings,
-    MountSettings,
-)
+from cachefs.settings import (DEFAULT_ATTR_TTL_S, DEFAULT_DIR_TTL_S, DEFAULT_FUSE_THREADS, DEFAULT_METADATA_TIMEOUT_S,
+                              DEFAULT_RENAME_DIR_LIMIT, MAX_FUSE_THREADS, MISSING_CLUSTER_KEY, ClusterSettings,
+                              FsSettings, MountSettings)
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, read_only_source_problem
 from tiering.private import PRIVATE_UMASK, UnsafePathError, open_private
 from tiering.settings import (
@@ -194,6 +187,10 @@ def register(sub: Any) -> None:
     m.add_argument("--no-passthrough", dest="passthrough", action="store_false", default=True,
                    help="on a read-only mount, serve every read through the daemon, also of files whole on the disk "
                         "tier that the kernel could read itself (default: passthrough where the kernel and root allow)")
+    m.add_argument("--fuse-threads", type=int, default=DEFAULT_FUSE_THREADS, metavar="N",
+                   help="threads that read and answer the mount's requests, each on a clone of the FUSE "
+                        f"descriptor (1-{MAX_FUSE_THREADS}, default {DEFAULT_FUSE_THREADS}; 1: the daemon's loop "
+                        "reads them; see docs/configuration.md)")
     m.add_argument("--write-through", action="store_true", default=False,
                    help="close() and fsync() return only once the upload succeeded, and report its failure")
     m.add_argument("--write-durability", choices=list(DURABILITIES), default=DURABILITY_LOCAL,
@@ -411,6 +408,7 @@ def _mount_settings(args: argparse.Namespace, environ: dict[str, str], endpoint:
         manifest=Path(os.path.abspath(args.manifest)) if args.manifest is not None else None,
         manifest_key=args.manifest_key,
         node_id=args.node_id or socket.gethostname(),
+        fuse_threads=args.fuse_threads,
     )
 
 

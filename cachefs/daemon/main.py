@@ -48,6 +48,7 @@ from cachefs.daemon.stopping import Stopping
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.adapter import FuseOperations
 from cachefs.fuse.session import FuseSession
+from cachefs.fuse.sharedloop import SharedLoop
 from cachefs.tuning import tune_fuse_connection
 from cachefs.mounts import LOCK_FILENAME
 from cachefs.sourcedir import has_staged_changes
@@ -288,7 +289,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 session = FuseSession(ops, str(settings.mountpoint),
                                       source=settings.source, read_only=settings.fs.read_only,
                                       allow_other=settings.allow_other, fd=settings.fuse_fd,
-                                      broker=settings.backing_broker)
+                                      broker=settings.backing_broker, threads=settings.fuse_threads)
                 try:
                     session.mount()
                 except OSError as exc:
@@ -376,8 +377,11 @@ def serve(settings: MountSettings, ready: ReadyCallback, environ: dict[str, str]
     """Run the daemon on a fresh asyncio loop (the FUSE session serves on it)."""
     watchdog = ExitWatchdog()
     status = 1
+    # Several FUSE readers answer on the daemon's state in turn: its loop must be one they can share.
+    loop_factory = SharedLoop if settings.fuse_threads > 1 else None
     try:
-        asyncio.run(run_daemon(settings, ready, environ, warn, watchdog))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(run_daemon(settings, ready, environ, warn, watchdog))
         status = 0
     finally:
         watchdog.loop_ended(status)

@@ -5,7 +5,7 @@ The kernel keeps a directory entry for ``entry_timeout`` (``--dir-ttl``), an ino
 the daemon learns that the bucket changed behind the mount's back (a re-list finds a name gone, or
 a new version under it), it tells the kernel to drop what it holds of that name or inode at once,
 rather than let it show the old size or bytes until its timeouts run out. The FUSE session sends
-these as notifications (``cachefs.fuse.session.Notifier``); the filesystem only says what changed.
+these as notifications (``cachefs.fuse.notifier.Notifier``); the filesystem only says what changed.
 Changes made through the mount need nothing: the kernel saw them.
 """
 

@@ -41,7 +41,8 @@ from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
 from cachefs.backing import BrokerError
-from cachefs.fuse.session import LATER, Backing, Later, Notifier, Reply
+from cachefs.fuse.notifier import Notifier
+from cachefs.fuse.session import LATER, Backing, Later, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 

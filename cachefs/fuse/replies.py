@@ -55,7 +55,7 @@ class ReplyWriters:
         self._fd = fd
         self._on_gone = on_gone  # called in a writer thread when the connection is gone (ENODEV)
         self._max_queued = max_queued
-        self._queue: queue.SimpleQueue[Sequence[Buffer] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, Sequence[Buffer]] | None] = queue.SimpleQueue()
         self._pending = 0  # queued or being written
         self._lock = threading.Lock()
         self._closed = False
@@ -65,15 +65,17 @@ class ReplyWriters:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, buffers: Sequence[Buffer]) -> bool:
-        """Queue one whole reply; False (nothing queued) when the writers are closed or ``max_queued``
-        replies already wait: the caller then writes it itself."""
+    def submit(self, buffers: Sequence[Buffer], fd: int | None = None) -> bool:
+        """Queue one whole reply, to be written on ``fd`` (the descriptor its request was read from:
+        each clone of the connection answers its own requests; default the session's); False (nothing
+        queued) when the writers are closed or ``max_queued`` replies already wait: the caller then
+        writes it itself."""
         with self._lock:
             if self._closed or self._pending >= self._max_queued:
                 return False
             self._pending += 1
             self.offloaded += 1
-        self._queue.put(buffers)
+        self._queue.put((self._fd if fd is None else fd, buffers))
         return True
 
     def close(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
@@ -95,11 +97,12 @@ class ReplyWriters:
 
     def _run(self) -> None:
         while True:
-            buffers = self._queue.get()
-            if buffers is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            fd, buffers = item
             try:
-                write_reply(self._fd, buffers, self._on_gone)
+                write_reply(fd, buffers, self._on_gone)
             finally:
                 with self._lock:
                     self._pending -= 1

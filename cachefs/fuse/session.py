@@ -46,35 +46,47 @@ plugin's socket, ``cachefs.backing``): INIT agrees to PASSTHROUGH when the broke
 ``BrokerBackingFiles`` has the plugin do each ioctl. Where any condition fails the session says so in
 one log line and every read is served as before.
 
-Growing this: cloned descriptors (``FUSE_DEV_IOC_CLONE``) would each get their own reader and buffer
-(a thread or a process per descriptor, sharing the adapter); see docs/architecture.md, "The FUSE layer".
+**Several readers** (``threads`` > 1, on a ``SharedLoop``): after INIT the session clones its
+descriptor (``FUSE_DEV_IOC_CLONE``) and one thread per descriptor reads requests, blocked in ``readv``
+with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
+step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
+turns the loop. Each reply goes on the descriptor its request was read from (each clone has its own
+list of requests being processed). An INTERRUPT read before its request is kept for the reader that
+starts it. When every reader has seen the end of the connection, ``serve`` returns; see
+docs/architecture.md, "Several readers".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import logging
 import os
 import socket
 import stat
 import struct
-import queue
 import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol, Union
 
-from cachefs.backing import BrokerBackingFiles, BrokerError, register, unregister
+from cachefs.backing import BrokerBackingFiles, BrokerError
 from cachefs.fuse import wire
+from cachefs.fuse.backingfiles import Backing, BackingFiles, may_register_backing
+from cachefs.fuse.notifier import Notifier
 from cachefs.fuse.replies import OFFLOAD_MIN_BYTES, ReplyWriters, write_reply
+from cachefs.fuse.sharedloop import SharedLoop
 from cachefs.fuse.wire import FuseError, Request
 from cachefs.mounts import FSTYPE, mount_source
+from cachefs.settings import MAX_FUSE_THREADS
 from cachefs.tuning import FUSE_CONGESTION_THRESHOLD, FUSE_MAX_BACKGROUND
 
 log = logging.getLogger(__name__)
@@ -97,15 +109,14 @@ SPARE_BUFFERS = 4
 CANCEL_WAIT_S = 10
 # Requests read per wake-up of the loop before it looks at its other work.
 READS_PER_WAKEUP = 16
+# Interrupts of requests no reader has started yet, kept for when one does (a request and its
+# interrupt may be read by two threads); the oldest are dropped past this many (an interrupt that
+# came after its request was answered is never claimed).
+EARLY_INTERRUPTS = 1024
+# How long close() waits for the reader threads to see the end of the connection after unmounting.
+READER_JOIN_S = 5.0
 # The longest part of fusermount3's stderr that becomes the reason (its messages are one line).
 MAX_REASON_CHARS = 300
-# Invalidations waiting for the notifier thread: a re-list that finds a whole directory changed
-# queues two per file (~100 bytes each, ~6 MiB at the bound). Past it they are dropped and counted:
-# the kernel then keeps what it has until its timeouts run out, as without notifications.
-MAX_QUEUED_NOTICES = 65_536
-# How long close() waits for the notifier thread; it may be held in the kernel on a lock a request
-# we no longer answer holds, and then ends with the process.
-NOTIFIER_JOIN_S = 2.0
 
 # What the kernel may do, and cachefs wants (each used only when the kernel's INIT offers it):
 # reads in parallel and in the background, 1 MiB requests, lookups of one directory in parallel,
@@ -168,133 +179,6 @@ class Operations(Protocol):
         ...
 
 
-# The user namespace every process starts in has this fixed inode number (PROC_USER_INIT_INO): the
-# kernel checks CAP_SYS_ADMIN there, not in a container's own namespace, before it registers a
-# backing file.
-_INITIAL_USER_NS_INO = 0xEFFFFFFD
-_CAP_SYS_ADMIN = 21
-
-
-def may_register_backing(status: str = "/proc/self/status", userns: str = "/proc/self/ns/user") -> bool:
-    """Whether this process holds CAP_SYS_ADMIN in the initial user namespace (what
-    FUSE_DEV_IOC_BACKING_OPEN requires). False where it cannot tell."""
-    try:
-        if os.stat(userns).st_ino != _INITIAL_USER_NS_INO:
-            return False
-        with open(status, encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
-    except (OSError, ValueError, IndexError):
-        return False
-    return False
-
-
-class Backing(Protocol):
-    """Registers backing files on this connection: ``BackingFiles`` itself, or ``BrokerBackingFiles``
-    through the CSI node plugin (``cachefs.backing``)."""
-
-    def open(self, path: str) -> int:
-        """The backing id of the plain file at ``path``; ``OSError`` if refused."""
-        ...
-
-    def close(self, backing_id: int) -> None: ...
-
-
-class BackingFiles:
-    """Backing files registered on one FUSE connection (passthrough): ``open`` a plain file and get
-    the id an OPEN answer names, ``close`` the id when no open file needs it any more (the kernel
-    keeps the file itself for as long as an open file uses it). Blocking, but each is one open or
-    one ioctl on a local file: microseconds, on the loop."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def open(self, path: str) -> int:
-        """Register ``path`` (opened read-only: the kernel reopens it with the reader's flags and
-        this process's credentials); ``OSError`` with the kernel's errno if refused."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            return register(self.fd, fd)
-        finally:
-            os.close(fd)
-
-    def close(self, backing_id: int) -> None:
-        unregister(self.fd, backing_id)
-
-
-class Notifier:
-    """Unsolicited messages to the kernel (unique 0): FUSE_NOTIFY_INVAL_ENTRY and _INODE, written by a
-    thread of their own.
-
-    Not from the loop: the kernel handles a notification inside the write, and it may wait there for
-    what a request we have not answered yet holds (``fuse_reverse_inval_entry`` takes the parent
-    directory's inode lock, which a LOOKUP or a CREATE in it holds; ``invalidate_inode_pages2`` waits
-    for a page a READ holds locked). Written from the loop, the reply that would release it could
-    never be sent. The thread owns a duplicate of the descriptor, closed when it ends, so it never
-    writes to a number reused after the session closed its own.
-
-    ``report(code, error)`` is called from the thread after each write (0, or the positive errno):
-    ENOENT means the kernel did not hold that entry or inode (normal: it forgot it, or never had it).
-    A notice past ``MAX_QUEUED_NOTICES`` waiting is dropped and reported at once with ENOBUFS.
-    """
-
-    def __init__(self, fd: int, report: Callable[[int, int], None] | None = None) -> None:
-        self.report = report
-        self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
-        self._fd = os.dup(fd)
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="fuse-notify", daemon=True)
-        self._thread.start()
-
-    def forget_entry(self, parent: int, name: bytes) -> None:
-        """The kernel drops its entry ``name`` in directory ``parent`` (its next use looks it up)."""
-        self._put(wire.notify_inval_entry(parent, name))
-
-    def forget_inode(self, inode: int) -> None:
-        """The kernel drops ``inode``'s attributes and cached pages (its next stat or read asks)."""
-        self._put(wire.notify_inval_inode(inode, 0, 0))
-
-    def _put(self, message: list[bytes]) -> None:
-        if self._closed:
-            return
-        if self._queue.qsize() >= MAX_QUEUED_NOTICES:
-            if self.report is not None:
-                self.report(wire.OUT_HEADER.unpack(message[0])[1], errno.ENOBUFS)
-            return
-        self._queue.put(message)
-
-    def _run(self) -> None:
-        try:
-            while (message := self._queue.get()) is not None:
-                code = wire.OUT_HEADER.unpack(message[0])[1]
-                try:
-                    os.writev(self._fd, message)
-                    error = 0
-                except OSError as exc:
-                    error = exc.errno or errno.EIO
-                    if error == errno.ENODEV:  # the connection is gone: nothing more to tell
-                        self._closed = True
-                        return
-                    if error != errno.ENOENT:
-                        log.debug("a FUSE notification (%d) failed: %s", code, exc)
-                if self.report is not None:
-                    self.report(code, error)
-        finally:
-            os.close(self._fd)
-
-    def close(self) -> None:
-        """Stop taking notices, let the thread write what is queued, and wait for it (bounded)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join(NOTIFIER_JOIN_S)
-        if self._thread.is_alive():
-            log.warning("the FUSE notifier thread did not end in %g s (held in the kernel); it ends with the process",
-                        NOTIFIER_JOIN_S)
-
-
 # --------------------------------------------------------------------------------------- mounting
 # What a user can do about the failures the kernel and fusermount3 report, by words of their message.
 FUSE_FAILURE_HINTS = (
@@ -338,6 +222,18 @@ def open_device() -> int:
         if exc.errno in (errno.ENOENT, errno.ENODEV):
             raise MountError(exc.errno, "device not found, try 'modprobe fuse' first") from None
         raise MountError(exc.errno, f"failed to open {FUSE_DEVICE}: {os.strerror(exc.errno or errno.EIO)}") from None
+
+
+def clone_device(session_fd: int) -> int:
+    """A new /dev/fuse descriptor bound to the connection of ``session_fd`` (FUSE_DEV_IOC_CLONE): it
+    reads from the connection's one queue of requests, and a request read from it is answered on it."""
+    fd = open_device()
+    try:
+        fcntl.ioctl(fd, wire.DEV_IOC_CLONE, struct.pack("<I", session_fd))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def kernel_options(fd: int, rootmode: int, *, allow_other: bool) -> str:
@@ -419,7 +315,8 @@ class FuseSession:
     """One mount's connection to the kernel: mount, serve until unmounted or terminated, close."""
 
     def __init__(self, ops: Operations, mountpoint: str, *, source: str = SUBTYPE, read_only: bool = False,
-                 allow_other: bool = False, fd: int | None = None, broker: Path | None = None) -> None:
+                 allow_other: bool = False, fd: int | None = None, broker: Path | None = None,
+                 threads: int = 1) -> None:
         self.ops = ops
         self.mountpoint = mountpoint
         self.fsname = mount_source(source)
@@ -433,8 +330,6 @@ class FuseSession:
         self.proto_minor = 0
         self.flags = 0
         self._buffer = bytearray(BUFFER_SIZE)
-        self._view = memoryview(self._buffer)  # of _buffer, made once per buffer, not per request
-        self._buffers = [self._buffer]  # what readv fills
         self._spare: list[bytearray] = []
         self._tasks: dict[int, tuple[asyncio.Task[None], int]] = {}
         self._interrupted: set[int] = set()
@@ -446,6 +341,15 @@ class FuseSession:
         self._writers: ReplyWriters | None = None  # large replies' writev, off the loop (cachefs.fuse.replies)
         self.notifier: Notifier | None = None
         self._poller = select.poll()  # registered with the descriptor by serve()
+        # Several readers (``threads`` > 1, on a SharedLoop): started after INIT, one thread per
+        # descriptor (the session's and its clones); the loop then reads nothing.
+        self.threads = max(1, min(threads, MAX_FUSE_THREADS))
+        self._threaded = False
+        self._readers: list[threading.Thread] = []
+        self._clones: list[int] = []
+        self._readers_left = 0
+        self._room: threading.Condition | None = None
+        self._early: dict[int, None] = {}
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -469,8 +373,7 @@ class FuseSession:
 
     def terminate(self) -> None:
         """End ``serve`` (the mount stays until ``close``)."""
-        if self._ended is not None and not self._ended.done():
-            self._ended.set_result(None)
+        self._end()
 
     def close(self) -> None:
         """Make sure the mount is gone (unless it was handed over) and close the descriptor."""
@@ -480,12 +383,35 @@ class FuseSession:
         self._close_writers()
         if self.notifier is not None:
             self.notifier.close()
-        if not self.handed_over and self.fd >= 0:
+        unmounted = not self.handed_over and self.fd >= 0
+        if unmounted:
             unmount(self.mountpoint, privileged=self.privileged)
         if self._broker_client is not None:
             self._broker_client.shutdown()
+        if self._readers and not self._readers_joined(READER_JOIN_S if unmounted else 0.0):
+            # A reader is still blocked reading a descriptor (a busy mount detached lazily, or a
+            # handed-over one): closing it under the thread could hand its number to another file.
+            # They go with the process.
+            log.info("FUSE readers still wait on %s; its descriptors close when the daemon exits", self.mountpoint)
+            return
+        for fd in self._clones:
+            os.close(fd)
         if self.fd >= 0:
             os.close(self.fd)
+
+    def _readers_joined(self, timeout_s: float) -> bool:
+        loop = self._loop
+        held = isinstance(loop, SharedLoop) and loop.in_loop_thread()
+        if held:
+            loop.state_lock.release()  # type: ignore[union-attr]  # (a reader may need it to finish)
+        try:
+            deadline = time.monotonic() + timeout_s
+            for reader in self._readers:
+                reader.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            if held:
+                loop.state_lock.acquire()  # type: ignore[union-attr]
+        return not any(reader.is_alive() for reader in self._readers)
 
     # ------------------------------------------------------------------------------------- serving
     async def serve(self, max_tasks: int) -> None:
@@ -527,6 +453,8 @@ class FuseSession:
                 pass
 
     def _resume(self) -> None:
+        if self._threaded:
+            return
         if not self._reading and self._loop is not None and not self._ended.done():  # type: ignore[union-attr]
             self._loop.add_reader(self.fd, self._readable)
             self._reading = True
@@ -540,6 +468,8 @@ class FuseSession:
         self._pause()
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(None)
+        if self._room is not None:
+            self._room.notify_all()  # readers waiting for room see the end
 
     def _readable(self) -> None:
         for i in range(READS_PER_WAKEUP):
@@ -552,7 +482,7 @@ class FuseSession:
                 self._pause()  # resumed when a task ends
                 return
             try:
-                length = os.readv(self.fd, self._buffers)
+                length = os.readv(self.fd, [self._buffer])
             except BlockingIOError:
                 return
             except InterruptedError:
@@ -567,87 +497,186 @@ class FuseSession:
             if length == 0:  # end of file: the connection is gone
                 self._end()
                 return
-            self._dispatch(self._view[:length])
-            if self._ended is None or self._ended.done():
+            self._buffer = self._dispatch(self.fd, self._buffer, length)
+            if self._ended is None or self._ended.done() or self._threaded:
                 return
 
-    def _dispatch(self, view: memoryview) -> None:
+    def _dispatch(self, fd: int, buffer: bytearray, length: int) -> bytearray:
+        """Answer, or start answering, the request of ``length`` bytes read from ``fd`` into
+        ``buffer``; the buffer the next read of ``fd`` goes into."""
+        view = memoryview(buffer)[:length]
         try:
             req = wire.parse_request(view)
         except (ValueError, struct.error):
             log.error("a request of %d bytes could not be decoded; ignored", len(view))
-            return
+            return buffer
         opcode = req.opcode
         inline = self.ops.inline.get(opcode)
         if inline is not None:
             try:
                 reply = inline(req)
             except FuseError as exc:
-                self.send(req.unique, exc.errno)
-                return
+                self.send(req.unique, exc.errno, fd=fd)
+                return buffer
             except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
-                self.send(req.unique, self.ops.failure(opcode, exc))
-                return
+                self.send(req.unique, self.ops.failure(opcode, exc), fd=fd)
+                return buffer
             if reply is LATER:
-                self._start(req, self.ops.handlers[opcode])
-            elif opcode not in NO_REPLY:
-                self.send(req.unique, 0, reply)  # type: ignore[arg-type]
-            return
+                return self._start(req, self.ops.handlers[opcode], fd, buffer)
+            if opcode not in NO_REPLY:
+                self.send(req.unique, 0, reply, fd=fd)  # type: ignore[arg-type]
+            return buffer
         handler = self.ops.handlers.get(opcode)
         if handler is not None:
-            self._start(req, handler)
-        elif opcode == wire.INIT:
+            return self._start(req, handler, fd, buffer)
+        if opcode == wire.INIT:
             self._init(req)
         elif opcode == wire.INTERRUPT:
             self._interrupt(wire.INTERRUPT_IN.unpack_from(req.body)[0])
         elif opcode == wire.DESTROY:
-            self.send(req.unique, 0)
+            self.send(req.unique, 0, fd=fd)
             self._end()
         elif opcode not in NO_REPLY:
-            self.send(req.unique, errno.ENOSYS)
+            self.send(req.unique, errno.ENOSYS, fd=fd)
+        return buffer
 
-    def _start(self, req: Request, handler: Callable[[Request], Awaitable[Reply]]) -> None:
+    def _start(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], fd: int,
+               buffer: bytearray) -> bytearray:
+        if self._threaded and req.unique in self._early:
+            del self._early[req.unique]  # its interrupt was read first, by another reader
+            if req.opcode in INTERRUPTIBLE:
+                self.send(req.unique, errno.EINTR, fd=fd)
+                return buffer
         held = None
         if req.opcode == wire.WRITE:
             # The payload stays where it was read; the next request goes into another buffer.
-            held = self._buffer
-            self._buffer = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
-            self._view = memoryview(self._buffer)
-            self._buffers = [self._buffer]
+            held = buffer
+            buffer = self._spare.pop() if self._spare else bytearray(BUFFER_SIZE)
         else:
             req = req._replace(body=memoryview(req.body.tobytes()))
-        assert self._loop is not None
-        task = self._loop.create_task(self._run(req, handler, held))
-        self._tasks[req.unique] = (task, req.opcode)
+        loop = self._loop
+        assert loop is not None
+        coro = self._run(req, handler, held, fd)
+        if self._threaded and isinstance(loop, SharedLoop):
+            # A reader thread: the handler runs here until it first waits (a warm request never
+            # does), then on as a task of the loop.
+            loop.start_task(coro, lambda task: self._tasks.__setitem__(req.unique, (task, req.opcode)))
+        else:
+            self._tasks[req.unique] = (loop.create_task(coro), req.opcode)
+        return buffer
 
-    async def _run(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], held: bytearray | None) -> None:
+    async def _run(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], held: bytearray | None,
+                   fd: int) -> None:
         unique = req.unique
         try:
             reply = await handler(req)
         except FuseError as exc:
-            self.send(unique, exc.errno)
+            self.send(unique, exc.errno, fd=fd)
         except asyncio.CancelledError:
             if unique in self._interrupted:
-                self.send(unique, errno.EINTR)
+                self.send(unique, errno.EINTR, fd=fd)
             else:
                 raise  # the session ends
         except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
-            self.send(unique, self.ops.failure(req.opcode, exc))
+            self.send(unique, self.ops.failure(req.opcode, exc), fd=fd)
         else:
-            self.send(unique, 0, reply)
+            self.send(unique, 0, reply, fd=fd)
         finally:
             self._tasks.pop(unique, None)
             self._interrupted.discard(unique)
             if held is not None and len(self._spare) < SPARE_BUFFERS:
                 self._spare.append(held)
-            if not self._reading and len(self._tasks) < self._max_tasks:
+            if self._room is not None:
+                self._room.notify()
+            elif not self._reading and len(self._tasks) < self._max_tasks:
                 self._resume()
 
     def _interrupt(self, unique: int) -> None:
         entry = self._tasks.get(unique)
-        if entry is not None and entry[1] in INTERRUPTIBLE:
-            self._interrupted.add(unique)
-            entry[0].cancel()
+        if entry is not None:
+            if entry[1] in INTERRUPTIBLE:
+                self._interrupted.add(unique)
+                entry[0].cancel()
+        elif self._threaded:
+            # Its request may have been read by another reader that has not started it yet.
+            self._early[unique] = None
+            if len(self._early) > EARLY_INTERRUPTS:
+                del self._early[next(iter(self._early))]
+
+    # ------------------------------------------------------------------------------ several readers
+    def _start_readers(self) -> None:
+        """After INIT: one reader thread per descriptor, the session's and ``threads - 1`` clones.
+        Where the loop cannot be shared or no clone can be made, the loop reads alone, as before."""
+        loop = self._loop
+        if not isinstance(loop, SharedLoop):
+            log.warning("--fuse-threads %d needs the daemon's shared loop; the loop reads every request",
+                        self.threads)
+            return
+        fds = [self.fd]
+        for _ in range(self.threads - 1):
+            try:
+                fds.append(clone_device(self.fd))
+            except OSError as exc:
+                # (INFO: a handed-over mount's pod often has no /dev/fuse, and may serve without it)
+                log.info("cannot clone the FUSE descriptor (%s); %d reader(s) serve the mount",
+                         exc.strerror or exc, len(fds))
+                break
+        self._clones = fds[1:]
+        if len(fds) == 1:
+            return
+        self._pause()
+        self._threaded = True
+        self._room = threading.Condition(loop.state_lock)
+        self._readers_left = len(fds)
+        for number, fd in enumerate(fds):
+            reader = threading.Thread(target=self._reader, args=(loop, fd),
+                                      name=f"fuse-reader-{number}", daemon=True)
+            self._readers.append(reader)
+            reader.start()
+        log.info("%d threads read the mount's requests", len(fds))
+
+    def _reader(self, loop: SharedLoop, fd: int) -> None:
+        """One reader: blocks in ``readv`` (the GIL and the state lock released), then answers with
+        the state lock held, as the loop would; a handler that waits goes on as a task of the loop,
+        which answers on ``fd`` (so ``close`` closes the clones, once the tasks are gone)."""
+        asyncio.events._set_running_loop(loop)  # what handlers and the tasks they make expect to see
+        os.set_blocking(fd, True)
+        lock = loop.state_lock
+        room = self._room
+        assert room is not None and self._ended is not None
+        buffer = bytearray(BUFFER_SIZE)
+        try:
+            while not self._ended.done():
+                if len(self._tasks) >= self._max_tasks:
+                    with lock:
+                        while len(self._tasks) >= self._max_tasks and not self._ended.done():
+                            room.wait()
+                try:
+                    length = os.readv(fd, [buffer])
+                except OSError as exc:
+                    if exc.errno == errno.ENOENT:  # the request was interrupted before it was read
+                        continue
+                    if exc.errno != errno.ENODEV:  # ENODEV: unmounted, every reader sees it
+                        log.error("reading %s failed: %s; the session ends", FUSE_DEVICE, exc)
+                        loop.call_soon_threadsafe(self._end)
+                    return
+                if length == 0:  # end of file: the connection is gone
+                    return
+                with loop.holding_state():
+                    if self._ended.done():
+                        return  # (the session is ending: what is read now is left to the kernel's abort)
+                    buffer = self._dispatch(fd, buffer, length)
+                    wake = loop.take_wake()
+                if wake:
+                    loop.wake()
+        finally:
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: the daemon is ending anyway)
+                loop.call_soon_threadsafe(self._reader_ended)
+
+    def _reader_ended(self) -> None:
+        self._readers_left -= 1
+        if self._readers_left == 0:
+            self._end()  # every reader saw the end of the connection
 
     def _init(self, req: Request) -> None:
         init = wire.parse_init(req.body)
@@ -678,6 +707,8 @@ class FuseSession:
         if self.notifier is None and self.proto_minor >= wire.NOTIFY_INVAL_MIN_MINOR:
             self.notifier = Notifier(self.fd)
         self.ops.negotiated(flags, backing, self.notifier)
+        if self.threads > 1:
+            self._start_readers()  # (before the answer: the kernel sends nothing else until it has it)
         self.send(req.unique, 0, wire.init_out(
             minor=self.proto_minor, max_readahead=init.max_readahead, flags=flags,
             max_background=FUSE_MAX_BACKGROUND, congestion_threshold=FUSE_CONGESTION_THRESHOLD,
@@ -705,22 +736,24 @@ class FuseSession:
         self._broker_client = client
         return client
 
-    def send(self, unique: int, error: int, reply: Reply = None) -> None:
-        """Answer request ``unique``: ``error`` (a positive errno), or 0 and the reply's buffers."""
+    def send(self, unique: int, error: int, reply: Reply = None, fd: int | None = None) -> None:
+        """Answer request ``unique``: ``error`` (a positive errno), or 0 and the reply's buffers, on the
+        descriptor the request was read from (``fd``; the session's by default): each clone of the
+        connection has its own list of requests awaiting an answer."""
         if self._closed:
             return
         if error or reply is None:
             buffers: list[Buffer] = [_OUT_HEADER_PACK(_OUT_HEADER_SIZE, -error, unique)]
         elif isinstance(reply, (bytes, bytearray, memoryview)):
             buffers = [_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, unique), reply]
-            if len(reply) >= OFFLOAD_MIN_BYTES and self._writers is not None and self._writers.submit(buffers):
+            if len(reply) >= OFFLOAD_MIN_BYTES and self._writers is not None and self._writers.submit(buffers, fd):
                 return
         else:
             size = sum(len(part) for part in reply)
             buffers = [_OUT_HEADER_PACK(_OUT_HEADER_SIZE + size, 0, unique), *reply]
-            if size >= OFFLOAD_MIN_BYTES and self._writers is not None and self._writers.submit(buffers):
+            if size >= OFFLOAD_MIN_BYTES and self._writers is not None and self._writers.submit(buffers, fd):
                 return
-        self.write(buffers)
+        self.write(buffers, fd)
 
-    def write(self, buffers: Sequence[Buffer]) -> None:
-        write_reply(self.fd, buffers, self._end)
+    def write(self, buffers: Sequence[Buffer], fd: int | None = None) -> None:
+        write_reply(self.fd if fd is None else fd, buffers, self._end)

@@ -164,6 +164,11 @@ FOPEN_PASSTHROUGH_ALLOWED = FOPEN_PASSTHROUGH | FOPEN_DIRECT_IO | FOPEN_NOFLUSH
 
 # ioctls on /dev/fuse for passthrough (and their argument): cachefs.backing, shared with the CSI
 # node plugin's broker; named here too, beside the other structs of the kernel's protocol.
+# Bind a fresh /dev/fuse descriptor to the connection of the one named in the argument (a u32):
+# ``_IOR(229, 0, uint32_t)``: direction read 2 << 30, the argument's size << 16, the magic << 8, the
+# number. Each clone has its own list of requests being answered.
+_IOC_READ = 2 << 30
+DEV_IOC_CLONE = _IOC_READ | 4 << 16 | 229 << 8 | 0
 
 # fuse_setattr_in.valid
 FATTR_MODE = 1 << 0

@@ -60,7 +60,7 @@ class Ops:
 
     wanted_flags = 0
 
-    def negotiated(self, flags: int, backing: object, notifier: fuse_session.Notifier | None) -> None:
+    def negotiated(self, flags: int, backing: object, notifier: object) -> None:
         self.flags = flags
         self.notifier = notifier
 

@@ -546,7 +546,7 @@ def test_notification_outcomes_are_counted(fs: CacheFS) -> None:
 
 
 async def test_a_notifier_past_its_bound_drops_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cachefs.fuse import session as session_module
+    from cachefs.fuse import notifier as notifier_module
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     outcomes: list[tuple[int, int]] = []
     threads: list[str] = []
@@ -555,12 +555,12 @@ async def test_a_notifier_past_its_bound_drops_and_counts(monkeypatch: pytest.Mo
         outcomes.append((code, error))
         threads.append(threading.current_thread().name)
 
-    monkeypatch.setattr(session_module, "MAX_QUEUED_NOTICES", 0)
-    notifier = session_module.Notifier(ours.fileno(), report)
+    monkeypatch.setattr(notifier_module, "MAX_QUEUED_NOTICES", 0)
+    notifier = notifier_module.Notifier(ours.fileno(), report)
     try:
         notifier.forget_inode(5)
         assert outcomes == [(wire.NOTIFY_INVAL_INODE, errno.ENOBUFS)]
-        monkeypatch.setattr(session_module, "MAX_QUEUED_NOTICES", 10)
+        monkeypatch.setattr(notifier_module, "MAX_QUEUED_NOTICES", 10)
         notifier.forget_entry(1, b"n")
     finally:
         notifier.close()

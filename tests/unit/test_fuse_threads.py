@@ -1,0 +1,262 @@
+"""Several readers of one FUSE connection (cachefs.fuse.session with ``threads`` > 1 on a SharedLoop),
+at the protocol level, with no mount: the test plays the kernel on SOCK_SEQPACKET socket pairs, which
+keep each request and each reply one message as /dev/fuse does, and stand in for the session's
+descriptor and its clones (``clone_device`` is replaced; each pair is then its own queue, so the test
+chooses which reader gets which request).
+
+What is checked: INIT is read on the session's descriptor only, and only then are the clones made;
+every reply goes back on the descriptor its request came from; a handler that never waits is
+answered by the reader thread itself, and one that waits goes on as a task of the loop; an
+INTERRUPT read by one reader cancels a request read by another, whichever is read first; FORGET
+gets no reply; the end of every descriptor ends ``serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cachefs.cli.main import build_parser
+from cachefs.cli.mount import mount_settings
+from cachefs.client import UsageError
+from cachefs.fuse import session as fuse_session
+from cachefs.fuse import wire
+from cachefs.fuse.sharedloop import SharedLoop
+from cachefs.settings import DEFAULT_FUSE_THREADS, MountSettings
+
+WAIT_S = 10.0
+
+
+def request(opcode: int, unique: int, body: bytes = b"", nodeid: int = 1) -> bytes:
+    return wire.IN_HEADER.pack(wire.IN_HEADER.size + len(body), opcode, unique, nodeid, 0, 0, 0, 0, 0) + body
+
+
+def read_reply(sock: socket.socket) -> tuple[int, int, bytes]:
+    """(unique, error, payload) of the next reply on ``sock``; fails after WAIT_S."""
+    sock.settimeout(WAIT_S)
+    data = sock.recv(1 << 20)
+    length, error, unique = wire.OUT_HEADER.unpack_from(data)
+    assert length == len(data)
+    return unique, -error, data[wire.OUT_HEADER.size:]
+
+
+class Ops:
+    """GETATTR answers at once (saying which thread ran it), READ waits for ``release_reads``,
+    LOOKUP waits until cancelled, FORGET is counted."""
+
+    wanted_flags = 0
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+        self.forgotten: list[int] = []
+        self.release_reads = asyncio.Event()
+        self.inline = {wire.FORGET: self.forget}
+        self.handlers = {wire.GETATTR: self.getattr, wire.READ: self.read, wire.LOOKUP: self.lookup,
+                         wire.OPEN: self.open}
+
+    def negotiated(self, flags: int, backing: object, notifier: object = None) -> None:
+        self.flags = flags
+
+    def failure(self, opcode: int, exc: BaseException) -> int:
+        return errno.EIO
+
+    def forget(self, req: wire.Request) -> None:
+        self.forgotten.append(req.nodeid)
+
+    async def getattr(self, req: wire.Request) -> bytes:
+        self.threads.append(threading.current_thread().name)
+        return struct.pack("<Q", req.nodeid)
+
+    async def read(self, req: wire.Request) -> bytes:
+        await self.release_reads.wait()
+        self.threads.append(threading.current_thread().name)
+        return b"read %d" % req.nodeid
+
+    async def open(self, req: wire.Request) -> bytes:
+        """What the engine's calls do on their way: a deadline (which needs the current task) and a
+        timer set by the thread that took the first step, which the loop must then see."""
+        first = threading.current_thread().name
+        async with asyncio.timeout(WAIT_S):
+            await asyncio.sleep(0.05)
+        return f"{first} then {threading.current_thread().name}".encode()
+
+    async def lookup(self, req: wire.Request) -> bytes:
+        await asyncio.Event().wait()
+        raise AssertionError("not reached")
+
+
+class Kernel:
+    """The session on its own SharedLoop thread, three readers: the session's pair and two clones."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+        self.kernel = [k for k, _ in pairs]
+        self.daemon_fds = [d.detach() for _, d in pairs]
+        clones = iter(self.daemon_fds[1:])
+        self.cloned_from: list[int] = []
+
+        def clone_device(session_fd: int) -> int:
+            self.cloned_from.append(session_fd)
+            return next(clones)
+
+        monkeypatch.setattr(fuse_session, "clone_device", clone_device)
+        self.ops = Ops()
+        self.session = fuse_session.FuseSession(self.ops, "/unused", fd=self.daemon_fds[0], threads=3)  # type: ignore[arg-type]
+        self.loop: SharedLoop | None = None
+        self.served = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="loop", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=SharedLoop) as runner:
+            self.loop = runner.get_loop()  # type: ignore[assignment]
+            runner.run(self.session.serve(8))
+            self.session.close()
+        self.served.set()
+
+    def send(self, reader: int, data: bytes) -> None:
+        self.kernel[reader].send(data)
+
+    def end(self) -> None:
+        for sock in self.kernel:
+            sock.close()
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[Kernel]:
+    k = Kernel(monkeypatch)
+    try:
+        k.send(0, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 1 << 20, wire.ASYNC_READ)))
+        unique, error, payload = read_reply(k.kernel[0])
+        assert (unique, error) == (1, 0) and wire.INIT_OUT.unpack_from(payload)[:2] == (7, 31)
+        yield k
+    finally:
+        k.end()
+        assert k.served.wait(WAIT_S), "serve did not end when every descriptor ended"
+
+
+def test_init_on_the_session_descriptor_then_clones_of_it(kernel: Kernel) -> None:
+    assert kernel.cloned_from == [kernel.daemon_fds[0]] * 2
+    assert kernel.session._threaded
+
+
+def test_each_reply_goes_back_on_the_descriptor_its_request_came_from(kernel: Kernel) -> None:
+    for reader in (2, 0, 1, 1, 2):
+        unique = 10 + 2 * reader
+        kernel.send(reader, request(wire.GETATTR, unique, wire.GETATTR_IN.pack(0, 0, 0), nodeid=100 + reader))
+        assert read_reply(kernel.kernel[reader]) == (unique, 0, struct.pack("<Q", 100 + reader))
+    # Answered by the reader threads themselves: the loop's thread never ran them.
+    assert set(kernel.ops.threads) == {"fuse-reader-0", "fuse-reader-1", "fuse-reader-2"}
+
+
+def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> None:
+    kernel.send(1, request(wire.READ, 20, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=7))
+    kernel.send(2, request(wire.GETATTR, 22, wire.GETATTR_IN.pack(0, 0, 0), nodeid=8))
+    assert read_reply(kernel.kernel[2]) == (22, 0, struct.pack("<Q", 8))  # not held up by the waiting READ
+    wait_until(lambda: 20 in kernel.session._tasks)  # the READ waits (its reader may start it after the GETATTR)
+    assert kernel.loop is not None
+    kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
+    assert read_reply(kernel.kernel[1]) == (20, 0, b"read 7")
+    assert kernel.ops.threads[-1] == "loop"
+
+
+def test_a_first_step_in_a_reader_is_a_task_step_with_deadlines_and_timers(kernel: Kernel) -> None:
+    kernel.send(2, request(wire.OPEN, 60, wire.OPEN_IN.pack(0, 0)))
+    assert read_reply(kernel.kernel[2]) == (60, 0, b"fuse-reader-2 then loop")
+
+
+def test_an_interrupt_read_by_another_reader_cancels_the_request(kernel: Kernel) -> None:
+    kernel.send(0, request(wire.LOOKUP, 30, b"name\0"))
+    # Wait until the LOOKUP is a task of the loop, then interrupt it through another descriptor.
+    wait_until(lambda: 30 in kernel.session._tasks)
+    kernel.send(2, request(wire.INTERRUPT, 32, wire.INTERRUPT_IN.pack(30)))
+    assert read_reply(kernel.kernel[0]) == (30, errno.EINTR, b"")
+
+
+def test_an_interrupt_read_before_its_request_answers_it_with_eintr(kernel: Kernel) -> None:
+    kernel.send(2, request(wire.INTERRUPT, 41, wire.INTERRUPT_IN.pack(40)))
+    wait_until(lambda: 40 in kernel.session._early)
+    kernel.send(1, request(wire.LOOKUP, 40, b"name\0"))
+    assert read_reply(kernel.kernel[1]) == (40, errno.EINTR, b"")
+    assert 40 not in kernel.session._tasks
+
+
+def test_forget_gets_no_reply_on_any_reader(kernel: Kernel) -> None:
+    kernel.send(1, request(wire.FORGET, 50, wire.FORGET_IN.pack(1), nodeid=9))
+    kernel.send(1, request(wire.GETATTR, 52, wire.GETATTR_IN.pack(0, 0, 0), nodeid=3))
+    assert read_reply(kernel.kernel[1])[0] == 52  # the next reply on that descriptor is the GETATTR's
+    assert kernel.ops.forgotten == [9]
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_without_a_shared_loop_the_loop_reads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session asked for threads on an ordinary loop (a test, an embedding) serves as before."""
+    kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    monkeypatch.setattr(fuse_session, "clone_device", lambda fd: pytest.fail("cloned without a shared loop"))
+    session = fuse_session.FuseSession(Ops(), "/unused", fd=daemon.detach(), threads=2)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        serving = asyncio.create_task(session.serve(4))
+        await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
+        assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+        await asyncio.to_thread(kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=5))
+        assert await asyncio.to_thread(read_reply, kernel) == (2, 0, struct.pack("<Q", 5))
+        kernel.close()
+        await asyncio.wait_for(serving, WAIT_S)
+
+    asyncio.run(main())
+    session.close()
+    assert not session._threaded
+
+
+def test_the_option_reaches_the_settings_and_bad_values_are_refused(tmp_path: Path) -> None:
+    def settings(*extra: str) -> MountSettings:
+        argv = ["mount", "s3://bucket", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--read-only", *extra]
+        return mount_settings(build_parser().parse_args(argv), {})
+
+    assert settings().fuse_threads == DEFAULT_FUSE_THREADS
+    assert settings("--fuse-threads", "4").fuse_threads == 4
+    for bad in ("0", "33"):
+        with pytest.raises(UsageError, match=f"--fuse-threads {bad} must be between 1 and 32"):
+            settings("--fuse-threads", bad)
+
+
+def test_where_no_clone_can_be_made_the_loop_reads_alone(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A mount pod that may not open /dev/fuse (a CSI handover to an unprivileged daemon): one line
+    says so, and the loop serves every request on the session's descriptor, as before."""
+    kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    def refused(fd: int) -> int:
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(fuse_session, "clone_device", refused)
+    session = fuse_session.FuseSession(Ops(), "/unused", fd=daemon.detach(), threads=3)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        serving = asyncio.create_task(session.serve(4))
+        await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
+        assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+        await asyncio.to_thread(kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=5))
+        assert await asyncio.to_thread(read_reply, kernel) == (2, 0, struct.pack("<Q", 5))
+        kernel.close()
+        await asyncio.wait_for(serving, WAIT_S)
+
+    with asyncio.Runner(loop_factory=SharedLoop) as runner, caplog.at_level("INFO"):
+        runner.run(main())
+        session.close()
+    assert not session._threaded
+    assert "cannot clone the FUSE descriptor (Permission denied); 1 reader(s) serve the mount" in caplog.text
