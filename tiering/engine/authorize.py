@@ -7,8 +7,8 @@ tier, what the source would refuse it. So a cluster hit is served only once this
 store has answered a one-byte GET of the object with ``If-Match: <the ETag the block belongs to>``.
 A GET, not a HEAD: S3 answers HEAD under ``s3:GetObject`` too, but a HEAD returns no byte of the
 object, so it does not show that the volume may decrypt it (an SSE-KMS object needs ``kms:Decrypt``
-for its bytes, and a volume without it must not read them through the cluster tier); the one byte
-costs the same round trip. An empty object has no block to serve: a HEAD is enough for it.
+for its bytes, HEAD may not ask for it, and a volume without it must not read them through the
+cluster tier); the one byte costs the same round trip. An empty object has no block to serve: a HEAD is enough for it.
 
 Cost. The proof is per object version, remembered in memory (``AUTHORIZED_MAX`` versions, least
 recently used dropped first) and shared by concurrent loads (one request in flight per version): a
