@@ -24,6 +24,8 @@ from tiering.writeback.pending import staged_info
 
 if TYPE_CHECKING:
     from cachefs.fs.filesystem import Attributes, CacheFS
+    from cachefs.fs.inodes import Node
+    from tiering.writeback import WriteBack
 
 
 def _new_name(name: bytes) -> str:
@@ -85,7 +87,9 @@ class NameChanges:
         node.lookups += 1
         return fs._attributes(node)
 
-    async def unlink(self, parent_inode: int, name: bytes) -> None:
+    async def _existing(self, parent_inode: int, name: bytes) -> tuple[WriteBack, Node, str, object]:
+        """For unlink and rmdir: the write-back, the parent, the path, and what the listing says the name
+        holds now (a file's ObjectInfo, or None for a directory); ENOENT where it holds nothing."""
         fs = self.fs
         wb = fs._writer()
         parent = fs._dir(parent_inode)
@@ -93,9 +97,13 @@ class NameChanges:
         value = await fs.listings.lookup(parent.path, text)
         if value is MISSING:
             raise FsError(errno.ENOENT)
+        return wb, parent, join(parent.path, text), value
+
+    async def unlink(self, parent_inode: int, name: bytes) -> None:
+        fs = self.fs
+        wb, parent, path, value = await self._existing(parent_inode, name)
         if value is None:
             raise FsError(errno.EISDIR)
-        path = join(parent.path, text)
         async with fs.kept.losing_name(path):
             await fs.kept.keep(path)
             node = fs.inodes.at(path)
@@ -109,15 +117,9 @@ class NameChanges:
 
     async def rmdir(self, parent_inode: int, name: bytes) -> None:
         fs = self.fs
-        wb = fs._writer()
-        parent = fs._dir(parent_inode)
-        text = _new_name(name)
-        value = await fs.listings.lookup(parent.path, text)
-        if value is MISSING:
-            raise FsError(errno.ENOENT)
+        wb, parent, path, value = await self._existing(parent_inode, name)
         if value is not None:
             raise FsError(errno.ENOTDIR)
-        path = join(parent.path, text)
         if await fs.listings.entries(path):
             raise FsError(errno.ENOTEMPTY)
         await wb.ensure_dir(parent.path)
