@@ -14,13 +14,14 @@ Keys. The secret is a file (``--cluster-key-file``, ``CACHEFS_CLUSTER_KEY_FILE``
 (RFC 5869, extract then expand, through ``hmac``), so a block's MAC can never be replayed as a
 journal record's or a lease's, and rotating the secret rotates them all.
 
-The MAC. HMAC-SHA256 (``hmac``/``hashlib``, OpenSSL underneath; large buffers are hashed with the
-GIL released, so the cluster tier's worker threads run it in parallel). Measured on this project's
-machine (8 MiB buffers, one thread, x86-64 with SHA extensions): HMAC-SHA256 1.01 CPU-s/GiB, keyed
-BLAKE2b 1.18, HMAC-SHA512 1.44, keyed BLAKE2s 1.98; the CRC-32 it replaces in the cluster frame
-cost 0.06 with ISA-L. ``blake3``'s keyed mode would be faster still but is a native dependency for
-what the standard library does at a cost the cluster store's network already dominates
-(docs/security.md has the figures and the load they were taken under).
+The MACs. Block frames, hashed whole on every cluster-tier hit and write-behind (gigabytes a
+minute), use BLAKE3's keyed mode (the ``blake3`` package, the reference Rust implementation, the GIL
+released for large buffers): measured on this project's machine (8 MiB buffers, one thread, x86-64
+with SHA extensions and AVX-512) at 0.17 CPU-s/GiB against HMAC-SHA256's 0.79, keyed BLAKE2b 1.09
+and BLAKE2s 1.78 (``benchmarks/block_mac.py``; docs/security.md has the load). On 2 cores shared
+with the store, HMAC over every cluster hit was a third of the cluster-tier node's CPU. Journal
+records, data pieces and leases (small, or hashed once per write) keep HMAC-SHA256 (``hmac``), as
+do block frames written by the previous release, which a node still reads (``clusterframe``).
 """
 
 from __future__ import annotations
@@ -29,17 +30,20 @@ import hashlib
 import hmac
 from pathlib import Path
 
+import blake3
+
 # 256 bits: the HMAC-SHA256 key size; a shorter secret is refused, not stretched.
 KEY_MIN_BYTES = 32
 # A key file larger than this is not a key (a path given by mistake): refused before it is read whole.
 KEY_MAX_BYTES = 4096
-MAC_SIZE = 32  # HMAC-SHA256
+MAC_SIZE = 32  # HMAC-SHA256, and BLAKE3's default output
 _HASH = "sha256"
 # The HKDF salt: fixed, names the scheme; the secret is already uniformly random.
 _SALT = b"cachefs cluster key v1"
 
 # The purposes a key is derived for (the HKDF "info"): one each, never shared.
-BLOCKS = "cluster blocks v1"
+BLOCKS = "cluster blocks v1"  # HMAC-SHA256 frames of the previous release: read, never written
+BLOCKS_BLAKE3 = "cluster blocks v2 blake3"
 JOURNAL = "write-back journal v1"
 DATA = "write-back data v1"
 LEASE = "write-back lease v1"
@@ -79,6 +83,29 @@ class MacKey:
         return "MacKey(<secret>)"
 
 
+class Blake3Key:
+    """One derived key: keyed BLAKE3 tags over byte strings (the same interface as ``MacKey``)."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != blake3.blake3.key_size:
+            raise ValueError(f"a BLAKE3 key is {blake3.blake3.key_size} bytes")
+        self._key = key
+
+    def tag(self, *parts: bytes | memoryview) -> bytes:
+        """The MAC of the concatenation of ``parts`` (large ones hashed with the GIL released)."""
+        mac = blake3.blake3(key=self._key, max_threads=1)
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
+
+    def check(self, tag: bytes | memoryview, *parts: bytes | memoryview) -> bool:
+        """Whether ``tag`` is the MAC of ``parts`` (compared in constant time)."""
+        return hmac.compare_digest(bytes(tag), self.tag(*parts))
+
+    def __repr__(self) -> str:  # never the key
+        return "Blake3Key(<secret>)"
+
+
 class ClusterKey:
     """The secret of a cluster store's writers and readers, and the keys derived from it."""
 
@@ -113,6 +140,10 @@ class ClusterKey:
         """The key for one purpose (HKDF-Expand: one block of SHA-256 output is the 32-byte key)."""
         return MacKey(hmac.digest(self._prk, purpose.encode("ascii") + b"\x01", _HASH))
 
+    def derive_blake3(self, purpose: str) -> Blake3Key:
+        """The keyed-BLAKE3 key for one purpose, derived as ``derive``'s (a purpose of its own)."""
+        return Blake3Key(hmac.digest(self._prk, purpose.encode("ascii") + b"\x01", _HASH))
+
     def fingerprint(self) -> str:
         """A short public name of this key (for logs and /stats: which key a node holds, not the key)."""
         return hashlib.sha256(self.derive("fingerprint v1").tag(b"")).hexdigest()[:12]
@@ -121,4 +152,4 @@ class ClusterKey:
         return f"ClusterKey(fingerprint={self.fingerprint()})"
 
 
-__all__ = ["BLOCKS", "DATA", "JOURNAL", "KEY_MIN_BYTES", "LEASE", "MAC_SIZE", "ClusterKey", "ClusterKeyError", "MacKey"]
+__all__ = ["BLOCKS", "BLOCKS_BLAKE3", "DATA", "JOURNAL", "KEY_MIN_BYTES", "LEASE", "MAC_SIZE", "Blake3Key", "ClusterKey", "ClusterKeyError", "MacKey"]

@@ -117,7 +117,7 @@ async def test_objects_are_framed_under_the_hashed_key(backend: Backend) -> None
     assert name.startswith("blocks/") and name.split("/")[1] == name.split("/")[2][:2]
     info = await store.head(name)
     blob = bytes(await store.get_range(name, info.etag, 0, info.size))  # a view, from the S3 store
-    assert blob[:4] == b"CFSA" and blob.endswith(DATA)
+    assert blob[:4] == b"CFS3" and blob.endswith(DATA)
     assert cluster_token(SOURCE_ID, BLOCK_SIZE, KEY) in blob
 
 

@@ -31,8 +31,7 @@ from tests.support.s3servers import SeaweedS3
 from tiering.blocks import BlockKey
 from tiering.tiers.blockformat import frame_header
 from tiering.tiers.cluster import cluster_object_key, cluster_token
-from tiering.tiers.clusterframe import encode_frame
-from tiering.clusterkey import BLOCKS
+from tiering.tiers.clusterframe import MAGIC_HMAC, FrameKeys, encode_frame
 from tiering.writeback.durable import LEASE, ClusterRecord, JournalKeys, Lease
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
@@ -154,7 +153,9 @@ def test_a_forged_block_is_never_served_and_is_counted(mounter: Mounter, weed: S
         assert access_denied(lambda: client.get_object(Bucket=STORE, Key=name)), tenant
     forgeries = {
         "previous format (CRC-32)": frame_header(token, poison) + poison,
-        "a MAC under another key": encode_frame(OTHER_KEY.derive(BLOCKS), token, poison),
+        "a MAC under another key": encode_frame(FrameKeys.of(OTHER_KEY), token, poison),
+        "a MAC under another key, the previous release's HMAC frame":
+            encode_frame(FrameKeys.of(OTHER_KEY), token, poison, magic=MAGIC_HMAC),
     }
     for what, blob in forgeries.items():
         attacker.put_object(Bucket=STORE, Key=name, Body=blob)

@@ -63,9 +63,16 @@ from typing import Any, Awaitable, Callable
 
 from tiering.blocks import BlockData, BlockKey
 from tiering.clock import Clock, SystemClock
-from tiering.clusterkey import BLOCKS, ClusterKey, MacKey
+from tiering.clusterkey import ClusterKey
 from tiering.tiers.blockformat import CorruptBlockError, encode_token
-from tiering.tiers.clusterframe import ForgedFrameError, StaleFrameError, decode_frame, encode_frame, frame_size
+from tiering.tiers.clusterframe import (
+    ForgedFrameError,
+    FrameKeys,
+    StaleFrameError,
+    decode_frame,
+    encode_frame,
+    frame_size,
+)
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError
 from tiering.protocols import ANY_VERSION, ClusterBlockTier, ClusterTierStats, ObjectStore, ObjectStoreStats
 from tiering.settings import (
@@ -123,7 +130,7 @@ class ClusterTier:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.key = key  # also the write-back journal's (``tiering.writeback.durable``)
-        self._mac: MacKey = key.derive(BLOCKS)
+        self._mac = FrameKeys.of(key)
         self.key_fingerprint = key.fingerprint()
         self._logged: set[str] = set()
         self.where = where  # the cluster URL, for /stats (no credentials in it)
@@ -150,7 +157,7 @@ class ClusterTier:
         try:
             framed = frame_size(token, length)
             blob = await self._call(lambda: self.store.get_range(name, ANY_VERSION, 0, framed), f"reading {name}")
-            # The MAC hashes the whole block: in a worker thread (hashlib releases the GIL).
+            # The MAC hashes the whole block: in a worker thread (blake3 and hashlib release the GIL).
             if len(blob) >= THREAD_MIN_BYTES:
                 data = await asyncio.to_thread(decode_frame, self._mac, blob, token)
             else:

@@ -4,18 +4,21 @@ Why not the disk tier's format (``tiering.tiers.blockformat``). A block file on 
 written by that node only, so a CRC-32 catching accidents is enough there. An object of the cluster
 store is read by every node of every volume sharing the store and could have been put there by
 anyone holding the store's credentials: its CRC-32 and its clear identity prove nothing, since a
-forger computes both. So the cluster frame replaces the checksums with an HMAC-SHA256 under the
-blocks key derived from the cluster key (``tiering.clusterkey``), which only the driver holds.
+forger computes both. So the cluster frame replaces the checksums with a MAC under the blocks key
+derived from the cluster key (``tiering.clusterkey``), which only the driver holds: keyed BLAKE3
+(magic ``CFS3``), or HMAC-SHA256 in frames written by the previous release (magic ``CFSA``), which
+are still read (a cluster store filled before an upgrade stays warm) and never written.
 
 Format, all integers little-endian::
 
     offset        size  field
-    0             4     magic  b"CFSA" (the disk format's is b"CFSB")
+    0             4     magic  b"CFS3" (b"CFSA": the previous release's; the disk format's is b"CFSB")
     4             2     layout (u16): 1 (packed) or 2 (aligned), as the disk format's versions
     6             4     token length T (u32), in bytes
     10            8     data length D (u64)
     18            T     token: source identity, block size, object key, ETag, block index
-    18+T          32    HMAC-SHA256 of bytes [0, 18+T) followed by the D data bytes
+    18+T          32    the MAC of bytes [0, 18+T) followed by the D data bytes: keyed BLAKE3 under
+                        the "cluster blocks v2 blake3" key (CFSA: HMAC-SHA256, "cluster blocks v1")
     50+T          P     layout 2 only: zero bytes up to the next multiple of 4 KiB
     50+T+P        D     data
 
@@ -32,14 +35,16 @@ test_cluster_frame.py) pins the format.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 from tiering.blocks import BlockData
 from tiering.buffers import MAP_MIN_BYTES, align_up
-from tiering.clusterkey import MAC_SIZE, MacKey
+from tiering.clusterkey import BLOCKS, BLOCKS_BLAKE3, MAC_SIZE, Blake3Key, ClusterKey, MacKey
 from tiering.tiers.blockformat import MAGIC as DISK_MAGIC
 from tiering.tiers.blockformat import CorruptBlockError
 
-MAGIC = b"CFSA"
+MAGIC = b"CFS3"  # keyed BLAKE3: what this release writes
+MAGIC_HMAC = b"CFSA"  # HMAC-SHA256: the previous release's frames, read only
 PACKED = 1
 ALIGNED = 2
 # Blocks of this size and more are written aligned, as in the disk format (its module has the reason).
@@ -57,6 +62,21 @@ class ForgedFrameError(CorruptBlockError):
     """A well-formed frame whose MAC fails: not written with this cluster key."""
 
 
+@dataclass(frozen=True)
+class FrameKeys:
+    """The blocks keys of one cluster key: the one frames are written with, and the previous one."""
+
+    blake3: Blake3Key
+    hmac: MacKey
+
+    @classmethod
+    def of(cls, key: ClusterKey) -> "FrameKeys":
+        return cls(key.derive_blake3(BLOCKS_BLAKE3), key.derive(BLOCKS))
+
+    def for_magic(self, magic: bytes) -> Blake3Key | MacKey | None:
+        return self.blake3 if magic == MAGIC else self.hmac if magic == MAGIC_HMAC else None
+
+
 def _layout(data_len: int) -> int:
     return ALIGNED if data_len >= ALIGNED_MIN_BYTES else PACKED
 
@@ -71,17 +91,21 @@ def frame_size(token: bytes, data_len: int) -> int:
     return _offset(_layout(data_len), len(token)) + data_len
 
 
-def encode_frame(mac: MacKey, token: bytes, data: BlockData | memoryview) -> bytes:
+def encode_frame(keys: FrameKeys, token: bytes, data: BlockData | memoryview, *, magic: bytes = MAGIC) -> bytes:
     """The cluster object of ``data`` under ``token``: header, MAC, padding, data (one copy of the
-    data; the MAC hashes it with the GIL released: call in a worker thread for large blocks)."""
+    data; the MAC hashes it with the GIL released: call in a worker thread for large blocks).
+    ``magic=MAGIC_HMAC`` writes the previous release's frame (tests of the upgrade only)."""
+    mac = keys.for_magic(magic)
+    if mac is None:
+        raise ValueError(f"no cluster frame format {magic!r}")
     layout = _layout(len(data))
-    head = _FIXED.pack(MAGIC, layout, len(token), len(data)) + token
+    head = _FIXED.pack(magic, layout, len(token), len(data)) + token
     tag = mac.tag(head, data)
     header = head + tag
     return header + bytes(_offset(layout, len(token)) - len(header)) + data
 
 
-def decode_frame(mac: MacKey, blob: BlockData, token: bytes) -> BlockData:
+def decode_frame(keys: FrameKeys, blob: BlockData, token: bytes) -> BlockData:
     """The data of the cluster object ``blob`` for ``token``, a view of ``blob``; raises
     ``StaleFrameError`` (the old format) or ``CorruptBlockError`` (anything else that fails)."""
     if len(blob) < FIXED_SIZE:
@@ -89,7 +113,8 @@ def decode_frame(mac: MacKey, blob: BlockData, token: bytes) -> BlockData:
     magic, layout, token_len, data_len = _FIXED.unpack_from(blob, 0)
     if magic == DISK_MAGIC:
         raise StaleFrameError("an object of the previous, unauthenticated cluster format")
-    if magic != MAGIC:
+    mac = keys.for_magic(magic)
+    if mac is None:
         raise CorruptBlockError(f"bad magic {bytes(magic)!r}")
     if layout not in (PACKED, ALIGNED):
         raise CorruptBlockError(f"unknown layout {layout}")
@@ -115,4 +140,4 @@ def decode_frame(mac: MacKey, blob: BlockData, token: bytes) -> BlockData:
     return data
 
 
-__all__ = ["MAGIC", "ForgedFrameError", "StaleFrameError", "decode_frame", "encode_frame", "frame_size"]
+__all__ = ["MAGIC", "MAGIC_HMAC", "ForgedFrameError", "FrameKeys", "StaleFrameError", "decode_frame", "encode_frame", "frame_size"]
