@@ -388,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)  # the temp dir goes inside it, as under /tmp
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachefs-bench-cluster-", dir=args.workdir)))
         source = stack.enter_context(SeaweedS3())
