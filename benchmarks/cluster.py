@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.report import machine_info  # noqa: E402
 from benchmarks import analysis, engines  # noqa: E402
 from benchmarks.common import IO_CHUNK, MiB, drop_page_cache  # noqa: E402
+from benchmarks.dataplane import profiled  # noqa: E402
 from benchmarks.peers import (  # noqa: E402
     LOG_TAIL_CHARS, UNMOUNT_TIMEOUT_S, clean_env, fuse_unmount, log_tail, wait_pid_gone,
 )
@@ -275,7 +276,9 @@ class ClusterBench:
 
         for i in range(2, a.nodes + 1):
             node = self.node(f"node{i}")
-            rates[node.name] = self.timed_read(node)
+            assert node.pid is not None
+            with profiled(a, node.pid, node.name):  # --profile / --perf: nothing without them
+                rates[node.name] = self.timed_read(node)
             self.say(f"{node.name} (cold, own empty cache): {rates[node.name]:.1f} MiB/s")
 
         per_node = {}
@@ -379,6 +382,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-page-cache", action="store_true",
                         help="never drop the system's page cache (for runs beside other work)")
     parser.add_argument("--workdir", type=Path, default=None, help="mounts and caches (default: a temp dir)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="py-spy records each later node's daemon (the thread holding the GIL) into DIR/nodeN.txt")
+    parser.add_argument("--perf", type=Path, default=None,
+                        help="perf records each later node's daemon (every thread, kernel too) into DIR/nodeN.data")
     args = parser.parse_args(argv)
     if args.size < MiB or args.objects < 1 or args.nodes < 1 or args.readers < 1 or args.rate <= 0 or args.delay_ms < 0:
         parser.error("--size >= 1MiB, --objects >= 1, --nodes >= 1, --readers >= 1, --rate > 0, --delay-ms >= 0")
