@@ -12,6 +12,10 @@ When: a version of at most ``WHOLE_AT_OPEN_MAX_BYTES`` is assembled before the o
 worker thread), so the first such open already passes through; a larger one is assembled in the
 background (at most ``BACKGROUND_ASSEMBLIES`` at once) while this open is served by the daemon as
 before, and the opens after it pass through.
+
+A whole file stays registered with the kernel between opens (``cachefs.fuse.adapter.Passthrough``
+keeps its backing id), so the store tells ``watch`` of every whole file it removes: that id is then
+closed, and the space is freed rather than held by an unlinked file the kernel still has open.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class WholeFileStore(Protocol):
     def discard_whole(self, ref: ObjectRef) -> None: ...
 
     def whole_snapshot(self) -> dict[str, int]: ...
+
+    def on_whole_dropped(self, callback: Callable[[Path], None]) -> None: ...
 
 
 class WholeFiles:
@@ -84,6 +90,11 @@ class WholeFiles:
 
     def discard(self, ref: ObjectRef) -> None:
         self.store.discard_whole(ref)
+
+    def watch(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback(path)`` called after each whole file the store removes, from the thread that
+        removed it (``DiskTier.on_whole_dropped``): the FUSE layer closes the backing id it keeps for it."""
+        self.store.on_whole_dropped(lambda path: callback(str(path)))
 
     async def close(self) -> None:
         """Wait for the background assemblies (each ends by itself: a bounded copy)."""
