@@ -6,7 +6,8 @@ dirty pages, and the files may just have been written). Two mounts of that sourc
 directory, one after the other:
 
 * a writable one (no passthrough: the daemon serves every READ from the disk tier), after a first
-  mount read every file cold (its blocks reach the disk tier) and a remount (the RAM tier is empty);
+  mount read every file cold (its blocks reach the disk tier), mounted again for each epoch (so the
+  RAM tier is empty);
 * a read-only one (passthrough where the kernel and this process allow it: Linux 6.9+ and
   CAP_SYS_ADMIN), whose opens first assemble the whole files; then every file is read again and
   the kernel reads the whole files itself.
@@ -187,12 +188,12 @@ def run(source: Path, big: str, small: list[str], workdir: Path | None = None, r
         for names in sets.values():
             timed_pass(first.path, names)
         unmount(first)
-        daemon = mounted()  # after a remount the RAM tier is empty: every READ is a disk-tier hit
         for _ in range(rounds):
+            daemon = mounted()  # after a remount the RAM tier is empty: every READ is a disk-tier hit
             limits()
             for label, names in sets.items():
                 samples["daemon"].setdefault(label, []).append(mount_epoch(daemon, cache, names, label == "small"))
-        unmount(daemon)
+            unmount(daemon)
         readonly = mounted("--read-only")
         result["unavailable"] = unavailable_reason(readonly)
         if result["unavailable"] is None:
