@@ -77,7 +77,7 @@ BROKER_TIMEOUT_S = 2.0
 # served by the daemon). The daemon holds one per inode read through passthrough, shared by that
 # inode's opens and kept between them (``cachefs.fuse.adapter.IDLE_IDS``, half of this); a training
 # job with 64 loader workers has a few hundred files open at once. It bounds the plugin's bookkeeping
-# and the kernel's memory per mount (an open file each, about 1.5 KiB: 24 MiB at most).
+# and the kernel's memory per mount (an open file each, roughly 1-2 KiB: some 32 MiB at most).
 BROKER_MAX_IDS = 16384
 
 
