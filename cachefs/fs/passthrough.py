@@ -42,7 +42,7 @@ BACKGROUND_ASSEMBLIES = 2
 class WholeFileStore(Protocol):
     """Where whole files live (the disk tier, ``tiering.tiers.disk.DiskTier``)."""
 
-    def whole_file(self, ref: ObjectRef) -> Path | None: ...
+    def whole_file(self, ref: ObjectRef) -> str | None: ...
 
     def whole_name(self, ref: ObjectRef) -> Path: ...
 
@@ -70,9 +70,9 @@ class WholeFiles:
         only the name it has, held or not (the kernel may hold it open after its eviction)."""
         if not assemble:
             return str(self.store.whole_name(ref))
-        path = self.store.whole_file(ref)
-        if path is not None:
-            return str(path)
+        held = self.store.whole_file(ref)
+        if held is not None:
+            return held
         if self._cached_blocks(ref) < block_count(ref.size, self.block_size):
             return None
         if ref.size <= WHOLE_AT_OPEN_MAX_BYTES:

@@ -35,7 +35,7 @@ def test_a_whole_file_holds_the_objects_bytes_at_their_offsets(tmp_path: Path) -
     used = tier.used_bytes()
     path = tier.assemble_whole(ref, BLOCK)
     assert path is not None and path.read_bytes() == data
-    assert tier.whole_file(ref) == path and tier.whole_name(ref) == path
+    assert tier.whole_file(ref) == str(path) and tier.whole_name(ref) == path
     assert os.stat(path).st_mode & 0o777 == 0o600
     # Counted like a block: the capacity covers the copy too.
     assert tier.used_bytes() == used + len(data)
