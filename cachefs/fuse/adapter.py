@@ -56,8 +56,8 @@ log = logging.getLogger(__name__)
 # inode: half the node plugin broker's bound on a mount's live ids (``BROKER_MAX_IDS``), so that the
 # files open through passthrough at once still find room. Each holds one open file in the kernel (a
 # struct file, and the whole file's inode and dentry pinned: roughly 1-2 KiB, an estimate, not
-# measured), so a mount keeps at most ~16 MiB of them;
-# an epoch over more files than this registers each file again, as every open did before.
+# measured), so a mount keeps at most ~16 MiB of them; an epoch over more files than this registers
+# each file again, as every open did before.
 IDLE_IDS = BROKER_MAX_IDS // 2
 
 
