@@ -32,6 +32,12 @@ Scenarios of ``--set quick`` (``make bench``, <= 15 minutes on 2 cores) and thei
                     from the cluster tier (filled once, before)   cluster store's block objects
   peak_rss          VmHWM of the tool's processes, per round      RAM tier + RSS_HEADROOM_MIB
 
+After the rounds, cachefs alone on ``file://`` trees on the local disk: kernel passthrough of files
+whole on the disk tier against the daemon and the same files read from the local disk
+(``benchmarks.passthrough``, on this run's local copies, its pages dropped whatever
+``--keep-page-cache`` says), the cluster tier's source check (``benchmarks.cluster_authorization``)
+and the FUSE layer against a libfuse null server (``benchmarks.fuse_layer``).
+
 For every figure and tool the CPU of the tool's processes (cachefs: the daemon and its children;
 rclone, s3fs: their process) over the timed span is kept, per GiB (per file, in ms, for the small
 files), and the CPU of its busiest thread (``benchmarks.procstat``). ``--set full`` (``make
@@ -650,6 +656,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 FUSE_LAYER_FILES = 2000
 FUSE_LAYER_CALLS = 20000
 
+# The passthrough section: at most this many of the small files (what the issue's target names).
+PASSTHROUGH_FILES = 2000
+
 # The cluster-tier authorization figure: this many of the small files, over this many epochs.
 AUTHORIZATION_FILES = 1000
 AUTHORIZATION_EPOCHS = 3
@@ -673,6 +682,14 @@ def main(argv: list[str] | None = None) -> int:
         bench.seed_cluster()
         bench.run(tools)
         result = summarise(bench, tools, args, started)
+        if "cachefs" in args.tool_names:
+            # Files whole on the disk tier read through kernel passthrough, against the daemon and the
+            # local disk (issue 39), on the local copies of the datasets (file:// source).
+            from benchmarks.passthrough import run as passthrough_run
+
+            result["passthrough"] = passthrough_run(work / "local", "big.bin",
+                                                    [f"{SMALL_DIR}/{n}" for n in bench.names[:PASSTHROUGH_FILES]],
+                                                    work)
     if "cachefs" in args.tool_names and not args.no_cluster:
         # The cluster tier's source check (issue 34): extra source requests on shuffled small-file
         # epochs, counted exactly on in-memory stores (benchmarks/cluster_authorization.py).

@@ -1,42 +1,62 @@
 """Re-reads of files whole on the disk tier: kernel passthrough against the daemon, against local disk.
 
-The limit is the same bytes read from the local disk (the file:// store's own files, page cache
-dropped with ``posix_fadvise(DONTNEED)`` before each read). Two mounts of that store share one cache
-directory: a writable one (no passthrough: the daemon serves every READ from the disk tier, after a
-remount so the RAM tier is empty) and a read-only one (passthrough where the kernel and root allow:
-the kernel reads the whole files; their pages are dropped before each epoch). Each row gives MB/s,
-the daemon's CPU-seconds for the epoch (``/proc/<pid>/stat``), and the READ requests and
-passthrough opens the daemon counted. Figures from one run are comparable with each other only.
-Run as root: .venv/bin/python -m benchmarks.passthrough [--dir /tmp/ptb] [--big-mib 1024] [--files 2000]
+The limits are the same bytes read from the local disk: the ``file://`` source's own files, their
+pages dropped before each read (``drop``: written back first, since ``posix_fadvise(DONTNEED)`` leaves
+dirty pages, and the files may just have been written). Two mounts of that source share one cache
+directory, one after the other:
+
+* a writable one (no passthrough: the daemon serves every READ from the disk tier), after a first
+  mount read every file cold (its blocks reach the disk tier), mounted again for each epoch (so the
+  RAM tier is empty);
+* a read-only one (passthrough where the kernel and this process allow it: Linux 6.9+ and
+  CAP_SYS_ADMIN), whose opens first assemble the whole files; then every file is read again and
+  the kernel reads the whole files itself.
+
+Before each timed epoch every file of the cache directory is written back and its pages dropped
+(the whole files were just assembled: their dirty pages would otherwise stay cached and overstate
+the rate), and so are the mount's own pages of each file (``read_all``). Each row gives the rate,
+the daemon's CPU over the epoch (``schedstat`` of its threads: to the nanosecond), the READ requests
+the daemon counted (the target with passthrough is 0) and, for the read-only mount, the passthrough
+opens and backing files registered. The targets (issue 39): the 1 GiB file at >= 0.9x the local disk,
+the epoch of 100 KiB files at >= 0.5x ext4's files/s. Where passthrough cannot be used (not root, an
+older kernel, a mount refused), its rows say why and the rest is still measured.
+
+Standalone (as root): ``.venv/bin/python -m benchmarks.passthrough [--big-mib 1024] [--files 2000]``;
+``make bench`` runs ``run`` on its own local copies and adds a section to its results. Figures from
+one run are comparable with each other only.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
-import subprocess
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.fuse_layer import CachefsMount, cpu_s, median  # noqa: E402
+from cachefs.client import ControlError, UsageError, call  # noqa: E402
+from cachefs.fuse.backingfiles import may_register_backing  # noqa: E402
 
 MiB = 1024 * 1024
 SMALL_FILE_BYTES = 100 * 1024
-# Bound on waiting for the background assembly of the big file's whole file.
+BIG_RATIO_TARGET = 0.9
+EPOCH_RATIO_TARGET = 0.5
+# Bound on waiting for the whole files to be assembled (the large one in the background: a copy of
+# the file at disk speed, a few seconds for 1 GiB).
 ASSEMBLY_WAIT_S = 300
+POLL_S = 0.2
 
 
-def cli(*args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "cachefs", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"cachefs {args[0]} failed: {result.stderr.strip()}")
-    return result.stdout
-
-
-def drop(path: str) -> None:
-    """Drop the file's pages from the page cache: written back first (DONTNEED leaves dirty pages,
-    and a whole file was just written)."""
+def drop(path: Path) -> None:
+    """Drop the file's pages from the page cache, written back first (DONTNEED leaves dirty pages)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -45,11 +65,20 @@ def drop(path: str) -> None:
         os.close(fd)
 
 
-def read_all(path: str) -> int:
+def drop_tree(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            try:
+                drop(path)
+            except OSError:
+                continue  # gone meanwhile (a temp file), or a socket: nothing cached to drop
+
+
+def read_all(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY)
     total = 0
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the mount's own pages of this file
         while chunk := os.read(fd, MiB):
             total += len(chunk)
     finally:
@@ -57,91 +86,225 @@ def read_all(path: str) -> int:
     return total
 
 
-def daemon_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def epoch(root: str, cache: str, names: list[str]) -> tuple[float, int]:
-    for path in glob.glob(f"{cache}/*/whole/*/*"):
-        drop(path)
+def timed_pass(root: Path, names: list[str]) -> tuple[float, int]:
     start = time.perf_counter()
-    total = sum(read_all(os.path.join(root, name)) for name in names)
+    total = sum(read_all(root / name) for name in names)
     return time.perf_counter() - start, total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="/tmp/cachefs-passthrough-bench")
-    parser.add_argument("--big-mib", type=int, default=1024)
-    parser.add_argument("--files", type=int, default=2000)
-    args = parser.parse_args()
-    store, mnt, cache = (os.path.join(args.dir, name) for name in ("store", "mnt", "cache"))
-    os.makedirs(os.path.join(store, "small"), exist_ok=True)
-    os.makedirs(mnt, exist_ok=True)
-    big = os.path.join(store, "big.bin")
-    if not os.path.exists(big) or os.path.getsize(big) != args.big_mib * MiB:
+def stats(mount: CachefsMount) -> dict[str, Any]:
+    return call(mount.path, "/stats")
+
+
+def counters(doc: dict[str, Any]) -> dict[str, int]:
+    fuse = doc.get("fuse", {})
+    return {"reads": int(doc["filesystem"]["reads"]), "passthrough_opens": int(fuse.get("passthrough_opens", 0)),
+            "registrations": int(fuse.get("backing_registrations", 0))}
+
+
+def mount_epoch(mount: CachefsMount, cache: Path, names: list[str], files: bool) -> dict[str, float]:
+    """One timed pass over ``names`` on ``mount`` (the cache directory's pages dropped first)."""
+    drop_tree(cache)
+    before, cpu = counters(stats(mount)), cpu_s(mount.pid)
+    seconds, total = timed_pass(mount.path, names)
+    cpu = cpu_s(mount.pid) - cpu
+    after = counters(stats(mount))
+    out: dict[str, float] = {k: after[k] - before[k] for k in after}
+    out["mb_s"] = total / seconds / 1e6
+    if files:
+        out["files_s"] = len(names) / seconds
+        out["daemon_us_per_file"] = 1e6 * cpu / len(names)
+    else:
+        out["daemon_cpu_s_per_gib"] = cpu / (total / 1024**3)
+    return out
+
+
+def local_epoch(source: Path, names: list[str]) -> tuple[float, float]:
+    """(MB/s, files/s) of the same files read from the local disk, their pages dropped first."""
+    for name in names:
+        drop(source / name)
+    seconds, total = timed_pass(source, names)
+    return total / seconds / 1e6, len(names) / seconds
+
+
+def assemble(mount: CachefsMount, names: list[str]) -> None:
+    """Open every file until each has its whole file (a small one is assembled at its open, the large
+    one in the background); ``RuntimeError`` past ``ASSEMBLY_WAIT_S``."""
+    deadline = time.monotonic() + ASSEMBLY_WAIT_S
+    while stats(mount)["fuse"]["whole_files"].get("files", 0) < len(names):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the whole files were not assembled in {ASSEMBLY_WAIT_S} s")
+        for name in names:
+            with open(mount.path / name, "rb"):
+                pass
+        time.sleep(POLL_S)
+
+
+def unavailable_reason(mount: CachefsMount) -> str | None:
+    """Why the read-only mount does not pass through, or None if it does."""
+    if stats(mount)["fuse"].get("passthrough"):
+        return None
+    if not may_register_backing():
+        return "registering backing files needs CAP_SYS_ADMIN in the initial user namespace (run as root)"
+    return "the kernel did not agree to passthrough (Linux 6.9+ built with CONFIG_FUSE_PASSTHROUGH)"
+
+
+def run(source: Path, big: str, small: list[str], workdir: Path | None = None, rounds: int = 1) -> dict[str, Any]:
+    """The section's figures (module docstring) for the files ``big`` and ``small`` under ``source``,
+    medians over ``rounds`` timed epochs of each mount. ``unavailable`` says why the passthrough rows
+    are missing, if they are; ``error`` why nothing was measured."""
+    begin = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="cachefs-passthrough-", dir=workdir))
+    big_bytes = (source / big).stat().st_size
+    small_bytes = sum((source / name).stat().st_size for name in small)
+    sets = {"big": [big], "small": small}
+    disk = 2 * (big_bytes + small_bytes) + 256 * MiB  # blocks and whole files, with room to spare
+    result: dict[str, Any] = {
+        "big_bytes": big_bytes, "files": len(small), "file_size": small_bytes // max(len(small), 1),
+        "rounds": rounds, "local": {}, "daemon": {}, "passthrough": {}, "unavailable": None, "error": None,
+        "targets": {"big_ratio": BIG_RATIO_TARGET, "epoch_ratio": EPOCH_RATIO_TARGET, "reads": 0}}
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {"daemon": {}, "passthrough": {}}
+    local: dict[str, list[float]] = {"big_mb_s": [], "small_files_s": [], "small_mb_s": []}
+    cache = work / "cache"
+    opened: list[CachefsMount] = []
+
+    def mounted(*extra: str) -> CachefsMount:
+        mount = CachefsMount(source, work / "mnt", cache, "--disk-cache", f"{disk // MiB}MiB", *extra)
+        opened.append(mount)
+        return mount
+
+    def unmount(mount: CachefsMount) -> None:
+        opened.remove(mount)
+        mount.close()
+
+    def limits() -> None:
+        local["big_mb_s"].append(local_epoch(source, [big])[0])
+        mb_s, files_s = local_epoch(source, small)
+        local["small_mb_s"].append(mb_s)
+        local["small_files_s"].append(files_s)
+
+    try:
+        first = mounted()  # the cold reads: every block reaches the disk tier
+        for names in sets.values():
+            timed_pass(first.path, names)
+        unmount(first)
+        for _ in range(rounds):
+            daemon = mounted()  # after a remount the RAM tier is empty: every READ is a disk-tier hit
+            limits()
+            for label, names in sets.items():
+                samples["daemon"].setdefault(label, []).append(mount_epoch(daemon, cache, names, label == "small"))
+            unmount(daemon)
+        readonly = mounted("--read-only")
+        result["unavailable"] = unavailable_reason(readonly)
+        if result["unavailable"] is None:
+            assemble(readonly, [big, *small])
+            for _ in range(rounds):
+                for label, names in sets.items():
+                    samples["passthrough"].setdefault(label, []).append(
+                        mount_epoch(readonly, cache, names, label == "small"))
+                limits()
+        unmount(readonly)
+    except (OSError, RuntimeError, KeyError, ValueError, ControlError, UsageError) as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for mount in reversed(opened):
+            mount.close()
+        shutil.rmtree(work, ignore_errors=True)
+    result["local"] = {k: round(median(v), 1) if v else None for k, v in local.items()}
+    for mode, by_set in samples.items():
+        result[mode] = {label: {k: round(median([s[k] for s in runs]), 3) for k in runs[0]}
+                        for label, runs in by_set.items()}
+    ratios: dict[str, float | None] = {}
+    for mode in ("daemon", "passthrough"):
+        got = result[mode]
+        ratios[f"{mode}_big"] = (round(got["big"]["mb_s"] / result["local"]["big_mb_s"], 2)
+                                 if got.get("big") and result["local"]["big_mb_s"] else None)
+        ratios[f"{mode}_epoch"] = (round(got["small"]["files_s"] / result["local"]["small_files_s"], 2)
+                                   if got.get("small") and result["local"]["small_files_s"] else None)
+    result["ratios"] = ratios
+    result["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    result["wall_s"] = round(time.monotonic() - begin, 1)
+    return result
+
+
+def markdown(section: dict[str, Any] | None) -> list[str]:
+    """The section of results.md (empty if it did not run)."""
+    if not section:
+        return []
+    lines = ["", "## Files whole on the disk tier: kernel passthrough (issue 39)", ""]
+    if section.get("error"):
+        return lines + [f"Not measured: {section['error']}."]
+    t, r, local = section["targets"], section["ratios"], section["local"]
+    pt, dm = section["passthrough"], section["daemon"]
+    size = section["big_bytes"]
+    big_label = f"{size / 1024**3:g} GiB" if size >= 1024**3 else f"{size / MiB:g} MiB"
+
+    def fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
+        return "—" if value is None else f"{value:,.{digits}f}{unit}"
+
+    def verdict(ok: bool | None) -> str:
+        return "—" if ok is None else ("met" if ok else "missed")
+
+    def at(mode: dict[str, Any], label: str, key: str) -> float | None:
+        return mode.get(label, {}).get(key)
+
+    lines += [(f"A {big_label} file and {section['files']} files of {section['file_size'] // 1024} KiB, whole on "
+               "the disk tier; every page dropped before each epoch (the cache directory's files written back "
+               f"first); median of {section['rounds']} epoch(s), load {section['loadavg_1m']}. The daemon's row is "
+               "a writable mount (no passthrough) on the same cache directory."), "",
+              "| figure | passthrough | daemon (disk tier) | limit | target | |", "|---|---|---|---|---|---|",
+              (f"| {big_label} file, MB/s | {fmt(at(pt, 'big', 'mb_s'))} ({fmt(r['passthrough_big'], 'x', 2)}) | "
+               f"{fmt(at(dm, 'big', 'mb_s'))} ({fmt(r['daemon_big'], 'x', 2)}) | local disk {fmt(local['big_mb_s'])} | "
+               f">= {t['big_ratio']}x | {verdict(None if r['passthrough_big'] is None else r['passthrough_big'] >= t['big_ratio'])} |"),
+              (f"| epoch of {section['files']} files, files/s | {fmt(at(pt, 'small', 'files_s'))} "
+               f"({fmt(r['passthrough_epoch'], 'x', 2)}) | {fmt(at(dm, 'small', 'files_s'))} ({fmt(r['daemon_epoch'], 'x', 2)}) "
+               f"| ext4 {fmt(local['small_files_s'])} | >= {t['epoch_ratio']}x | "
+               f"{verdict(None if r['passthrough_epoch'] is None else r['passthrough_epoch'] >= t['epoch_ratio'])} |")]
+    reads = None if not pt else at(pt, "big", "reads") + at(pt, "small", "reads")  # type: ignore[operator]
+    daemon_reads = None if not dm else at(dm, "big", "reads") + at(dm, "small", "reads")  # type: ignore[operator]
+    lines += [(f"| READ requests reaching the daemon (both sets) | {fmt(reads)} | {fmt(daemon_reads)} | | "
+               f"{t['reads']} | {verdict(None if reads is None else reads == t['reads'])} |"),
+              (f"| daemon CPU per file (epoch), us | {fmt(at(pt, 'small', 'daemon_us_per_file'), '', 1)} | "
+               f"{fmt(at(dm, 'small', 'daemon_us_per_file'), '', 1)} | | | |"),
+              (f"| daemon CPU per GiB ({big_label} file), CPU-s | {fmt(at(pt, 'big', 'daemon_cpu_s_per_gib'), '', 3)} | "
+               f"{fmt(at(dm, 'big', 'daemon_cpu_s_per_gib'), '', 3)} | | | |")]
+    if pt:
+        lines += ["", (f"Passthrough opens in the epoch: {fmt(at(pt, 'small', 'passthrough_opens'))}; backing files "
+                       f"registered for them: {fmt(at(pt, 'small', 'registrations'))}.")]
+    if section.get("unavailable"):
+        lines += ["", f"Passthrough was not measured: {section['unavailable']}."]
+    return lines
+
+
+def generate(store: Path, big_mib: int, files: int) -> tuple[str, list[str]]:
+    (store / "small").mkdir(parents=True, exist_ok=True)
+    big = store / "big.bin"
+    if not big.exists() or big.stat().st_size != big_mib * MiB:
         with open(big, "wb") as fh:
-            for _ in range(args.big_mib):
+            for _ in range(big_mib):
                 fh.write(os.urandom(MiB))
     rng = random.Random(1)
-    small = [f"small/{i:05d}" for i in range(args.files)]
+    small = [f"small/{i:05d}" for i in range(files)]
     for name in small:
-        if not os.path.exists(os.path.join(store, name)):
-            with open(os.path.join(store, name), "wb") as fh:
-                fh.write(rng.randbytes(SMALL_FILE_BYTES))
-    sets = {"1 GiB file" if args.big_mib == 1024 else f"{args.big_mib} MiB file": ["big.bin"],
-            f"epoch of {args.files} x 100 KiB": small}
-    rows: dict[str, dict[str, str]] = {label: {} for label in sets}
-    for label, names in sets.items():
-        for name in names:
-            drop(os.path.join(store, name))
-        seconds, total = epoch(store, cache, names)
-        rows[label]["local disk"] = f"{total / seconds / 1e6:,.0f} MB/s"
+        if not (store / name).exists():
+            (store / name).write_bytes(rng.randbytes(SMALL_FILE_BYTES))
+    return "big.bin", small
 
-    def mount(*extra: str) -> int:
-        cli("mount", f"file://{store}", mnt, "--cache-dir", cache, "--disk-cache", f"{2 * args.big_mib + 1024}MiB",
-            *extra)
-        from cachefs.client import call
-        return int(call(mnt, "/info")["pid"])
 
-    for mode, extra in (("daemon (disk tier)", ()), ("passthrough", ("--read-only",))):
-        if not extra:  # blocks to the disk tier, then a remount: the RAM tier is empty
-            mount(*extra)
-            for names in sets.values():
-                epoch(mnt, cache, names)
-            cli("unmount", mnt)
-        pid = mount(*extra)
-        try:
-            for label, names in sets.items():
-                if extra:  # cold reads, then the opens that assemble the whole files
-                    epoch(mnt, cache, names)
-                    deadline = time.monotonic() + ASSEMBLY_WAIT_S
-                    while json.loads(cli("stats", mnt, "--json"))["fuse"]["whole_files"]["files"] < len(names):
-                        if time.monotonic() > deadline:
-                            raise SystemExit("the whole files were not assembled in time")
-                        for name in names:
-                            with open(os.path.join(mnt, name), "rb"):
-                                pass
-                        time.sleep(0.2)
-                before = json.loads(cli("stats", mnt, "--json"))
-                cpu = daemon_cpu_s(pid)
-                seconds, total = epoch(mnt, cache, names)
-                cpu = daemon_cpu_s(pid) - cpu
-                after = json.loads(cli("stats", mnt, "--json"))
-                reads = after["filesystem"]["reads"] - before["filesystem"]["reads"]
-                opens = after["fuse"]["passthrough_opens"] - before["fuse"]["passthrough_opens"]
-                rows[label][mode] = (f"{total / seconds / 1e6:,.0f} MB/s, {len(names) / seconds:,.0f} files/s, "
-                                     f"daemon {cpu:.2f} CPU-s, {reads} READs, {opens} passthrough opens")
-        finally:
-            cli("unmount", mnt)
-    print(f"load: {os.getloadavg()}")
-    for label, row in rows.items():
-        print(label)
-        for mode, text in row.items():
-            print(f"  {mode}: {text}")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.passthrough", description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/cachefs-passthrough-bench"),
+                        help="the source files (kept for the next run) and the mounts' work directory")
+    parser.add_argument("--big-mib", type=int, default=1024)
+    parser.add_argument("--files", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args(argv)
+    big, small = generate(args.dir / "store", args.big_mib, args.files)
+    section = run(args.dir / "store", big, small, args.dir, args.rounds)
+    print(json.dumps(section, indent=1))
+    print("\n".join(markdown(section)))
+    return 1 if section["error"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

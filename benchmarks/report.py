@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks import analysis, epochs, fuse_layer
+from benchmarks import analysis, epochs, fuse_layer, passthrough
 from tiering.blocks import DEFAULT_BLOCK_SIZE
 from tiering.units import format_size
 
@@ -395,6 +395,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += hit_ratio_markdown(result)
     lines += authorization_markdown(result)
     lines += fuse_layer.markdown(result.get("fuse_layer"))
+    lines += passthrough.markdown(result.get("passthrough"))
     lines += ["", f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}.", ""]
     return "\n".join(lines)
 

@@ -73,6 +73,12 @@ OP_FDS = {OP_PING: 1, OP_OPEN: 2, OP_CLOSE: 1}
 # what a busy node plugin (a 2-core node at full load) answers in by a wide margin, and a plugin that
 # misses it is taken to be stuck: passthrough ends for the session rather than stall every open.
 BROKER_TIMEOUT_S = 2.0
+# Live backing ids the broker keeps per mount (beyond it an OPEN is answered ENFILE and that open is
+# served by the daemon). The daemon holds one per inode read through passthrough, shared by that
+# inode's opens and kept between them (``cachefs.fuse.adapter.IDLE_IDS``, half of this); a training
+# job with 64 loader workers has a few hundred files open at once. It bounds the plugin's bookkeeping
+# and the kernel's memory per mount (an open file each, roughly 1-2 KiB: some 32 MiB at most).
+BROKER_MAX_IDS = 16384
 
 
 class BrokerError(OSError):

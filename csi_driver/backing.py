@@ -27,6 +27,14 @@ file and reopens it with them for every passed-through open, so nothing is regis
 - at most ``MAX_IDS`` live ids per mount (ENFILE beyond), and an id is dropped only if this mount's
   broker registered it (ENOENT otherwise). The ids are forgotten when the broker stops: the kernel
   drops them with the connection.
+
+**After a plugin restart** (``resumed``) the connection still holds the ids the earlier plugin
+registered, and the daemon keeps using them (it keeps an inode's id between opens), but this broker
+never saw them. So a resumed broker also passes on a close of an id it does not know: the descriptor
+is the daemon's own connection (the only one its pod holds), on which every id was registered for that
+daemon by this mount's broker, in one life or another; the kernel answers ENOENT for an id the
+connection does not hold. Without it those ids could not be closed until the mount ended, and each
+would keep its whole file open after the disk tier evicted it: space the tier counts as free.
 """
 
 from __future__ import annotations
@@ -43,16 +51,13 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from cachefs.backing import ANSWER, OP_CLOSE, OP_FDS, OP_OPEN, OP_PING, REQUEST, register, unregister
+from cachefs.backing import ANSWER, BROKER_MAX_IDS, OP_CLOSE, OP_FDS, OP_OPEN, OP_PING, REQUEST, register, unregister
 from cachefs.handover import check_socket_path, is_fuse_device
 
 log = logging.getLogger(__name__)
 
-# Live backing ids per mount: the daemon holds one per inode open through passthrough (shared by that
-# inode's opens), so this is the number of distinct files the mount's readers hold open at once that
-# are whole on the disk tier; a training job with 64 loader workers keeps a few hundred. Beyond it an
-# open is served by the daemon. It bounds the plugin's bookkeeping and the kernel's memory per mount.
-MAX_IDS = 16384
+# Live backing ids per mount (cachefs.backing says how the daemon uses them and why this bound).
+MAX_IDS = BROKER_MAX_IDS
 # Connections served at once: the daemon's one, and a reconnecting one while the old is being closed.
 MAX_CONNECTIONS = 4
 # How often the serving thread looks at whether it should stop.
@@ -121,9 +126,10 @@ class BackingBroker:
     so the bookkeeping can be tested without a mount)."""
 
     def __init__(self, path: Path, *, uid: int, gid: int | None, cache_dir: Path, max_ids: int = MAX_IDS,
-                 register: Callable[[int, int], int] = register,
+                 resumed: bool = False, register: Callable[[int, int], int] = register,
                  unregister: Callable[[int, int], None] = unregister) -> None:
         check_socket_path(path)
+        self.resumed = resumed  # started after a plugin restart: the earlier plugin's ids may be closed too
         self.path = path
         self.uid = uid
         self.gid = gid
@@ -258,7 +264,7 @@ class BackingBroker:
                 self.ids.add(backing_id)
                 log.debug("backing broker %s: registered %s as backing id %d", self.path, path, backing_id)
                 return backing_id
-            if arg not in self.ids:
+            if arg not in self.ids and not self.resumed:
                 raise Refused(errno.ENOENT, f"backing id {arg} was not registered by this mount's broker")
             self.ids.discard(arg)
             self._unregister(fds[0], arg)

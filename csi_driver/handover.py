@@ -254,13 +254,14 @@ class HandoverMounter(CachefsMounter):
         tune_fuse_connection(spec.target)  # read-ahead, background requests: the daemon may not
 
     # -- the passthrough broker ------------------------------------------------------------------------
-    def _start_broker(self, spec: DaemonSpec) -> None:
-        """Serve ``<run_dir>/backing.sock`` for a read-only mount. A broker that cannot start costs
-        passthrough only: the daemon, finding no broker, serves every read."""
+    def _start_broker(self, spec: DaemonSpec, *, resumed: bool = False) -> None:
+        """Serve ``<run_dir>/backing.sock`` for a read-only mount (``resumed``: after a plugin restart,
+        for a daemon that serves on). A broker that cannot start costs passthrough only: the daemon,
+        finding no broker, serves every read."""
         if not spec.read_only:
             return
         broker = BackingBroker(spec.run_dir / BROKER_SOCKET, uid=os.geteuid() if spec.uid is None else spec.uid,
-                               gid=spec.gid, cache_dir=spec.cache_dir)
+                               gid=spec.gid, cache_dir=spec.cache_dir, resumed=resumed)
         try:
             broker.start()
         except OSError as exc:
@@ -284,7 +285,7 @@ class HandoverMounter(CachefsMounter):
                 continue
             if spec.read_only and spec.target not in self.brokers and self.is_mounted(spec.target) \
                     and not self.is_broken(spec.target):
-                self._start_broker(spec)
+                self._start_broker(spec, resumed=True)
 
     def _undo(self, spec: DaemonSpec) -> None:
         """Stop the daemon (ending the connection), then detach the mount; log what cannot be undone."""

@@ -117,6 +117,8 @@ FUSE_PASSTHROUGH = "cachefs_fuse_passthrough"  # 1 when the connection uses pass
 FUSE_PASSTHROUGH_OPENS_TOTAL = "cachefs_fuse_passthrough_opens_total"
 FUSE_PASSTHROUGH_REFUSED_TOTAL = "cachefs_fuse_passthrough_refused_total"  # opens answered ETXTBSY
 FUSE_PASSTHROUGH_FALLBACKS_TOTAL = "cachefs_fuse_passthrough_fallbacks_total"  # registrations refused
+FUSE_BACKING_REGISTRATIONS_TOTAL = "cachefs_fuse_backing_registrations_total"  # backing files registered
+FUSE_BACKING_IDS = "cachefs_fuse_backing_ids"  # backing ids registered now
 # Notifications telling the kernel to drop an entry or inode that changed in the bucket.
 FUSE_INVAL_ENTRIES_TOTAL = "cachefs_fuse_inval_entries_total"
 FUSE_INVAL_INODES_TOTAL = "cachefs_fuse_inval_inodes_total"
@@ -428,6 +430,11 @@ class CacheFSCollector(Collector):
         yield CounterMetricFamily(FUSE_PASSTHROUGH_FALLBACKS_TOTAL,
                                   "Whole files the kernel would not register; the daemon served those reads.",
                                   value=section.get("passthrough_fallbacks", 0))
+        yield CounterMetricFamily(FUSE_BACKING_REGISTRATIONS_TOTAL,
+                                  "Backing files registered with the kernel (kept between opens of one inode).",
+                                  value=section.get("backing_registrations", 0))
+        yield GaugeMetricFamily(FUSE_BACKING_IDS, "Backing ids registered now (in use, or kept for the next open).",
+                                value=section.get("backing_ids", 0))
         for name, key, text in (
                 (FUSE_INVAL_ENTRIES_TOTAL, "inval_entries", "Entries the kernel was told to drop (changed in the bucket)."),
                 (FUSE_INVAL_INODES_TOTAL, "inval_inodes", "Inodes whose attributes and pages the kernel was told to drop."),

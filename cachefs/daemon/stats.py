@@ -196,6 +196,10 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             "passthrough_opens": fs.stats.passthrough_opens,
             "passthrough_refused": fs.stats.passthrough_refused,
             "passthrough_fallbacks": fs.stats.passthrough_fallbacks,
+            # Backing files registered with the kernel (once per inode and version: kept between opens)
+            # and the ids registered now.
+            "backing_registrations": fs.stats.backing_registrations,
+            "backing_ids": fs.stats.backing_ids,
             # Notifications that the kernel drop a name or inode changed in the bucket (a re-list saw
             # it): written, not held by the kernel (ENOENT: normal), refused, dropped unsent.
             "inval_entries": fs.stats.inval_entries,

@@ -12,6 +12,10 @@ When: a version of at most ``WHOLE_AT_OPEN_MAX_BYTES`` is assembled before the o
 worker thread), so the first such open already passes through; a larger one is assembled in the
 background (at most ``BACKGROUND_ASSEMBLIES`` at once) while this open is served by the daemon as
 before, and the opens after it pass through.
+
+A whole file stays registered with the kernel between opens (``cachefs.fuse.adapter.Passthrough``
+keeps its backing id), so the store tells ``watch`` of every whole file it removes: that id is then
+closed, and the space is freed rather than held by an unlinked file the kernel still has open.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ BACKGROUND_ASSEMBLIES = 2
 class WholeFileStore(Protocol):
     """Where whole files live (the disk tier, ``tiering.tiers.disk.DiskTier``)."""
 
-    def whole_file(self, ref: ObjectRef) -> Path | None: ...
+    def whole_file(self, ref: ObjectRef) -> str | None: ...
 
     def whole_name(self, ref: ObjectRef) -> Path: ...
 
@@ -47,6 +51,8 @@ class WholeFileStore(Protocol):
     def discard_whole(self, ref: ObjectRef) -> None: ...
 
     def whole_snapshot(self) -> dict[str, int]: ...
+
+    def on_whole_dropped(self, callback: Callable[[Path], None]) -> None: ...
 
 
 class WholeFiles:
@@ -64,9 +70,9 @@ class WholeFiles:
         only the name it has, held or not (the kernel may hold it open after its eviction)."""
         if not assemble:
             return str(self.store.whole_name(ref))
-        path = self.store.whole_file(ref)
-        if path is not None:
-            return str(path)
+        held = self.store.whole_file(ref)
+        if held is not None:
+            return held
         if self._cached_blocks(ref) < block_count(ref.size, self.block_size):
             return None
         if ref.size <= WHOLE_AT_OPEN_MAX_BYTES:
@@ -84,6 +90,11 @@ class WholeFiles:
 
     def discard(self, ref: ObjectRef) -> None:
         self.store.discard_whole(ref)
+
+    def watch(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback(path)`` called after each whole file the store removes, from the thread that
+        removed it (``DiskTier.on_whole_dropped``): the FUSE layer closes the backing id it keeps for it."""
+        self.store.on_whole_dropped(lambda path: callback(str(path)))
 
     async def close(self) -> None:
         """Wait for the background assemblies (each ends by itself: a bounded copy)."""

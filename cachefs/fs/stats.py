@@ -24,6 +24,8 @@ class FsStats:
     passthrough_refused: int = 0  # opens answered ETXTBSY: another version held open through passthrough
     passthrough_fallbacks: int = 0  # whole files the kernel would not register (the daemon served them)
     passthrough_active: bool = False  # the FUSE connection agreed to passthrough and may register files
+    backing_registrations: int = 0  # backing files registered with the kernel (one per inode and version, kept between opens)
+    backing_ids: int = 0  # backing ids registered now (in use by open files, or kept for the next open)
     # Notifications that the kernel drop what it caches of a name or an inode changed in the bucket
     # (cachefs.fs.kernelcache): written, of those the ones the kernel did not hold (ENOENT, normal),
     # refused otherwise, and dropped unsent (too many queued).

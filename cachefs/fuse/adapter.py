@@ -22,31 +22,43 @@ of a file ``CacheFS.backing_file`` finds whole on the disk tier is answered FOPE
 backing id, and the kernel reads that file itself: no READ of that open reaches the daemon. The
 kernel's rules (fs/fuse/iomode.c) shape the bookkeeping: every open of an inode held through
 passthrough must name the same backing file, and no inode may be held both ways at once, or the
-open fails with EIO. So one backing id per inode, shared by its passthrough opens and closed at the
-last one's RELEASE; an inode with opens answered the ordinary way is not passed through until they
-are released; and an open of another version of an inode still held through passthrough (the object
-changed in the bucket meanwhile) is answered ETXTBSY rather than with the old bytes.
+open fails with EIO. So one backing id per inode, shared by its passthrough opens and kept registered
+between them (registered once, not at every open; closed when the inode is forgotten, its whole file
+leaves the disk tier, or the next open reads another version: see ``Passthrough``); an inode with
+opens answered the ordinary way is not passed through until they are released; and an open of another
+version of an inode still open through passthrough (the object changed in the bucket meanwhile) is
+answered ETXTBSY rather than with the old bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
 import stat
 import time
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 
 from cachefs.fs.errors import FsError
 from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
-from cachefs.backing import BrokerError
+from cachefs.backing import BROKER_MAX_IDS, BrokerError
 from cachefs.fuse.notifier import Notifier
 from cachefs.fuse.session import LATER, Backing, Later, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
 log = logging.getLogger(__name__)
+
+# Backing ids kept registered with no open using them (``Passthrough``), for the next open of their
+# inode: half the node plugin broker's bound on a mount's live ids (``BROKER_MAX_IDS``), so that the
+# files open through passthrough at once still find room. Each holds one open file in the kernel (a
+# struct file, and the whole file's inode and dentry pinned: roughly 1-2 KiB, an estimate, not
+# measured), so a mount keeps at most ~16 MiB of them; an epoch over more files than this registers
+# each file again, as every open did before.
+IDLE_IDS = BROKER_MAX_IDS // 2
 
 
 def errno_of(exc: BaseException) -> int:
@@ -80,62 +92,102 @@ def sized(value: bytes, size: int) -> bytes:
 
 
 class _Held:
-    """One inode held through passthrough: its backing id, file and open handles."""
+    """One inode's backing file: its id, its path, and the passthrough opens using it now (0: kept
+    registered for the next open, in ``Passthrough.idle``)."""
 
-    __slots__ = ("backing_id", "path", "handles")
+    __slots__ = ("backing_id", "path", "handles", "dropped")
 
     def __init__(self, backing_id: int, path: str) -> None:
         self.backing_id = backing_id
         self.path = path
         self.handles = 0
+        self.dropped = False  # its whole file left the disk tier while open: closed at the last release
 
 
 class Passthrough:
     """Which inodes the kernel reads through a backing file, and which it reads through the daemon
-    (see the module docstring); counts in ``fs.stats``."""
+    (see the module docstring); counts in ``fs.stats``.
 
-    def __init__(self, fs: CacheFS, backing: Backing) -> None:
+    A backing id outlives the opens that use it: registering it costs an ``open`` and an ioctl (a
+    round trip to the node plugin's broker for an unprivileged daemon), so it is kept for the next
+    open of the same inode while the whole file it names is the version that open reads. It is closed
+    when the inode is forgotten (FORGET), when the next open reads another version (the object changed
+    in the bucket) or cannot pass through, when its whole file leaves the disk tier (``dropped``, told
+    by the tier from the thread that removed it: an id holds the file open, so its space would stay
+    used), and beyond ``IDLE_IDS`` ids no open uses (the least recently used first). The kernel drops
+    every id with the connection at unmount. A whole file's name is its version's (key, ETag, size),
+    so an id can only ever name the bytes of the version its open reads."""
+
+    def __init__(self, fs: CacheFS, backing: Backing, idle_ids: int = IDLE_IDS) -> None:
         self.fs = fs
         self.backing = backing
         self.enabled = True  # False once the kernel refused a registration: no new ones are asked for
         self.held: dict[int, _Held] = {}  # nodeid -> backing file
+        self.idle: OrderedDict[int, None] = OrderedDict()  # nodeids whose id no open uses, oldest first
+        self.idle_ids = idle_ids
+        self.by_path: dict[str, set[int]] = {}  # whole file -> nodeids holding an id for it
         self.by_fh: dict[int, int] = {}  # fh -> nodeid, of passthrough opens
         self.ordinary: dict[int, int] = {}  # nodeid -> ordinary (non-passthrough) opens
         self.ordinary_fh: dict[int, int] = {}  # fh -> nodeid
+        # Whole files removed from the disk tier, appended by whichever thread removed them and taken
+        # on the loop (``_take_dropped``): at the next open or release, or by a callback scheduled then.
+        self._dropped: deque[str] = deque()
+        self._take_scheduled = False
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     async def open(self, nodeid: int, fh: int, flags: int) -> int | None:
         """The backing id this open passes through to, or None (then call ``ordinary_open``). Raises
         ``FuseError(ETXTBSY)`` (the handle released) for another version of an inode held now."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self._take_dropped()
         read_only = flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
         before = self.held.get(nodeid)
-        if not read_only or self.ordinary.get(nodeid) or (before is None and not self.enabled):
+        in_use = before is not None and before.handles > 0
+        if not read_only or self.ordinary.get(nodeid) or (not in_use and not self.enabled):
             self._check_free(nodeid, fh)
             return None
         try:
-            path = await self.fs.backing_file(fh, assemble=before is None)
+            path = await self.fs.backing_file(fh, assemble=not in_use)
         except Exception:  # noqa: BLE001 - a failing disk tier is a miss: this open is served by the daemon
             log.exception("passthrough: finding the whole file failed; the daemon serves this open")
             path = None
-        held = self.held.get(nodeid)  # again: other opens and releases may have come during the wait
-        if held is not None:
+        self._take_dropped()  # again: other opens, releases and evictions may have come during the wait
+        held = self.held.get(nodeid)
+        if held is not None and held.handles > 0:
             if path != held.path:  # another version, or a handle that does not qualify
                 self._check_free(nodeid, fh)
                 return None
-        elif before is not None or path is None or self.ordinary.get(nodeid) or not self.enabled:
-            return None  # (released during the wait: ``path`` was only named, not assembled)
         else:
-            backing_id = self._register(path)
-            if backing_id is None:
+            if held is not None and (path != held.path or not self.enabled):
+                self._close(nodeid)  # kept for another version, or passthrough is off now
+                held = None
+            if in_use and held is None:
+                return None  # (released and closed during the wait: ``path`` was only named, not assembled)
+            if path is None or self.ordinary.get(nodeid) or not self.enabled:
                 return None
-            held = self.held[nodeid] = _Held(backing_id, path)
+            if held is None:
+                backing_id = self._register(path)
+                if backing_id is None:
+                    return None
+                held = self.held[nodeid] = _Held(backing_id, path)
+                self.by_path.setdefault(path, set()).add(nodeid)
+                self.fs.stats.backing_registrations += 1
+                self.fs.stats.backing_ids = len(self.held)
+            else:
+                del self.idle[nodeid]
         held.handles += 1
         self.by_fh[fh] = nodeid
         self.fs.stats.passthrough_opens += 1
         return held.backing_id
 
     def _check_free(self, nodeid: int, fh: int) -> None:
-        """An open that will not pass through: refused while the inode is held through passthrough."""
-        if nodeid in self.held:
+        """An open that will not pass through: refused while the inode is read through passthrough."""
+        held = self.held.get(nodeid)
+        if held is not None and held.handles > 0:
             self.fs.abandon_open(fh)
             self.fs.stats.passthrough_refused += 1
             raise FuseError(errno.ETXTBSY)
@@ -167,18 +219,16 @@ class Passthrough:
     def release(self, fh: int) -> None:
         nodeid = self.by_fh.pop(fh, None)
         if nodeid is not None:
+            self._take_dropped()
             held = self.held[nodeid]
             held.handles -= 1
             if held.handles == 0:
-                del self.held[nodeid]
-                try:
-                    self.backing.close(held.backing_id)
-                except BrokerError as exc:  # the id stays registered until the connection ends
-                    if self.enabled:  # said once, when the broker broke
-                        log.warning("passthrough: %s; the daemon serves every read from now on", exc.strerror)
-                    self.enabled = self.fs.stats.passthrough_active = False
-                except OSError as exc:
-                    log.warning("passthrough: closing backing id %d failed: %s", held.backing_id, exc)
+                if held.dropped or not self.enabled:
+                    self._close(nodeid)
+                else:  # kept for the next open of this inode
+                    self.idle[nodeid] = None
+                    while len(self.idle) > self.idle_ids:
+                        self._close(next(iter(self.idle)))
             return
         nodeid = self.ordinary_fh.pop(fh, None)
         if nodeid is not None:
@@ -187,6 +237,53 @@ class Passthrough:
                 self.ordinary[nodeid] = left
             else:
                 del self.ordinary[nodeid]
+
+    def forgotten(self, nodeid: int) -> None:
+        """The kernel forgot ``nodeid``: an id no open uses is closed (an inode with open files is not
+        forgotten; one that is looked up again registers anew)."""
+        held = self.held.get(nodeid)
+        if held is not None and held.handles == 0:
+            self._close(nodeid)
+
+    def dropped(self, path: str) -> None:
+        """The disk tier removed the whole file ``path`` (any thread): its ids are closed on the loop."""
+        self._dropped.append(path)
+        if not self._take_scheduled and self._loop is not None:
+            self._take_scheduled = True
+            try:
+                self._loop.call_soon_threadsafe(self._take_dropped)
+            except RuntimeError:  # the loop is closed: the session has ended, and the ids with it
+                pass
+
+    def _take_dropped(self) -> None:
+        self._take_scheduled = False
+        while self._dropped:
+            path = self._dropped.popleft()
+            for nodeid in list(self.by_path.get(path, ())):
+                held = self.held[nodeid]
+                if held.handles == 0:
+                    self._close(nodeid)
+                else:  # the kernel holds the file while it is open; the id goes at the last release
+                    held.dropped = True
+
+    def _close(self, nodeid: int) -> None:
+        """Forget ``nodeid``'s id (no open uses it) and have it closed."""
+        held = self.held.pop(nodeid)
+        self.idle.pop(nodeid, None)
+        nodeids = self.by_path.get(held.path)
+        if nodeids is not None:
+            nodeids.discard(nodeid)
+            if not nodeids:
+                del self.by_path[held.path]
+        self.fs.stats.backing_ids = len(self.held)
+        try:
+            self.backing.close(held.backing_id)
+        except BrokerError as exc:  # the id stays registered until the connection ends
+            if self.enabled:  # said once, when the broker broke
+                log.warning("passthrough: %s; the daemon serves every read from now on", exc.strerror)
+            self.enabled = self.fs.stats.passthrough_active = False
+        except OSError as exc:
+            log.warning("passthrough: closing backing id %d failed: %s", held.backing_id, exc)
 
 
 class FuseOperations:
@@ -239,6 +336,8 @@ class FuseOperations:
         if backing is not None and flags & wire.PASSTHROUGH and self.wants_passthrough:
             self.passthrough = Passthrough(self.fs, backing)
             self.fs.stats.passthrough_active = True
+            assert self.fs.whole is not None  # (wants_passthrough)
+            self.fs.whole.watch(self.passthrough.dropped)
         if notifier is not None:
             notifier.report = self.notified
             self.fs.attach_kernel_cache(notifier)
@@ -298,6 +397,8 @@ class FuseOperations:
         if fh is not None:
             self.fs.release(fh)
         self.fs.forget(nodeid, nlookup)
+        if self.passthrough is not None:
+            self.passthrough.forgotten(nodeid)
 
     def forget(self, req: Request) -> Reply:
         self._forget(req.nodeid, wire.FORGET_IN.unpack_from(req.body)[0])

@@ -70,6 +70,18 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
     assert layer["cachefs_us"] > 0 and layer["writable_daemon_us"] is not None and layer["ext4_reader_us"] > 0
     assert layer["unavailable"] is not None or (layer["null_us"] > 0 and layer["request_ratio"] > 0), layer
     assert layer["pinned_requests"] is not None and layer["writable_requests"] > 0, layer
+    # Files whole on the disk tier (issue 39): the daemon's rows everywhere; passthrough's where the
+    # kernel and root allow it (then no READ reaches the daemon), else a line saying why not.
+    pt = data["passthrough"]
+    assert pt["error"] is None, pt
+    assert pt["local"]["big_mb_s"] > 0 and pt["local"]["small_files_s"] > 0, pt
+    assert pt["daemon"]["big"]["reads"] > 0 and pt["daemon"]["small"]["reads"] >= 20, pt
+    assert pt["daemon"]["small"]["daemon_us_per_file"] > 0, pt
+    if pt["unavailable"] is None:
+        assert pt["passthrough"]["big"]["reads"] == pt["passthrough"]["small"]["reads"] == 0, pt
+        assert pt["passthrough"]["small"]["passthrough_opens"] == 20 and pt["ratios"]["passthrough_epoch"] > 0, pt
+    else:
+        assert pt["passthrough"] == {} and pt["ratios"]["passthrough_big"] is None, pt
     for key in CACHEFS_ONLY:
         figure = data["figures"][key]
         assert figure["only"] == ["cachefs"], key
@@ -120,5 +132,6 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
         assert name in table
     assert "PASS" in table or "MISS" in table
     assert "order announced" in table and "twice the disk tier" in table and "## Rounds" in table
+    assert "kernel passthrough (issue 39)" in table
     png = (out / "results.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000

@@ -28,7 +28,8 @@ DAEMON_UID = 4242  # no passwd entry needed: only numbers are compared
 
 
 class Ioctls:
-    """Stands in for the two ioctls: records them, hands out ids."""
+    """Stands in for the two ioctls of one connection: records them, hands out ids, and refuses a close
+    of an id the connection does not hold with ENOENT, as fs/fuse/backing.c does."""
 
     def __init__(self) -> None:
         self.registered: list[tuple[int, int]] = []
@@ -39,6 +40,8 @@ class Ioctls:
         return len(self.registered)
 
     def unregister(self, fuse_fd: int, backing_id: int) -> None:
+        if not 0 < backing_id <= len(self.registered) or backing_id in self.closed:
+            raise OSError(errno.ENOENT, os.strerror(errno.ENOENT))
         self.closed.append(backing_id)
 
 
@@ -376,6 +379,46 @@ def test_a_restarted_broker_is_reached_again(base: Path, cache: Path, fuse_fd: i
             assert client.open(own_file(cache, "h")) == 1
         finally:
             second.stop()
+    finally:
+        client.shutdown()
+
+
+def test_a_broker_resumed_after_a_plugin_restart_closes_the_ids_the_earlier_one_registered(
+        base: Path, cache: Path, fuse_fd: int) -> None:
+    run_dir = base / "run"
+    run_dir.mkdir()
+    kernel = Ioctls()  # one connection: its ids outlive the plugin that registered them
+    first = BackingBroker(run_dir / "backing.sock", uid=os.geteuid(), gid=None, cache_dir=cache,
+                          register=kernel.register, unregister=kernel.unregister)
+    first.start()
+    client = BrokerBackingFiles(first.path, fuse_fd)
+    try:
+        kept = client.open(own_file(cache, "k"))  # the daemon keeps it between opens of the file
+        first.stop()  # the plugin restarts; the daemon and its connection live on
+        fresh = BackingBroker(run_dir / "backing.sock", uid=os.geteuid(), gid=None, cache_dir=cache,
+                              register=kernel.register, unregister=kernel.unregister)
+        fresh.start()
+        try:  # a broker that never ran before for this mount closes only its own ids
+            with pytest.raises(OSError) as info:
+                client.close(kept)
+            assert info.value.errno == errno.ENOENT and kernel.closed == []
+        finally:
+            fresh.stop()
+        resumed = BackingBroker(run_dir / "backing.sock", uid=os.geteuid(), gid=None, cache_dir=cache,
+                                resumed=True, register=kernel.register, unregister=kernel.unregister)
+        resumed.start()
+        try:
+            client.close(kept)  # the earlier plugin's id: closed, its whole file let go
+            assert kernel.closed == [kept]
+            assert client.open(own_file(cache, "n")) == kept + 1  # and registrations go on
+            client.close(kept + 1)
+            assert kernel.closed == [kept, kept + 1] and resumed.ids == set()
+            with pytest.raises(OSError) as info:  # an id the connection does not hold: the kernel's ENOENT
+                client.close(kept)
+            assert info.value.errno == errno.ENOENT and kernel.closed == [kept, kept + 1]
+            client.probe()  # still usable
+        finally:
+            resumed.stop()
     finally:
         client.shutdown()
 

@@ -135,6 +135,23 @@ def test_a_file_whole_on_the_disk_tier_is_read_without_the_unprivileged_daemon(
         assert read_dropping_page_cache(path) == data
         assert counts(target) == (reads, opens + 1), why(daemon_log)
         assert "passthrough: " not in daemon_log.read_text().split("registered by the node plugin's broker")[-1]
+        # That open used the id the daemon kept from before the restart. Evicted, the file's id is
+        # closed through the new plugin's broker (resumed: it may close the earlier plugin's ids), so
+        # the whole file is let go; read again, it is registered anew through the new broker.
+        fuse = call(target, "/stats")["fuse"]
+        assert fuse["backing_ids"] == 1, fuse
+        call(target, "/evict", method="POST", body={"paths": ["a.bin"], "tier": "all"})
+        deadline = time.monotonic() + SETTLE_S
+        while (fuse := call(target, "/stats")["fuse"])["backing_ids"] != 0:
+            assert time.monotonic() < deadline, f"the evicted file's id was never closed: {fuse}"
+            time.sleep(0.05)
+        assert "closing backing id" not in daemon_log.read_text(), why(daemon_log)
+        registered = fuse["backing_registrations"]
+        deadline = time.monotonic() + SETTLE_S
+        while (fuse := call(target, "/stats")["fuse"])["backing_registrations"] == registered:
+            assert time.monotonic() < deadline, f"never registered again: {fuse} {why(daemon_log)}"
+            assert read_dropping_page_cache(path) == data
+        assert fuse["passthrough"] is True and fuse["backing_ids"] == 1, fuse
 
         # The plugin holds no descriptor of the connection: the daemon is its only holder.
         assert fuse_fds(restarted.proc.pid) == []

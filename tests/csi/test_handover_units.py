@@ -380,6 +380,7 @@ def test_a_restarted_plugin_serves_the_brokers_of_live_read_only_mounts(tmp_path
         st = os.stat(sock)
         assert (st.st_uid, st.st_mode & 0o777) == (65534, 0o600)
         assert mounter.brokers[live.target].cache_dir == os.path.realpath(live.cache_dir)
+        assert mounter.brokers[live.target].resumed  # it may close the earlier plugin's ids
         broker = mounter.brokers[live.target]
         mounter.resume()  # again: the same broker
         assert mounter.brokers[live.target] is broker

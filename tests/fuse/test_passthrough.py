@@ -16,7 +16,9 @@ import os
 import platform
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,3 +197,67 @@ def test_eviction_removes_the_whole_file(passthrough_machine: None, mounter: Mou
     assert read_dropping_page_cache(mount.path / "e" / "x.bin") == data
     reads_after, opens_after = counts(mount)
     assert opens_after == opens and reads_after > reads
+
+
+def test_the_backing_file_is_registered_once_for_many_opens(
+        passthrough_machine: None, mounter: Mounter, tmp_path: Path) -> None:
+    data = random.Random("once").randbytes(MiB + 99)
+    store = store_with(tmp_path, {"o.bin": data})
+    mount = mounter.mount(f"file://{store}", "--read-only", *BLOCK)
+    path = mount.path / "o.bin"
+    assert path.read_bytes() == data
+    until_passed_through(mount, path)
+    reads, opens = counts(mount)
+    for _ in range(5):
+        assert read_dropping_page_cache(path) == data
+    fuse = mount.stats()["fuse"]
+    assert counts(mount) == (reads, opens + 5)  # five passthrough opens, no READ
+    # One registration for all of them: the id is kept between opens of the inode.
+    assert fuse["backing_registrations"] == 1 and fuse["backing_ids"] == 1, fuse
+
+
+def fuse_section_until(mount: Mount, check: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    deadline = time.monotonic() + SETTLE_S
+    while not done(fuse := mount.stats()["fuse"]):
+        assert time.monotonic() < deadline, f"{check}: {fuse}"
+        time.sleep(0.05)
+    return fuse
+
+
+def test_an_evicted_or_replaced_whole_file_releases_its_backing_id(
+        passthrough_machine: None, mounter: Mounter, tmp_path: Path) -> None:
+    old = random.Random("kept-old").randbytes(MiB + 5)
+    new = random.Random("kept-new").randbytes(MiB + 5)
+    store = store_with(tmp_path, {"k.bin": old})
+    mount = mounter.mount(f"file://{store}", "--read-only", *BLOCK, *FAST_TTL)
+    path = mount.path / "k.bin"
+    assert path.read_bytes() == old
+    until_passed_through(mount, path)
+    assert mount.stats()["fuse"]["backing_ids"] == 1  # kept after the last close
+    # Evicted: the id that held the whole file open is closed, so its space is really freed.
+    result = run_cli("evict", str(mount.path), str(path), env=mount.env)
+    assert result.returncode == 0, result.stderr
+    fuse_section_until(mount, "the evicted whole file's id was never closed", lambda f: f["backing_ids"] == 0)
+    assert whole_files(mount) == []
+    assert read_dropping_page_cache(path) == old  # from the source again, by the daemon
+    registered = mount.stats()["fuse"]["backing_registrations"]
+    deadline = time.monotonic() + SETTLE_S
+    while mount.stats()["fuse"]["backing_registrations"] == registered:
+        assert time.monotonic() < deadline, "the whole file was never registered again"
+        assert read_dropping_page_cache(path) == old
+    # Replaced in the bucket: the kept id of the old version is closed at the next open, whose bytes
+    # are the new version's (served by the daemon until that one is whole on disk, then passed through).
+    (store / "k.bin").write_bytes(new)
+    os.utime(store / "k.bin", ns=(time.time_ns() + 10**9,) * 2)  # a new mtime: a new ETag
+    registered = mount.stats()["fuse"]["backing_registrations"]
+    deadline = time.monotonic() + SETTLE_S
+    while (got := read_dropping_page_cache(path)) != new:
+        assert got == old and time.monotonic() < deadline, "the new version was never seen"
+        time.sleep(0.05)  # the attribute cache (0.2 s)
+    deadline = time.monotonic() + SETTLE_S
+    while (fuse := mount.stats()["fuse"])["backing_registrations"] == registered:
+        assert time.monotonic() < deadline, f"the new version was never passed through: {fuse}"
+        assert read_dropping_page_cache(path) == new
+    assert fuse["backing_ids"] == 1 and fuse["passthrough_refused"] == 0, fuse
+    reads = counts(mount)[0]
+    assert read_dropping_page_cache(path) == new and counts(mount)[0] == reads

@@ -7,9 +7,11 @@ never asking for either, with a filesystem and a backing registrar that record w
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -63,17 +65,95 @@ def setup(refuse: int = 0) -> tuple[Passthrough, Fs, Backing]:
     return Passthrough(fs, backing), fs, backing  # type: ignore[arg-type]
 
 
-async def test_opens_of_one_version_share_one_backing_file_closed_at_the_last_release() -> None:
+async def test_opens_of_one_version_share_one_backing_file_kept_until_the_inode_is_forgotten() -> None:
     pt, fs, backing = setup()
-    fs.paths = {1: "/c/whole/ab/ab", 2: "/c/whole/ab/ab"}
+    fs.paths = {1: "/c/whole/ab/ab", 2: "/c/whole/ab/ab", 3: "/c/whole/ab/ab"}
     assert await pt.open(5, 1, os.O_RDONLY) == 1
     assert await pt.open(5, 2, os.O_RDONLY) == 1
     assert backing.opened == ["/c/whole/ab/ab"]  # one registration: the kernel refuses a second file (EBUSY)
     pt.release(1)
-    assert backing.closed == []
     pt.release(2)
-    assert backing.closed == [1] and pt.held == {}
-    assert fs.stats.passthrough_opens == 2
+    assert backing.closed == [] and list(pt.idle) == [5]  # kept for the next open of the inode
+    assert await pt.open(5, 3, os.O_RDONLY) == 1  # registered once, whatever the number of opens
+    assert backing.opened == ["/c/whole/ab/ab"] and list(pt.idle) == []
+    pt.release(3)
+    pt.forgotten(5)
+    assert backing.closed == [1] and pt.held == {} and pt.by_path == {}
+    assert fs.stats.passthrough_opens == 3
+    assert fs.stats.backing_registrations == 1 and fs.stats.backing_ids == 0
+
+
+async def test_a_forgotten_inode_with_open_files_keeps_its_id() -> None:
+    pt, fs, backing = setup()
+    fs.paths = {1: "/w"}
+    assert await pt.open(5, 1, os.O_RDONLY) == 1
+    pt.forgotten(5)  # (the kernel forgets no inode with open files; a lookup that failed may send one)
+    assert backing.closed == [] and pt.held[5].handles == 1
+    pt.release(1)
+    assert backing.closed == [] and list(pt.idle) == [5]
+
+
+async def test_a_whole_file_removed_from_the_disk_tier_closes_its_id() -> None:
+    pt, fs, backing = setup()
+    fs.paths = {1: "/w", 2: "/v", 3: "/w", 4: "/v"}
+    assert await pt.open(5, 1, os.O_RDONLY) == 1
+    assert await pt.open(6, 2, os.O_RDONLY) == 2
+    pt.release(1)
+    pt.dropped("/w")  # kept, no open uses it: closed at once (on the loop)
+    pt.dropped("/v")  # an open uses it: the kernel holds the file; the id goes at the last release
+    await asyncio.sleep(0)
+    assert backing.closed == [1] and 5 not in pt.held and pt.held[6].dropped
+    pt.release(2)
+    assert backing.closed == [1, 2] and pt.held == {} and pt.idle == {}
+    # The whole files are assembled again: the next opens register them anew.
+    assert await pt.open(5, 3, os.O_RDONLY) == 3 and await pt.open(6, 4, os.O_RDONLY) == 4
+    assert backing.opened == ["/w", "/v", "/w", "/v"] and fs.stats.backing_registrations == 4
+
+
+async def test_a_removal_told_from_another_thread_is_taken_on_the_loop() -> None:
+    pt, fs, backing = setup()
+    fs.paths = {1: "/w"}
+    assert await pt.open(5, 1, os.O_RDONLY) == 1
+    pt.release(1)
+    thread = threading.Thread(target=pt.dropped, args=("/w",))
+    thread.start()
+    thread.join()
+    assert backing.closed == []  # not from the evicting thread: the bookkeeping is the loop's
+    deadline = asyncio.get_running_loop().time() + 5
+    while backing.closed != [1]:
+        assert asyncio.get_running_loop().time() < deadline, "the removal was never taken"
+        await asyncio.sleep(0.001)
+    assert pt.held == {}
+
+
+async def test_a_kept_id_of_another_version_or_of_no_whole_file_is_closed_at_the_next_open() -> None:
+    pt, fs, backing = setup()
+    fs.paths = {1: "/whole/old", 2: "/whole/new", 3: None}
+    assert await pt.open(5, 1, os.O_RDONLY) == 1
+    pt.release(1)
+    assert await pt.open(5, 2, os.O_RDONLY) == 2  # the object changed in the bucket: no ETXTBSY, no old id
+    assert backing.closed == [1] and pt.held[5].path == "/whole/new"
+    pt.release(2)
+    assert await pt.open(5, 3, os.O_RDONLY) is None  # not whole on disk: served by the daemon
+    pt.ordinary_open(5, 3)
+    assert backing.closed == [1, 2] and pt.held == {}
+    assert fs.stats.passthrough_refused == 0 and fs.abandoned == []
+
+
+async def test_kept_ids_are_bounded_the_least_recently_used_closed_first() -> None:
+    fs, backing = Fs(), Backing()
+    pt = Passthrough(fs, backing, idle_ids=2)  # type: ignore[arg-type]
+    fs.paths = {fh: f"/w{fh}" for fh in range(1, 5)}
+    for fh in range(1, 4):
+        assert await pt.open(10 + fh, fh, os.O_RDONLY) == fh
+    for fh in (2, 1, 3):
+        pt.release(fh)
+    assert backing.closed == [2] and list(pt.idle) == [11, 13]
+    fs.paths[5] = "/w1"
+    assert await pt.open(11, 5, os.O_RDONLY) == 1  # reused: it leaves the kept ones
+    pt.release(5)
+    assert list(pt.idle) == [13, 11] and backing.closed == [2]
+    assert fs.stats.backing_ids == 2
 
 
 async def test_an_inode_open_the_ordinary_way_is_not_passed_through_until_released() -> None:
@@ -242,7 +322,8 @@ async def test_a_broker_that_fails_turns_passthrough_off_and_says_so_once(caplog
     assert await pt.open(5, 1, os.O_RDONLY) == 1
     pt.backing = BrokenBroker()  # type: ignore[assignment]
     with caplog.at_level("WARNING", logger="cachefs.fuse.adapter"):
-        pt.release(1)  # the close is the first call to find it stuck
+        pt.release(1)
+        pt.forgotten(5)  # the close is the first call to find it stuck
         assert not pt.enabled and not fs.stats.passthrough_active
         assert await pt.open(6, 2, os.O_RDONLY) is None  # not asked again
     assert [r.getMessage() for r in caplog.records] == [

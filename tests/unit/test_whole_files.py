@@ -35,7 +35,7 @@ def test_a_whole_file_holds_the_objects_bytes_at_their_offsets(tmp_path: Path) -
     used = tier.used_bytes()
     path = tier.assemble_whole(ref, BLOCK)
     assert path is not None and path.read_bytes() == data
-    assert tier.whole_file(ref) == path and tier.whole_name(ref) == path
+    assert tier.whole_file(ref) == str(path) and tier.whole_name(ref) == path
     assert os.stat(path).st_mode & 0o777 == 0o600
     # Counted like a block: the capacity covers the copy too.
     assert tier.used_bytes() == used + len(data)
@@ -106,6 +106,33 @@ def test_evicting_every_unpinned_entry_and_discarding_one_version_remove_whole_f
     used = tier.used_bytes()
     assert tier.evict_unpinned() == (2, used)  # two blocks; the bytes of both the blocks and the whole file
     assert whole_files(tmp_path) == [] and tier.used_bytes() == 0
+
+
+def test_whoever_keeps_a_whole_file_open_is_told_of_each_one_removed(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 40 * BLOCK, high_watermark=0.9, low_watermark=0.5)
+    told: list[tuple[Path, bool]] = []
+    tier.on_whole_dropped(lambda path: told.append((path, path.exists())))
+    data = random.Random(7).randbytes(2 * BLOCK)
+    refs = [ObjectRef(f"d/{n}", '"e"', len(data)) for n in "abc"]
+    paths = []
+    for ref in refs:
+        stored(tier, ref, data)
+        paths.append(tier.assemble_whole(ref, BLOCK))
+    tier.discard_whole(refs[0])  # discarded (cachefs evict of one file)
+    assert told == [(paths[0], False)]  # after the unlink: the space is free once the holder lets go
+    for i in range(40):  # evicted to make room
+        tier.put(BlockKey("d/other", '"e"', i), bytes(BLOCK))
+    assert (paths[1], False) in told and tier.whole_file(refs[1]) is None
+    stored(tier, refs[2], data)
+    tier.evict_unpinned()  # every unpinned entry
+    assert sorted(p for p, _ in told) == sorted(paths) and not any(exists for _, exists in told)
+    # A failing listener is logged; the eviction goes on.
+    tier.on_whole_dropped(lambda path: 1 / 0)
+    stored(tier, refs[0], data)
+    assert tier.assemble_whole(refs[0], BLOCK) is not None
+    tier.discard_whole(refs[0])
+    assert told[-1] == (paths[0], False) and whole_files(tmp_path) == []
+    assert tier.whole_snapshot()["files"] == 0
 
 
 def test_whole_files_are_removed_at_start_up(tmp_path: Path) -> None:

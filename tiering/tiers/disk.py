@@ -118,7 +118,10 @@ whole file is an entry of the same LRU index under its own name (``w`` + digest,
 counts in ``used_bytes()``, makes room by evicting as a put does, is evicted like a block (never
 pinned: it is rebuilt from the blocks), and goes with ``evict_unpinned`` and ``discard_whole``. The
 start-up scan removes every whole file it finds: only what this process checked is handed to the
-kernel.
+kernel. Whoever keeps a whole file open past its use (the FUSE layer keeps it registered with the
+kernel between opens) asks ``on_whole_dropped`` to be told of each one this tier removes: called with
+its path right after the unlink, in the thread that removed it, so that it can let go of the file
+and the space is really freed.
 
 One cache directory belongs to one process at a time; two daemons sharing one would evict each
 other's files without knowing it.
@@ -214,6 +217,7 @@ class DiskTier:
         self._blocks_dir = self.directory / BLOCKS_DIRNAME
         self._blocks_str = str(self._blocks_dir)
         self._whole_dir = self.directory / WHOLE_DIRNAME
+        self._whole_str = str(self._whole_dir)
         self.whole_stats = WholeFileStats()
         self._high_bytes = int(capacity_bytes * high_watermark)
         self._low_bytes = int(capacity_bytes * low_watermark)
@@ -235,6 +239,7 @@ class DiskTier:
         self._pinned: set[str] = {key.digest() for key in pinned}  # digests eviction must skip
         self._pinned_used = 0  # file sizes of indexed pinned blocks
         self._staged = 0  # bytes reserved by write-back staging (SpaceBudget), part of _used
+        self._whole_listeners: list[Callable[[Path], None]] = []  # told of each whole file removed
 
         check_cache_dir(self.directory)
         for sub in (self._blocks_dir, self._whole_dir):
@@ -407,10 +412,11 @@ class DiskTier:
 
     # -- whole files (see "Whole files" above) ----------------------------------------------------
 
-    def whole_file(self, ref: ObjectRef) -> Path | None:
+    def whole_file(self, ref: ObjectRef) -> str | None:
         """The whole file of ``ref`` if this process assembled it and holds it still; marks it used.
         Index lookup only, no I/O: its recency is not stamped on the file, as a block's is, since
-        no whole file outlives the process."""
+        no whole file outlives the process. A string made without pathlib: every passthrough open
+        asks (a ``Path`` was a quarter of the daemon's loop time per open of a passthrough epoch)."""
         if self.health.state is TierState.DOWN:
             return None
         wkey = WHOLE_PREFIX + whole_digest(ref)
@@ -418,7 +424,7 @@ class DiskTier:
             if wkey not in self._index or wkey in self._busy:
                 return None
             self._index.move_to_end(wkey)
-        return self._path(wkey)
+        return self._hit_path(wkey)
 
     def whole_name(self, ref: ObjectRef) -> Path:
         """Where the whole file of ``ref`` is (or would be); no I/O."""
@@ -435,6 +441,12 @@ class DiskTier:
 
     def discard_whole(self, ref: ObjectRef) -> None:
         self._drop(WHOLE_PREFIX + whole_digest(ref))
+
+    def on_whole_dropped(self, callback: Callable[[Path], None]) -> None:
+        """Call ``callback(path)`` after each whole file this tier removes (evicted, discarded, replaced),
+        from the removing thread, without the lock; it must not block. An exception is logged, never
+        raised into the eviction."""
+        self._whole_listeners.append(callback)
 
     def assemble_whole(self, ref: ObjectRef, block_size: int) -> Path | None:
         """Write the whole file of ``ref`` from its blocks on this tier, each checked as ``get`` checks
@@ -669,8 +681,9 @@ class DiskTier:
     def _hit_path(self, digest: str) -> str:
         """``_path`` as a string, made without pathlib: the path of every disk-tier hit (pathlib cost
         a hit of a 100 KiB file 10-30 us of its 55-67)."""
-        if digest.startswith(WHOLE_PREFIX):
-            return str(self._path(digest))
+        if digest.startswith(WHOLE_PREFIX):  # as whole_path: <whole>/<d[:2]>/<d>
+            d = digest[len(WHOLE_PREFIX):]
+            return f"{self._whole_str}/{d[:2]}/{d}"
         return f"{self._blocks_str}/{digest[:2]}/{digest}{BLOCK_SUFFIX}"
 
     def _next_stamp(self) -> int:
@@ -720,9 +733,19 @@ class DiskTier:
         if not digests:
             return
         for digest in digests:
-            self._unlink_quiet(self._path(digest))
+            path = self._path(digest)
+            self._unlink_quiet(path)
+            if self._whole_listeners and digest.startswith(WHOLE_PREFIX):
+                self._whole_dropped(path)
         with self._lock:
             self._busy.difference_update(digests)
+
+    def _whole_dropped(self, path: Path) -> None:
+        for callback in self._whole_listeners:
+            try:
+                callback(path)
+            except Exception:  # noqa: BLE001 - a listener's bug must not stop an eviction half way
+                log.exception("%s tier: a listener of removed whole files failed", self.name)
 
     def _unlink_quiet(self, path: Path) -> None:
         try:
