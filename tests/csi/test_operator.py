@@ -27,7 +27,7 @@ from kubernetes import client
 from csi_driver import attributes
 from csi_driver.operator import manifests as m
 from csi_driver.operator.handlers import OperatorSettings, OperatorState, build_registry
-from csi_driver.operator.kube import JOB_NAME_LABEL, Kube
+from csi_driver.operator.kube import JOB_NAME_LABEL, REQUEST_TIMEOUT_S as OPERATOR_REQUEST_TIMEOUT_S, Kube, KubeError
 from csi_driver.operator.spec import parse_spec
 from tests.support.kubeapi import OperatorApiServer
 
@@ -145,8 +145,7 @@ async def eventually(check: Callable[[], Any], what: str, timeout_s: float = WAI
 @contextlib.asynccontextmanager
 async def running_operator(api: OperatorApiServer, **settings: Any) -> AsyncIterator[OperatorState]:
     url = str(api.url).rstrip("/")
-    state = OperatorState(kube=Kube(client.ApiClient(client.Configuration(host=url))),
-                          settings=OperatorSettings(**{**FAST, **settings}))
+    state = OperatorState(kube=Kube(client.Configuration(host=url)), settings=OperatorSettings(**{**FAST, **settings}))
 
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
@@ -442,7 +441,7 @@ async def test_the_warm_up_image_is_the_operators_own(api: OperatorApiServer) ->
     await k.call(k.core.create_namespaced_pod, "cachefs", {
         "metadata": {"name": "cachefs-operator-abc", "namespace": "cachefs"},
         "spec": {"containers": [{"name": "operator", "image": "registry.example.com/cachefs-csi:9"}]}})
-    kube = Kube(k.client)
+    kube = Kube(k.client.configuration, user_agent=TEST_AGENT)
     env = {"POD_NAME": "cachefs-operator-abc", "POD_NAMESPACE": "cachefs"}
     assert await asyncio.to_thread(warm_up_image, kube, None, env) == "registry.example.com/cachefs-csi:9"
     assert await asyncio.to_thread(warm_up_image, kube, "mine:1", env) == "mine:1"
@@ -538,3 +537,55 @@ async def test_an_undeclared_field_is_refused_by_kubectl_and_dropped_by_other_wr
     await k.call(k.custom.create_namespaced_custom_object, m.GROUP, m.VERSION, NS, m.PLURAL, body)
     assert k.dataset("typo")["spec"]["cache"] == {}
     assert api.pruned[-1][:3] == ("datasets", "typo", ["spec.cache.ramcache"])
+
+
+# ------------------------------------------------------------------------------------------ stopping
+def hang_mount_pod_lists(api: OperatorApiServer) -> tuple[list[str], asyncio.Event]:
+    """Make the double leave every list of pods in the mount namespace unanswered until the event is
+    set (an API server that accepted the connection and is stuck); the list holds the path of each."""
+    asked: list[str] = []
+    release = asyncio.Event()
+
+    async def stuck(request: Any) -> Any:
+        asked.append(str(request.url))
+        await release.wait()
+        return kmock.KubernetesError(status=503, reason="ServiceUnavailable", message="released", details={})
+
+    api[api.action.LIST, api.resource("v1/pods"), api.namespace("cachefs")] << stuck
+    return asked, release
+
+
+async def test_an_operator_call_is_one_bounded_attempt_and_none_once_stopping(api: OperatorApiServer) -> None:
+    """Each call of the operator's client is one attempt bounded by its timeout (urllib3 would retry a
+    GET 3 times, each with the whole timeout), and a stopping operator asks nothing more."""
+    asked, release = hang_mount_pod_lists(api)
+    kube = Kube(client.Configuration(host=str(api.url).rstrip("/")), timeout_s=1.0)
+    try:
+        with pytest.raises(KubeError, match=r"^cannot list pods in cachefs: no answer from the API server within 1 s"):
+            await asyncio.to_thread(kube.list_pods, "cachefs", {"app": "cachefs-mount"})
+        assert len(asked) == 1, asked
+        kube.stop()
+        with pytest.raises(KubeError, match=r"^cannot list nodes: not asked, the operator is stopping$"):
+            await asyncio.to_thread(kube.list_nodes, {})
+        assert not [r for r in list(api) if r.resource is not None and r.resource.plural == "nodes"]
+    finally:
+        release.set()
+
+
+async def test_the_operator_stops_within_its_grace_while_the_api_server_does_not_answer(
+        api: OperatorApiServer) -> None:
+    """The usage timer's list of mount pods is left unanswered, and the operator is stopped meanwhile:
+    kopf waits for the timer's thread, which must end within one call's timeout (no retries, no new
+    call), so the operator stops inside the 30 s a pod gets between SIGTERM and SIGKILL (once it
+    took four 30 s timeouts, and the stop with them)."""
+    assert OPERATOR_REQUEST_TIMEOUT_S < STOP_TIMEOUT_S
+    k = Cluster(api)
+    asked, release = hang_mount_pod_lists(api)
+    try:
+        async with running_operator(api, usage_interval_s=0.3):
+            await k.create_dataset("ds", CLUSTER_SPEC)
+            await eventually(lambda: asked, "the usage timer's list of mount pods asked")
+        # running_operator fails unless the operator stopped within STOP_TIMEOUT_S of its stop flag.
+        assert len(asked) == 1, asked  # asked once: not again by the HTTP library, nor after the stop
+    finally:
+        release.set()
