@@ -1,10 +1,12 @@
 """The Dataset operator end to end on an API double: kopf's real reactor, watches and patches, against
 kmock's stateful emulator (``OperatorApiServer``, tests/support/kubeapi.py) on 127.0.0.1.
 
-The operator runs as ``kopf.operator(...)`` on the test's own event loop, with its own registry and a
-login that points at the double. (kopf's ``KopfRunner`` runs the operator on a second loop in a
-thread; the double's server lives on the test's loop, so running the operator beside it is the
-simpler arrangement and exercises the same code.) The kubelet's and the Job controller's parts are
+The operator runs as ``kopf.operator(...)`` with its own registry and a login that points at the
+double, on an event loop of its own in a thread (``running_operator``), as ``kopf.run`` runs it in its
+pod: never on the test's loop, where the double is served. kopf's exit cancels every task of its loop
+that it did not start itself; beside the double, those were the double's connections, and a client's
+next request on one was never answered (a flaky test_dataset_usage.py: the operator's usage timer
+waited out its request, and kopf's stop waited for the timer). The kubelet's and the Job controller's parts are
 played by the tests: they create a Job's pod, give it a log of ``cachefs prefetch --json-progress``
 lines, and set the Job's status; tests/fuse/test_dataset_warmup.py runs a Job's real command.
 
@@ -14,9 +16,12 @@ Every wait is bounded (``eventually``); nothing asserts on timings.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime as dt
+import inspect
 import json
+import threading
 from typing import Any, AsyncIterator, Callable
 
 import kmock
@@ -131,10 +136,14 @@ def progress_line(state: str, total: int, cached: int, *, ok: bool = True, error
 
 
 async def eventually(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
-    """Poll ``check`` until it is truthy; fail naming ``what`` after ``timeout_s``."""
+    """Poll ``check`` until it is truthy; fail naming ``what`` after ``timeout_s``. A ``check`` that
+    returns an awaitable is awaited (one that waits on something else than the double, which is
+    served on this loop, must do so off the loop)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         value = check()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if asyncio.get_running_loop().time() > deadline:
@@ -144,15 +153,26 @@ async def eventually(check: Callable[[], Any], what: str, timeout_s: float = WAI
 
 @contextlib.asynccontextmanager
 async def running_operator(api: OperatorApiServer, **settings: Any) -> AsyncIterator[OperatorState]:
+    """The operator on an event loop of its own, in a thread (the module doc says why); stopped by its
+    stop flag at the end, which it must obey within ``STOP_TIMEOUT_S``, as within a pod's grace."""
     url = str(api.url).rstrip("/")
     state = OperatorState(kube=Kube(client.Configuration(host=url)), settings=OperatorSettings(**{**FAST, **settings}))
 
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=build_registry(state, login=login), clusterwide=True,
-                                             standalone=True, stop_flag=stop))
+    stop = threading.Event()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cachefs-operator", daemon=True)
+    thread.start()
+    operator = asyncio.run_coroutine_threadsafe(
+        kopf.operator(registry=build_registry(state, login=login), clusterwide=True, standalone=True, stop_flag=stop),
+        loop)
+
+    async def ended(timeout_s: float) -> bool:
+        done, _ = await asyncio.to_thread(concurrent.futures.wait, [operator], timeout_s)
+        return bool(done)
+
     try:
         yield state
         # The double prunes what the CRD does not declare, as the API server does: nothing the
@@ -162,13 +182,18 @@ async def running_operator(api: OperatorApiServer, **settings: Any) -> AsyncIter
         assert not lost, f"the API server would drop fields the operator writes: {lost}"
     finally:
         stop.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=STOP_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(task, timeout=STOP_TIMEOUT_S)
-            raise AssertionError(f"the operator did not stop within {STOP_TIMEOUT_S:g} s of its stop flag") from None
+        if not await ended(STOP_TIMEOUT_S):
+            operator.cancel()  # its task is cancelled; a handler's thread goes on, reported here
+            loop.call_soon_threadsafe(loop.stop)
+            raise AssertionError(f"the operator did not stop within {STOP_TIMEOUT_S:g} s of its stop flag")
+        with contextlib.suppress(concurrent.futures.TimeoutError):  # the threads of its default executor
+            await asyncio.to_thread(asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result,
+                                    STOP_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join, STOP_TIMEOUT_S)
+        if not thread.is_alive():
+            loop.close()
+        operator.result()  # what the operator raised, if anything
 
 
 CLUSTER_SPEC = {
@@ -512,8 +537,6 @@ async def test_a_warm_dataset_stays_warm_across_an_operator_restart(api: Operato
         await k.end_job(job["metadata"]["name"], ok=True)
         await eventually(lambda: k.status("ds").get("phase") == "Warm", "Warm")
     assert k.status("ds")["lastWarmUp"]["generation"] == 1  # stored, not pruned
-    # A new client: kmock leaves the old one's kept-alive connection unanswered once kopf has stopped.
-    k = Cluster(api)
     async with running_operator(api) as state:
         await eventually(lambda: ("ml", "ds") in state.datasets, "the restarted operator saw the Dataset")
         await k.create_gated_pod("late", "ds")
@@ -553,6 +576,23 @@ def hang_mount_pod_lists(api: OperatorApiServer) -> tuple[list[str], asyncio.Eve
 
     api[api.action.LIST, api.resource("v1/pods"), api.namespace("cachefs")] << stuck
     return asked, release
+
+
+async def test_the_api_double_answers_a_connection_of_before_an_operator_stopped(api: OperatorApiServer) -> None:
+    """A real API server never notices a client's exit. kopf's exit cancels every task of its event loop
+    that it did not start itself: the double must not be on that loop (running_operator), or a
+    connection opened while the operator ran is never answered again (kept alive, its server task
+    gone), and the next request a client sends on it waits out its timeout."""
+    configuration = client.Configuration(host=str(api.url).rstrip("/"))
+    configuration.retries = False  # one attempt: a request left unanswered fails, not retried elsewhere
+    api_client = client.ApiClient(configuration)
+    core = client.CoreV1Api(api_client)
+    async with running_operator(api):
+        await asyncio.to_thread(core.list_namespaced_pod, NS, _request_timeout=REQUEST_TIMEOUT_S)
+    pods = await asyncio.to_thread(core.list_namespaced_pod, NS, _request_timeout=REQUEST_TIMEOUT_S)
+    assert pods.items == []
+    pool = api_client.rest_client.pool_manager.connection_from_url(configuration.host)
+    assert pool.num_connections == 1  # both requests went over the connection opened while kopf ran
 
 
 async def test_an_operator_call_is_one_bounded_attempt_and_none_once_stopping(api: OperatorApiServer) -> None:
