@@ -4,11 +4,12 @@ kopf watches Datasets and pods, patches them and posts events; creating Persiste
 Jobs, listing them and reading logs goes through the official client here. Its calls block, so the
 handlers that use this are plain (sync) functions, which kopf runs in its thread pool, off the loop.
 
-Every call is bounded: one attempt (the HTTP library retries nothing), at most ``REQUEST_TIMEOUT_S``
-from connecting to the last byte, and none at all once the operator is stopping (``stop``). kopf
-cannot interrupt a handler that runs in a thread: the operator's stop waits for it, so a handler's
-calls bound the stop (docs/kubernetes-deploy.md, "Stopping"). A call that fails that way fails its
-handler with a ``KubeError``; kopf runs the handler again after its backoff, which a stop cuts short.
+Every call is bounded: one attempt (the HTTP library retries nothing), with ``REQUEST_TIMEOUT_S`` for
+connecting and reading the answer together, and none at all once the operator is stopping (``stop``).
+kopf cannot interrupt a handler that runs in a thread: the operator's stop waits for it, so a
+handler's calls bound the stop (docs/kubernetes-deploy.md, "Datasets", Stopping). A call that gets
+no answer fails its handler with a ``KubeError``; kopf runs the handler again after its backoff,
+which a stop cuts short.
 
 Creating an object that exists is not an error (handlers are re-run after an operator restart);
 deleting one that is gone is not either. Lists ask the API server to filter by label and check the
@@ -96,7 +97,7 @@ class Kube:
         try:
             return call(*args, _request_timeout=self.timeout_s, **kwargs)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubeError(f"{what}: no answer from the API server within {self.timeout_s:g} s: "
+            raise KubeError(f"{what}: no answer from the API server (one attempt, {self.timeout_s:g} s at most): "
                             f"{type(exc).__name__}: {exc}") from None
 
     def _dict(self, obj: Any) -> dict[str, Any]:
