@@ -232,8 +232,14 @@ def _job_state(job: Mapping[str, Any] | None) -> str:
     return "Running" if st.get("active") or st.get("startTime") else "Pending"
 
 
-def follow(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state: OperatorState) -> None:
-    """One follow tick: progress of a running run into status, or a due scheduled run started."""
+def _never() -> bool:
+    return False
+
+
+def follow(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state: OperatorState,
+           stopping: Callable[[], bool] = _never) -> None:
+    """One follow tick: progress of a running run into status, or a due scheduled run started. Once
+    ``stopping()`` (the timer's ``stopped`` flag), it reads no further Job and writes nothing."""
     meta = body["metadata"]
     if status.get("phase") == "Failed":
         return
@@ -252,6 +258,8 @@ def follow(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state
     previous = {t.get("job"): t for t in status.get("tiers") or []}
     tiers, states, docs = [], [], []
     for name in run.get("jobs") or []:
+        if stopping():
+            return  # the next operator's first tick reads them all
         job = state.kube.read_job(meta["namespace"], name)
         job_state = _job_state(job)
         log_text = state.kube.job_pod_log(meta["namespace"], name) if job is not None else None
@@ -299,8 +307,12 @@ def follow(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state
     log.info("Dataset %s/%s: warm-up run %s ended: %s", meta["namespace"], meta["name"], run.get("run"), message)
 
 
-def collect_usage(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state: OperatorState) -> None:
-    """One usage tick: read the mount pods of the Dataset's volume, add their growth to status.usage."""
+def collect_usage(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any, state: OperatorState,
+                  stopping: Callable[[], bool] = _never) -> None:
+    """One usage tick: read the mount pods of the Dataset's volume, add their growth to status.usage.
+    Once ``stopping()`` (the timer's ``stopped`` flag), it starts no further read and writes nothing:
+    the daemons' counters only grow, so the next operator's first collection adds what this one
+    would have."""
     volume = status.get("volumeName")
     if not volume:
         return  # no volume yet, so no mount pods
@@ -311,13 +323,17 @@ def collect_usage(body: Mapping[str, Any], status: Mapping[str, Any], patch: Any
     label = mountpods.volume_label(volume)
     selector = {mountpods.LABEL_APP: mountpods.APP, mountpods.LABEL_VOLUME: label}
     pods = [u.mount_pod(p) for p in state.kube.list_pods(state.settings.mount_namespace, selector)]
+    if stopping():
+        return
     with state.lock:
         ended = {uid: (pod, last) for uid, (of, pod, last) in state.ended.items() if of == label}
     listed = {p.uid for p in pods}
     previous = status.get("usage") or {}
     if not pods and not ended and not previous.get("daemons"):
         return  # nothing mounted it yet, nothing to forget
-    read = u.collect(pods, state.settings.read_stats)
+    read = u.collect(pods, state.settings.read_stats, stopping)
+    if stopping():
+        return  # some pods were not read for the stop, not for being unreachable
     for uid, (pod, last) in ended.items():  # an ended pod's last counters, listed still or gone already
         if uid not in listed:
             pods.append(pod)
@@ -451,6 +467,7 @@ def build_registry(state: OperatorState, *, login: Callable[..., Any] | None = N
 
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: kopf.Memo, **_: Any) -> None:
+        state.kube.stop()  # a handler still running (kopf waits for it) asks nothing more
         task = memo.get("gate_task")
         if task is not None:
             task.cancel()
@@ -471,13 +488,16 @@ def build_registry(state: OperatorState, *, login: Callable[..., Any] | None = N
     def deleted(body: Any, **_: Any) -> None:
         cleanup(body, state)
 
+    # The timers run in kopf's threads, which kopf cannot interrupt: its stop waits for them. They
+    # look at their ``stopped`` flag (set at once on the operator's stop, or when the Dataset goes)
+    # between calls, and each call is bounded (csi_driver.operator.kube).
     @kopf.timer(*res, interval=state.settings.follow_interval_s, registry=registry)
-    def followed(body: Any, status: Any, patch: Any, **_: Any) -> None:
-        follow(body, status, patch, state)
+    def followed(body: Any, status: Any, patch: Any, stopped: kopf.DaemonStopped | None = None, **_: Any) -> None:
+        follow(body, status, patch, state, lambda: bool(stopped) or state.kube.stopping)
 
     @kopf.timer(*res, interval=state.settings.usage_interval_s, registry=registry)
-    def usage(body: Any, status: Any, patch: Any, **_: Any) -> None:
-        collect_usage(body, status, patch, state)
+    def usage(body: Any, status: Any, patch: Any, stopped: kopf.DaemonStopped | None = None, **_: Any) -> None:
+        collect_usage(body, status, patch, state, lambda: bool(stopped) or state.kube.stopping)
 
     @kopf.on.event(*res, registry=registry)
     def dataset_seen(body: Any, type: str | None, **_: Any) -> None:

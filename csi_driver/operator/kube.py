@@ -4,28 +4,46 @@ kopf watches Datasets and pods, patches them and posts events; creating Persiste
 Jobs, listing them and reading logs goes through the official client here. Its calls block, so the
 handlers that use this are plain (sync) functions, which kopf runs in its thread pool, off the loop.
 
-Every call has a timeout (``REQUEST_TIMEOUT_S``). Creating an object that exists is not an error
-(handlers are re-run after an operator restart); deleting one that is gone is not either. Lists ask
-the API server to filter by label and check the labels again here: a list is never trusted to hold
-only what was asked for.
+Every call is bounded: one attempt (the HTTP library retries nothing), with ``REQUEST_TIMEOUT_S`` for
+connecting and reading the answer together, and none at all once the operator is stopping (``stop``).
+kopf cannot interrupt a handler that runs in a thread: the operator's stop waits for it, so a
+handler's calls bound the stop (docs/kubernetes-deploy.md, "Datasets", Stopping). A call that gets
+no answer fails its handler with a ``KubeError``; kopf runs the handler again after its backoff,
+which a stop cuts short.
+
+Creating an object that exists is not an error (handlers are re-run after an operator restart);
+deleting one that is gone is not either. Lists ask the API server to filter by label and check the
+labels again here: a list is never trusted to hold only what was asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import copy
+import threading
+from typing import Any, Callable, Mapping, TypeVar
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-# A request to the API server that takes longer than this is stuck; the handler fails and kopf
-# retries it later (the default of the client is to wait forever).
-REQUEST_TIMEOUT_S = 30
+# One call to the API server, connecting included: a read, list or write is answered in milliseconds,
+# so one that takes longer than this is stuck (the client's default is to wait forever). It is also
+# the longest a stop waits for a call in flight: kopf's own exit (a few seconds) plus this plus one
+# round of stats reads (usage.STATS_TIMEOUT_S) stays well inside the 30 s a Deployment's pod gets
+# between SIGTERM and SIGKILL (terminationGracePeriodSeconds' default).
+REQUEST_TIMEOUT_S = 10.0
+# The HTTP library's retries, none: urllib3 retries a GET 3 times by default, each with the whole
+# timeout, which made one stuck list four timeouts long and held the operator's stop that long.
+URLLIB3_RETRIES = False
 # Lines of a warm-up pod's log read on each follow tick: the last JSON line is the latest state, and
 # a few more cover lines printed to stdout after it (none today).
 LOG_TAIL_LINES = 20
 HTTP_NOT_FOUND, HTTP_CONFLICT = 404, 409
 # The label the Job controller puts on the pods of a Job (Kubernetes 1.27 and later).
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+
+
+T = TypeVar("T")
 
 
 class KubeError(Exception):
@@ -46,12 +64,41 @@ def _matches(obj: Any, labels: Mapping[str, str]) -> bool:
 
 
 class Kube:
-    """The calls the operator makes, on one ``ApiClient``; objects in and out as plain dicts."""
+    """The calls the operator makes, on an ``ApiClient`` of its own made from ``configuration`` (with
+    the HTTP library's retries off); objects in and out as plain dicts."""
 
-    def __init__(self, api: client.ApiClient) -> None:
-        self.api = api
-        self.core = client.CoreV1Api(api)
-        self.batch = client.BatchV1Api(api)
+    def __init__(self, configuration: client.Configuration, *, timeout_s: float = REQUEST_TIMEOUT_S,
+                 user_agent: str | None = None) -> None:
+        configuration = copy.deepcopy(configuration)  # the caller's stays as it was
+        configuration.retries = URLLIB3_RETRIES
+        self.api = client.ApiClient(configuration)
+        if user_agent:
+            self.api.user_agent = user_agent
+        self.timeout_s = timeout_s
+        self.core = client.CoreV1Api(self.api)
+        self.batch = client.BatchV1Api(self.api)
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """The operator is stopping: every later call fails at once (the one in flight ends within
+        ``timeout_s``)."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _call(self, what: str, call: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)``, bounded by ``timeout_s``; a failure to get an answer is a
+        ``KubeError`` naming ``what`` (the API server's own refusals stay ``ApiException``s, for the
+        caller to read their status)."""
+        if self._stopping.is_set():
+            raise KubeError(f"{what}: not asked, the operator is stopping")
+        try:
+            return call(*args, _request_timeout=self.timeout_s, **kwargs)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeError(f"{what}: no answer from the API server (one attempt, {self.timeout_s:g} s at most): "
+                            f"{type(exc).__name__}: {exc}") from None
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return obj if isinstance(obj, dict) else self.api.sanitize_for_serialization(obj)
@@ -61,40 +108,39 @@ class Kube:
         """Create ``body`` (a PV, PVC or Job) unless it exists: ``(the object, created)``."""
         kind, name = body["kind"], body["metadata"]["name"]
         namespace = body["metadata"].get("namespace")
+        create: tuple[Any, ...]  # (the call, its arguments)
+        read: tuple[Any, ...]
         create, read = {
-            "PersistentVolume": (lambda: self.core.create_persistent_volume(body, _request_timeout=REQUEST_TIMEOUT_S),
-                                 lambda: self.core.read_persistent_volume(name, _request_timeout=REQUEST_TIMEOUT_S)),
-            "PersistentVolumeClaim": (
-                lambda: self.core.create_namespaced_persistent_volume_claim(namespace, body,
-                                                                            _request_timeout=REQUEST_TIMEOUT_S),
-                lambda: self.core.read_namespaced_persistent_volume_claim(name, namespace,
-                                                                          _request_timeout=REQUEST_TIMEOUT_S)),
-            "Job": (lambda: self.batch.create_namespaced_job(namespace, body, _request_timeout=REQUEST_TIMEOUT_S),
-                    lambda: self.batch.read_namespaced_job(name, namespace, _request_timeout=REQUEST_TIMEOUT_S)),
+            "PersistentVolume": ((self.core.create_persistent_volume, body), (self.core.read_persistent_volume, name)),
+            "PersistentVolumeClaim": ((self.core.create_namespaced_persistent_volume_claim, namespace, body),
+                                      (self.core.read_namespaced_persistent_volume_claim, name, namespace)),
+            "Job": ((self.batch.create_namespaced_job, namespace, body),
+                    (self.batch.read_namespaced_job, name, namespace)),
         }[kind]
         try:
-            return self._dict(create()), True
+            return self._dict(self._call(f"cannot create {kind} {name}", *create)), True
         except ApiException as exc:
             if exc.status != HTTP_CONFLICT:
                 raise _fail(f"cannot create {kind} {name}", exc) from None
         try:
-            return self._dict(read()), False
+            return self._dict(self._call(f"cannot read {kind} {name}", *read)), False
         except ApiException as exc:
             raise _fail(f"cannot read {kind} {name}", exc) from None
 
     # -------------------------------------------------------------------------------------- read
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        what = f"cannot read Job {namespace}/{name}"
         try:
-            return self._dict(self.batch.read_namespaced_job(name, namespace, _request_timeout=REQUEST_TIMEOUT_S))
+            return self._dict(self._call(what, self.batch.read_namespaced_job, name, namespace))
         except ApiException as exc:
             if exc.status == HTTP_NOT_FOUND:
                 return None
-            raise _fail(f"cannot read Job {namespace}/{name}", exc) from None
+            raise _fail(what, exc) from None
 
     def _listed(self, what: str, call: Callable[..., Any], labels: Mapping[str, str], *args: Any) -> list[dict[str, Any]]:
         """The objects ``call(*args)`` lists with ``labels``: filtered by the API server, checked again here."""
         try:
-            found = call(*args, label_selector=selector(labels), _request_timeout=REQUEST_TIMEOUT_S)
+            found = self._call(f"cannot list {what}", call, *args, label_selector=selector(labels))
         except ApiException as exc:
             raise _fail(f"cannot list {what}", exc) from None
         return [o for o in (self._dict(item) for item in found.items) if _matches(o, labels)]
@@ -123,30 +169,34 @@ class Kube:
         if not pods:
             return None
         newest = max(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
-        try:
+        what = f"cannot read the log of pod {namespace}/{newest['metadata']['name']}"
+
+        def tail(**timeout: Any) -> bytes:
             # Raw bytes: with its default decoding the client turns a log of JSON lines into a Python
-            # repr (kubernetes-client/python#1090), which no JSON parser reads back.
+            # repr (kubernetes-client/python#1090), which no JSON parser reads back. Read here, so
+            # the body's read is bounded and mapped like the rest of the call.
             response = self.core.read_namespaced_pod_log(newest["metadata"]["name"], namespace, container="prefetch",
-                                                         tail_lines=LOG_TAIL_LINES, _preload_content=False,
-                                                         _request_timeout=REQUEST_TIMEOUT_S)
-            return bytes(response.data).decode("utf-8", errors="replace")
+                                                         tail_lines=LOG_TAIL_LINES, _preload_content=False, **timeout)
+            return bytes(response.data)
+
+        try:
+            return self._call(what, tail).decode("utf-8", errors="replace")
         except ApiException as exc:
             if exc.status in (HTTP_NOT_FOUND, 400):  # gone, or not started yet (400: "waiting to start")
                 return None
-            raise _fail(f"cannot read the log of pod {namespace}/{newest['metadata']['name']}", exc) from None
+            raise _fail(what, exc) from None
 
     # ------------------------------------------------------------------------------------ delete
     def delete(self, kind: str, name: str, namespace: str | None = None) -> None:
         """Delete one object the operator made; gone already is fine. Jobs take their pods along."""
-        calls = {
-            "PersistentVolume": lambda: self.core.delete_persistent_volume(name, _request_timeout=REQUEST_TIMEOUT_S),
-            "PersistentVolumeClaim": lambda: self.core.delete_namespaced_persistent_volume_claim(
-                name, namespace, _request_timeout=REQUEST_TIMEOUT_S),
-            "Job": lambda: self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
-                                                            _request_timeout=REQUEST_TIMEOUT_S),
+        calls: dict[str, tuple[Any, ...]] = {
+            "PersistentVolume": (self.core.delete_persistent_volume, name),
+            "PersistentVolumeClaim": (self.core.delete_namespaced_persistent_volume_claim, name, namespace),
+            "Job": (self.batch.delete_namespaced_job, name, namespace),
         }
+        options = {"propagation_policy": "Background"} if kind == "Job" else {}
         try:
-            calls[kind]()
+            self._call(f"cannot delete {kind} {name}", *calls[kind], **options)
         except ApiException as exc:
             if exc.status != HTTP_NOT_FOUND:
                 raise _fail(f"cannot delete {kind} {name}", exc) from None
@@ -159,11 +209,12 @@ class Kube:
         patch: list[dict[str, Any]] = [{"op": "test", "path": "/spec/schedulingGates", "value": gates}]
         patch.append({"op": "replace", "path": "/spec/schedulingGates", "value": rest} if rest
                      else {"op": "remove", "path": "/spec/schedulingGates"})
+        what = f"cannot release pod {namespace}/{name}"
         try:
-            self.core.patch_namespaced_pod(name, namespace, patch, _request_timeout=REQUEST_TIMEOUT_S)
+            self._call(what, self.core.patch_namespaced_pod, name, namespace, patch)
         except ApiException as exc:
             if exc.status != HTTP_NOT_FOUND:
-                raise _fail(f"cannot release pod {namespace}/{name}", exc) from None
+                raise _fail(what, exc) from None
 
     def pod_event(self, pod: Mapping[str, Any], *, reason: str, message: str, warning: bool, now: str) -> None:
         """An Event on a pod (what ``kubectl describe pod`` shows); failures are the caller's to log."""
@@ -176,15 +227,17 @@ class Kube:
             "reason": reason, "message": message[:1024], "type": "Warning" if warning else "Normal",
             "source": {"component": "cachefs-operator"}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
+        what = f"cannot post an event on pod {meta['namespace']}/{meta['name']}"
         try:
-            self.core.create_namespaced_event(meta["namespace"], event, _request_timeout=REQUEST_TIMEOUT_S)
+            self._call(what, self.core.create_namespaced_event, meta["namespace"], event)
         except ApiException as exc:
-            raise _fail(f"cannot post an event on pod {meta['namespace']}/{meta['name']}", exc) from None
+            raise _fail(what, exc) from None
 
     def container_image(self, namespace: str, pod: str, container: str) -> str | None:
         """The image of ``container`` in a pod (the operator's own, for its warm-up Jobs); None if absent."""
         try:
-            body = self._dict(self.core.read_namespaced_pod(pod, namespace, _request_timeout=REQUEST_TIMEOUT_S))
+            body = self._dict(self._call(f"cannot read pod {namespace}/{pod}", self.core.read_namespaced_pod,
+                                         pod, namespace))
         except ApiException as exc:
             raise _fail(f"cannot read pod {namespace}/{pod}", exc) from None
         for spec in (body.get("spec") or {}).get("containers") or []:

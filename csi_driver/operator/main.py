@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_config() -> client.ApiClient:
+def _load_config() -> client.Configuration:
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -96,7 +96,7 @@ def _load_config() -> client.ApiClient:
             config.load_kube_config()
         except (config.ConfigException, OSError) as exc:
             raise SystemExit(f"cachefs-operator: no Kubernetes configuration: {exc}") from None
-    return client.ApiClient()
+    return client.Configuration.get_default_copy()
 
 
 def warm_up_image(kube: Kube, flag: str | None, environ: Mapping[str, str]) -> str:

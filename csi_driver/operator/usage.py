@@ -172,15 +172,22 @@ def _grown(now: Mapping[str, int], before: Mapping[str, Any] | None) -> dict[str
     return grown
 
 
-def collect(pods: Iterable[MountPod], read: StatsReader = read_stats) -> dict[str, dict[str, int] | None]:
-    """Each pod's counters by uid (None: not read: no address, no answer, or an older daemon)."""
+def collect(pods: Iterable[MountPod], read: StatsReader = read_stats,
+            stopping: Callable[[], bool] = lambda: False) -> dict[str, dict[str, int] | None]:
+    """Each pod's counters by uid (None: not read: no address, no answer, an older daemon, or the
+    operator stopping: once ``stopping()``, no further read starts, so a stop waits for one round of
+    reads at most)."""
     pods = list(pods)
     found: dict[str, dict[str, int] | None] = {p.uid: None for p in pods}
     readable = [p for p in pods if p.address is not None]
     if not readable:
         return found
+
+    def one(pod: MountPod) -> Mapping[str, Any] | None:
+        return None if stopping() else read(pod.address or "")
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(PARALLEL_READS, len(readable))) as pool:
-        docs = pool.map(lambda p: read(p.address or ""), readable)
+        docs = pool.map(one, readable)
         for pod, doc in zip(readable, docs):
             found[pod.uid] = counters(doc) if doc is not None else None
     return found

@@ -108,16 +108,17 @@ def stats_pod(k: Cluster, node: str) -> dict[str, Any]:
     return pod
 
 
-def stats_of(k: Cluster, node: str) -> dict[str, Any]:
-    """The /stats of the mount pod on ``node``, read as the operator reads it."""
+async def stats_of(k: Cluster, node: str) -> dict[str, Any]:
+    """The /stats of the mount pod on ``node``, read as the operator reads it; off the loop, which
+    serves the API double (a read that waits must not hold up the double's answers)."""
     pod = stats_pod(k, node)
-    doc = read_stats(f"{pod['status']['podIP']}:{mountpods.STATS_PORT}")
+    doc = await asyncio.to_thread(read_stats, f"{pod['status']['podIP']}:{mountpods.STATS_PORT}")
     assert doc is not None, f"the mount pod on {node} does not answer"
     return dict(doc)
 
 
-def daemon_counters(k: Cluster, node: str) -> dict[str, int]:
-    got = counters(stats_of(k, node))
+async def daemon_counters(k: Cluster, node: str) -> dict[str, int]:
+    got = counters(await stats_of(k, node))
     assert got is not None
     return got
 
@@ -190,10 +191,12 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
                 requests[node] = mount_request(k, volume, node, workdir, seaweed)
                 await asyncio.to_thread(mounters[node].mount, requests[node])
             assert await read_all(requests["node-a"].target) == FILES  # cold: from the source
-            await eventually(lambda: stats_of(k, "node-a")["cluster"]["write_behind"]["depth"] == 0,
-                             "node A's blocks written to the cluster tier", WAIT_S)
+            async def a_written() -> bool:
+                return bool((await stats_of(k, "node-a"))["cluster"]["write_behind"]["depth"] == 0)
+
+            await eventually(a_written, "node A's blocks written to the cluster tier", WAIT_S)
             assert await read_all(requests["node-b"].target) == FILES  # from the cluster tier
-            a, b = daemon_counters(k, "node-a"), daemon_counters(k, "node-b")
+            a, b = await daemon_counters(k, "node-a"), await daemon_counters(k, "node-b")
             assert a["sourceBytes"] == size and b["clusterBytes"] == size and b["sourceBytes"] == 0
             expected = {name: a[name] + b[name] for name in COUNTERS}
             usage = await eventually(lambda: usage_is(expected), "status.usage matching the daemons", WAIT_S)
@@ -215,9 +218,12 @@ async def test_the_status_adds_up_what_every_mount_pod_served_through_restarts(
         # daemon, since the stand-in runs it in a mount namespace of its own (as a runtime does) that
         # still holds the mount.
         kubelets[nodes.index("node-b")].kill(b_pod["metadata"]["name"])
-        await eventually(lambda: read_stats(b_address) is None, "B's daemon gone", WAIT_S)
+        async def b_gone() -> bool:
+            return await asyncio.to_thread(read_stats, b_address) is None
+
+        await eventually(b_gone, "B's daemon gone", WAIT_S)
         assert await read_all(requests["node-a"].target) == FILES  # served by A's page cache or RAM
-        a2 = daemon_counters(k, "node-a")
+        a2 = await daemon_counters(k, "node-a")
         later = {name: expected[name] + a2[name] - a[name] for name in COUNTERS}
         async with running_operator(api, **FAST):
             def b_unreachable() -> dict[str, Any] | None:

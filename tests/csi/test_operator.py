@@ -1,10 +1,12 @@
 """The Dataset operator end to end on an API double: kopf's real reactor, watches and patches, against
 kmock's stateful emulator (``OperatorApiServer``, tests/support/kubeapi.py) on 127.0.0.1.
 
-The operator runs as ``kopf.operator(...)`` on the test's own event loop, with its own registry and a
-login that points at the double. (kopf's ``KopfRunner`` runs the operator on a second loop in a
-thread; the double's server lives on the test's loop, so running the operator beside it is the
-simpler arrangement and exercises the same code.) The kubelet's and the Job controller's parts are
+The operator runs as ``kopf.operator(...)`` with its own registry and a login that points at the
+double, on an event loop of its own in a thread (``running_operator``), as ``kopf.run`` runs it in its
+pod: never on the test's loop, where the double is served. kopf's exit cancels every task of its loop
+that it did not start itself; beside the double, those were the double's connections, and a client's
+next request on one was never answered (a flaky test_dataset_usage.py: the operator's usage timer
+waited out its request, and kopf's stop waited for the timer). The kubelet's and the Job controller's parts are
 played by the tests: they create a Job's pod, give it a log of ``cachefs prefetch --json-progress``
 lines, and set the Job's status; tests/fuse/test_dataset_warmup.py runs a Job's real command.
 
@@ -14,9 +16,12 @@ Every wait is bounded (``eventually``); nothing asserts on timings.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime as dt
+import inspect
 import json
+import threading
 from typing import Any, AsyncIterator, Callable
 
 import kmock
@@ -27,7 +32,7 @@ from kubernetes import client
 from csi_driver import attributes
 from csi_driver.operator import manifests as m
 from csi_driver.operator.handlers import OperatorSettings, OperatorState, build_registry
-from csi_driver.operator.kube import JOB_NAME_LABEL, Kube
+from csi_driver.operator.kube import JOB_NAME_LABEL, REQUEST_TIMEOUT_S as OPERATOR_REQUEST_TIMEOUT_S, Kube, KubeError
 from csi_driver.operator.spec import parse_spec
 from tests.support.kubeapi import OperatorApiServer
 
@@ -131,10 +136,14 @@ def progress_line(state: str, total: int, cached: int, *, ok: bool = True, error
 
 
 async def eventually(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
-    """Poll ``check`` until it is truthy; fail naming ``what`` after ``timeout_s``."""
+    """Poll ``check`` until it is truthy; fail naming ``what`` after ``timeout_s``. A ``check`` that
+    returns an awaitable is awaited (one that waits on something else than the double, which is
+    served on this loop, must do so off the loop)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         value = check()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if asyncio.get_running_loop().time() > deadline:
@@ -144,16 +153,26 @@ async def eventually(check: Callable[[], Any], what: str, timeout_s: float = WAI
 
 @contextlib.asynccontextmanager
 async def running_operator(api: OperatorApiServer, **settings: Any) -> AsyncIterator[OperatorState]:
+    """The operator on an event loop of its own, in a thread (the module doc says why); stopped by its
+    stop flag at the end, which it must obey within ``STOP_TIMEOUT_S``, as within a pod's grace."""
     url = str(api.url).rstrip("/")
-    state = OperatorState(kube=Kube(client.ApiClient(client.Configuration(host=url))),
-                          settings=OperatorSettings(**{**FAST, **settings}))
+    state = OperatorState(kube=Kube(client.Configuration(host=url)), settings=OperatorSettings(**{**FAST, **settings}))
 
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url, insecure=True)
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=build_registry(state, login=login), clusterwide=True,
-                                             standalone=True, stop_flag=stop))
+    stop = threading.Event()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cachefs-operator", daemon=True)
+    thread.start()
+    operator = asyncio.run_coroutine_threadsafe(
+        kopf.operator(registry=build_registry(state, login=login), clusterwide=True, standalone=True, stop_flag=stop),
+        loop)
+
+    async def ended(timeout_s: float) -> bool:
+        done, _ = await asyncio.to_thread(concurrent.futures.wait, [operator], timeout_s)
+        return bool(done)
+
     try:
         yield state
         # The double prunes what the CRD does not declare, as the API server does: nothing the
@@ -163,13 +182,18 @@ async def running_operator(api: OperatorApiServer, **settings: Any) -> AsyncIter
         assert not lost, f"the API server would drop fields the operator writes: {lost}"
     finally:
         stop.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=STOP_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait_for(task, timeout=STOP_TIMEOUT_S)
-            raise AssertionError(f"the operator did not stop within {STOP_TIMEOUT_S:g} s of its stop flag") from None
+        if not await ended(STOP_TIMEOUT_S):
+            operator.cancel()  # its task is cancelled; a handler's thread goes on, reported here
+            loop.call_soon_threadsafe(loop.stop)
+            raise AssertionError(f"the operator did not stop within {STOP_TIMEOUT_S:g} s of its stop flag")
+        with contextlib.suppress(concurrent.futures.TimeoutError):  # the threads of its default executor
+            await asyncio.to_thread(asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result,
+                                    STOP_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join, STOP_TIMEOUT_S)
+        if not thread.is_alive():
+            loop.close()
+        operator.result()  # what the operator raised, if anything
 
 
 CLUSTER_SPEC = {
@@ -442,7 +466,7 @@ async def test_the_warm_up_image_is_the_operators_own(api: OperatorApiServer) ->
     await k.call(k.core.create_namespaced_pod, "cachefs", {
         "metadata": {"name": "cachefs-operator-abc", "namespace": "cachefs"},
         "spec": {"containers": [{"name": "operator", "image": "registry.example.com/cachefs-csi:9"}]}})
-    kube = Kube(k.client)
+    kube = Kube(k.client.configuration, user_agent=TEST_AGENT)
     env = {"POD_NAME": "cachefs-operator-abc", "POD_NAMESPACE": "cachefs"}
     assert await asyncio.to_thread(warm_up_image, kube, None, env) == "registry.example.com/cachefs-csi:9"
     assert await asyncio.to_thread(warm_up_image, kube, "mine:1", env) == "mine:1"
@@ -513,8 +537,6 @@ async def test_a_warm_dataset_stays_warm_across_an_operator_restart(api: Operato
         await k.end_job(job["metadata"]["name"], ok=True)
         await eventually(lambda: k.status("ds").get("phase") == "Warm", "Warm")
     assert k.status("ds")["lastWarmUp"]["generation"] == 1  # stored, not pruned
-    # A new client: kmock leaves the old one's kept-alive connection unanswered once kopf has stopped.
-    k = Cluster(api)
     async with running_operator(api) as state:
         await eventually(lambda: ("ml", "ds") in state.datasets, "the restarted operator saw the Dataset")
         await k.create_gated_pod("late", "ds")
@@ -538,3 +560,73 @@ async def test_an_undeclared_field_is_refused_by_kubectl_and_dropped_by_other_wr
     await k.call(k.custom.create_namespaced_custom_object, m.GROUP, m.VERSION, NS, m.PLURAL, body)
     assert k.dataset("typo")["spec"]["cache"] == {}
     assert api.pruned[-1][:3] == ("datasets", "typo", ["spec.cache.ramcache"])
+
+
+# ------------------------------------------------------------------------------------------ stopping
+def hang_mount_pod_lists(api: OperatorApiServer) -> tuple[list[str], asyncio.Event]:
+    """Make the double leave every list of pods in the mount namespace unanswered until the event is
+    set (an API server that accepted the connection and is stuck); the list holds the path of each."""
+    asked: list[str] = []
+    release = asyncio.Event()
+
+    async def stuck(request: Any) -> Any:
+        asked.append(str(request.url))
+        await release.wait()
+        return kmock.KubernetesError(status=503, reason="ServiceUnavailable", message="released", details={})
+
+    api[api.action.LIST, api.resource("v1/pods"), api.namespace("cachefs")] << stuck
+    return asked, release
+
+
+async def test_the_api_double_answers_a_connection_of_before_an_operator_stopped(api: OperatorApiServer) -> None:
+    """A real API server never notices a client's exit. kopf's exit cancels every task of its event loop
+    that it did not start itself: the double must not be on that loop (running_operator), or a
+    connection opened while the operator ran is never answered again (kept alive, its server task
+    gone), and the next request a client sends on it waits out its timeout."""
+    configuration = client.Configuration(host=str(api.url).rstrip("/"))
+    configuration.retries = False  # one attempt: a request left unanswered fails, not retried elsewhere
+    api_client = client.ApiClient(configuration)
+    core = client.CoreV1Api(api_client)
+    async with running_operator(api):
+        await asyncio.to_thread(core.list_namespaced_pod, NS, _request_timeout=REQUEST_TIMEOUT_S)
+    pods = await asyncio.to_thread(core.list_namespaced_pod, NS, _request_timeout=REQUEST_TIMEOUT_S)
+    assert pods.items == []
+    pool = api_client.rest_client.pool_manager.connection_from_url(configuration.host)
+    assert pool.num_connections == 1  # both requests went over the connection opened while kopf ran
+
+
+async def test_an_operator_call_is_one_bounded_attempt_and_none_once_stopping(api: OperatorApiServer) -> None:
+    """Each call of the operator's client is one attempt bounded by its timeout (urllib3 would retry a
+    GET 3 times, each with the whole timeout), and a stopping operator asks nothing more."""
+    asked, release = hang_mount_pod_lists(api)
+    kube = Kube(client.Configuration(host=str(api.url).rstrip("/")), timeout_s=1.0)
+    try:
+        unanswered = r"^cannot list pods in cachefs: no answer from the API server \(one attempt, 1 s at most\): Read"
+        with pytest.raises(KubeError, match=unanswered):
+            await asyncio.to_thread(kube.list_pods, "cachefs", {"app": "cachefs-mount"})
+        assert len(asked) == 1, asked
+        kube.stop()
+        with pytest.raises(KubeError, match=r"^cannot list nodes: not asked, the operator is stopping$"):
+            await asyncio.to_thread(kube.list_nodes, {})
+        assert not [r for r in list(api) if r.resource is not None and r.resource.plural == "nodes"]
+    finally:
+        release.set()
+
+
+async def test_the_operator_stops_within_its_grace_while_the_api_server_does_not_answer(
+        api: OperatorApiServer) -> None:
+    """The usage timer's list of mount pods is left unanswered, and the operator is stopped meanwhile:
+    kopf waits for the timer's thread, which must end within one call's timeout (no retries, no new
+    call), so the operator stops inside the 30 s a pod gets between SIGTERM and SIGKILL (once it
+    took four 30 s timeouts, and the stop with them)."""
+    assert OPERATOR_REQUEST_TIMEOUT_S < STOP_TIMEOUT_S
+    k = Cluster(api)
+    asked, release = hang_mount_pod_lists(api)
+    try:
+        async with running_operator(api, usage_interval_s=0.3):
+            await k.create_dataset("ds", CLUSTER_SPEC)
+            await eventually(lambda: asked, "the usage timer's list of mount pods asked")
+        # running_operator fails unless the operator stopped within STOP_TIMEOUT_S of its stop flag.
+        assert len(asked) == 1, asked  # asked once: not again by the HTTP library, nor after the stop
+    finally:
+        release.set()

@@ -529,7 +529,10 @@ DATASET_CRD = Path(__file__).resolve().parents[2] / "deploy" / "components" / "d
 
 
 class OperatorApiServer(ClusterEmulator):
-    """``ClusterEmulator`` plus what kopf relies on, served on the test's own loop:
+    """``ClusterEmulator`` plus what kopf relies on, served on the test's own loop (never on the loop
+    kopf runs on: kopf's exit cancels every task of its loop that it did not start, the server's
+    connections among them, and a request a client then sends on a kept-alive one is never read:
+    tests/csi/test_operator.py's ``running_operator`` gives kopf a loop of its own):
 
     - a ``resourceVersion`` on every write, JSON patches included (kopf adds its finalizer with a JSON
       patch that first tests the version), and 422 when such a test fails (a real server's answer;

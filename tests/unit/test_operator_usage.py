@@ -149,3 +149,42 @@ def test_operator_flags_set_the_default_prices() -> None:
     for bad in (["--egress-price-per-gb", "-1"], ["--currency", "euro"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(bad)
+
+
+def test_a_stopping_usage_tick_reads_no_more_pods_and_writes_nothing() -> None:
+    """The usage timer runs in a thread kopf waits for at the operator's stop: once its ``stopped`` flag
+    is set it starts no further /stats read and writes nothing (the counters only grow: the next
+    operator's first collection adds the same)."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from csi_driver.operator.handlers import OperatorSettings, OperatorState, collect_usage
+    from csi_driver.operator.kube import Kube
+
+    running = {"metadata": {"uid": "uid-a", "name": "cachefs-mount-a"}, "spec": {"nodeName": "node-a"},
+               "status": {"phase": "Running", "podIP": "10.0.0.1"}}
+    reads: list[str] = []
+    stopping = {"now": False}
+
+    class MountPods:  # the one call the usage tick makes
+        def list_pods(self, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+            return [running]
+
+    def read(address: str) -> dict[str, Any]:
+        reads.append(address)
+        return {"traffic": {"served_bytes": {"source": MiB}}}
+
+    state = OperatorState(kube=cast(Kube, MountPods()), settings=OperatorSettings(read_stats=read))
+    body = {"metadata": {"namespace": "ml", "name": "ds"},
+            "spec": {"source": "s3://bucket/x", "warmUp": {"target": {"tier": "Node"}}}}
+
+    stopped = SimpleNamespace(status={})
+    stopping["now"] = True
+    collect_usage(body, {"volumeName": "cachefs-ml.ds"}, stopped, state, lambda: stopping["now"])
+    assert reads == [] and stopped.status == {}
+    assert u.collect([A, B], read, lambda: True) == {"uid-a": None, "uid-b": None} and reads == []
+
+    running_tick = SimpleNamespace(status={})
+    stopping["now"] = False
+    collect_usage(body, {"volumeName": "cachefs-ml.ds"}, running_tick, state, lambda: stopping["now"])
+    assert reads == ["10.0.0.1:9750"] and running_tick.status["usage"]["totals"]["sourceBytes"] == MiB
