@@ -16,7 +16,10 @@ the GIL released for the whole block (``_receive_waitall``). That is one copy pe
 the block's buffer) and one release and re-take of the GIL per block instead of one per socket
 buffer; the loop does one hop to the pool and one back per block. The buffer is handed to the caller, as a read-only
 ``memoryview``, only when it is full: a request that fails or is cancelled drops it, so nothing can
-see a partial block.
+see a partial block. The caller may give work to do on the bytes in the same worker once they are
+handed over (``then``: the engine's disk-tier write of a small block, ``tiering.handoff``), which saves
+the loop a hop to another thread and back; the worker hands the answer over itself
+(``call_soon_threadsafe``) rather than through ``run_in_executor``, so that it can go on after.
 
 The buffer is an anonymous mapping from the process's one pool (``tiering.buffers``, which says
 why a mapping and not ``bytearray``): page-aligned, so the disk tier can write it with ``O_DIRECT``,
