@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterable, Mapping, Protocol, runtime_checkable
 
 from tiering.blocks import BlockData, BlockKey
+from tiering.handoff import AfterReceive
 from tiering.health import TierHealth
 
 
@@ -290,11 +291,16 @@ class ObjectStore(Protocol):
     async def head(self, key: str) -> ObjectInfo:
         """Metadata of one object; ``ObjectNotFoundError`` if absent."""
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
+    async def get_range(self, key: str, etag: str, start: int, end: int, *,
+                        after: AfterReceive[Any] | None = None) -> BlockData:
         """Bytes ``[start, end)`` of the object, only if its ETag is still ``etag``.
 
         A read-only ``memoryview`` where the store received the range in place (S3): the caller
         may keep it. ``etag`` may be ``ANY_VERSION``: the bytes of the current version, unchecked.
+
+        ``after``: work on the bytes that a store receiving in worker threads may claim (before
+        this returns) and run in the receiving thread once the bytes are handed over
+        (``tiering.handoff``); a store that does not leaves it unclaimed, for the caller to do.
 
         Raises ``ObjectChangedError`` if the object now has another ETag, ``ObjectNotFoundError`` if
         it is gone, ``ObjectStoreUnavailableError`` on timeouts and connection failures.

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import pytest
 
 from tests.support.s3servers import SeaweedS3
+from tiering.handoff import AfterReceive
 from tiering.errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError
 from tiering.objectstore import S3ObjectStore
 from tiering.objectstore import s3 as s3_module
@@ -51,6 +53,40 @@ async def test_ranges_come_from_presigned_urls(seaweed: SeaweedS3, seaweed_bucke
         seaweed.put(seaweed_bucket, "p/obj.bin", DATA[::-1])  # a new version: 412 on the old ETag
         with pytest.raises(ObjectChangedError, match="obj.bin"):
             await store.get_range("obj.bin", etag, 0, 10)
+    finally:
+        await store.close()
+
+
+async def test_the_receiving_worker_runs_after_only_on_bytes_it_returns(
+        seaweed: SeaweedS3, seaweed_bucket: str) -> None:
+    """``after`` (tiering.handoff) is claimed and run by the GET worker for an answer returned from the
+    fast path; a fallback through botocore or a changed object leaves it to the caller."""
+    seaweed.put(seaweed_bucket, "p/obj.bin", DATA)
+    store = make_store(seaweed, seaweed_bucket)
+    ran: list[tuple[str, bytes]] = []
+
+    def work(data: object) -> int:
+        ran.append((threading.current_thread().name, bytes(data)))  # type: ignore[call-overload]
+        return len(ran)
+
+    try:
+        etag = (await store.head("obj.bin")).etag
+        after = AfterReceive(work)
+        assert await store.get_range("obj.bin", etag, 10, 5000, after=after) == DATA[10:5000]
+        assert after.claimed and await after.result() == 1
+        assert ran[0][0].startswith("cachefs-get") and ran[0][1] == DATA[10:5000]
+
+        url, until = store._presigned["obj.bin"]
+        store._presigned["obj.bin"] = (tamper(url), until)  # refused: botocore repeats the GET
+        refused = AfterReceive(work)
+        assert await store.get_range("obj.bin", etag, 0, 100, after=refused) == DATA[:100]
+        assert store.stats.presigned_fallbacks == 1 and not refused.claimed
+
+        seaweed.put(seaweed_bucket, "p/obj.bin", DATA[::-1])
+        changed = AfterReceive(work)
+        with pytest.raises(ObjectChangedError):
+            await store.get_range("obj.bin", etag, 0, 10, after=changed)
+        assert not changed.claimed and len(ran) == 1
     finally:
         await store.close()
 

@@ -18,7 +18,9 @@ from tiering.blocks import DEFAULT_BLOCK_SIZE, MIN_BLOCK_SIZE, BlockKey, ObjectR
 from tiering.clock import SystemClock
 from tiering.tiers.disk import DiskTier
 from tiering.engine.blockcache import BlockCache
+from tiering.engine.loads import RECEIVER_PUT_BELOW_BYTES
 from tiering.errors import ObjectChangedError, ObjectStoreError, ObjectStoreUnavailableError
+from tiering.handoff import AfterReceive
 from tiering.health import TierHealth
 from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.protocols import DiskBlockTier, Listing, ObjectInfo, TierStats
@@ -64,7 +66,7 @@ class GatedStore:
     async def head(self, key: str) -> ObjectInfo:
         return await self.inner.head(key)
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int, *, after: object = None) -> bytes:
         self.started += 1
         self.in_progress += 1
         self.max_in_progress = max(self.max_in_progress, self.in_progress)
@@ -81,7 +83,7 @@ class GatedStore:
 class YieldingStore(GatedStore):
     """Like GatedStore, but each GET just yields the loop a few times instead of waiting on a gate."""
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int, *, after: object = None) -> bytes:
         self.started += 1
         self.in_progress += 1
         self.max_in_progress = max(self.max_in_progress, self.in_progress)
@@ -91,6 +93,24 @@ class YieldingStore(GatedStore):
             return await self.inner.get_range(key, etag, start, end)
         finally:
             self.in_progress -= 1
+
+
+class ReceivingStore(GatedStore):
+    """Receives every GET in a thread of its own and claims the caller's ``after`` there, running it
+    once the bytes are handed over, as S3's presigned path does (``tiering.handoff``)."""
+
+    def __init__(self, inner: InMemoryObjectStore) -> None:
+        super().__init__(inner)
+        self.gate.set()
+        self.claimed = 0
+
+    async def get_range(self, key: str, etag: str, start: int, end: int, *, after: object = None) -> bytes:
+        data = await self.inner.get_range(key, etag, start, end)
+        if isinstance(after, AfterReceive):
+            self.claimed += 1
+            after.claim()
+            threading.Thread(target=after.run, args=(data,), name="receiver").start()
+        return data
 
 
 class BrokenTier:
@@ -326,6 +346,75 @@ async def test_fetch_slots_are_held_until_the_disk_write_completes(tmp_path: Pat
     assert all(disk.contains(bkey(ref, i)) for i in range(6))
 
 
+async def test_a_small_block_is_written_to_disk_by_the_thread_that_received_it(tmp_path: Path, monkeypatch) -> None:
+    """No hop to asyncio's pool for it (tiering.handoff), and the fetch slot is still held until it is
+    on disk."""
+    disk = DiskTier(tmp_path, 100 * BS)
+    writers: list[str] = []
+    writing = threading.Event()
+    real_put = DiskTier.put
+
+    def put_here(self: DiskTier, key: BlockKey, data: bytes) -> bool:
+        writers.append(threading.current_thread().name)
+        writing.set()
+        try:
+            import time
+
+            time.sleep(0.01)  # a slow device: a GET started meanwhile would be seen
+            return real_put(self, key, data)
+        finally:
+            writing.clear()
+
+    monkeypatch.setattr(DiskTier, "put", put_here)
+    store = ReceivingStore(InMemoryObjectStore())
+    gets_during_a_write = 0
+
+    def on_get(key: str, start: int, end: int) -> None:
+        nonlocal gets_during_a_write
+        gets_during_a_write += writing.is_set()
+
+    store.inner.on_get = on_get
+    ref = put(store.inner)
+    cache = make_cache(store, disk=disk, max_concurrent_fetches=1)
+    assert await cache.read(ref, 0, SIZE) == SOURCE
+    await cache.close()
+    assert store.claimed == 6 and writers == ["receiver"] * 6
+    assert gets_during_a_write == 0  # one slot: the next GET waits for the write
+    assert all(disk.contains(bkey(ref, i)) for i in range(6))
+    assert cache.stats.disk_errors == 0
+
+
+async def test_a_large_block_is_written_by_the_pool_not_the_receiving_thread(tmp_path: Path) -> None:
+    """Blocks of RECEIVER_PUT_BELOW_BYTES and more are not offered to the receiving thread."""
+    block = RECEIVER_PUT_BELOW_BYTES
+    data = random.Random(5).randbytes(block + 10)
+    store = ReceivingStore(InMemoryObjectStore())
+    ref = put(store.inner, "big.bin", data)
+    disk = DiskTier(tmp_path / "disk", 8 * block)
+    settings = CacheSettings(block_size=block, ram_bytes=4 * block, disk_bytes=8 * block)
+    cache = BlockCache(settings, store, RamTier(4 * block), disk)
+    assert await cache.read(ref, 0, len(data)) == data
+    await cache.close()
+    assert store.claimed == 1  # the 10-byte tail block only
+    assert disk.contains(bkey(ref, 0)) and disk.contains(bkey(ref, 1))
+
+
+@pytest.mark.parametrize("exc", [OSError(errno.EIO, "dead disk"), RuntimeError("bug")])
+async def test_a_disk_put_that_raises_in_the_receiving_thread_is_a_miss(
+        exc: Exception, caplog: pytest.LogCaptureFixture) -> None:
+    store = ReceivingStore(InMemoryObjectStore())
+    ref = put(store.inner)
+    disk = BrokenTier(exc)
+    cache = make_cache(store, disk=disk)
+    assert await cache.read(ref, 0, SIZE) == SOURCE
+    await cache.close()
+    assert store.claimed == 6
+    assert disk.calls == 18  # every block: one index lookup, one get, one put
+    assert cache.stats.disk_errors == 12  # the get in the pool, the put in the receiving thread
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == "tiering.engine.diskguard"]
+    assert len(warnings) == 1 and warnings[0].exc_info is not None
+
+
 # ------------------------------------------------------------------------------------------ tiers
 async def test_second_read_is_a_ram_hit() -> None:
     store = CountingStore()
@@ -500,7 +589,7 @@ async def test_store_failure_fails_uncached_reads_while_cached_blocks_keep_flowi
 
 async def test_short_read_from_the_store_is_an_error() -> None:
     class ShortStore(CountingStore):
-        async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        async def get_range(self, key: str, etag: str, start: int, end: int, *, after: object = None) -> bytes:
             return (await super().get_range(key, etag, start, end))[:-1]
 
     store = ShortStore()

@@ -37,7 +37,7 @@ class ListOnlyStore(FailingObjectStore):
         self.inner.stats.requests += 1
         raise AccessDeniedError(f"head {key!r}: Access Denied")
 
-    async def get_range(self, key: str, etag: str, start: int, end: int):  # type: ignore[no-untyped-def]
+    async def get_range(self, key: str, etag: str, start: int, end: int, *, after: object = None):  # type: ignore[no-untyped-def]
         raise AccessDeniedError(f"get {key!r}: Access Denied")
 
 
@@ -45,7 +45,7 @@ class HeadOnlyStore(FailingObjectStore):
     """A source that answers HEAD but refuses the bytes (403), as S3 does for a volume that holds
     ``s3:GetObject`` but not ``kms:Decrypt`` on an SSE-KMS object."""
 
-    async def get_range(self, key: str, etag: str, start: int, end: int):  # type: ignore[no-untyped-def]
+    async def get_range(self, key: str, etag: str, start: int, end: int, *, after: object = None):  # type: ignore[no-untyped-def]
         raise AccessDeniedError(f"get {key!r}: Access Denied")
 
 

@@ -249,7 +249,7 @@ async def test_latency_histogram_records_gets(tmp_path: Path) -> None:
     clock = FakeClock()
 
     class SlowStore(CountingStore):
-        async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        async def get_range(self, key: str, etag: str, start: int, end: int, *, after: object = None) -> bytes:
             clock.advance(0.03)
             return await super().get_range(key, etag, start, end)
 

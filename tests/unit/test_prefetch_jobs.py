@@ -208,7 +208,7 @@ async def test_cancel_then_resume_fetches_only_the_rest(tmp_path: Path, store: I
     fetched: list[tuple[str, int]] = []
     gate = asyncio.Event()
 
-    async def slow_get(key, etag, start, end):  # noqa: ANN001, ANN202
+    async def slow_get(key, etag, start, end, *, after=None):  # noqa: ANN001, ANN202
         if len(fetched) >= 6:
             await gate.wait()
         fetched.append((key, start))
@@ -233,7 +233,7 @@ async def test_cancel_then_resume_fetches_only_the_rest(tmp_path: Path, store: I
 async def test_lease_cancels_an_abandoned_job(tmp_path: Path, store: InMemoryObjectStore) -> None:
     blocked = asyncio.Event()
 
-    async def hang(key, etag, start, end):  # noqa: ANN001, ANN202
+    async def hang(key, etag, start, end, *, after=None):  # noqa: ANN001, ANN202
         await blocked.wait()
 
     store.get_range = hang  # type: ignore[method-assign]

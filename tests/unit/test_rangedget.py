@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tiering.objectstore.rangedget import WAITALL_MIN_BYTES, RangedGetter
+from tiering.objectstore.rangedget import WAITALL_MIN_BYTES, RangeAnswer, RangedGetter
 
 BODY = os.urandom(WAITALL_MIN_BYTES * 3 + 12345)  # above the MSG_WAITALL threshold, not a round size
 Script = Callable[[http.server.BaseHTTPRequestHandler], None]
@@ -109,6 +109,47 @@ async def test_the_range_arrives_whole_in_one_read_only_buffer(server: Server, o
         assert answer.data is not None and answer.data.readonly
         assert answer.data == BODY[start:end]
     assert server.connections == 1  # kept alive between requests
+
+
+async def test_then_runs_in_the_worker_after_the_answer_is_handed_over(server: Server, one_thread: RangedGetter) -> None:
+    """``then`` sees the answer in the worker before the handover; what it returns runs there after it
+    (tiering.handoff): the caller has its bytes without waiting for that work."""
+    loop_thread = threading.get_ident()
+    seen: list[tuple[str, int]] = []
+    handed_over = asyncio.Event()
+    done = threading.Event()
+
+    def after() -> None:
+        # The caller was woken with the answer before this ran (it blocks until it was).
+        assert asyncio.run_coroutine_threadsafe(handed_over.wait(), loop).result(5) is True
+        seen.append(("after", threading.get_ident()))
+        done.set()
+
+    def then(answer: RangeAnswer) -> Callable[[], None]:
+        assert answer.data == BODY[:100]
+        seen.append(("then", threading.get_ident()))
+        return after
+
+    loop = asyncio.get_running_loop()
+    answer = await one_thread.get(f"{server.url}/k", ranged(0, 100), 100, then)
+    assert answer.data == BODY[:100]
+    assert [what for what, _ in seen] == ["then"]  # not yet "after": the answer came first
+    handed_over.set()
+    assert await asyncio.to_thread(done.wait, 5)
+    assert [what for what, _ in seen] == ["then", "after"]
+    assert seen[0][1] == seen[1][1] != loop_thread  # both in the worker that received the bytes
+
+
+async def test_then_may_decline_and_sees_failures_too(server: Server, one_thread: RangedGetter) -> None:
+    """An answer without the range (another length) still goes to ``then``, which returns nothing to do."""
+    answers: list[RangeAnswer] = []
+
+    def then(answer: RangeAnswer) -> None:
+        answers.append(answer)
+        return None
+
+    answer = await one_thread.get(f"{server.url}/k", ranged(0, 100), 99, then)
+    assert answer.data is None and answers == [answer]
 
 
 async def test_a_redirect_is_never_followed(server: Server, getter: RangedGetter) -> None:

@@ -9,6 +9,11 @@ that did not happen, so a broken or buggy tier costs speed, never a read.
 ``get``, ``put`` and ``run`` are called on the event loop and run the tier's call in asyncio's default
 thread pool (blocking disk calls never run on the loop); ``absent`` is an index lookup in memory,
 answered on the loop with no I/O. The loads, promotion and evict of the block cache share one.
+
+``put_after_receive`` is the same put, offered to the store's worker thread that receives the block
+(``tiering.handoff``): a small block is then written by the thread that has it, with no hop to the
+pool and back; ``finish_put`` waits for it, guarded the same way, or makes the put itself where no
+worker claimed it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Callable, TypeVar
 
 from tiering.blocks import BlockData, BlockKey
 from tiering.engine.stats import EngineStats
+from tiering.handoff import AfterReceive
 from tiering.protocols import DiskBlockTier
 
 log = logging.getLogger(__name__)
@@ -44,14 +50,33 @@ class GuardedDisk:
     async def put(self, key: BlockKey, data: BlockData) -> bool | None:
         return await self.run("put", self.tier.put, key, data)
 
+    def put_after_receive(self, key: BlockKey) -> AfterReceive[bool]:
+        """The put of ``key``'s block, for the thread that receives it to make (``finish_put``)."""
+        tier = self.tier
+        return AfterReceive(lambda data: tier.put(key, data))
+
+    async def finish_put(self, key: BlockKey, data: BlockData, put: AfterReceive[bool] | None) -> bool | None:
+        """The outcome of ``put`` where a receiving thread claimed it, else the put made here."""
+        if put is None or not put.claimed:
+            return await self.put(key, data)
+        try:
+            return await put.result()
+        except Exception:  # noqa: BLE001 - a cache tier must never fail a read
+            self._failed("put")
+            return None
+
     async def run(self, what: str, call: Callable[..., T], *args: object) -> T | None:
         """Run one disk-tier call in a worker thread; a tier that raises is a miss, never an error."""
         try:
             return await asyncio.to_thread(call, *args)
         except Exception:  # noqa: BLE001 - a cache tier must never fail a read
-            self._stats.disk_errors += 1
-            if self._stats.disk_errors == 1:
-                log.warning("disk tier %s failed; treating it as a miss", what, exc_info=True)
-            else:
-                log.debug("disk tier %s failed", what, exc_info=True)
+            self._failed(what)
             return None
+
+    def _failed(self, what: str) -> None:
+        """Count and log a disk-tier call that raised (in an ``except`` block: logs its traceback)."""
+        self._stats.disk_errors += 1
+        if self._stats.disk_errors == 1:
+            log.warning("disk tier %s failed; treating it as a miss", what, exc_info=True)
+        else:
+            log.debug("disk tier %s failed", what, exc_info=True)

@@ -35,7 +35,9 @@ write-behind queue, which never delays the reader.
 
 Everything here runs on the event loop: the table, the tasks and the slots are touched by no other
 thread. The bytes travel elsewhere: the store's worker threads receive a GET (``SourceFetch``), and
-disk-tier calls run in asyncio's default pool (``GuardedDisk``).
+disk-tier calls run in asyncio's default pool (``GuardedDisk``), but for a small block fetched from the
+source, which the worker that received it writes to the disk tier itself, after handing it over
+(``RECEIVER_PUT_BELOW_BYTES``, ``tiering.handoff``): one thread handoff and wake-up fewer per block.
 """
 
 from __future__ import annotations
@@ -51,11 +53,20 @@ from tiering.engine.diskguard import GuardedDisk
 from tiering.engine.inflight import InFlight, Reservation, ReservingTier
 from tiering.engine.source import SourceFetch
 from tiering.engine.stats import EngineStats
+from tiering.handoff import AfterReceive
 from tiering.protocols import BlockTier, ClusterBlockTier
 from tiering.settings import CacheSettings
 from tiering.storehealth import StoreHealth
 from tiering.tiers.cluster import WriteBehind
 from tiering.traffic import CLUSTER, DISK, RAM, SOURCE, ReadTraffic
+
+
+# Blocks below this are written to the disk tier by the store's thread that received them, right
+# after it handed them to the loop (``tiering.handoff``): for a small file's block the two thread
+# handoffs of a write in asyncio's pool were a visible share of its cost (docs/dataplane.md, "Small
+# files, profiled"). Larger blocks (``O_DIRECT``, milliseconds each) keep the pool: a handoff is noise
+# beside their write, and a GET worker busy writing one would not be receiving the next.
+RECEIVER_PUT_BELOW_BYTES = 1024 * 1024
 
 
 class WarmOutcome(enum.Enum):
@@ -240,10 +251,12 @@ class Loads:
             async with self.fetch_slot(end - start) as reservation:
                 data = await self._from_cluster(ref, key)
                 place = CLUSTER if data is not None else SOURCE
+                put = None
                 if data is None:
                     if self._health is not None:
                         self._health.check_reachable(f"reading {ref.key!r}")
-                    data = await self._source.get(ref, key, started_at)
+                    put = self._put_after_receive(key, end - start)
+                    data = await self._source.get(ref, key, started_at, after=put)
                     self._offer_cluster(key, data)
                 stats.ram_miss_bytes += len(data)
                 if self._disk is not None:
@@ -259,7 +272,7 @@ class Loads:
                 # what bounds the blocks alive beyond the RAM tier (those it evicted meanwhile).
                 self._inflight.pop(key, None)
                 if self._disk is not None:
-                    await self._disk.put(key, data)
+                    await self._disk.finish_put(key, data, put)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting readers
             if not fut.done():
                 if isinstance(exc, asyncio.CancelledError):
@@ -292,14 +305,16 @@ class Loads:
                 async with self.fetch_slot(end - start):  # the block's bytes until it is on disk (not in RAM)
                     data = await self._from_cluster(ref, key, warm=True)
                     place = CLUSTER if data is not None else SOURCE
+                    put = None
                     if data is None:
-                        data = await self._source.get(ref, key, started_at)
+                        put = self._put_after_receive(key, end - start)
+                        data = await self._source.get(ref, key, started_at, after=put)
                         self._offer_cluster(key, data)
                         stats.warm_blocks += 1
                         stats.warm_bytes += len(data)
                     self._traffic.settle(key, place, len(data))
                     fut.set_result(data)
-                    stored = await disk.put(key, data)
+                    stored = await disk.finish_put(key, data, put)
                 outcome = WarmOutcome.FETCHED if stored else WarmOutcome.NOT_STORED
             if not stored:
                 stats.warm_not_stored += 1
@@ -313,6 +328,13 @@ class Loads:
             raise
         finally:
             self.release(key, fut)
+
+    def _put_after_receive(self, key: BlockKey, length: int) -> AfterReceive[bool] | None:
+        """The disk-tier put of a small block, offered to the store's thread that receives it
+        (``tiering.handoff``); None where there is no disk tier or the block is large."""
+        if self._disk is None or length >= RECEIVER_PUT_BELOW_BYTES:
+            return None
+        return self._disk.put_after_receive(key)
 
     async def _from_cluster(self, ref: ObjectRef, key: BlockKey, *, warm: bool = False) -> BlockData | None:
         """The block from the cluster tier, or None (no tier, a miss, or a failure: never raises).

@@ -16,10 +16,13 @@ Called on the event loop only; the bytes are received by the store's own worker 
 
 from __future__ import annotations
 
+from typing import Any
+
 from tiering.blocks import BlockData, BlockKey, ObjectRef, block_range
 from tiering.clock import Clock
 from tiering.engine.stats import EngineStats
 from tiering.errors import ObjectStoreError
+from tiering.handoff import AfterReceive
 from tiering.latency import LatencyHistogram
 from tiering.protocols import ObjectStore
 from tiering.storehealth import StoreHealth, bounded
@@ -36,14 +39,16 @@ class SourceFetch:
         self._health = health
         self._stats = stats
 
-    async def get(self, ref: ObjectRef, key: BlockKey, started_at: float) -> BlockData:
+    async def get(self, ref: ObjectRef, key: BlockKey, started_at: float,
+                  after: AfterReceive[Any] | None = None) -> BlockData:
         """One GET, under the fetch timeout counted from ``started_at`` (loop time: when the load
-        was started, so a wait for a fetch slot counts too)."""
+        was started, so a wait for a fetch slot counts too). ``after``: work the store's receiving
+        thread may claim and run on the bytes (``ObjectStore.get_range``)."""
         start, end = block_range(key.index, ref.size, self._block_size)
         timeout = self._timeout_s
         began = self._clock.monotonic()
         try:
-            data = await bounded(self._health, lambda: self.store.get_range(ref.key, ref.etag, start, end),
+            data = await bounded(self._health, lambda: self.store.get_range(ref.key, ref.etag, start, end, after=after),
                                  timeout, f"reading {ref.key!r}", started_at=started_at)
         except ObjectStoreError:
             self.latency.observe(self._clock.monotonic() - began)

@@ -81,6 +81,7 @@ from tiering.errors import (
     ObjectStoreUnavailableError,
     ReadOnlySourceError,
 )
+from tiering.handoff import AfterReceive
 from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_S, Source
 from tiering.objectstore.fsspec_sources import FSSPEC_PROTOCOLS
 from tiering.objectstore.keys import check_key, check_list_prefix, check_range, check_write_key, key_room
@@ -455,7 +456,9 @@ class FsspecObjectStore:
             return {"size": int(length), "ETag": r.headers.get("ETag"),
                     "Last-Modified": r.headers.get("Last-Modified"), "type": "file"}
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int, *,
+                        after: AfterReceive[Any] | None = None) -> bytes:
+        # Receives on the loop (fsspec's async client): ``after`` stays unclaimed, for the caller to do.
         check_range(start, end)
         if start == end:
             return b""  # as every store: nothing to read, so no request and no version check

@@ -28,9 +28,10 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from tiering.blocks import BlockData
+from tiering.handoff import AfterReceive
 from tiering.errors import ObjectChangedError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError
 from tiering.objectstore.keys import (
     MAX_KEY_BYTES,
@@ -129,7 +130,9 @@ class InMemoryObjectStore:
         await asyncio.sleep(0)
         return self._lookup(key).info
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    async def get_range(self, key: str, etag: str, start: int, end: int, *,
+                        after: AfterReceive[Any] | None = None) -> bytes:
+        # Receives on the loop: ``after`` stays unclaimed, for the caller to do.
         check_range(start, end)
         if self.on_get is not None:
             self.on_get(key, start, end)
@@ -303,11 +306,12 @@ class FailingObjectStore:
         await self._before(self.fail_heads, f"head {key!r}")
         return await self.inner.head(key)
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
+    async def get_range(self, key: str, etag: str, start: int, end: int, *,
+                        after: AfterReceive[Any] | None = None) -> BlockData:
         if self.on_get is not None:
             self.on_get(key, start, end)
         await self._before(self.fail_gets, f"get {key!r} [{start}, {end})")
-        return await self.inner.get_range(key, etag, start, end)
+        return await self.inner.get_range(key, etag, start, end, after=after)
 
     async def _before_write(self, op: str, key: str) -> None:
         if self.on_write is not None:

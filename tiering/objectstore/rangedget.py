@@ -16,7 +16,10 @@ the GIL released for the whole block (``_receive_waitall``). That is one copy pe
 the block's buffer) and one release and re-take of the GIL per block instead of one per socket
 buffer; the loop does one hop to the pool and one back per block. The buffer is handed to the caller, as a read-only
 ``memoryview``, only when it is full: a request that fails or is cancelled drops it, so nothing can
-see a partial block.
+see a partial block. The caller may give work to do on the bytes in the same worker once they are
+handed over (``then``: the engine's disk-tier write of a small block, ``tiering.handoff``), which saves
+the loop a hop to another thread and back; the worker hands the answer over itself
+(``call_soon_threadsafe``) rather than through ``run_in_executor``, so that it can go on after.
 
 The buffer is an anonymous mapping from the process's one pool (``tiering.buffers``, which says
 why a mapping and not ``bytearray``): page-aligned, so the disk tier can write it with ``O_DIRECT``,
@@ -61,7 +64,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 from tiering.buffers import BLOCK_BUFFERS, BufferPool
@@ -132,6 +135,32 @@ class _Connections:
     by_origin: dict[tuple[str, str, int], http.client.HTTPConnection] = field(default_factory=dict)
 
 
+# Called in the worker with the answer before it is handed over; returns work to do after (or None).
+Then = Callable[[RangeAnswer], Callable[[], None] | None]
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+    """``callback(*args)`` on ``loop``, from any thread; nothing once the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass  # the loop is closed: nobody waits for the answer
+
+
+def _settle(future: asyncio.Future[RangeAnswer], answer: RangeAnswer | None, error: BaseException | None) -> None:
+    if future.done():
+        return  # the caller stopped waiting (its deadline, a cancelled read)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        assert answer is not None
+        future.set_result(answer)
+
+
+def _cancel(future: asyncio.Future[RangeAnswer]) -> None:
+    future.cancel()
+
+
 class RequestAbandoned(Exception):
     """The caller stopped waiting; the thread dropped the request (internal)."""
 
@@ -155,13 +184,23 @@ class RangedGetter:
         self.buffers: BufferPool = BLOCK_BUFFERS  # shared with the disk tier (tiering.buffers)
         self._closed = False
 
-    async def get(self, url: str, headers: Mapping[str, str], length: int) -> RangeAnswer:
-        """GET ``url`` with ``headers`` in a worker thread; raises ``OSError``/``http.client`` errors."""
+    async def get(self, url: str, headers: Mapping[str, str], length: int,
+                  then: Then | None = None) -> RangeAnswer:
+        """GET ``url`` with ``headers`` in a worker thread; raises ``OSError``/``http.client`` errors.
+
+        ``then(answer)`` is called in the worker with the answer before it is handed over; the
+        callable it returns, if any, is called in the same worker right after the handover (work on
+        the bytes that the caller's loop need not hand to another thread: ``tiering.handoff``). It
+        must not raise."""
         request = _Request(url, headers, length)
         with self._lock:
             self._inflight.add(request)
         try:
-            future = asyncio.get_running_loop().run_in_executor(self._pool, self._run, request)
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[RangeAnswer] = loop.create_future()
+            job = self._pool.submit(self._job, request, loop, future, then)
+            # close() drops queued jobs: their callers see a cancellation, as run_in_executor gives.
+            job.add_done_callback(lambda j: _call_soon(loop, _cancel, future) if j.cancelled() else None)
             async with asyncio.timeout(request_timeout()):  # the caller's deadline, however slow the server
                 return await future
         except BaseException:
@@ -186,6 +225,19 @@ class RangedGetter:
             group.by_origin.clear()
 
     # -- in a worker thread -------------------------------------------------------------------------
+
+    def _job(self, request: _Request, loop: asyncio.AbstractEventLoop, future: asyncio.Future[RangeAnswer],
+             then: Then | None) -> None:
+        """The request, its answer handed to the loop, then whatever ``then`` gave to do after."""
+        try:
+            answer = self._run(request)
+        except BaseException as exc:  # noqa: BLE001 - the caller's, on the loop
+            _call_soon(loop, _settle, future, None, exc)
+            return
+        after = then(answer) if then is not None else None
+        _call_soon(loop, _settle, future, answer, None)
+        if after is not None:
+            after()
 
     def _connections(self) -> _Connections:
         mine = getattr(self._local, "connections", None)

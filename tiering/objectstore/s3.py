@@ -72,7 +72,7 @@ import logging
 import time
 import urllib.request
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -93,7 +93,7 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
-from tiering.objectstore.rangedget import RangedGetter
+from tiering.objectstore.rangedget import RangeAnswer, RangedGetter
 from tiering.objectstore.s3presign import UrlSigner
 from tiering.objectstore.s3session import aws_session, configured_endpoint_url
 from tiering.objectstore.s3errors import (
@@ -105,6 +105,7 @@ from tiering.objectstore.s3errors import (
     not_s3_error,
 )
 from tiering.blocks import BlockData
+from tiering.handoff import AfterReceive
 from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
 
@@ -189,6 +190,24 @@ def _strip_etag(etag: str) -> str:
     if etag.startswith("W/"):
         etag = etag[2:]
     return etag.strip('"')
+
+
+def _etag_matches(returned: str | None, etag: str) -> bool:
+    """Whether an answer with ETag header ``returned`` is the version asked for (no header: trusted,
+    If-Match having been sent; servers that ignore If-Match show their ETag)."""
+    return etag == ANY_VERSION or returned is None or _strip_etag(returned) == _strip_etag(etag)
+
+
+def _then(after: AfterReceive[Any], etag: str) -> Callable[[RangeAnswer], Callable[[], None] | None]:
+    """For ``RangedGetter.get``: ``after`` claimed, in the worker, for an answer ``_presigned_get``
+    returns (the exact range, the version asked for), and run there once the answer is handed over."""
+    def then(answer: RangeAnswer) -> Callable[[], None] | None:
+        data = answer.data
+        if data is None or not _etag_matches(answer.etag, etag):
+            return None
+        after.claim()
+        return lambda: after.run(data)
+    return then
 
 
 def _quote_etag(etag: str) -> str:
@@ -402,7 +421,7 @@ class S3ObjectStore:
 
     def _check_returned_etag(self, returned: str | None, etag: str, where: str) -> None:
         """For servers that ignore If-Match: a GET answered with another version is a change."""
-        if returned is not None and _strip_etag(returned) != _strip_etag(etag):
+        if not _etag_matches(returned, etag):
             self.stats.errors += 1
             raise changed_error(where)
 
@@ -447,11 +466,14 @@ class S3ObjectStore:
                                         ca_bundle=self._environ.get("AWS_CA_BUNDLE") or None)
         return self._ranged
 
-    async def _presigned_get(self, key: str, etag: str, start: int, end: int, where: str) -> BlockData | None:
+    async def _presigned_get(self, key: str, etag: str, start: int, end: int, where: str,
+                             after: AfterReceive[Any] | None) -> BlockData | None:
         """Bytes ``[start, end)`` by a GET on a presigned URL; None to have botocore do the request.
 
         Received in a worker thread straight into the block's buffer (``tiering.objectstore.rangedget``).
         Raises only ``ObjectChangedError`` (412, or another ETag answered); returns b"" for 416.
+        ``after`` is claimed and run by that worker for the answers returned here (the range in full,
+        the ETag asked for: the same test as below), and for no other.
         """
         url = await self._presign(key)
         if url is None:
@@ -462,7 +484,8 @@ class S3ObjectStore:
             headers["If-Match"] = etag
         status = 0
         try:
-            answer = await self._getter().get(url, headers, end - start)
+            answer = await self._getter().get(url, headers, end - start,
+                                              None if after is None else _then(after, etag))
             status = answer.status
             if status == 412:
                 self.stats.errors += 1
@@ -507,14 +530,15 @@ class S3ObjectStore:
             mtime=response["LastModified"].timestamp(),
         )
 
-    async def get_range(self, key: str, etag: str, start: int, end: int) -> BlockData:
+    async def get_range(self, key: str, etag: str, start: int, end: int, *,
+                        after: AfterReceive[Any] | None = None) -> BlockData:
         check_range(start, end)
         if start == end:
             return b""
         self._check_key(key)
         where = self._where(key)
         self.stats.get_requests += 1
-        fast = await self._presigned_get(key, etag, start, end, where)
+        fast = await self._presigned_get(key, etag, start, end, where, after)
         if fast is not None:
             self.stats.bytes_read += len(fast)
             return fast
