@@ -182,6 +182,16 @@ __all__ = ["DiskTier", "CorruptBlockError", "block_file_size", "check_cache_dir"
 BLOCKS_DIRNAME = "blocks"
 
 
+def _check_limits(name: str, capacity_bytes: int, min_free_bytes: int, low: float, high: float) -> None:
+    """A ``ValueError`` naming the tier and the limit for a size or watermark that cannot be."""
+    if capacity_bytes < 0:
+        raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
+    if min_free_bytes < 0:
+        raise ValueError(f"{name} tier minimum free space must not be negative, got {min_free_bytes}")
+    if not 0 < low < high <= 1:
+        raise ValueError(f"{name} tier watermarks must satisfy 0 < low < high <= 1, got low={low} high={high}")
+
+
 class DiskTier:
     """Blocks as checksummed files under ``directory``, at most ``capacity_bytes`` of them on disk."""
 
@@ -199,14 +209,7 @@ class DiskTier:
         free_space: Callable[[], int] | None = None,
         victim_order: VictimOrder | None = None,
     ) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"{name} tier capacity must not be negative, got {capacity_bytes}")
-        if min_free_bytes < 0:
-            raise ValueError(f"{name} tier minimum free space must not be negative, got {min_free_bytes}")
-        if not 0 < low_watermark < high_watermark <= 1:
-            raise ValueError(
-                f"{name} tier watermarks must satisfy 0 < low < high <= 1, got low={low_watermark} high={high_watermark}"
-            )
+        _check_limits(name, capacity_bytes, min_free_bytes, low_watermark, high_watermark)
         self.name = name
         self.capacity_bytes = capacity_bytes
         self.high_watermark = high_watermark
@@ -434,10 +437,7 @@ class DiskTier:
         """Whole files held now and their bytes (part of ``len()`` and ``used_bytes()``), and counters."""
         with self._lock:
             sizes = [size for key, (size, _gen) in self._index.items() if key.startswith(WHOLE_PREFIX)]
-            st = self.whole_stats
-            return {"files": len(sizes), "bytes": sum(sizes), "assembled": st.assembled,
-                    "assembled_bytes": st.assembled_bytes, "failed": st.failed,
-                    "removed_at_start": st.removed_at_start}
+            return self.whole_stats.snapshot(sizes)
 
     def discard_whole(self, ref: ObjectRef) -> None:
         self._drop(WHOLE_PREFIX + whole_digest(ref))

@@ -57,6 +57,12 @@ class WholeFileStats:
     failed: int = 0  # assemblies abandoned: a block missing or failing its check, or a write error
     removed_at_start: int = 0  # found at start-up and removed (never trusted across a restart)
 
+    def snapshot(self, sizes: list[int]) -> dict[str, int]:
+        """The counters, with the files held now (``sizes``: each one's bytes)."""
+        return {"files": len(sizes), "bytes": sum(sizes), "assembled": self.assembled,
+                "assembled_bytes": self.assembled_bytes, "failed": self.failed,
+                "removed_at_start": self.removed_at_start}
+
 
 def write_whole(tmp: Path, final: Path, size: int, blocks: Sequence[tuple[int, Callable[[], BlockData | None]]],
                 open_file: Callable[[Path, int], int]) -> None:
