@@ -215,6 +215,9 @@ class MountSettings:
     # A /dev/fuse descriptor already mounted at ``mountpoint`` by a privileged process and handed to
     # this daemon (``cachefs mount --fuse-fd-socket``, ``cachefs.handover``); None: the daemon mounts.
     fuse_fd: int | None = None
+    # Clones of that descriptor's connection the privileged process opened for this daemon's readers
+    # (``--fuse-threads``): used before the session opens any itself (a mount pod has no /dev/fuse).
+    fuse_clones: tuple[int, ...] = ()
     # The node plugin's backing-file broker for passthrough (``cachefs mount --backing-broker``,
     # ``cachefs.backing``), used when this daemon may not register backing files itself.
     backing_broker: Path | None = None
