@@ -293,3 +293,10 @@ def test_clones_handed_over_with_the_descriptor_are_read_before_any_is_made(
         session.close()
     assert session._threaded and ops.threads == ["fuse-reader-1"]
     assert "cannot clone" not in caplog.text and "2 threads read the mount's requests" in caplog.text
+
+
+def test_the_handover_clones_with_the_protocol_ioctl() -> None:
+    """cachefs.handover (a leaf module, used by the CSI node plugin) spells FUSE_DEV_IOC_CLONE itself."""
+    from cachefs import handover
+
+    assert handover.DEV_IOC_CLONE == wire.DEV_IOC_CLONE == 0x8004E500
