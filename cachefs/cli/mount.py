@@ -602,11 +602,10 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
-    """``--fuse-fd-socket``: take the mounted /dev/fuse descriptor from the socket and serve it in the
-    foreground, reporting start-up (``WARN``/``OK``/``ERR``, or ``BAD`` for refused arguments) on the
-    same connection (``cachefs.handover``)."""
+    """``--fuse-fd-socket``: take the mounted /dev/fuse descriptor (and clones for the readers) from the
+    socket and serve it in the foreground, reporting start-up (``WARN``/``OK``/``ERR``, or ``BAD`` for
+    refused arguments) on the same connection (``cachefs.handover``)."""
     try:
-        # (clones of the connection, opened by the privileged plugin, for --fuse-threads readers)
         fuse_fd, clones, conn = receive_fd(Path(os.path.abspath(args.fuse_fd_socket)), HANDOVER_WAIT_S,
                                            max_clones=min(args.fuse_threads, MAX_FUSE_THREADS) - 1)
     except HandoverError as exc:
