@@ -32,16 +32,14 @@ DEFAULT_DIR_TTL_S = 60.0
 # same bound.
 MAX_TTL_S = 86400.0
 # Threads that read and answer one mount's requests (``cachefs mount --fuse-threads``), each on its
-# own clone of the /dev/fuse descriptor; 1: the asyncio loop reads them. Measured on the 2-core VM
-# (benchmarks/fuse_clone.py --daemon, docs/dataplane.md "Several readers of one mount"), 2 halve the
-# busiest thread's CPU per warm file, per GiB re-read and per GiB of page-cache refill in every round,
-# at about the same total (rates moved both ways, mostly up): what moves to the second core is the
-# system calls (they release the GIL). 1 by default for now: the readers landed beside the inline
-# lookups, the kernel notifications and the passthrough broker in one session, and only their own
-# suites ran with 2 on the merged code; 2 becomes the default once the whole suite has. At most 32:
-# the Python work of all of them is one thread's at a time (the GIL and the state lock), so past a
-# few more readers only wait.
-DEFAULT_FUSE_THREADS = 1
+# own clone of the /dev/fuse descriptor; 1: the asyncio loop reads them. 2 by default: measured on the
+# 2-core VM (benchmarks/fuse_clone.py --daemon, docs/dataplane.md "Several readers of one mount"), 2
+# halve the busiest thread's CPU per warm file, per GiB re-read and per GiB of page-cache refill in
+# every round, at about the same total (rates moved both ways, mostly up): what moves to the second
+# core is the system calls (they release the GIL). Every FUSE, CSI and integration suite that mounts
+# has run with 2. At most 32: the Python work of all of them is one thread's at a time (the GIL and
+# the state lock), so past a few more readers only wait.
+DEFAULT_FUSE_THREADS = 2
 MAX_FUSE_THREADS = 32
 # Negative lookups (a name that does not exist) are answered from the cached listing of the parent
 # for the same TTL as the listing, because they come from it.
@@ -215,6 +213,9 @@ class MountSettings:
     # A /dev/fuse descriptor already mounted at ``mountpoint`` by a privileged process and handed to
     # this daemon (``cachefs mount --fuse-fd-socket``, ``cachefs.handover``); None: the daemon mounts.
     fuse_fd: int | None = None
+    # Clones of that descriptor's connection the privileged process opened for this daemon's readers
+    # (``--fuse-threads``): used before the session opens any itself (a mount pod has no /dev/fuse).
+    fuse_clones: tuple[int, ...] = ()
     # The node plugin's backing-file broker for passthrough (``cachefs mount --backing-broker``,
     # ``cachefs.backing``), used when this daemon may not register backing files itself.
     backing_broker: Path | None = None

@@ -44,7 +44,7 @@ from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 from cachefs import admin
-from cachefs.settings import MAX_CONCURRENT_FETCHES, MAX_TTL_S, ClusterSettings
+from cachefs.settings import MAX_CONCURRENT_FETCHES, MAX_FUSE_THREADS, MAX_TTL_S, ClusterSettings
 from csi_driver.errors import invalid
 
 # ---------------------------------------------------------------------------------- volume attributes
@@ -60,6 +60,7 @@ ATTR_ATTR_TTL = "attrTtl"  # --attr-ttl (seconds)
 ATTR_DIR_TTL = "dirTtl"  # --dir-ttl (seconds)
 ATTR_READ_ONLY = "readOnly"  # "true": always mount read-only, whatever the pod asks
 ATTR_DIRECT_IO = "directIo"  # "true": --direct-io, reads and writes bypass the mount's page cache
+ATTR_FUSE_THREADS = "fuseThreads"  # --fuse-threads: threads that read and answer the mount's requests
 ATTR_UID = "uid"  # --uid: owner of every file and directory (default: root, the node plugin)
 ATTR_GID = "gid"  # --gid (a pod's fsGroup, when it has one, takes its place)
 ATTR_FILE_MODE = "fileMode"  # --file-mode, octal
@@ -133,7 +134,8 @@ MOUNT_GROUP_FILE_MODE, MOUNT_GROUP_DIR_MODE = 0o664, 0o775
 
 CACHE_KEYS = (ATTR_RAM_CACHE, ATTR_DISK_CACHE, ATTR_BLOCK_SIZE, ATTR_READAHEAD, ATTR_MAX_FETCHES,
               ATTR_ATTR_TTL, ATTR_DIR_TTL, ATTR_CLUSTER_CACHE, ATTR_CLUSTER_ENDPOINT_URL, ATTR_CLUSTER_TIMEOUT,
-              ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT, ATTR_WRITE_DURABILITY, ATTR_DIRECT_IO)
+              ATTR_UPLOAD_DELAY, ATTR_UPLOAD_MAX_DELAY, ATTR_STOP_TIMEOUT, ATTR_WRITE_DURABILITY, ATTR_DIRECT_IO,
+              ATTR_FUSE_THREADS)
 OWNER_KEYS = (ATTR_UID, ATTR_GID, ATTR_FILE_MODE, ATTR_DIR_MODE)
 MOUNT_POD_KEYS = (ATTR_MOUNT_POD_CPU_REQUEST, ATTR_MOUNT_POD_CPU_LIMIT, ATTR_MOUNT_POD_MEMORY_REQUEST,
                   ATTR_MOUNT_POD_MEMORY_LIMIT)
@@ -201,6 +203,7 @@ class CacheOptions:
     # plus what the volume's cache already holds there), sized by the node plugin at mount time
     # (csi_driver.node.NodeOps._sized_cache), which then sets disk_bytes.
     disk_share_percent: float | None = None
+    fuse_threads: int | None = None
 
     def cli_args(self) -> list[str]:
         """The ``cachefs mount`` options for these values (sizes in plain bytes)."""
@@ -212,7 +215,8 @@ class CacheOptions:
                             ("--cluster-endpoint-url", self.cluster_endpoint_url),
                             ("--cluster-timeout", self.cluster_timeout_s), ("--manifest-key", self.manifest_key),
                             ("--upload-delay", self.upload_delay_s), ("--upload-max-delay", self.upload_max_delay_s),
-                            ("--stop-timeout", self.stop_timeout_s), ("--write-durability", self.write_durability)):
+                            ("--stop-timeout", self.stop_timeout_s), ("--write-durability", self.write_durability),
+                            ("--fuse-threads", self.fuse_threads)):
             if value is not None:
                 out += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return out
@@ -375,7 +379,8 @@ def _parse_share(key: str, value: str) -> float:
 
 
 def _parse_int(key: str, value: str, low: int, high: int) -> int:
-    if not value.strip().isdigit() or not low <= int(value) <= high:
+    # (ASCII digits only: "²" is a digit to str.isdigit and no number to int)
+    if not (value.strip().isascii() and value.strip().isdigit()) or not low <= int(value) <= high:
         raise invalid(f"volume attribute {key!r} must be a whole number from {low} to {high}, got {_quote(value)}")
     return int(value)
 
@@ -432,6 +437,8 @@ def parse_cache_options(values: Mapping[str, str]) -> CacheOptions:
         stop_timeout_s=_parse_seconds(ATTR_STOP_TIMEOUT, v) if (v := get(ATTR_STOP_TIMEOUT)) is not None else None,
         write_durability=v if (v := get(ATTR_WRITE_DURABILITY)) is not None else None,
         direct_io=parse_bool(ATTR_DIRECT_IO, v) if (v := get(ATTR_DIRECT_IO)) is not None else False,
+        fuse_threads=_parse_int(ATTR_FUSE_THREADS, v, 1, MAX_FUSE_THREADS) if (v := get(ATTR_FUSE_THREADS)) is not None
+        else None,
     )
     if options.write_durability is not None and options.write_durability not in WRITE_DURABILITIES:
         raise invalid(f"volume attribute {ATTR_WRITE_DURABILITY!r} must be one of {', '.join(WRITE_DURABILITIES)}, "

@@ -31,7 +31,7 @@ import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from cachefs.handover import HandoverError, check_socket_path, send_fd
 from cachefs.mounts import FSTYPE, mount_source
@@ -182,8 +182,10 @@ class HandoverSocket:
         except OSError:
             pass
 
-    def hand_over(self, fd: int, deadline: float, alive: Callable[[], bool]) -> socket.socket:
-        """Accept the daemon's connection and send it ``fd``; the connection, for ``read_report``.
+    def hand_over(self, fd: int, deadline: float, alive: Callable[[], bool],
+                  clones: Sequence[int] = ()) -> socket.socket:
+        """Accept the daemon's connection and send it ``fd`` and ``clones`` of its connection; the
+        connection, for ``read_report``.
 
         ``HandoverError`` when no daemon connects before ``deadline`` (``time.monotonic``) or
         ``alive()`` says the daemon is gone."""
@@ -199,7 +201,7 @@ class HandoverSocket:
         conn, _ = self.sock.accept()
         conn.settimeout(max(0.1, deadline - time.monotonic()))
         try:
-            send_fd(conn, fd)
+            send_fd(conn, fd, clones)
         except OSError as exc:
             conn.close()
             raise HandoverError(f"cannot send the FUSE descriptor: {exc.strerror or exc}") from None

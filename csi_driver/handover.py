@@ -9,8 +9,10 @@ stopped, the mount detached lazily):
 2. the plugin mounts ``/dev/fuse`` at the target itself (``fusefd.mount_fuse``);
 3. it listens on ``<run_dir>/fuse.sock`` and has the launcher start ``cachefs mount ...
    --fuse-fd-socket <run_dir>/fuse.sock`` (``launchers.DaemonSpec``);
-4. it sends the daemon the fd and closes its own copy, so that the daemon is the connection's only
-   holder: the daemon's death ends the connection (ENOTCONN) instead of hanging the mount;
+4. it sends the daemon the fd, with ``fuseThreads - 1`` clones of its connection for the daemon's
+   reader threads (``cachefs.handover.clone_fuse``: a mount pod cannot open ``/dev/fuse``), and closes
+   its own copies, so that the daemon is the connection's only holder: the daemon's death ends the
+   connection (ENOTCONN) instead of hanging the mount;
 5. for a read-only mount, it serves ``<run_dir>/backing.sock`` beforehand (``csi_driver.backing``),
    where the daemon has it register passthrough backing files, each request carrying the daemon's
    own fd (the plugin keeps none); the broker stops at unmount and is served again by ``resume``
@@ -46,7 +48,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from cachefs.backing import BROKER_SOCKET
-from cachefs.handover import MAX_SOCKET_PATH, HandoverError
+from cachefs.handover import MAX_SOCKET_PATH, HandoverError, clone_fuse
+from cachefs.settings import DEFAULT_FUSE_THREADS
 from cachefs.tuning import tune_fuse_connection
 from csi_driver import fusefd
 from csi_driver.backing import BackingBroker
@@ -144,6 +147,7 @@ class HandoverMounter(CachefsMounter):
             disk_cache_bytes=request.cache.disk_bytes, context=dict(request.context),
             pod_resources=request.pod_resources, stop_timeout_s=request.cache.stop_timeout_s,
             log_file=request.cache_dir / "daemon.log", source=request.source,
+            fuse_threads=request.cache.fuse_threads,
         )
 
     def _prepare_dirs(self, spec: DaemonSpec) -> None:
@@ -228,13 +232,19 @@ class HandoverMounter(CachefsMounter):
         def alive() -> bool:
             return self.launcher.is_running(spec.name)
 
+        # One reader thread of the daemon per descriptor: the plugin opens the clones, since a mount
+        # pod has no /dev/fuse (where it cannot, the daemon's loop reads alone; one log line there).
+        threads = DEFAULT_FUSE_THREADS if spec.fuse_threads is None else spec.fuse_threads
+        clones = clone_fuse(fd, threads - 1)
+
         try:
             try:
                 with fusefd.HandoverSocket(spec.handover_socket, uid=spec.uid, gid=spec.gid) as listener:
                     launch(spec)
-                    conn = listener.hand_over(fd, deadline, alive)
+                    conn = listener.hand_over(fd, deadline, alive, clones)
             finally:
-                os.close(fd)  # from here on the daemon holds the connection's only fd
+                for own in (fd, *clones):
+                    os.close(own)  # from here on the daemon holds the connection's only fds
             with conn:
                 warnings, error, invalid = fusefd.read_report(conn, deadline, alive)
         except HandoverError as exc:

@@ -88,6 +88,9 @@ class DaemonSpec:
     # which a mount pod's grace period must cover (PodLauncher).
     stop_timeout_s: float | None = None
     source: str = ""  # the volume's source URL: what the mount table shows (``fusefd.mount_fuse``)
+    # The volume's fuseThreads (None: cachefs's default): the plugin hands the daemon that many
+    # descriptors of the connection, the mounted one and clones (a mount pod cannot open /dev/fuse).
+    fuse_threads: int | None = None
 
     @property
     def handover_socket(self) -> Path:

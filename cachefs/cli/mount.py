@@ -602,18 +602,19 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
-    """``--fuse-fd-socket``: take the mounted /dev/fuse descriptor from the socket and serve it in the
-    foreground, reporting start-up (``WARN``/``OK``/``ERR``, or ``BAD`` for refused arguments) on the
-    same connection (``cachefs.handover``)."""
+    """``--fuse-fd-socket``: take the mounted /dev/fuse descriptor (and clones for the readers) from the
+    socket and serve it in the foreground, reporting start-up (``WARN``/``OK``/``ERR``, or ``BAD`` for
+    refused arguments) on the same connection (``cachefs.handover``)."""
     try:
-        fuse_fd, conn = receive_fd(Path(os.path.abspath(args.fuse_fd_socket)), HANDOVER_WAIT_S)
+        fuse_fd, clones, conn = receive_fd(Path(os.path.abspath(args.fuse_fd_socket)), HANDOVER_WAIT_S,
+                                           max_clones=min(args.fuse_threads, MAX_FUSE_THREADS) - 1)
     except HandoverError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 1
     report_fd = os.dup(conn.fileno())
     conn.close()
     try:
-        settings = dataclasses.replace(mount_settings(args, environ), fuse_fd=fuse_fd)
+        settings = dataclasses.replace(mount_settings(args, environ), fuse_fd=fuse_fd, fuse_clones=tuple(clones))
         settings, notice = preflight(settings, check_mountpoint=False)
         refuse_if_in_use(settings)
     except (UsageError, ValueError) as exc:
@@ -622,7 +623,8 @@ def run_handed_over(args: argparse.Namespace, environ: dict[str, str]) -> int:
         except OSError:
             pass
         os.close(report_fd)
-        os.close(fuse_fd)
+        for fd in (fuse_fd, *clones):
+            os.close(fd)
         raise UsageError(str(exc)) from None
     if notice:
         print(f"cachefs: warning: {notice}", file=sys.stderr)

@@ -289,7 +289,8 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                 session = FuseSession(ops, str(settings.mountpoint),
                                       source=settings.source, read_only=settings.fs.read_only,
                                       allow_other=settings.allow_other, fd=settings.fuse_fd,
-                                      broker=settings.backing_broker, threads=settings.fuse_threads)
+                                      broker=settings.backing_broker, threads=settings.fuse_threads,
+                                      clones=settings.fuse_clones)
                 try:
                     session.mount()
                 except OSError as exc:

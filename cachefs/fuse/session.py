@@ -47,7 +47,8 @@ plugin's socket, ``cachefs.backing``): INIT agrees to PASSTHROUGH when the broke
 one log line and every read is served as before.
 
 **Several readers** (``threads`` > 1, on a ``SharedLoop``): after INIT the session clones its
-descriptor (``FUSE_DEV_IOC_CLONE``) and one thread per descriptor reads requests, blocked in ``readv``
+descriptor (``FUSE_DEV_IOC_CLONE``; a handed-over descriptor may come with clones the privileged
+process opened, ``clones``, used first) and one thread per descriptor reads requests, blocked in ``readv``
 with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
 step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
 turns the loop. Each reply goes on the descriptor its request was read from (each clone has its own
@@ -316,7 +317,7 @@ class FuseSession:
 
     def __init__(self, ops: Operations, mountpoint: str, *, source: str = SUBTYPE, read_only: bool = False,
                  allow_other: bool = False, fd: int | None = None, broker: Path | None = None,
-                 threads: int = 1) -> None:
+                 threads: int = 1, clones: Sequence[int] = ()) -> None:
         self.ops = ops
         self.mountpoint = mountpoint
         self.fsname = mount_source(source)
@@ -346,7 +347,9 @@ class FuseSession:
         self.threads = max(1, min(threads, MAX_FUSE_THREADS))
         self._threaded = False
         self._readers: list[threading.Thread] = []
-        self._clones: list[int] = []
+        # Clones of a handed-over descriptor's connection, opened by the process that handed it over
+        # (a mount pod cannot open /dev/fuse): the readers use them before cloning any; closed by close().
+        self._clones: list[int] = list(clones)
         self._readers_left = 0
         self._room: threading.Condition | None = None
         self._early: dict[int, None] = {}
@@ -605,15 +608,18 @@ class FuseSession:
 
     # ------------------------------------------------------------------------------ several readers
     def _start_readers(self) -> None:
-        """After INIT: one reader thread per descriptor, the session's and ``threads - 1`` clones.
-        Where the loop cannot be shared or no clone can be made, the loop reads alone, as before."""
+        """After INIT: one reader thread per descriptor, the session's and ``threads - 1`` clones (those
+        handed over first, then its own). Where the loop cannot be shared or no clone can be made, the
+        loop reads alone, as before."""
         loop = self._loop
         if not isinstance(loop, SharedLoop):
             log.warning("--fuse-threads %d needs the daemon's shared loop; the loop reads every request",
                         self.threads)
             return
-        fds = [self.fd]
-        for _ in range(self.threads - 1):
+        fds = [self.fd, *self._clones[:self.threads - 1]]
+        for fd in self._clones[self.threads - 1:]:
+            os.close(fd)
+        for _ in range(self.threads - len(fds)):
             try:
                 fds.append(clone_device(self.fd))
             except OSError as exc:

@@ -110,7 +110,8 @@ _FIELD_OF_ATTRIBUTE = {
     **{f"'{key}'": f"'cache.{key}'" for key in (attributes.ATTR_RAM_CACHE, attributes.ATTR_DISK_CACHE,
                                                 attributes.ATTR_BLOCK_SIZE, attributes.ATTR_READAHEAD,
                                                 attributes.ATTR_MAX_FETCHES, attributes.ATTR_ATTR_TTL,
-                                                attributes.ATTR_DIR_TTL, attributes.ATTR_DIRECT_IO)},
+                                                attributes.ATTR_DIR_TTL, attributes.ATTR_DIRECT_IO,
+                                                attributes.ATTR_FUSE_THREADS)},
 }
 
 
@@ -118,7 +119,7 @@ _FIELD_OF_ATTRIBUTE = {
 # write-back keys; the cluster tier has spec.clusterTier). The CRD declares exactly these (a test checks).
 DATASET_CACHE_KEYS = (attributes.ATTR_RAM_CACHE, attributes.ATTR_DISK_CACHE, attributes.ATTR_BLOCK_SIZE,
                       attributes.ATTR_READAHEAD, attributes.ATTR_MAX_FETCHES, attributes.ATTR_ATTR_TTL,
-                      attributes.ATTR_DIR_TTL, attributes.ATTR_DIRECT_IO)
+                      attributes.ATTR_DIR_TTL, attributes.ATTR_DIRECT_IO, attributes.ATTR_FUSE_THREADS)
 
 
 def _spec_names(message: str) -> str:

@@ -101,6 +101,12 @@ def test_spec_cache_declares_exactly_the_keys_the_operator_takes() -> None:
     doc["spec"]["cache"] = {"diskCache": "150%"}  # the schema takes the shape, the driver's parser the range
     with pytest.raises(SpecError, match="from 1% to 100%"):
         parse_spec(doc["spec"])
+    doc["spec"]["cache"] = {"fuseThreads": 4}  # several FUSE readers, for a training job's small files
+    assert not list(jsonschema.Draft7Validator(schema()).iter_errors(doc))
+    assert volume_attributes(doc["spec"])["fuseThreads"] == "4"
+    assert parse_spec(doc["spec"]).volume_attributes["fuseThreads"] == "4"
+    from cachefs.settings import MAX_FUSE_THREADS
+    assert declared["fuseThreads"]["maximum"] == MAX_FUSE_THREADS  # the schema's range is cachefs's
     doc["spec"]["cache"] = {"uploadDelay": 5}  # a write-back key: a Dataset volume is read-only
     with pytest.raises(SpecError, match="unknown key 'uploadDelay'"):
         parse_spec(doc["spec"])
@@ -112,6 +118,8 @@ def test_spec_cache_declares_exactly_the_keys_the_operator_takes() -> None:
     ({"source": "https://bucket/x"}, "source"),
     ({"warmUp": {"schedule": {"policy": "Hourly"}}}, "Hourly"),
     ({"cache": {"maxFetches": 5000}}, "5000"),
+    ({"cache": {"fuseThreads": 33}}, "33"),
+    ({"cache": {"fuseThreads": 0}}, "0"),
 ])
 def test_the_schema_refuses_bad_specs(change: dict[str, Any], where: str) -> None:
     doc = copy.deepcopy(example())

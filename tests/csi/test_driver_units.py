@@ -73,6 +73,8 @@ def test_every_key_kubernetes_adds_is_accepted_and_a_misspelt_attribute_still_re
     ({"source": "s3://b12/x", "ramCache": "-1"}, "'ramCache'"),
     ({"source": "s3://b12/x", "diskCache": "10 parsecs"}, "'diskCache'"),
     ({"source": "s3://b12/x", "maxFetches": "0"}, "'maxFetches'"),
+    ({"source": "s3://b12/x", "maxFetches": "\u00b2"}, "'maxFetches'"),  # a digit to str.isdigit, not to int
+    ({"source": "s3://b12/x", "fuseThreads": "0"}, "'fuseThreads'"),
     ({"source": "s3://b12/x", "attrTtl": "nan"}, "'attrTtl'"),
     ({"source": "s3://b12/x", "readOnly": "yes"}, "'readOnly'"),
     ({"source": "s3://b12/x", "region": "Mars 1"}, "'region'"),
@@ -130,6 +132,32 @@ def test_direct_io_attribute_becomes_the_mount_option_and_anything_but_true_or_f
             code, message = code_of(parse, values)
             assert code is Code.INVALID_ARGUMENT and "\n" not in message
             assert message == f"volume attribute 'directIo' must be 'true' or 'false', got {bad!r}"
+
+
+def test_fuse_threads_attribute_becomes_the_mount_option_and_is_refused_outside_its_range(tmp_path: Path) -> None:
+    from cachefs.settings import MAX_FUSE_THREADS
+
+    for value in ("1", "4", str(MAX_FUSE_THREADS), " 2 "):
+        settings = attrs.parse_volume_attributes({"source": "s3://bucket/data", "fuseThreads": value})
+        assert settings.cache.fuse_threads == int(value)
+        assert settings.cache.cli_args() == ["--fuse-threads", value.strip()]
+    # Left out: cachefs's own default (--fuse-threads is not repeated by the driver).
+    plain = attrs.parse_volume_attributes({"source": "s3://bucket/data"})
+    assert plain.cache.fuse_threads is None and "--fuse-threads" not in plain.cache.cli_args()
+    four = attrs.parse_volume_attributes({"source": "s3://bucket/data", "fuseThreads": "4"})
+    argv = CachefsMounter(command=["cachefs"], environ={}).mount_argv(
+        MountRequest("s3://bucket/data", tmp_path / "t", tmp_path / "c", cache=four.cache))
+    assert argv[argv.index("--fuse-threads") + 1] == "4"
+    # A StorageClass parameter: checked at CreateVolume and copied into every new volume's attributes.
+    assert attrs.parse_provision_parameters({"bucket": "datasets", "fuseThreads": "3"}).cache_attributes == {
+        "fuseThreads": "3"}
+    for bad in ("0", str(MAX_FUSE_THREADS + 1), "-1", "two", "2.5", "", "\u00b2", "1e1"):
+        for parse, values in ((attrs.parse_volume_attributes, {"source": "s3://bucket/data", "fuseThreads": bad}),
+                              (attrs.parse_provision_parameters, {"bucket": "datasets", "fuseThreads": bad})):
+            code, message = code_of(parse, values)
+            assert code is Code.INVALID_ARGUMENT
+            assert message == (f"volume attribute 'fuseThreads' must be a whole number from 1 to {MAX_FUSE_THREADS}, "
+                               f"got {bad!r}")
 
 
 def test_endpoint_with_credentials_is_refused_without_echoing_them() -> None:

@@ -164,7 +164,7 @@ def wait_broken(path: Path) -> None:
 def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, dataset, node_dirs) -> None:
     bucket, files = dataset
     staging, pod, run_root = node_dirs["staging"], node_dirs["pod"], node_dirs["run_root"]
-    context = context_for(seaweed, bucket)
+    context = context_for(seaweed, bucket, fuseThreads="3")
     daemon_command, uid, pythonpath = unprivileged_daemon()
     config = {**{k: str(v) for k, v in node_dirs.items()}, "context": context,
               "daemon_command": daemon_command, "uid": uid}
@@ -196,6 +196,12 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
         assert int(call(pod, "/info")["pid"]) == daemon
         caps = capabilities(daemon)
         assert caps["CapEff"] == 0 and caps["CapPrm"] == 0, caps  # no CAP_SYS_ADMIN, nor any other
+        # fuseThreads 3: the plugin handed the daemon two clones of the connection with the mounted fd
+        # (the daemon may not open /dev/fuse: root's alone here, absent from a mount pod's /dev), one
+        # reader thread each.
+        (daemon_log,) = node_dirs["cache_root"].rglob("daemon.log")
+        assert "3 threads read the mount's requests" in daemon_log.read_text()
+        assert "cannot clone" not in daemon_log.read_text()
         if uid is not None:
             assert os.stat(f"/proc/{daemon}").st_uid == uid  # runs as the image's uid
             assert os.stat(run_root / names[0]).st_uid == uid
@@ -257,6 +263,8 @@ def test_unprivileged_daemon_serves_on_after_the_plugin_is_killed(seaweed, datas
         ops.publish_staged(PublishRequest("vol-h", pod, volume, False, creds), staging)
         assert read_tree(pod) == {**files, "written-after-kill.txt": b"still here\n"}
         assert int(call(pod, "/info")["pid"]) != daemon
+        # The new daemon got its clones too: the saved spec keeps fuseThreads.
+        assert daemon_log.read_text().count("3 threads read the mount's requests") == 2
         # The pod's new bind is stacked on its dead one (a running container holds the first and sees
         # only what is mounted on top of it: issue 36); the top and the staged mount share one device.
         lines = mountinfo_lines(staging, pod)

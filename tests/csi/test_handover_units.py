@@ -91,8 +91,8 @@ def test_handover_socket_gives_the_daemon_the_fd(tmp_path: Path) -> None:
             conn = listener.hand_over(fd, time.monotonic() + 10, lambda: True)
             thread.join(10)
         assert not path.exists()  # the socket is removed once the handover is done
-        got_fd, daemon_conn = received[0]  # type: ignore[misc]
-        assert handover.is_fuse_device(got_fd)
+        got_fd, clones, daemon_conn = received[0]  # type: ignore[misc]
+        assert handover.is_fuse_device(got_fd) and clones == []
         daemon_conn.sendall(b"WARN empty prefix\nOK\n")
         with conn:
             assert fusefd.read_report(conn, time.monotonic() + 10, lambda: True) == (["empty prefix"], None, False)
@@ -100,6 +100,42 @@ def test_handover_socket_gives_the_daemon_the_fd(tmp_path: Path) -> None:
         daemon_conn.close()
     finally:
         os.close(fd)
+
+
+def test_clones_of_a_mounted_connection_travel_with_it_up_to_what_the_daemon_takes(tmp_path: Path) -> None:
+    """The plugin opens clones for the daemon's reader threads (a mount pod has no /dev/fuse); a daemon
+    that takes fewer (an older one takes none) gets the first ones, the kernel drops the rest."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting /dev/fuse needs root")
+    _open_fuse()  # (skips where there is none)
+    target = tmp_path / "mnt"
+    target.mkdir()
+    fd = fusefd.mount_fuse(target, read_only=True, source="s3://bucket/x")
+    try:
+        clones = handover.clone_fuse(fd, 3)
+        assert len(clones) == 3 and all(handover.is_fuse_device(c) for c in clones)
+        for max_clones, expected in ((3, 3), (1, 1), (0, 0)):
+            path = tmp_path / f"fuse-{max_clones}.sock"
+            received: list[object] = []
+            thread = threading.Thread(target=lambda: received.append(receive_fd(path, 10, max_clones)))
+            with fusefd.HandoverSocket(path) as listener:
+                thread.start()
+                listener.hand_over(fd, time.monotonic() + 10, lambda: True, clones).close()
+                thread.join(10)
+            got_fd, got_clones, conn = received[0]  # type: ignore[misc]
+            assert len(got_clones) == expected and all(handover.is_fuse_device(c) for c in got_clones)
+            for own in (got_fd, *got_clones):
+                os.close(own)
+            conn.close()
+        for clone in clones:
+            os.close(clone)
+        # An unmounted descriptor has no connection to clone: none, and no error.
+        unmounted = _open_fuse()
+        assert handover.clone_fuse(unmounted, 2) == []
+        os.close(unmounted)
+    finally:
+        os.close(fd)
+        fusefd.unmount(target, lazy=True)
 
 
 def test_receive_refuses_a_descriptor_that_is_not_dev_fuse(tmp_path: Path) -> None:

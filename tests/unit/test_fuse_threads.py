@@ -260,3 +260,43 @@ def test_where_no_clone_can_be_made_the_loop_reads_alone(monkeypatch: pytest.Mon
         session.close()
     assert not session._threaded
     assert "cannot clone the FUSE descriptor (Permission denied); 1 reader(s) serve the mount" in caplog.text
+
+
+def test_clones_handed_over_with_the_descriptor_are_read_before_any_is_made(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A mount pod cannot open /dev/fuse, so the node plugin hands its daemon clones with the mounted
+    descriptor (cachefs.handover): the session reads them, one reader each, and makes none itself;
+    a reply goes back on the handed-over clone its request came from."""
+    kernel, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    clone_kernel, clone_daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    def refused(fd: int) -> int:
+        raise OSError(errno.ENOENT, "No such file or directory")  # (a pod's /dev has no fuse)
+
+    monkeypatch.setattr(fuse_session, "clone_device", refused)
+    ops = Ops()
+    session = fuse_session.FuseSession(ops, "/unused", fd=daemon.detach(), threads=2,  # type: ignore[arg-type]
+                                       clones=[clone_daemon.detach()])
+
+    async def main() -> None:
+        serving = asyncio.create_task(session.serve(4))
+        await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
+        assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+        await asyncio.to_thread(clone_kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=7))
+        assert await asyncio.to_thread(read_reply, clone_kernel) == (2, 0, struct.pack("<Q", 7))
+        kernel.close()
+        clone_kernel.close()
+        await asyncio.wait_for(serving, WAIT_S)
+
+    with asyncio.Runner(loop_factory=SharedLoop) as runner, caplog.at_level("INFO"):
+        runner.run(main())
+        session.close()
+    assert session._threaded and ops.threads == ["fuse-reader-1"]
+    assert "cannot clone" not in caplog.text and "2 threads read the mount's requests" in caplog.text
+
+
+def test_the_handover_clones_with_the_protocol_ioctl() -> None:
+    """cachefs.handover (a leaf module, used by the CSI node plugin) spells FUSE_DEV_IOC_CLONE itself."""
+    from cachefs import handover
+
+    assert handover.DEV_IOC_CLONE == wire.DEV_IOC_CLONE == 0x8004E500
