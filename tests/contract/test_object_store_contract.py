@@ -753,3 +753,5 @@ async def test_conditional_put_and_delete(backend: Backend, store: ObjectStore, 
     await delete_if("c/obj", replaced.etag)
     with pytest.raises(ObjectNotFoundError):
         await store.head("c/obj")
+    with pytest.raises(ObjectNotFoundError):  # gone: not "another version" (SeaweedFS answers 412 here)
+        await delete_if("c/obj", replaced.etag)

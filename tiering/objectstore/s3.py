@@ -718,10 +718,21 @@ class S3ObjectStore:
         return info, metadata, kept
 
     async def delete_if(self, key: str, if_match: str) -> None:
-        """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag."""
+        """DeleteObject sent with ``If-Match``: ``ObjectChangedError`` if the object has another ETag,
+        ``ObjectNotFoundError`` if there is none. Stores differ on the second: SeaweedFS answers 412
+        for a missing object, so a 412 is followed by one HEAD to tell the two apart (recovery reports
+        a delete whose object is gone as done, and one that met another version as kept)."""
         check_write_key(key)
         self.stats.delete_requests += 1
-        await self._call("delete_object", op="DELETE", where=self._where(key), Key=self.prefix + key, IfMatch=if_match)
+        where = self._where(key)
+        try:
+            await self._call("delete_object", op="DELETE", where=where, Key=self.prefix + key, IfMatch=if_match)
+        except ObjectChangedError:
+            try:
+                await self.head(key)
+            except ObjectNotFoundError:
+                raise ObjectNotFoundError(f"DELETE {where}: no such object (If-Match)") from None
+            raise
 
     async def copy(self, src: str, etag: str, dst: str, *,
                    metadata: Mapping[str, str] | None = None) -> ObjectInfo:
