@@ -533,18 +533,25 @@ class FuseSession:
                 return self._start(req, self.ops.handlers[opcode], fd, buffer)
             if opcode in NO_REPLY:
                 return buffer
-            if reply.__class__ is bytes and len(reply) < OFFLOAD_MIN_BYTES and not self._closed:  # type: ignore[arg-type]
-                # The usual inline answer (an entry, attributes, an open, an xattr): its header
-                # packed and both written here, without send()'s checks for buffers and offloading.
-                if later is not None:
-                    later += (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply)  # type: ignore[arg-type]
-                    return buffer
-                try:
-                    _writev(fd, (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply))  # type: ignore[arg-type]
-                except OSError as exc:
-                    reply_failed(exc, self._end)
+            # The usual inline answers (an entry, attributes, an open, an xattr; nothing, for a
+            # release): the header packed and the reply written here, without send()'s checks for
+            # lists of buffers and offloading.
+            if reply is None:
+                out: tuple[Buffer, ...] = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE, 0, req.unique),)
+            elif reply.__class__ is bytes and len(reply) < OFFLOAD_MIN_BYTES:  # type: ignore[arg-type]
+                out = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply)  # type: ignore[arg-type]
             else:
                 self.send(req.unique, 0, reply, fd=fd)  # type: ignore[arg-type]
+                return buffer
+            if self._closed:
+                return buffer
+            if later is not None:
+                later += out
+                return buffer
+            try:
+                _writev(fd, out)
+            except OSError as exc:
+                reply_failed(exc, self._end)
             return buffer
         handler = self.ops.handlers.get(opcode)
         if handler is not None:
