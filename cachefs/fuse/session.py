@@ -12,7 +12,8 @@ at the end. The mount's source (``df``, ``findmnt``) is the bucket URL, without 
 **Serving** runs on the daemon's asyncio loop: ``loop.add_reader`` on the non-blocking descriptor
 reads each request into one reused buffer (``os.readv``; max_write plus a page, the kernel's
 minimum), decodes it (``cachefs.fuse.wire``), and answers with one ``os.writev`` of the reply header
-and the handler's buffers (a read's data is the engine's memoryview: no join, no copy); a reply of
+and the handler's buffers (an inline handler's ``bytes`` or ``None`` straight from ``_dispatch``,
+the rest through ``send``) (a read's data is the engine's memoryview: no join, no copy); a reply of
 ``OFFLOAD_MIN_BYTES`` or more is written by a writer thread instead (``cachefs.fuse.replies``), so the
 kernel's copy of its bytes is not the loop's. Handlers the filesystem answers without waiting
 (release, forget, statfs, readdir, xattrs, and a lookup, getattr or open whose listing is fresh:
@@ -50,7 +51,8 @@ one log line and every read is served as before.
 descriptor (``FUSE_DEV_IOC_CLONE``) and one thread per descriptor reads requests, blocked in ``readv``
 with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
 step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
-turns the loop. Each reply goes on the descriptor its request was read from (each clone has its own
+turns the loop. An inline answer is written once the reader has let go of the lock (its ``writev``
+releases the GIL: a reader woken meanwhile by the next request then finds the lock free). Each reply goes on the descriptor its request was read from (each clone has its own
 list of requests being processed). An INTERRUPT read before its request is kept for the reader that
 starts it. When every reader has seen the end of the connection, ``serve`` returns; see
 docs/architecture.md, "Several readers".
@@ -538,8 +540,8 @@ class FuseSession:
             # lists of buffers and offloading.
             if reply is None:
                 out: tuple[Buffer, ...] = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE, 0, req.unique),)
-            elif reply.__class__ is bytes and len(reply) < OFFLOAD_MIN_BYTES:  # type: ignore[arg-type]
-                out = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply)  # type: ignore[arg-type]
+            elif reply.__class__ is bytes and len(reply) < OFFLOAD_MIN_BYTES:
+                out = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply)
             else:
                 self.send(req.unique, 0, reply, fd=fd)  # type: ignore[arg-type]
                 return buffer
