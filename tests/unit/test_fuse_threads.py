@@ -57,7 +57,7 @@ class Ops:
         self.threads: list[str] = []
         self.forgotten: list[int] = []
         self.release_reads = asyncio.Event()
-        self.inline = {wire.FORGET: self.forget, wire.GETXATTR: self.getxattr}
+        self.inline = {wire.FORGET: self.forget, wire.GETXATTR: self.getxattr, wire.RELEASE: self.release}
         self.handlers = {wire.GETATTR: self.getattr, wire.READ: self.read, wire.LOOKUP: self.lookup,
                          wire.OPEN: self.open}
 
@@ -72,6 +72,9 @@ class Ops:
 
     def getxattr(self, req: wire.Request) -> bytes:
         return b"value of %d" % req.nodeid
+
+    def release(self, req: wire.Request) -> None:
+        return None
 
     async def getattr(self, req: wire.Request) -> bytes:
         self.threads.append(threading.current_thread().name)
@@ -215,9 +218,11 @@ def test_an_inline_answer_is_one_writev_made_with_the_state_lock_free(kernel: Ke
     monkeypatch.setattr(fuse_session, "_writev", recording)
     kernel.send(1, request(wire.GETXATTR, 70, wire.GETXATTR_IN.pack(64, 0) + b"user.x\0", nodeid=5))
     assert read_reply(kernel.kernel[1]) == (70, 0, b"value of 5")
+    kernel.send(2, request(wire.RELEASE, 72, wire.RELEASE_IN.pack(3, 0, 0, 0), nodeid=5))
+    assert read_reply(kernel.kernel[2]) == (72, 0, b"")
     # (The loop's thread is idle meanwhile: nothing was scheduled for it, so it does not hold the lock.)
-    assert writes == [("fuse-reader-1", kernel.daemon_fds[1], wire.OUT_HEADER.pack(16 + 10, 0, 70) + b"value of 5",
-                       False)]
+    assert writes == [("fuse-reader-1", kernel.daemon_fds[1], wire.OUT_HEADER.pack(16 + 10, 0, 70) + b"value of 5", False),
+                      ("fuse-reader-2", kernel.daemon_fds[2], wire.OUT_HEADER.pack(16, 0, 72), False)]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
