@@ -51,9 +51,8 @@ one log line and every read is served as before.
 descriptor (``FUSE_DEV_IOC_CLONE``) and one thread per descriptor reads requests, blocked in ``readv``
 with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
 step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
-turns the loop. An inline answer is written once the reader has let go of the lock (its ``writev``
-releases the GIL: a reader woken meanwhile by the next request then finds the lock free). Each reply goes on the descriptor its request was read from (each clone has its own
-list of requests being processed). An INTERRUPT read before its request is kept for the reader that
+turns the loop; an inline answer is written once the reader has let go of the lock. Each reply goes
+on the descriptor its request was read from (each clone has its own list of requests being processed). An INTERRUPT read before its request is kept for the reader that
 starts it. When every reader has seen the end of the connection, ``serve`` returns; see
 docs/architecture.md, "Several readers".
 """
@@ -84,7 +83,7 @@ from cachefs.backing import BrokerBackingFiles, BrokerError
 from cachefs.fuse import wire
 from cachefs.fuse.backingfiles import Backing, BackingFiles, may_register_backing
 from cachefs.fuse.notifier import Notifier
-from cachefs.fuse.replies import OFFLOAD_MIN_BYTES, ReplyWriters, reply_failed, write_reply
+from cachefs.fuse.replies import OFFLOAD_MIN_BYTES, ReplyWriters, reply_failed
 from cachefs.fuse.sharedloop import SharedLoop
 from cachefs.fuse.wire import FuseError, Request
 from cachefs.mounts import FSTYPE, mount_source
@@ -142,9 +141,7 @@ NO_REPLY = frozenset({wire.FORGET, wire.BATCH_FORGET})
 # wire.out_header without its call: every reply packs one (the header's fields, as the kernel wants).
 _OUT_HEADER_PACK = wire.OUT_HEADER.pack
 _OUT_HEADER_SIZE = wire.OUT_HEADER.size
-# Bound once: each is looked up for every request otherwise (module globals, then an attribute).
-_parse_request = wire.parse_request
-_writev = os.writev
+_parse_request, _writev = wire.parse_request, os.writev  # (bound once: used for every request)
 
 Buffer = Union[bytes, bytearray, memoryview]
 Reply = Union[None, Buffer, Sequence[Buffer]]
@@ -355,8 +352,7 @@ class FuseSession:
         self._readers_left = 0
         self._room: threading.Condition | None = None
         self._early: dict[int, None] = {}
-        # The adapter's inline handlers, by opcode (the dict itself: looked up once per request).
-        self._inline = ops.inline
+        self._inline = ops.inline  # (the dict itself, bound once: looked up for every request)
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -521,8 +517,6 @@ class FuseSession:
         opcode = req.opcode
         inline = self._inline.get(opcode)
         if inline is not None:
-            # The fast path (a request the filesystem answers without waiting: no task, no copy of
-            # the arguments, the reply written here, in one writev).
             try:
                 reply = inline(req)
             except FuseError as exc:
@@ -536,8 +530,7 @@ class FuseSession:
             if opcode in NO_REPLY:
                 return buffer
             # The usual inline answers (an entry, attributes, an open, an xattr; nothing, for a
-            # release): the header packed and the reply written here, without send()'s checks for
-            # lists of buffers and offloading.
+            # release) are written here, in one writev, without send()'s checks.
             if reply is None:
                 out: tuple[Buffer, ...] = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE, 0, req.unique),)
             elif reply.__class__ is bytes and len(reply) < OFFLOAD_MIN_BYTES:
@@ -703,10 +696,8 @@ class FuseSession:
                 finally:
                     release()
                 if later:
-                    # An inline answer, written with the state lock free: the writev lets go of the
-                    # GIL, and a reader woken by the next request meanwhile must not then find the
-                    # lock held and sleep once more for it (measured: 2 readers cost a third more per
-                    # request than 1 when the reply was written under the lock).
+                    # An inline answer, written with the lock free: a reader the next request wakes
+                    # while this writev lets go of the GIL must not find the lock held and sleep again.
                     try:
                         _writev(fd, later)
                     except OSError as exc:
@@ -802,6 +793,3 @@ class FuseSession:
             _writev(self.fd if fd is None else fd, buffers)
         except OSError as exc:
             reply_failed(exc, self._end)
-
-    def write(self, buffers: Sequence[Buffer], fd: int | None = None) -> None:
-        write_reply(self.fd if fd is None else fd, buffers, self._end)
