@@ -113,9 +113,14 @@ def write_reply(fd: int, buffers: Sequence[Buffer], on_gone: Callable[[], None])
     try:
         os.writev(fd, buffers)
     except OSError as exc:
-        if exc.errno == errno.ENOENT:  # the kernel gave up on the request (interrupted, or aborted)
-            return
-        if exc.errno == errno.ENODEV:
-            on_gone()
-            return
-        log.error("a FUSE reply failed: %s", exc)
+        reply_failed(exc, on_gone)
+
+
+def reply_failed(exc: OSError, on_gone: Callable[[], None]) -> None:
+    """What a reply's failed ``writev`` means (the session writes its small replies itself)."""
+    if exc.errno == errno.ENOENT:  # the kernel gave up on the request (interrupted, or aborted)
+        return
+    if exc.errno == errno.ENODEV:
+        on_gone()
+        return
+    log.error("a FUSE reply failed: %s", exc)

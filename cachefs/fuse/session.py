@@ -12,7 +12,8 @@ at the end. The mount's source (``df``, ``findmnt``) is the bucket URL, without 
 **Serving** runs on the daemon's asyncio loop: ``loop.add_reader`` on the non-blocking descriptor
 reads each request into one reused buffer (``os.readv``; max_write plus a page, the kernel's
 minimum), decodes it (``cachefs.fuse.wire``), and answers with one ``os.writev`` of the reply header
-and the handler's buffers (a read's data is the engine's memoryview: no join, no copy); a reply of
+and the handler's buffers (an inline handler's ``bytes`` or ``None`` straight from ``_dispatch``,
+the rest through ``send``) (a read's data is the engine's memoryview: no join, no copy); a reply of
 ``OFFLOAD_MIN_BYTES`` or more is written by a writer thread instead (``cachefs.fuse.replies``), so the
 kernel's copy of its bytes is not the loop's. Handlers the filesystem answers without waiting
 (release, forget, statfs, readdir, xattrs, and a lookup, getattr or open whose listing is fresh:
@@ -51,8 +52,8 @@ descriptor (``FUSE_DEV_IOC_CLONE``; a handed-over descriptor may come with clone
 process opened, ``clones``, used first) and one thread per descriptor reads requests, blocked in ``readv``
 with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
 step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
-turns the loop. Each reply goes on the descriptor its request was read from (each clone has its own
-list of requests being processed). An INTERRUPT read before its request is kept for the reader that
+turns the loop; an inline answer is written once the reader has let go of the lock. Each reply goes
+on the descriptor its request was read from (each clone has its own list of requests being processed). An INTERRUPT read before its request is kept for the reader that
 starts it. When every reader has seen the end of the connection, ``serve`` returns; see
 docs/architecture.md, "Several readers".
 """
@@ -83,7 +84,7 @@ from cachefs.backing import BrokerBackingFiles, BrokerError
 from cachefs.fuse import wire
 from cachefs.fuse.backingfiles import Backing, BackingFiles, may_register_backing
 from cachefs.fuse.notifier import Notifier
-from cachefs.fuse.replies import OFFLOAD_MIN_BYTES, ReplyWriters, write_reply
+from cachefs.fuse.replies import OFFLOAD_MIN_BYTES, ReplyWriters, reply_failed
 from cachefs.fuse.sharedloop import SharedLoop
 from cachefs.fuse.wire import FuseError, Request
 from cachefs.mounts import FSTYPE, mount_source
@@ -141,6 +142,7 @@ NO_REPLY = frozenset({wire.FORGET, wire.BATCH_FORGET})
 # wire.out_header without its call: every reply packs one (the header's fields, as the kernel wants).
 _OUT_HEADER_PACK = wire.OUT_HEADER.pack
 _OUT_HEADER_SIZE = wire.OUT_HEADER.size
+_parse_request, _writev = wire.parse_request, os.writev  # (bound once: used for every request)
 
 Buffer = Union[bytes, bytearray, memoryview]
 Reply = Union[None, Buffer, Sequence[Buffer]]
@@ -353,6 +355,7 @@ class FuseSession:
         self._readers_left = 0
         self._room: threading.Condition | None = None
         self._early: dict[int, None] = {}
+        self._inline = ops.inline  # (the dict itself, bound once: looked up for every request)
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -504,17 +507,18 @@ class FuseSession:
             if self._ended is None or self._ended.done() or self._threaded:
                 return
 
-    def _dispatch(self, fd: int, buffer: bytearray, length: int) -> bytearray:
+    def _dispatch(self, fd: int, buffer: bytearray, length: int, later: list[Buffer] | None = None) -> bytearray:
         """Answer, or start answering, the request of ``length`` bytes read from ``fd`` into
-        ``buffer``; the buffer the next read of ``fd`` goes into."""
-        view = memoryview(buffer)[:length]
+        ``buffer``; the buffer the next read of ``fd`` goes into. With ``later`` (a reader thread),
+        an inline answer's buffers are put there, for the caller to write once it has let go of the
+        state lock, instead of being written now."""
         try:
-            req = wire.parse_request(view)
+            req = _parse_request(memoryview(buffer)[:length])
         except (ValueError, struct.error):
-            log.error("a request of %d bytes could not be decoded; ignored", len(view))
+            log.error("a request of %d bytes could not be decoded; ignored", length)
             return buffer
         opcode = req.opcode
-        inline = self.ops.inline.get(opcode)
+        inline = self._inline.get(opcode)
         if inline is not None:
             try:
                 reply = inline(req)
@@ -526,8 +530,26 @@ class FuseSession:
                 return buffer
             if reply is LATER:
                 return self._start(req, self.ops.handlers[opcode], fd, buffer)
-            if opcode not in NO_REPLY:
+            if opcode in NO_REPLY:
+                return buffer
+            # The usual inline answers (an entry, attributes, an open, an xattr; nothing, for a
+            # release) are written here, in one writev, without send()'s checks.
+            if reply is None:
+                out: tuple[Buffer, ...] = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE, 0, req.unique),)
+            elif reply.__class__ is bytes and len(reply) < OFFLOAD_MIN_BYTES:
+                out = (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply)
+            else:
                 self.send(req.unique, 0, reply, fd=fd)  # type: ignore[arg-type]
+                return buffer
+            if self._closed:
+                return buffer
+            if later is not None:
+                later += out
+                return buffer
+            try:
+                _writev(fd, out)
+            except OSError as exc:
+                reply_failed(exc, self._end)
             return buffer
         handler = self.ops.handlers.get(opcode)
         if handler is not None:
@@ -648,9 +670,11 @@ class FuseSession:
         asyncio.events._set_running_loop(loop)  # what handlers and the tasks they make expect to see
         os.set_blocking(fd, True)
         lock = loop.state_lock
+        acquire, release = lock.acquire, lock.release
         room = self._room
         assert room is not None and self._ended is not None
         buffer = bytearray(BUFFER_SIZE)
+        later: list[Buffer] = []  # an inline answer, written once the state lock is let go of
         try:
             while not self._ended.done():
                 if len(self._tasks) >= self._max_tasks:
@@ -668,11 +692,23 @@ class FuseSession:
                     return
                 if length == 0:  # end of file: the connection is gone
                     return
-                with loop.holding_state():
+                if not acquire(False):  # (uncontended, the usual case: no count of waiters kept)
+                    loop.wait_for_state()
+                try:
                     if self._ended.done():
                         return  # (the session is ending: what is read now is left to the kernel's abort)
-                    buffer = self._dispatch(fd, buffer, length)
+                    buffer = self._dispatch(fd, buffer, length, later)
                     wake = loop.take_wake()
+                finally:
+                    release()
+                if later:
+                    # An inline answer, written with the lock free: a reader the next request wakes
+                    # while this writev lets go of the GIL must not find the lock held and sleep again.
+                    try:
+                        _writev(fd, later)
+                    except OSError as exc:
+                        reply_failed(exc, self._gone_from_thread)
+                    later.clear()
                 if wake:
                     loop.wake()
         finally:
@@ -759,7 +795,7 @@ class FuseSession:
             buffers = [_OUT_HEADER_PACK(_OUT_HEADER_SIZE + size, 0, unique), *reply]
             if size >= OFFLOAD_MIN_BYTES and self._writers is not None and self._writers.submit(buffers, fd):
                 return
-        self.write(buffers, fd)
-
-    def write(self, buffers: Sequence[Buffer], fd: int | None = None) -> None:
-        write_reply(self.fd if fd is None else fd, buffers, self._end)
+        try:
+            _writev(self.fd if fd is None else fd, buffers)
+        except OSError as exc:
+            reply_failed(exc, self._end)

@@ -264,15 +264,18 @@ def parse_request(buffer: memoryview) -> Request:
     """The request at the start of ``buffer`` (exactly the bytes one read of /dev/fuse returned).
 
     ``ValueError`` if it is shorter than its header says (the kernel never sends that)."""
-    length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(buffer)
-    if length > len(buffer) or length < IN_HEADER.size:
+    length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = _unpack_in_header(buffer)
+    if length > len(buffer) or length < _IN_HEADER_SIZE:
         raise ValueError(f"request of {len(buffer)} bytes says it has {length}")
     # Extensions (security contexts, supplementary groups) come after the arguments; none is asked for.
     # (tuple.__new__ directly: the named tuple's own __new__ is a Python call, once per request.)
-    return _new_tuple(Request, (opcode, unique, nodeid, uid, gid, pid, buffer[IN_HEADER.size:length - extlen * 8]))
+    return _new_tuple(Request, (opcode, unique, nodeid, uid, gid, pid, buffer[_IN_HEADER_SIZE:length - extlen * 8]))
 
 
+# Bound once (parse_request runs for every request).
 _new_tuple = tuple.__new__
+_unpack_in_header = IN_HEADER.unpack_from
+_IN_HEADER_SIZE = IN_HEADER.size
 
 
 # ----------------------------------------------------------------------------------------- replies

@@ -57,7 +57,7 @@ class Ops:
         self.threads: list[str] = []
         self.forgotten: list[int] = []
         self.release_reads = asyncio.Event()
-        self.inline = {wire.FORGET: self.forget}
+        self.inline = {wire.FORGET: self.forget, wire.GETXATTR: self.getxattr, wire.RELEASE: self.release}
         self.handlers = {wire.GETATTR: self.getattr, wire.READ: self.read, wire.LOOKUP: self.lookup,
                          wire.OPEN: self.open}
 
@@ -69,6 +69,12 @@ class Ops:
 
     def forget(self, req: wire.Request) -> None:
         self.forgotten.append(req.nodeid)
+
+    def getxattr(self, req: wire.Request) -> bytes:
+        return b"value of %d" % req.nodeid
+
+    def release(self, req: wire.Request) -> None:
+        return None
 
     async def getattr(self, req: wire.Request) -> bytes:
         self.threads.append(threading.current_thread().name)
@@ -193,6 +199,30 @@ def test_forget_gets_no_reply_on_any_reader(kernel: Kernel) -> None:
     kernel.send(1, request(wire.GETATTR, 52, wire.GETATTR_IN.pack(0, 0, 0), nodeid=3))
     assert read_reply(kernel.kernel[1])[0] == 52  # the next reply on that descriptor is the GETATTR's
     assert kernel.ops.forgotten == [9]
+
+
+def test_an_inline_answer_is_one_writev_made_with_the_state_lock_free(kernel: Kernel,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer that needed no waiting is written by its reader in one writev of the header and the
+    payload, once the reader has let go of the state lock: a reader woken by the next request while
+    that writev has the GIL released must not find the lock held and sleep once more for it."""
+    assert kernel.loop is not None
+    lock = kernel.loop.state_lock
+    writes: list[tuple[str, int, bytes, bool]] = []
+    real = fuse_session._writev
+
+    def recording(fd: int, buffers: list[bytes]) -> int:
+        writes.append((threading.current_thread().name, fd, b"".join(buffers), lock.locked()))
+        return real(fd, buffers)
+
+    monkeypatch.setattr(fuse_session, "_writev", recording)
+    kernel.send(1, request(wire.GETXATTR, 70, wire.GETXATTR_IN.pack(64, 0) + b"user.x\0", nodeid=5))
+    assert read_reply(kernel.kernel[1]) == (70, 0, b"value of 5")
+    kernel.send(2, request(wire.RELEASE, 72, wire.RELEASE_IN.pack(3, 0, 0, 0), nodeid=5))
+    assert read_reply(kernel.kernel[2]) == (72, 0, b"")
+    # (The loop's thread is idle meanwhile: nothing was scheduled for it, so it does not hold the lock.)
+    assert writes == [("fuse-reader-1", kernel.daemon_fds[1], wire.OUT_HEADER.pack(16 + 10, 0, 70) + b"value of 5", False),
+                      ("fuse-reader-2", kernel.daemon_fds[2], wire.OUT_HEADER.pack(16, 0, 72), False)]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
