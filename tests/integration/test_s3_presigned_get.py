@@ -18,6 +18,7 @@ from tiering.handoff import AfterReceive
 from tiering.errors import AccessDeniedError, ObjectChangedError, ObjectNotFoundError
 from tiering.objectstore import S3ObjectStore
 from tiering.objectstore import s3 as s3_module
+from tiering.objectstore.s3session import proxied
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(60)]
 
@@ -188,9 +189,9 @@ def test_proxy_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
                  "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
         monkeypatch.delenv(name, raising=False)
-    assert not s3_module._proxied("https://bucket.s3.amazonaws.com/k?X-Amz-Signature=1")
+    assert not proxied("https://bucket.s3.amazonaws.com/k?X-Amz-Signature=1")
     monkeypatch.setenv("https_proxy", "http://127.0.0.1:9")
-    assert s3_module._proxied("https://bucket.s3.amazonaws.com/k")
-    assert not s3_module._proxied("http://127.0.0.1:8333/k")  # only https is proxied
+    assert proxied("https://bucket.s3.amazonaws.com/k")
+    assert not proxied("http://127.0.0.1:8333/k")  # only https is proxied
     monkeypatch.setenv("no_proxy", "amazonaws.com")
-    assert not s3_module._proxied("https://bucket.s3.amazonaws.com/k")
+    assert not proxied("https://bucket.s3.amazonaws.com/k")

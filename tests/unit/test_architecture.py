@@ -57,7 +57,7 @@ def test_no_fuse_binding_anywhere() -> None:
     assert len(binding) == 1 and binding[0]["source_modules"] == PACKAGES
     assert {"pyfuse3", "trio"} <= set(binding[0]["forbidden_modules"]) and not binding[0].get("ignore_imports")
     rooms = [c for c in _contracts() if c.get("containers") == ["cachefs.fuse"]]
-    assert len(rooms) == 1 and rooms[0]["layers"] == ["adapter", "session", "backingfiles | notifier | replies | sharedloop", "wire"] and rooms[0]["exhaustive"]
+    assert len(rooms) == 1 and rooms[0]["layers"] == ["adapter", "session", "backingfiles | mounting | notifier | replies | sharedloop", "wire"] and rooms[0]["exhaustive"]
 
 
 @pytest.mark.parametrize("package", ["cachefs", "tiering"])

@@ -70,10 +70,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import urllib.request
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
-from urllib.parse import urlsplit
 
 import aiohttp
 import s3fs
@@ -95,7 +93,7 @@ from tiering.objectstore.keys import (
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
 from tiering.objectstore.rangedget import RangeAnswer, RangedGetter
 from tiering.objectstore.s3presign import UrlSigner
-from tiering.objectstore.s3session import aws_session, configured_endpoint_url
+from tiering.objectstore.s3session import aws_session, check_endpoint, configured_endpoint_url, proxied
 from tiering.objectstore.s3errors import (
     INVALID_RANGE_CODES,
     NOT_FOUND_CODES,
@@ -166,25 +164,6 @@ _REPLACED_HEADERS = ("ContentType", "ContentEncoding", "ContentDisposition", "Co
 # so it must never hold up the error the caller is waiting for.
 ABORT_TIMEOUT_S = 10.0
 
-def _check_endpoint(endpoint_url: str) -> None:
-    parts = urlsplit(endpoint_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("S3 endpoint URL must be http(s)://host[:port]")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError("S3 endpoint URL must not contain user info or credentials")
-    if parts.query or parts.fragment:
-        raise ValueError("S3 endpoint URL must not have a query string or fragment")
-
-
-def _proxied(url: str) -> bool:
-    """Whether the environment routes requests for ``url`` through a proxy (HTTP(S)_PROXY, NO_PROXY)."""
-    parts = urlsplit(url)
-    proxies = urllib.request.getproxies()
-    if parts.scheme not in proxies and "all" not in proxies:
-        return False
-    return not urllib.request.proxy_bypass(parts.hostname or "")
-
-
 def _strip_etag(etag: str) -> str:
     etag = etag.strip()
     if etag.startswith("W/"):
@@ -238,7 +217,7 @@ class S3ObjectStore:
         if endpoint_url is None:
             endpoint_url = configured_endpoint_url(environ)  # and told to botocore: one place decides
         if endpoint_url is not None:
-            _check_endpoint(endpoint_url)
+            check_endpoint(endpoint_url)
         if not (0 < connect_timeout_s <= 600 and 0 < read_timeout_s <= 3600):
             raise ValueError("S3 timeouts must be positive (connect <= 600 s, read <= 3600 s)")
         if not 1 <= max_pool_connections <= 4096:
@@ -440,7 +419,7 @@ class S3ObjectStore:
             self._presign_ok = False
             log.info("ranged GETs go through botocore only: cannot presign (%s)", type(exc).__name__)
             return None
-        if not self._presigned and _proxied(url):
+        if not self._presigned and proxied(url):
             # botocore sends requests through the environment's proxy; so would this path, but its
             # session does not read the environment (aiohttp would read ~/.netrc on every request).
             self._presign_ok = False

@@ -1,4 +1,5 @@
-"""The botocore session of the S3 store, and the endpoint it resolves: both read a given ``environ``.
+"""The botocore session of the S3 store, and the endpoint it resolves: both read a given ``environ``;
+what an endpoint URL may be, and whether the environment sends a URL through a proxy.
 
 ``aws_session`` builds a session whose configuration chain (profile, config and credentials file
 paths, region, ...) and environment credential provider read the mapping it is given instead of
@@ -9,7 +10,9 @@ resolves, once, the endpoint such a session would use. ``S3ObjectStore`` and the
 
 from __future__ import annotations
 
+import urllib.request
 from typing import Mapping
+from urllib.parse import urlsplit
 
 import botocore.exceptions as bexc
 from aiobotocore.credentials import AioEnvProvider
@@ -65,3 +68,23 @@ def configured_endpoint_url(environ: Mapping[str, str]) -> str | None:
     except (bexc.InvalidConfigError, bexc.ProfileNotFound, bexc.ConfigParseError) as exc:
         raise ValueError(f"the AWS config file: {exc}") from None
     return str(url) if url else None
+
+
+def check_endpoint(endpoint_url: str) -> None:
+    """A ``ValueError`` for an endpoint URL that is not plain http(s)://host[:port]."""
+    parts = urlsplit(endpoint_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("S3 endpoint URL must be http(s)://host[:port]")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("S3 endpoint URL must not contain user info or credentials")
+    if parts.query or parts.fragment:
+        raise ValueError("S3 endpoint URL must not have a query string or fragment")
+
+
+def proxied(url: str) -> bool:
+    """Whether the environment routes requests for ``url`` through a proxy (HTTP(S)_PROXY, NO_PROXY)."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies()
+    if parts.scheme not in proxies and "all" not in proxies:
+        return False
+    return not urllib.request.proxy_bypass(parts.hostname or "")
