@@ -128,12 +128,35 @@ class Driver:
         self.targets.append(path)
         return path
 
+    def diagnosis(self) -> str:
+        """What a call that ran out of time leaves to read: the plugin's log, each daemon's log, and
+        where the plugin's child processes wait (the kernel's wait channel of each thread)."""
+        parts = [f"--- {self.log_path} (last 4000 characters)\n{self.log_text()[-4000:]}"]
+        for log in sorted(self.cache_root.parent.rglob("daemon.log"))[:4]:
+            parts.append(f"--- {log} (last 2000 characters)\n{log.read_text(errors='replace')[-2000:]}")
+        children = subprocess.run(["ps", "-o", "pid=,stat=,etimes=,args=", "--ppid", str(self.proc.pid)],
+                                  capture_output=True, text=True, timeout=10).stdout
+        parts.append(f"--- the plugin's children\n{children}")
+        for line in children.splitlines():
+            pid = line.split()[0]
+            with contextlib.suppress(OSError):
+                waits = [f"{t}: {Path(f'/proc/{pid}/task/{t}/comm').read_text().strip()} "
+                         f"{Path(f'/proc/{pid}/task/{t}/wchan').read_text()}" for t in os.listdir(f"/proc/{pid}/task")]
+                parts.append(f"--- threads of {pid}\n" + "\n".join(waits))
+        return "\n".join(parts)
+
     def publish(self, volume_id: str, target: Path, context: dict[str, str], *, secrets: dict[str, str] | None = None,
                 readonly: bool = False, capability: Any = None) -> Any:
-        return self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
-            volume_id=volume_id, target_path=str(target), volume_capability=capability or mount_capability(),
-            readonly=readonly, secrets=secrets or {}, volume_context=context,
-        ), timeout=CALL_TIMEOUT_S)
+        try:
+            return self.node.NodePublishVolume(csi_pb2.NodePublishVolumeRequest(
+                volume_id=volume_id, target_path=str(target), volume_capability=capability or mount_capability(),
+                readonly=readonly, secrets=secrets or {}, volume_context=context,
+            ), timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                raise
+            raise AssertionError(f"NodePublishVolume of {volume_id} got no answer in {CALL_TIMEOUT_S:g} s\n"
+                                 f"{self.diagnosis()}") from exc
 
     def stage(self, volume_id: str, staging: Path, context: dict[str, str], *, secrets: dict[str, str] | None = None,
               capability: Any = None) -> Any:
