@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,13 @@ async def test_an_upload_stuck_on_a_frozen_store_times_out_and_is_retried(
         report = await wb.flush(0.5)
         assert not report.ok and wb.stats.failed_attempts >= 1 and not health.reachable
         assert not wb.uploader.running or all(not t.done() for t in wb.uploader.running)
+        # A retry that started frozen (the flush above can return late on a loaded machine) fails at its
+        # deadline and backs off again: the store comes back only once no attempt is in flight, so the
+        # flush below times the retry of a store that answers, not the backoff of one more failure.
+        deadline = time.monotonic() + 5
+        while wb.uploader.busy("k"):
+            assert time.monotonic() < deadline, "the frozen attempt outlived its deadline"
+            await asyncio.sleep(0.01)
         store.write_delay_s = 0
         health.clock.advance(1)  # type: ignore[attr-defined]
         report = await wb.flush(5)
