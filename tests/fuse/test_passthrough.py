@@ -85,6 +85,17 @@ def until_passed_through(mount: Mount, path: Path) -> None:
             fh.read(1)
 
 
+def passed_through(mounter: Mounter, tmp_path: Path, name: str, data: bytes) -> tuple[Path, Mount, Path]:
+    """A read-only mount of a store holding ``name`` = ``data``, read whole once, then opened until an
+    open passes through: the store, the mount and the file's path in it."""
+    store = store_with(tmp_path, {name: data})
+    mount = mounter.mount(f"file://{store}", "--read-only", *BLOCK, *FAST_TTL)
+    path = mount.path / name
+    assert path.read_bytes() == data
+    until_passed_through(mount, path)
+    return store, mount, path
+
+
 def whole_files(mount: Mount) -> list[Path]:
     return [p for p in mount.cache_dir.glob("*/whole/*/*") if p.is_file()]
 
@@ -129,11 +140,7 @@ def test_a_changed_etag_is_never_served_from_the_old_whole_file(
         passthrough_machine: None, mounter: Mounter, tmp_path: Path) -> None:
     old = random.Random("old").randbytes(MiB + 7)
     new = random.Random("new").randbytes(MiB + 7)
-    store = store_with(tmp_path, {"f.bin": old})
-    mount = mounter.mount(f"file://{store}", "--read-only", *BLOCK, *FAST_TTL)
-    path = mount.path / "f.bin"
-    assert path.read_bytes() == old
-    until_passed_through(mount, path)
+    store, mount, path = passed_through(mounter, tmp_path, "f.bin", old)
     held = os.open(path, os.O_RDONLY)  # the old version, held through passthrough
     try:
         (store / "f.bin").write_bytes(new)
@@ -228,11 +235,7 @@ def test_an_evicted_or_replaced_whole_file_releases_its_backing_id(
         passthrough_machine: None, mounter: Mounter, tmp_path: Path) -> None:
     old = random.Random("kept-old").randbytes(MiB + 5)
     new = random.Random("kept-new").randbytes(MiB + 5)
-    store = store_with(tmp_path, {"k.bin": old})
-    mount = mounter.mount(f"file://{store}", "--read-only", *BLOCK, *FAST_TTL)
-    path = mount.path / "k.bin"
-    assert path.read_bytes() == old
-    until_passed_through(mount, path)
+    store, mount, path = passed_through(mounter, tmp_path, "k.bin", old)
     assert mount.stats()["fuse"]["backing_ids"] == 1  # kept after the last close
     # Evicted: the id that held the whole file open is closed, so its space is really freed.
     result = run_cli("evict", str(mount.path), str(path), env=mount.env)

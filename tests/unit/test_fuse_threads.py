@@ -47,6 +47,12 @@ def read_reply(sock: socket.socket) -> tuple[int, int, bytes]:
     return unique, -error, data[wire.OUT_HEADER.size:]
 
 
+async def initialised(kernel: socket.socket) -> None:
+    """Send INIT (protocol 7.31) as the kernel and check it is answered without an error."""
+    await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
+    assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+
+
 class Ops:
     """GETATTR answers at once (saying which thread ran it), READ waits for ``release_reads``,
     LOOKUP waits until cancelled, FORGET is counted."""
@@ -240,8 +246,7 @@ def test_without_a_shared_loop_the_loop_reads_alone(monkeypatch: pytest.MonkeyPa
 
     async def main() -> None:
         serving = asyncio.create_task(session.serve(4))
-        await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
-        assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+        await initialised(kernel)
         await asyncio.to_thread(kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=5))
         assert await asyncio.to_thread(read_reply, kernel) == (2, 0, struct.pack("<Q", 5))
         kernel.close()
@@ -278,8 +283,7 @@ def test_where_no_clone_can_be_made_the_loop_reads_alone(monkeypatch: pytest.Mon
 
     async def main() -> None:
         serving = asyncio.create_task(session.serve(4))
-        await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
-        assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+        await initialised(kernel)
         await asyncio.to_thread(kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=5))
         assert await asyncio.to_thread(read_reply, kernel) == (2, 0, struct.pack("<Q", 5))
         kernel.close()
@@ -310,8 +314,7 @@ def test_clones_handed_over_with_the_descriptor_are_read_before_any_is_made(
 
     async def main() -> None:
         serving = asyncio.create_task(session.serve(4))
-        await asyncio.to_thread(kernel.send, request(wire.INIT, 1, wire.INIT_IN.pack(7, 31, 0, 0)))
-        assert (await asyncio.to_thread(read_reply, kernel))[:2] == (1, 0)
+        await initialised(kernel)
         await asyncio.to_thread(clone_kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=7))
         assert await asyncio.to_thread(read_reply, clone_kernel) == (2, 0, struct.pack("<Q", 7))
         kernel.close()
