@@ -291,6 +291,7 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                                       allow_other=settings.allow_other, fd=settings.fuse_fd,
                                       broker=settings.backing_broker, threads=settings.fuse_threads,
                                       clones=settings.fuse_clones)
+                fs.stats.fuse_requests = session.requests
                 try:
                     session.mount()
                 except OSError as exc:

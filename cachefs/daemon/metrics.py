@@ -119,6 +119,7 @@ FUSE_PASSTHROUGH_REFUSED_TOTAL = "cachefs_fuse_passthrough_refused_total"  # ope
 FUSE_PASSTHROUGH_FALLBACKS_TOTAL = "cachefs_fuse_passthrough_fallbacks_total"  # registrations refused
 FUSE_BACKING_REGISTRATIONS_TOTAL = "cachefs_fuse_backing_registrations_total"  # backing files registered
 FUSE_BACKING_IDS = "cachefs_fuse_backing_ids"  # backing ids registered now
+FUSE_REQUESTS_TOTAL = "cachefs_fuse_requests_total"  # FUSE requests read, label opcode
 # Notifications telling the kernel to drop an entry or inode that changed in the bucket.
 FUSE_INVAL_ENTRIES_TOTAL = "cachefs_fuse_inval_entries_total"
 FUSE_INVAL_INODES_TOTAL = "cachefs_fuse_inval_inodes_total"
@@ -435,6 +436,11 @@ class CacheFSCollector(Collector):
                                   value=section.get("backing_registrations", 0))
         yield GaugeMetricFamily(FUSE_BACKING_IDS, "Backing ids registered now (in use, or kept for the next open).",
                                 value=section.get("backing_ids", 0))
+        requests = CounterMetricFamily(FUSE_REQUESTS_TOTAL, "FUSE requests the kernel sent the daemon, by opcode.",
+                                       labels=["opcode"])
+        for opcode, count in sorted((section.get("requests") or {}).items()):
+            requests.add_metric([opcode], count)
+        yield requests
         for name, key, text in (
                 (FUSE_INVAL_ENTRIES_TOTAL, "inval_entries", "Entries the kernel was told to drop (changed in the bucket)."),
                 (FUSE_INVAL_INODES_TOTAL, "inval_inodes", "Inodes whose attributes and pages the kernel was told to drop."),

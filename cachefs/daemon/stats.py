@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachefs.fs.filesystem import CacheFS
+from cachefs.fuse.wire import OPCODE_NAMES
 from tiering.engine.blockcache import BlockCache
 from tiering.protocols import ObjectStoreStats
 
@@ -200,6 +201,8 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
             # and the ids registered now.
             "backing_registrations": fs.stats.backing_registrations,
             "backing_ids": fs.stats.backing_ids,
+            # Requests the kernel sent, by kind (what a warm file or a READ cost; INIT, LOOKUP, OPEN...).
+            "requests": {OPCODE_NAMES.get(op, str(op)): n for op, n in enumerate(fs.stats.fuse_requests) if n},
             # Notifications that the kernel drop a name or inode changed in the bucket (a re-list saw
             # it): written, not held by the kernel (ENOENT: normal), refused, dropped unsent.
             "inval_entries": fs.stats.inval_entries,

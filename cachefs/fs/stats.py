@@ -6,7 +6,7 @@ The inode table, the listing cache and the filesystem operations share one insta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -26,6 +26,8 @@ class FsStats:
     passthrough_active: bool = False  # the FUSE connection agreed to passthrough and may register files
     backing_registrations: int = 0  # backing files registered with the kernel (one per inode and version, kept between opens)
     backing_ids: int = 0  # backing ids registered now (in use by open files, or kept for the next open)
+    # FUSE requests read, by opcode: the session's own list (``FuseSession.requests``), once it exists.
+    fuse_requests: list[int] = field(default_factory=list)
     # Notifications that the kernel drop what it caches of a name or an inode changed in the bucket
     # (cachefs.fs.kernelcache): written, of those the ones the kernel did not hold (ENOENT, normal),
     # refused otherwise, and dropped unsent (too many queued).

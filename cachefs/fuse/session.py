@@ -115,6 +115,8 @@ READS_PER_WAKEUP = 16
 # interrupt may be read by two threads); the oldest are dropped past this many (an interrupt that
 # came after its request was answered is never claimed).
 EARLY_INTERRUPTS = 1024
+# Opcodes counted by ``FuseSession.requests`` (every one the protocol defines is below this).
+REQUEST_COUNTS = 64
 # How long close() waits for the reader threads to see the end of the connection after unmounting.
 READER_JOIN_S = 5.0
 
@@ -223,6 +225,9 @@ class FuseSession:
         self._room: threading.Condition | None = None
         self._early: dict[int, None] = {}
         self._inline = ops.inline  # (the dict itself, bound once: looked up for every request)
+        # Requests read, by opcode (``wire.OPCODE_NAMES``): what /stats shows as the requests that
+        # reached the daemon (a warm file's OPEN and RELEASE, a READ the kernel could not serve).
+        self.requests = [0] * REQUEST_COUNTS
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -385,6 +390,8 @@ class FuseSession:
             log.error("a request of %d bytes could not be decoded; ignored", length)
             return buffer
         opcode = req.opcode
+        if opcode < REQUEST_COUNTS:
+            self.requests[opcode] += 1
         inline = self._inline.get(opcode)
         if inline is not None:
             try:

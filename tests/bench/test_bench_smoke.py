@@ -68,8 +68,10 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
     # The FUSE layer beside libfuse's null server and the page cache (issue 39): every figure present.
     layer = data["fuse_layer"]
     assert layer["cachefs_us"] > 0 and layer["writable_daemon_us"] is not None and layer["ext4_reader_us"] > 0
-    assert layer["unavailable"] is not None or (layer["null_us"] > 0 and layer["request_ratio"] > 0), layer
+    assert layer["unavailable"] is not None or (layer["null_us"] > 0 and layer["request_ratio"] > 0
+                                                and layer["null_file_us"] > 0), layer
     assert layer["pinned_requests"] is not None and layer["writable_requests"] > 0, layer
+    assert layer["requests_by_kind"]["writable"].get("open", 0) > 0, layer  # (counted by the session, by kind)
     # Files whole on the disk tier (issue 39): the daemon's rows everywhere; passthrough's where the
     # kernel and root allow it (then no READ reaches the daemon), else a line saying why not.
     pt = data["passthrough"]

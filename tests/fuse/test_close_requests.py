@@ -9,6 +9,7 @@ Real FUSE mounts over a ``file://`` store; the counts are the daemon's own (``fi
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from tests.fuse.conftest import run_cli
 
 FILES = 12
+WAIT_S = 10.0
 
 
 @pytest.fixture
@@ -76,3 +78,33 @@ def test_a_manifest_mount_serves_warm_files_with_no_request(store: Path, mounter
     before = plain.stats()["filesystem"]["opens"]
     open_read_close_all(plain.path)
     assert plain.stats()["filesystem"]["opens"] - before == FILES
+
+
+def test_a_warm_file_on_a_writable_mount_costs_an_open_and_a_release(store: Path, mounter) -> None:
+    """The daemon's own count of the requests the kernel sent (``fuse.requests``): a warm file on a
+    writable mount reaches the daemon as one OPEN and one RELEASE (no LOOKUP, GETATTR, READ or FLUSH:
+    long timeouts and kept pages). Unbuffered opens: Python's buffered ``open`` asks ``isatty``, an
+    IOCTL the kernel sends on (docs/statistics.md)."""
+    m = mounter.mount(f"file://{store}", "--attr-ttl", "3600", "--dir-ttl", "3600")
+    open_read_close_all(m.path)  # cold: LOOKUPs, READs
+    first = m.stats()["fuse"]["requests"]
+    assert first["lookup"] >= FILES and first["read"] >= FILES and first["init"] == 1
+    read_unbuffered(m.path)  # (the GETATTR of each file's atime, which the cold READs made stale)
+    before = m.stats()["fuse"]["requests"]
+    read_unbuffered(m.path)
+    deadline = time.monotonic() + WAIT_S  # (the kernel may send a RELEASE after close() returned)
+    while True:
+        now = m.stats()["fuse"]["requests"]
+        delta = {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+        if delta.get("release", 0) >= FILES or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    delta.pop("getxattr", None)  # the stats calls themselves
+    delta.pop("read", None)  # pages the kernel reclaimed meanwhile (see the manifest test above)
+    assert delta == {"open": FILES, "release": FILES}
+
+
+def read_unbuffered(root: Path) -> None:
+    for i in range(FILES):
+        with open(root / "small" / f"f{i:02d}", "rb", buffering=0) as f:
+            assert f.read() == bytes([i]) * (1000 + i)
