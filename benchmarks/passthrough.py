@@ -110,6 +110,7 @@ def mount_epoch(mount: CachefsMount, cache: Path, names: list[str], files: bool)
     cpu = cpu_s(mount.pid) - cpu
     after = counters(stats(mount))
     out: dict[str, float] = {k: after[k] - before[k] for k in after}
+    out["backing_ids"] = int(stats(mount).get("fuse", {}).get("backing_ids", 0))  # held at the end (a gauge)
     out["mb_s"] = total / seconds / 1e6
     if files:
         out["files_s"] = len(names) / seconds
@@ -270,7 +271,9 @@ def markdown(section: dict[str, Any] | None) -> list[str]:
                f"{fmt(at(dm, 'big', 'daemon_cpu_s_per_gib'), '', 3)} | | | |")]
     if pt:
         lines += ["", (f"Passthrough opens in the epoch: {fmt(at(pt, 'small', 'passthrough_opens'))}; backing files "
-                       f"registered for them: {fmt(at(pt, 'small', 'registrations'))}.")]
+                       f"registered for them: {fmt(at(pt, 'small', 'registrations'))}; backing ids held after it: "
+                       f"{fmt(at(pt, 'small', 'backing_ids'))} (an id registered at a file's first open, when its "
+                       "whole file was assembled, is kept for its later opens).")]
     if section.get("unavailable"):
         lines += ["", f"Passthrough was not measured: {section['unavailable']}."]
     return lines
