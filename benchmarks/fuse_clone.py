@@ -51,7 +51,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cachefs.fuse import wire  # noqa: E402
-from cachefs.fuse.session import BUFFER_SIZE, MAX_PAGES, MAX_WRITE, mount_syscall, open_device, unmount  # noqa: E402
+from cachefs.fuse.mounting import mount_syscall, open_device, unmount  # noqa: E402
+from cachefs.fuse.session import BUFFER_SIZE, MAX_PAGES, MAX_WRITE  # noqa: E402
 
 DEV_IOC_CLONE = 2 << 30 | 4 << 16 | wire.DEV_IOC_MAGIC << 8 | 0  # _IOR(229, 0, uint32_t)
 SMALL = 100 * 1024

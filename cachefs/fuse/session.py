@@ -76,9 +76,8 @@ from typing import Protocol, Union
 from cachefs.backing import BrokerBackingFiles, BrokerError
 from cachefs.fuse import wire
 from cachefs.fuse.backingfiles import Backing, BackingFiles, may_register_backing
-from cachefs.fuse.mounting import (  # noqa: F401 - the mounting half is imported from here too
+from cachefs.fuse.mounting import (
     FUSE_DEVICE,
-    FUSERMOUNT,
     SUBTYPE,
     MountError,
     clone_device,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cachefs import mounts
+from cachefs.fuse import mounting
 from cachefs.fuse import session as fuse_session
 from cachefs.fuse import wire
 
@@ -32,20 +33,20 @@ def mount_line(target: Path) -> tuple[str, str, list[str]]:
 def test_fusermount3_mounts_with_the_source_and_unmounts(tmp_path: Path) -> None:
     target = tmp_path / "mnt"
     target.mkdir()
-    fd = fuse_session.fusermount(str(target), "s3://bucket/a,b", read_only=True, allow_other=False)
+    fd = mounting.fusermount(str(target), "s3://bucket/a,b", read_only=True, allow_other=False)
     try:
         fstype, source, options = mount_line(target)
         assert (fstype, source) == ("fuse.cachefs", "s3://bucket/a,b")  # the comma survived fusermount3's -o
         assert {"ro", "nosuid", "nodev"} <= set(options)
     finally:
-        fuse_session.unmount(str(target), privileged=False)
+        mounting.unmount(str(target), privileged=False)
         os.close(fd)
     assert mounts.find_mount(target) is None
 
 
 def test_a_refused_fusermount3_names_its_reason(tmp_path: Path) -> None:
-    with pytest.raises(fuse_session.MountError) as info:
-        fuse_session.fusermount(str(tmp_path / "missing"), "s3://b", read_only=True, allow_other=False)
+    with pytest.raises(mounting.MountError) as info:
+        mounting.fusermount(str(tmp_path / "missing"), "s3://b", read_only=True, allow_other=False)
     assert "failed to access mountpoint" in (info.value.strerror or "")
 
 
@@ -90,7 +91,7 @@ async def test_a_root_mount_negotiates_with_the_kernel_and_ends_at_unmount(tmp_p
         while len(outcomes) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert outcomes == [(wire.NOTIFY_INVAL_INODE, 0), (wire.NOTIFY_INVAL_ENTRY, errno.ENOENT)]
-        await asyncio.to_thread(fuse_session.unmount, str(target), privileged=True)
+        await asyncio.to_thread(mounting.unmount, str(target), privileged=True)
         await asyncio.wait_for(serving, 30)  # ENODEV: the mount is gone, serve returns
     finally:
         session.close()

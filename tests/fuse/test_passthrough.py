@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from cachefs.fuse.session import may_register_backing
+from cachefs.fuse.backingfiles import may_register_backing
 from tests.fuse.conftest import Mount, Mounter, read_dropping_page_cache, run_cli
 
 MiB = 1024 * 1024

@@ -27,7 +27,8 @@ from cachefs.fs.filesystem import CacheFS
 from cachefs.fs.inodes import ROOT_INODE
 from cachefs.fuse import wire
 from cachefs.fuse.adapter import FuseOperations, errno_of
-from cachefs.fuse.session import WANTED_FLAGS, FuseSession, fuse_failure_reason
+from cachefs.fuse.mounting import fuse_failure_reason
+from cachefs.fuse.session import WANTED_FLAGS, FuseSession
 from cachefs.mounts import CONTROL_XATTR, mount_source
 from cachefs.settings import FsSettings
 from tiering.blocks import MIN_BLOCK_SIZE
