@@ -551,7 +551,7 @@ class FuseSession:
         try:
             while not self._ended.done():
                 if len(self._tasks) >= self._max_tasks:
-                    with lock:
+                    with loop.holding_state():  # (counted as waiting: a busy loop lets go)
                         while len(self._tasks) >= self._max_tasks and not self._ended.done():
                             room.wait()
                 try:
