@@ -13,8 +13,9 @@ Replies of one connection may arrive in any order (the kernel matches them by ``
 ``writev`` is one whole reply, so writers need no lock between them. There are ``WRITERS`` of them,
 each taking the next reply from one queue, so that none carries more than a share of the copy.
 Smaller replies are written on the loop as before: handing a 100 KiB reply to a thread costs about
-what its copy does (two thread wake-ups). When every writer is busy and ``MAX_QUEUED`` replies wait, the loop writes the next one
-itself: the queue stays short and a slow reader of large replies slows the loop no more than before.
+what its copy does (two thread wake-ups). When every writer is busy and ``MAX_QUEUED`` replies
+wait, the loop writes the next one itself: the queue stays short and a slow reader of large
+replies slows the loop no more than before.
 
 The end: ``close`` lets the writers finish what is queued (bounded by ``CLOSE_WAIT_S``) before the
 session closes the descriptor, so no reply is ever written to a descriptor number the process has
