@@ -71,8 +71,9 @@ def one_read(name: str, tree: str, env: dict[str, str], work: Path, size: int, e
     if tree:
         run_env["PYTHONPATH"] = tree
     cli = [sys.executable, "-m", "cachefs"]
+    # (Run from ``work``: ``python -m`` puts its working directory first on the path, before PYTHONPATH.)
     subprocess.run([*cli, "mount", "s3://bench", str(mnt), "--cache-dir", str(cache), "--log-level", "WARNING",
-                    *extra], check=True, env=run_env, timeout=MOUNT_TIMEOUT_S, stdout=subprocess.DEVNULL)
+                    *extra], check=True, env=run_env, timeout=MOUNT_TIMEOUT_S, stdout=subprocess.DEVNULL, cwd=work)
     pid = int(call(mnt, "/info")["pid"])
     try:
         load = loadavg()
@@ -95,7 +96,8 @@ def one_read(name: str, tree: str, env: dict[str, str], work: Path, size: int, e
                 "daemon CPU-s/GiB": round((after_all - before_all) / gib, 3), "busiest": ranked[0],
                 "threads (total, user, system CPU-s/GiB)": ranked[:SHOWN]}
     finally:
-        subprocess.run([*cli, "unmount", str(mnt)], env=run_env, timeout=MOUNT_TIMEOUT_S, stdout=subprocess.DEVNULL)
+        subprocess.run([*cli, "unmount", str(mnt)], env=run_env, timeout=MOUNT_TIMEOUT_S, stdout=subprocess.DEVNULL,
+                       cwd=work)
         shutil.rmtree(cache, ignore_errors=True)
 
 
