@@ -10,10 +10,12 @@ The reply's buffers are the handler's own (a view of the RAM tier's block): noth
 it over, and a block buffer is used again only once no view of it is alive (``tiering.buffers``).
 
 Replies of one connection may arrive in any order (the kernel matches them by ``unique``), and one
-``writev`` is one whole reply, so writers need no lock between them. Smaller replies are written on
-the loop as before: handing a 100 KiB reply to a thread costs about what its copy does (two thread
-wake-ups). When every writer is busy and ``MAX_QUEUED`` replies wait, the loop writes the next one
-itself: the queue stays short and a slow reader of large replies slows the loop no more than before.
+``writev`` is one whole reply, so writers need no lock between them. There are ``WRITERS`` of them,
+each taking the next reply from one queue, so that none carries more than a share of the copy.
+Smaller replies are written on the loop as before: handing a 100 KiB reply to a thread costs about
+what its copy does (two thread wake-ups). When every writer is busy and ``MAX_QUEUED`` replies
+wait, the loop writes the next one itself: the queue stays short and a slow reader of large
+replies slows the loop no more than before.
 
 The end: ``close`` lets the writers finish what is queued (bounded by ``CLOSE_WAIT_S``) before the
 session closes the descriptor, so no reply is ever written to a descriptor number the process has
@@ -38,9 +40,14 @@ Buffer = Union[bytes, bytearray, memoryview]
 # Replies this large and larger are written by a writer thread: a 1 MiB READ reply's copy costs the
 # writing thread ~0.3 ms here, a hand-over ~20 us of CPU between the two threads.
 OFFLOAD_MIN_BYTES = 256 * 1024
-# Writer threads: two replies copied at once on a 2-core node is already what its memory bus gives
-# one mount; more only add wake-ups.
-WRITERS = 2
+# Writer threads. The copy of a cold read's replies into the mount's page cache is the largest work
+# of one thread in the daemon (docs/dataplane.md, "The reply copy on four writers"), and whatever one
+# thread does caps the mount on any number of cores: each writer takes an equal share of the replies,
+# so four keep each one's share at a quarter. On 2 cores four cost what two do (one wake-up per reply
+# either way, and the same bytes copied): measured, the busiest thread of a cold 1 GiB read fell from
+# a writer's 0.27-0.61 CPU-s/GiB to 0.18-0.41 in the same loaded rounds. More than four: the loop
+# thread and the readers are then as busy as a writer, and each thread reserves 8 MiB of stack.
+WRITERS = 4
 # Replies waiting for a writer beyond which the loop writes the next one itself.
 MAX_QUEUED = 8
 # How long close waits for the queued replies (each one writev of at most 1 MiB and a page).

@@ -10,7 +10,9 @@ would, and the interleavings stay those of one loop (a step between two awaits r
 What a reader thread does under the lock that the loop must notice: callbacks it schedules
 (``call_soon``, ``call_at``: a future completed, a task created, a timer set) land in the loop's
 queues while the loop waits, so they are marked and ``wake`` has the loop look at them once the
-thread lets go of the lock. ``start_task`` creates a task whose first step runs in the calling
+thread lets go of the lock (a timer only if it is due before the loop wakes by itself: a read's
+deadline, set on every read that waits for a load, would otherwise cost the loop a turn each).
+``start_task`` creates a task whose first step runs in the calling
 thread, now (the 3.12 "eager task" idea, on 3.11): a request answered without waiting never
 involves the loop's thread; one that waits continues on the loop as an ordinary task.
 
@@ -30,6 +32,7 @@ import os
 import select
 import selectors
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
@@ -47,15 +50,21 @@ class _LockedSelector(selectors.EpollSelector):
         self._waiter = select.poll()
         self._waiter.register(self.fileno(), select.POLLIN)
         self.waiting = 0
+        # When the loop's thread wakes by itself from the wait it is in (time.monotonic(), the loop's
+        # clock; inf: only an event wakes it): a timer due no earlier needs no wake-up. Set with the
+        # lock held, before the wait lets go of it.
+        self.wakes_at = -math.inf
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if timeout is None or timeout > 0:
             wait_ms = -1 if timeout is None else math.ceil(timeout * 1000)
+            self.wakes_at = math.inf if timeout is None else time.monotonic() + timeout
             self._lock.release()
             try:
                 self._waiter.poll(wait_ms)
             finally:
                 self._lock.acquire()
+                self.wakes_at = -math.inf
         elif self.waiting:
             # A busy loop would otherwise keep the lock from one turn to the next: readers with a
             # request in hand get their turn between two (a lock has no queue: this is best effort).
@@ -121,7 +130,9 @@ class SharedLoop(asyncio.SelectorEventLoop):
 
     def call_at(self, when: float, callback: Callable[[Unpack[Ts]], object], *args: Unpack[Ts],
                 context: contextvars.Context | None = None) -> asyncio.TimerHandle:
-        if threading.get_ident() != self._owner:
+        if threading.get_ident() != self._owner and when < self._selector_with_lock.wakes_at:
+            # (A timer due after the loop's own wake-up, such as the deadline a read sets on the load
+            # it waits for, is seen then: no wake-up of the loop for it.)
             self._foreign_scheduled = True
         return super().call_at(when, callback, *args, context=context)
 

@@ -333,3 +333,37 @@ def test_the_handover_clones_with_the_protocol_ioctl() -> None:
     from cachefs import handover
 
     assert handover.DEV_IOC_CLONE == wire.DEV_IOC_CLONE == 0x8004E500
+
+
+def test_a_timer_set_by_a_reader_wakes_the_loop_only_if_due_before_the_loop_wakes_by_itself() -> None:
+    """A read that waits for a load sets a deadline seconds away: it must not cost the loop a turn, and
+    the loop must still see it when it wakes for its own earlier timer; a nearer timer wakes it."""
+    created: list[tuple[SharedLoop, float]] = []
+
+    def run() -> None:
+        loop = SharedLoop()
+        # The loop's own wake-up: far enough for the test to hold the state lock before it, on a
+        # loaded machine too.
+        own = loop.time() + 2.0
+        loop.call_at(own, lambda: None)
+        created.append((loop, own))
+        loop.run_forever()
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_until(lambda: bool(created))
+    loop, own = created[0]
+    far, near = threading.Event(), threading.Event()
+    with loop.holding_state():  # (granted while the loop waits for its timer)
+        loop.call_at(own + 0.3, far.set)
+        assert not loop.take_wake()  # due after the loop wakes by itself: no wake-up
+        loop.call_at(loop.time() + 0.1, near.set)
+        assert loop.take_wake()  # due before it: the loop must be woken to see it
+    loop.wake()
+    try:
+        assert near.wait(WAIT_S)
+        assert far.wait(WAIT_S)  # seen once the loop woke for its own timer
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(WAIT_S)
