@@ -91,13 +91,9 @@ class Blake3Key:
             raise ValueError(f"a BLAKE3 key is {blake3.blake3.key_size} bytes")
         self._key = key
 
-    def hasher(self) -> "blake3.blake3":
-        """A MAC to feed piece by piece (``update``; ``digest`` at the end), one thread."""
-        return blake3.blake3(key=self._key, max_threads=1)
-
     def tag(self, *parts: bytes | memoryview) -> bytes:
         """The MAC of the concatenation of ``parts`` (large ones hashed with the GIL released)."""
-        mac = self.hasher()
+        mac = blake3.blake3(key=self._key, max_threads=1)
         for part in parts:
             mac.update(part)
         return mac.digest()

@@ -32,9 +32,6 @@ from tiering.blocks import BlockData, BlockKey
 from tiering.handoff import AfterReceive
 from tiering.health import TierHealth
 
-# Sees each piece of a body as it is received (``ObjectStore.get_range``'s ``observe``); never raises.
-Observe = Callable[[memoryview], None]
-
 
 @runtime_checkable
 class VictimOrder(Protocol):
@@ -187,9 +184,6 @@ class ClusterTierStats:
     forged_blocks: int = 0  # of those, frames whose MAC failed (not written with the cluster key)
     stale_blocks: int = 0  # objects of the previous, unauthenticated format: misses, overwritten
     skipped: int = 0  # lookups not even tried: the store's circuit was open
-    # Frames whose MAC had to be computed after the GET, in a thread (the store did not observe the
-    # pieces as they arrived: another store, a fallback GET, a frame of the previous release).
-    checked_after_get: int = 0
     puts: int = 0  # blocks written
     put_bytes: int = 0
 
@@ -298,7 +292,7 @@ class ObjectStore(Protocol):
         """Metadata of one object; ``ObjectNotFoundError`` if absent."""
 
     async def get_range(self, key: str, etag: str, start: int, end: int, *,
-                        after: AfterReceive[Any] | None = None, observe: Observe | None = None) -> BlockData:
+                        after: AfterReceive[Any] | None = None) -> BlockData:
         """Bytes ``[start, end)`` of the object, only if its ETag is still ``etag``.
 
         A read-only ``memoryview`` where the store received the range in place (S3): the caller
@@ -307,12 +301,6 @@ class ObjectStore(Protocol):
         ``after``: work on the bytes that a store receiving in worker threads may claim (before
         this returns) and run in the receiving thread once the bytes are handed over
         (``tiering.handoff``); a store that does not leaves it unclaimed, for the caller to do.
-
-        ``observe``: called by a store receiving in worker threads with each piece of the bytes it
-        returns as the piece lands there (consecutive views of the returned buffer, in order: work on
-        the bytes while they are in the CPU's cache, ``tiering.objectstore.rangedget``). A store may
-        call it for none or only some of them (the others, a fallback that received elsewhere): the
-        caller checks what it saw against what was returned, and does the rest itself.
 
         Raises ``ObjectChangedError`` if the object now has another ETag, ``ObjectNotFoundError`` if
         it is gone, ``ObjectStoreUnavailableError`` on timeouts and connection failures.

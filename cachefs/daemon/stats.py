@@ -29,7 +29,6 @@ def cluster_section(cache: BlockCache) -> dict[str, Any]:
         "forged_blocks": st.forged_blocks,
         "stale_blocks": st.stale_blocks,
         "skipped": st.skipped,
-        "checked_after_get": st.checked_after_get,
         "inserts": st.puts,
         "inserted_bytes": st.put_bytes,
         "served_blocks": cache.stats.cluster_served,

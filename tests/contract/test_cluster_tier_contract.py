@@ -257,21 +257,3 @@ async def test_collect_garbage_deletes_oldest_first() -> None:
     assert await tier.get(keys[3], len(DATA)) is None and await tier.get(keys[2], len(DATA)) is None
     await tier.close()
 
-
-
-async def test_a_large_hit_is_checked_as_it_arrives_where_the_store_receives_in_threads(backend: Backend) -> None:
-    """Over S3 the frame's MAC is computed piece by piece in the thread that receives the object
-    (``FrameDigest``), so no second pass over the block is made after the GET; a store that
-    receives elsewhere (the in-memory one) has it computed after, in a thread. Either way a frame
-    under another key is refused."""
-    store = needs_store(backend)
-    assert isinstance(backend.tier, ClusterTier)
-    key = KEY._replace(index=0)
-    data = bytes(range(256)) * 8192  # 2 MiB: an aligned frame, many pieces
-    assert await backend.tier.put(key, data)
-    assert await backend.tier.get(key, len(data)) == data
-    assert backend.tier.stats.checked_after_get == (0 if backend.name == "seaweed" else 1)
-    forger = ClusterTier(store, source_id=SOURCE_ID, block_size=BLOCK_SIZE, key=OTHER_KEY, timeout_s=5.0)
-    assert await forger.put(key, data[::-1])
-    assert await backend.tier.get(key, len(data)) is None
-    assert backend.tier.stats.forged_blocks == 1

@@ -17,7 +17,6 @@ from tiering.tiers.blockformat import CorruptBlockError, frame_header
 from tiering.tiers.clusterframe import (
     MAGIC_HMAC,
     ForgedFrameError,
-    FrameDigest,
     FrameKeys,
     StaleFrameError,
     decode_frame,
@@ -112,51 +111,6 @@ def test_every_damage_is_refused(where: str) -> None:
         blob += b"x"
     with pytest.raises(CorruptBlockError):
         decode_frame(MAC, bytes(blob), TOKEN)
-
-
-def _observed(blob: bytes, piece: int, digest: FrameDigest) -> memoryview:
-    """``blob`` in a buffer of its own, fed to ``digest`` in pieces as a store's receiving thread
-    would; the read-only view a store returns."""
-    view = memoryview(bytearray(blob))
-    for at in range(0, len(view), piece):
-        digest.update(view[at:at + piece])
-    return view.toreadonly()
-
-
-@pytest.mark.parametrize("piece", [1, 7, 4096, 100_000, 1 << 20])
-def test_the_mac_computed_as_the_frame_arrives_is_the_frames(piece: int) -> None:
-    for data in (b"hello", bytes(range(256)) * (MAP_MIN_BYTES // 256) + b"tail"):  # packed, aligned
-        blob = encode_frame(MAC, TOKEN, data)
-        digest = FrameDigest(MAC, TOKEN, len(data))
-        view = _observed(blob, piece, digest)
-        assert digest.tag_for(view) == blob[digest.head_end:digest.head_end + 32]
-        assert bytes(decode_frame(MAC, view, TOKEN, digest)) == data
-
-
-def test_a_digest_proves_nothing_about_bytes_it_did_not_see() -> None:
-    """The MAC computed while receiving is used only for the very buffer observed, whole: a forged
-    frame returned in another buffer, one observed in part or in two buffers, is checked in full."""
-    data = bytes(range(256)) * (MAP_MIN_BYTES // 256)
-    genuine = encode_frame(MAC, TOKEN, data)
-    forged = encode_frame(FrameKeys.of(OTHER_KEY), TOKEN, data[::-1])
-    digest = FrameDigest(MAC, TOKEN, len(data))
-    _observed(genuine, 65536, digest)  # the genuine frame observed, then a forgery returned
-    elsewhere = memoryview(bytearray(forged)).toreadonly()
-    assert digest.tag_for(elsewhere) is None
-    with pytest.raises(ForgedFrameError):
-        decode_frame(MAC, elsewhere, TOKEN, digest)
-    digest = FrameDigest(MAC, TOKEN, len(data))
-    with pytest.raises(ForgedFrameError):  # a forgery observed: its MAC under this key is not the one it carries
-        decode_frame(MAC, _observed(forged, 65536, digest), TOKEN, digest)
-    half = FrameDigest(MAC, TOKEN, len(data))
-    view = memoryview(bytearray(genuine))
-    half.update(view[:len(view) // 2])
-    assert half.tag_for(view.toreadonly()) is None
-    assert bytes(decode_frame(MAC, view.toreadonly(), TOKEN, half)) == data  # computed in full instead
-    mixed = FrameDigest(MAC, TOKEN, len(data))
-    mixed.update(view[:4096])
-    mixed.update(memoryview(bytearray(genuine))[4096:])
-    assert mixed.tag_for(view.toreadonly()) is None
 
 
 def test_a_frame_under_another_key_or_purpose_is_a_forgery() -> None:

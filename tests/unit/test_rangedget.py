@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tiering.objectstore.rangedget import OBSERVE_PIECE_BYTES, WAITALL_MIN_BYTES, RangeAnswer, RangedGetter
+from tiering.objectstore.rangedget import WAITALL_MIN_BYTES, RangeAnswer, RangedGetter
 
 BODY = os.urandom(WAITALL_MIN_BYTES * 3 + 12345)  # above the MSG_WAITALL threshold, not a round size
 Script = Callable[[http.server.BaseHTTPRequestHandler], None]
@@ -150,29 +150,6 @@ async def test_then_may_decline_and_sees_failures_too(server: Server, one_thread
 
     answer = await one_thread.get(f"{server.url}/k", ranged(0, 100), 99, then)
     assert answer.data is None and answers == [answer]
-
-
-async def test_observe_sees_each_piece_of_the_buffer_as_it_lands(server: Server, one_thread: RangedGetter) -> None:
-    """``observe`` gets consecutive views of the one buffer handed over, in order, at most
-    ``OBSERVE_PIECE_BYTES`` each, in the worker, all before the answer (the cluster tier's MAC)."""
-    loop_thread = threading.get_ident()
-    for start, end in ((0, 1000), (1, WAITALL_MIN_BYTES + 7), (0, len(BODY))):
-        pieces: list[memoryview] = []
-        threads: set[int] = set()
-
-        def observe(piece: memoryview) -> None:
-            pieces.append(piece)
-            threads.add(threading.get_ident())
-
-        answer = await one_thread.get(f"{server.url}/k", ranged(start, end), end - start, observe=observe)
-        assert answer.data is not None and answer.data == BODY[start:end]
-        assert b"".join(bytes(p) for p in pieces) == BODY[start:end]
-        assert all(0 < len(p) <= OBSERVE_PIECE_BYTES and p.obj is answer.data.obj for p in pieces)
-        assert loop_thread not in threads
-    assert len(pieces) > len(BODY) // OBSERVE_PIECE_BYTES  # the whole body: in pieces, not in one
-    seen: list[memoryview] = []
-    assert (await one_thread.get(f"{server.url}/k", ranged(0, 100), 99, observe=seen.append)).data is None
-    assert seen == []  # an answer not returned is not observed
 
 
 async def test_a_redirect_is_never_followed(server: Server, getter: RangedGetter) -> None:

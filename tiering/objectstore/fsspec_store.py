@@ -86,7 +86,7 @@ from tiering.objectstore import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_READ_TIMEOUT_
 from tiering.objectstore.fsspec_sources import FSSPEC_PROTOCOLS
 from tiering.objectstore.keys import check_key, check_list_prefix, check_range, check_write_key, key_room
 from tiering.objectstore.memory import md5_etag
-from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, Observe, ReadRange
+from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
@@ -457,9 +457,8 @@ class FsspecObjectStore:
                     "Last-Modified": r.headers.get("Last-Modified"), "type": "file"}
 
     async def get_range(self, key: str, etag: str, start: int, end: int, *,
-                        after: AfterReceive[Any] | None = None, observe: Observe | None = None) -> bytes:
-        # Receives on the loop (fsspec's async client): ``after`` stays unclaimed and ``observe`` sees
-        # nothing, for the caller to do.
+                        after: AfterReceive[Any] | None = None) -> bytes:
+        # Receives on the loop (fsspec's async client): ``after`` stays unclaimed, for the caller to do.
         check_range(start, end)
         if start == end:
             return b""  # as every store: nothing to read, so no request and no version check

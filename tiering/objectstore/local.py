@@ -60,7 +60,7 @@ from tiering.objectstore.keys import (
     key_room,
 )
 from tiering.objectstore.mtimes import metadata_mtime, mtime_metadata
-from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, Observe, ReadRange
+from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 
 T = TypeVar("T")
 
@@ -356,9 +356,8 @@ class LocalObjectStore:
         return await self._run(self._head_sync, key)
 
     async def get_range(self, key: str, etag: str, start: int, end: int, *,
-                        after: AfterReceive[Any] | None = None, observe: Observe | None = None) -> bytes:
-        # Reads in asyncio's pool and returns ``bytes``: ``after`` stays unclaimed and ``observe`` sees
-        # nothing, for the caller to do.
+                        after: AfterReceive[Any] | None = None) -> bytes:
+        # Reads in asyncio's pool and returns ``bytes``: ``after`` stays unclaimed, for the caller to do.
         check_range(start, end)
         if start == end:
             return b""

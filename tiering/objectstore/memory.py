@@ -42,7 +42,7 @@ from tiering.objectstore.keys import (
     clamp_range,
     split_listing_key,
 )
-from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStore, ObjectStoreStats, Observe, ReadRange
+from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStore, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
 
 # Called as on_get(key, start, end) at the start of every get_range, before any failure is injected.
@@ -131,8 +131,8 @@ class InMemoryObjectStore:
         return self._lookup(key).info
 
     async def get_range(self, key: str, etag: str, start: int, end: int, *,
-                        after: AfterReceive[Any] | None = None, observe: Observe | None = None) -> bytes:
-        # Receives on the loop: ``after`` stays unclaimed and ``observe`` sees nothing, for the caller to do.
+                        after: AfterReceive[Any] | None = None) -> bytes:
+        # Receives on the loop: ``after`` stays unclaimed, for the caller to do.
         check_range(start, end)
         if self.on_get is not None:
             self.on_get(key, start, end)
@@ -307,11 +307,11 @@ class FailingObjectStore:
         return await self.inner.head(key)
 
     async def get_range(self, key: str, etag: str, start: int, end: int, *,
-                        after: AfterReceive[Any] | None = None, observe: Observe | None = None) -> BlockData:
+                        after: AfterReceive[Any] | None = None) -> BlockData:
         if self.on_get is not None:
             self.on_get(key, start, end)
         await self._before(self.fail_gets, f"get {key!r} [{start}, {end})")
-        return await self.inner.get_range(key, etag, start, end, after=after, observe=observe)
+        return await self.inner.get_range(key, etag, start, end, after=after)
 
     async def _before_write(self, op: str, key: str) -> None:
         if self.on_write is not None:

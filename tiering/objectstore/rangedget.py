@@ -68,7 +68,6 @@ from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 from tiering.buffers import BLOCK_BUFFERS, BufferPool
-from tiering.protocols import Observe
 from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
@@ -104,7 +103,6 @@ class _Request:
     url: str
     headers: Mapping[str, str]
     length: int
-    observe: Observe | None = None
     cancelled: bool = False  # set by the awaiting caller when it stops waiting
     sock: socket.socket | None = None  # the connection's socket while the worker uses it
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -139,11 +137,6 @@ class _Connections:
 
 # Called in the worker with the answer before it is handed over; returns work to do after (or None).
 Then = Callable[[RangeAnswer], Callable[[], None] | None]
-# The pieces ``observe`` gets: small enough to be still in the CPU's cache when it reads them (a check
-# of the bytes there costs a fraction of a pass over the whole block from memory: keyed BLAKE3 over
-# 256 KiB in cache 0.17 CPU-s/GiB against 0.55 over 256 MiB, measured on the 2-core VM at load 10),
-# large enough that a piece is one MSG_WAITALL receive, 32 per 8 MiB block, not one per socket buffer.
-OBSERVE_PIECE_BYTES = 256 * 1024
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
@@ -192,21 +185,14 @@ class RangedGetter:
         self._closed = False
 
     async def get(self, url: str, headers: Mapping[str, str], length: int,
-                  then: Then | None = None, observe: Observe | None = None) -> RangeAnswer:
+                  then: Then | None = None) -> RangeAnswer:
         """GET ``url`` with ``headers`` in a worker thread; raises ``OSError``/``http.client`` errors.
 
         ``then(answer)`` is called in the worker with the answer before it is handed over; the
         callable it returns, if any, is called in the same worker right after the handover (work on
         the bytes that the caller's loop need not hand to another thread: ``tiering.handoff``). It
-        must not raise.
-
-        ``observe(piece)`` is called in the worker with each piece of a body received into a buffer
-        (a 200/206 of exactly ``length`` bytes), as soon as the piece has landed: consecutive views
-        of that one buffer, in order, at most ``OBSERVE_PIECE_BYTES`` each, covering it once, all
-        before the answer is handed over (work on the bytes while they are in the CPU's cache: the
-        cluster tier's frame check). A request that fails after some pieces observes no more. It
         must not raise."""
-        request = _Request(url, headers, length, observe=observe)
+        request = _Request(url, headers, length)
         with self._lock:
             self._inflight.add(request)
         try:
@@ -334,15 +320,12 @@ class RangedGetter:
             got = 0
             if request.length > WAITALL_MIN_BYTES and sock is not None and not isinstance(sock, ssl.SSLSocket):
                 got = self._receive_waitall(response, sock, view, request)
-            piece = OBSERVE_PIECE_BYTES if request.observe is not None else request.length
             while got < request.length:
                 if request.cancelled:
                     raise RequestAbandoned()
-                n = response.readinto(view[got:got + piece])
+                n = response.readinto(view[got:])
                 if not n:
                     raise http.client.IncompleteRead(b"", request.length - got)
-                if request.observe is not None:
-                    request.observe(view[got:got + n])
                 got += n
             return RangeAnswer(status, etag, view.toreadonly()), not response.will_close
         if length is not None and length <= MAX_DRAIN_BYTES:
@@ -361,28 +344,20 @@ class RangedGetter:
         and one re-take of the GIL) receives what would otherwise take one call per socket buffer,
         a hundred or more per 8 MiB. ``SO_RCVTIMEO`` (set at connect) bounds each call by the read
         timeout, as the socket timeout bounds ``http.client``'s own reads. The response is then
-        complete and closed, and the connection goes on to the next request. With an ``observe``
-        the calls are of ``OBSERVE_PIECE_BYTES`` each, every piece observed as it lands.
+        complete and closed, and the connection goes on to the next request.
         """
         assert response.fp is not None
-        observe = request.observe
-        piece = OBSERVE_PIECE_BYTES if observe is not None else request.length
-        got = response.fp.readinto1(view[:piece])
+        got = response.fp.readinto1(view)
         if not got:
             raise http.client.IncompleteRead(b"", request.length)
-        if observe is not None:
-            observe(view[:got])
         sock.settimeout(None)
         try:
             while got < request.length:
                 if request.cancelled:
                     raise RequestAbandoned()
-                want = min(request.length - got, piece)
-                n = sock.recv_into(view[got:got + want], want, socket.MSG_WAITALL)
+                n = sock.recv_into(view[got:], request.length - got, socket.MSG_WAITALL)
                 if not n:
                     raise http.client.IncompleteRead(b"", request.length - got)
-                if observe is not None:
-                    observe(view[got:got + n])
                 got += n
         finally:
             sock.settimeout(self.read_timeout_s)

@@ -104,7 +104,7 @@ from tiering.objectstore.s3errors import (
 )
 from tiering.blocks import BlockData
 from tiering.handoff import AfterReceive
-from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, Observe, ReadRange
+from tiering.protocols import ANY_VERSION, Listing, ObjectInfo, ObjectStoreStats, ReadRange
 from tiering.storehealth import request_timeout
 
 log = logging.getLogger(__name__)
@@ -446,14 +446,13 @@ class S3ObjectStore:
         return self._ranged
 
     async def _presigned_get(self, key: str, etag: str, start: int, end: int, where: str,
-                             after: AfterReceive[Any] | None, observe: Observe | None = None) -> BlockData | None:
+                             after: AfterReceive[Any] | None) -> BlockData | None:
         """Bytes ``[start, end)`` by a GET on a presigned URL; None to have botocore do the request.
 
         Received in a worker thread straight into the block's buffer (``tiering.objectstore.rangedget``).
         Raises only ``ObjectChangedError`` (412, or another ETag answered); returns b"" for 416.
         ``after`` is claimed and run by that worker for the answers returned here (the range in full,
-        the ETag asked for: the same test as below), and for no other. ``observe`` sees the pieces of
-        the body as they land, in the worker (``RangedGetter.get``).
+        the ETag asked for: the same test as below), and for no other.
         """
         url = await self._presign(key)
         if url is None:
@@ -465,7 +464,7 @@ class S3ObjectStore:
         status = 0
         try:
             answer = await self._getter().get(url, headers, end - start,
-                                              None if after is None else _then(after, etag), observe)
+                                              None if after is None else _then(after, etag))
             status = answer.status
             if status == 412:
                 self.stats.errors += 1
@@ -511,14 +510,14 @@ class S3ObjectStore:
         )
 
     async def get_range(self, key: str, etag: str, start: int, end: int, *,
-                        after: AfterReceive[Any] | None = None, observe: Observe | None = None) -> BlockData:
+                        after: AfterReceive[Any] | None = None) -> BlockData:
         check_range(start, end)
         if start == end:
             return b""
         self._check_key(key)
         where = self._where(key)
         self.stats.get_requests += 1
-        fast = await self._presigned_get(key, etag, start, end, where, after, observe)
+        fast = await self._presigned_get(key, etag, start, end, where, after)
         if fast is not None:
             self.stats.bytes_read += len(fast)
             return fast

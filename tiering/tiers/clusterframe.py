@@ -30,22 +30,10 @@ unauthenticated format, magic ``CFSB``, is ``StaleFrameError``: a plain miss the
 overwrites, never an error), layout, token length, token, length, then the MAC (constant-time
 compare). Any other failure is ``CorruptBlockError``. A golden-bytes test (tests/unit/
 test_cluster_frame.py) pins the format.
-
-The MAC while the object arrives (``FrameDigest``). A reader knows where the MAC's two ranges lie
-before the first byte comes (from the token and the block's length it asks for), so the store's
-receiving thread hashes each piece of the object as it lands (``ObjectStore.get_range``'s
-``observe``), while the piece is still in the CPU's cache: a second pass over the whole block from
-memory after the GET, and the thread hop to make it, are saved. ``decode_frame`` then checks
-everything as above and compares the stored MAC with the one computed so, used only when the frame
-is laid out where the digest assumed and every byte returned was observed, in order, in the very
-buffer returned; otherwise (a store that does not observe, a fallback GET, a frame of the previous
-release) it computes the MAC itself as before. Nothing is trusted earlier than before: the bytes
-are served only once ``decode_frame`` has compared the MACs.
 """
 
 from __future__ import annotations
 
-import hmac
 import struct
 from dataclasses import dataclass
 
@@ -117,54 +105,9 @@ def encode_frame(keys: FrameKeys, token: bytes, data: BlockData | memoryview, *,
     return header + bytes(_offset(layout, len(token)) - len(header)) + data
 
 
-class FrameDigest:
-    """The keyed-BLAKE3 MAC of the frame of ``token`` with ``data_len`` bytes of data, fed with the
-    pieces of the object as they are received (``update``, the store's ``observe``), in any sizes.
-
-    It hashes the ranges the MAC covers in a frame laid out as this release writes one for that
-    block: header and token, then the data (not the MAC field and padding between). ``tag_for`` hands
-    the MAC out only for the buffer that was observed, whole and in order; ``decode_frame`` uses it
-    only once the frame's header has shown that very layout. Called in one thread at a time.
-    """
-
-    def __init__(self, keys: FrameKeys, token: bytes, data_len: int) -> None:
-        self.head_end = FIXED_SIZE + len(token)
-        self.start = _offset(_layout(data_len), len(token))
-        self.size = self.start + data_len
-        self._mac = keys.blake3.hasher()
-        self._buffer: object | None = None  # what the observed pieces are views of
-        self._seen = 0
-        self._broken = False
-
-    def update(self, piece: memoryview) -> None:
-        """The next ``len(piece)`` bytes of the object (never raises)."""
-        if self._broken:
-            return
-        if self._buffer is None:
-            self._buffer = piece.obj
-        elif piece.obj is not self._buffer or self._seen >= self.size:
-            self._broken = True  # pieces of another buffer: this digest proves nothing about it
-            return
-        first, end = self._seen, self._seen + len(piece)
-        self._seen = end
-        if first < self.head_end:
-            self._mac.update(piece[:min(end, self.head_end) - first])
-        if end > self.start:
-            self._mac.update(piece[max(first, self.start) - first:min(end, self.size) - first])
-
-    def tag_for(self, blob: BlockData) -> bytes | None:
-        """The MAC computed, if ``blob`` is the buffer observed, every byte of it, of the size
-        assumed; else None (the caller computes it from ``blob`` itself)."""
-        if (self._broken or not isinstance(blob, memoryview) or blob.obj is not self._buffer
-                or self._seen != len(blob) or len(blob) != self.size or len(memoryview(blob.obj)) != self.size):
-            return None
-        return self._mac.digest()
-
-
-def decode_frame(keys: FrameKeys, blob: BlockData, token: bytes, digest: FrameDigest | None = None) -> BlockData:
+def decode_frame(keys: FrameKeys, blob: BlockData, token: bytes) -> BlockData:
     """The data of the cluster object ``blob`` for ``token``, a view of ``blob``; raises
-    ``StaleFrameError`` (the old format) or ``CorruptBlockError`` (anything else that fails).
-    ``digest``: the MAC computed while ``blob`` was received (``FrameDigest``), used where it fits."""
+    ``StaleFrameError`` (the old format) or ``CorruptBlockError`` (anything else that fails)."""
     if len(blob) < FIXED_SIZE:
         raise CorruptBlockError(f"object is {len(blob)} bytes: truncated header")
     magic, layout, token_len, data_len = _FIXED.unpack_from(blob, 0)
@@ -192,16 +135,9 @@ def decode_frame(keys: FrameKeys, blob: BlockData, token: bytes, digest: FrameDi
     if padding and bytes(padding).count(0) != len(padding):
         raise CorruptBlockError("header padding is not zeros")
     data = view[start:].toreadonly()
-    tag = None
-    if digest is not None and magic == MAGIC and (digest.head_end, digest.start) == (head_end, start):
-        tag = digest.tag_for(blob)
-    if tag is not None:
-        valid = hmac.compare_digest(bytes(view[head_end:head_end + MAC_SIZE]), tag)
-    else:
-        valid = mac.check(view[head_end:head_end + MAC_SIZE], view[:head_end], data)
-    if not valid:
+    if not mac.check(view[head_end:head_end + MAC_SIZE], view[:head_end], data):
         raise ForgedFrameError("MAC mismatch: not written with this cluster key")
     return data
 
 
-__all__ = ["MAGIC", "MAGIC_HMAC", "ForgedFrameError", "FrameDigest", "FrameKeys", "StaleFrameError", "decode_frame", "encode_frame", "frame_size"]
+__all__ = ["MAGIC", "MAGIC_HMAC", "ForgedFrameError", "FrameKeys", "StaleFrameError", "decode_frame", "encode_frame", "frame_size"]
