@@ -51,7 +51,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import machine_info  # noqa: E402
-from benchmarks import analysis, engines  # noqa: E402
+from benchmarks import analysis, engines, procstat  # noqa: E402
 from benchmarks.common import IO_CHUNK, MiB, drop_page_cache  # noqa: E402
 from benchmarks.dataplane import profiled  # noqa: E402
 from benchmarks.peers import (  # noqa: E402
@@ -68,6 +68,7 @@ SOURCE_BUCKET = "dataset"
 CLUSTER_BUCKET = "cluster"
 CLUSTER_PREFIX = "cache/"
 PROFILE = "cluster"
+GiB = 1024 * MiB
 # A mount is up within seconds; a minute covers a loaded 2-core machine.
 MOUNT_TIMEOUT_S = 60.0
 # Reading the whole dataset through the slow link: --size at --rate, with a floor and room for a
@@ -128,11 +129,6 @@ class Node:
         self.pid = int(call(self.mnt, "/info")["pid"])
         return self
 
-    def cpu_s(self) -> float:
-        """User + system CPU seconds the daemon has used so far (/proc/PID/stat)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def stats(self) -> dict[str, Any]:
         return call(self.mnt, "/stats")
 
@@ -159,7 +155,8 @@ class ClusterBench:
         self.hashes: dict[str, str] = {}
         self.nodes: list[Node] = []
         self.proxy: ThrottledProxy | None = None
-        self.daemon_cpu: dict[str, tuple[float, float]] = {}  # node -> (CPU seconds, wall seconds) of its read
+        # node -> (CPU seconds, its busiest thread's CPU seconds, wall seconds) of its read
+        self.daemon_cpu: dict[str, tuple[float, float, float]] = {}
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -211,13 +208,15 @@ class ClusterBench:
         keys = sorted(self.hashes)
         each = self.dataset_bytes // len(keys)
 
-        cpu = node.cpu_s()
+        assert node.pid is not None
+        meter = procstat.SpanMeter(node.pid)
         begin = time.perf_counter()
         with ThreadPoolExecutor(max_workers=self.args.readers) as pool:
             futures = {key: pool.submit(read_whole, node.mnt / key, each) for key in keys}
             results = {key: f.result(timeout=self.read_timeout_s()) for key, f in futures.items()}
         elapsed = time.perf_counter() - begin
-        self.daemon_cpu[node.name] = (node.cpu_s() - cpu, elapsed)
+        span = meter.stop()
+        self.daemon_cpu[node.name] = (span.cpu_s, span.busiest_thread_s, elapsed)
         for key, data in results.items():
             if len(data) != each or hashlib.sha256(data).hexdigest() != self.hashes[key]:
                 raise RuntimeError(f"{node.name}: {key} read {len(data)} bytes with the wrong SHA-256")
@@ -248,7 +247,8 @@ class ClusterBench:
         for name in engines.ENGINES:
             try:
                 runs[name] = engines.measure(name, self.cluster.endpoint_url, CLUSTER_BUCKET, objects, creds,
-                                             self.args.readers, DEFAULT_BLOCK_SIZE).to_json()
+                                             self.args.raw_get_threads or self.args.readers,
+                                             DEFAULT_BLOCK_SIZE).to_json()
             except (engines.EngineUnavailable, RuntimeError) as exc:
                 runs[name] = {"unavailable": str(exc)}
         best, rate = analysis.best_engine({n: r.get("mib_s") for n, r in runs.items()})
@@ -289,7 +289,11 @@ class ClusterBench:
                                    "cluster_hits": s["cluster"]["hits"], "cluster_misses": s["cluster"]["misses"],
                                    "cluster_errors": s["cluster"]["errors"], "read_mib_s": round(rates[node.name], 1),
                                    "daemon_cpu_s": round(self.daemon_cpu[node.name][0], 2),
-                                   "read_s": round(self.daemon_cpu[node.name][1], 2)}
+                                   "busiest_thread_cpu_s": round(self.daemon_cpu[node.name][1], 2),
+                                   "cpu_s_per_gib": round(self.daemon_cpu[node.name][0] * GiB / self.dataset_bytes, 2),
+                                   "busiest_thread_cpu_s_per_gib":
+                                       round(self.daemon_cpu[node.name][1] * GiB / self.dataset_bytes, 2),
+                                   "read_s": round(self.daemon_cpu[node.name][2], 2)}
         source_bytes = sum(n["source_bytes"] for n in per_node.values())
 
         # Mounted while the store is up (a mount refuses an unreachable cluster store), then stopped.
@@ -358,10 +362,12 @@ def markdown(r: dict[str, Any]) -> str:
     d = r["cluster_down"]
     lines.append(f"| cluster store stopped, fresh node | {d['read_mib_s']:.1f} MiB/s, bytes verified "
                  f"({d['ratio_to_node1']:.2f}x node 1) | source speed |")
-    lines += ["", "| node | from source | cluster hits | read MiB/s | daemon CPU s / read s |", "|---|---|---|---|---|"]
+    lines += ["", "| node | from source | cluster hits | read MiB/s | daemon CPU s / read s | CPU-s/GiB: daemon, busiest thread |",
+              "|---|---|---|---|---|---|"]
     for name, n in r["per_node"].items():
         lines.append(f"| {name} | {n['source_bytes'] / MiB:.0f} MiB | {n['cluster_hits']} | {n['read_mib_s']:.1f} "
-                     f"| {n['daemon_cpu_s']:.2f} / {n['read_s']:.2f} |")
+                     f"| {n['daemon_cpu_s']:.2f} / {n['read_s']:.2f} "
+                     f"| {n['cpu_s_per_gib']:.2f}, {n['busiest_thread_cpu_s_per_gib']:.2f} |")
     lines += ["", "| target | measured | wanted | status |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['measured']} | {t['target']} | {t['status']} |" for t in r["targets"]]
     return "\n".join(lines) + "\n"
@@ -375,6 +381,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=4, help="daemons, each with its own cache directory")
     parser.add_argument("--readers", type=int, default=DEFAULT_MAX_CONCURRENT_FETCHES,
                         help="objects each node reads at once (default: the mount's fetch slots, as many as the raw GET has in flight)")
+    parser.add_argument("--raw-get-threads", type=int, default=None,
+                        help="GETs the raw GET engines keep in flight (default: --readers; make bench uses 8 beside "
+                             "its one sequential reader, --objects 1 --readers 1 --raw-get-threads 8 is that case)")
     parser.add_argument("--delay-ms", type=float, default=10.0, help="source link: delay per connection and request")
     parser.add_argument("--rate", type=float, default=40.0, help="source link: MB/s shared by all connections")
     parser.add_argument("--ram-cache", type=parse_size, default=parse_size("256MiB"), help="each node's RAM tier")
@@ -387,7 +396,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--perf", type=Path, default=None,
                         help="perf records each later node's daemon (every thread, kernel too) into DIR/nodeN.data")
     args = parser.parse_args(argv)
-    if args.size < MiB or args.objects < 1 or args.nodes < 1 or args.readers < 1 or args.rate <= 0 or args.delay_ms < 0:
+    if args.size < MiB or args.objects < 1 or args.nodes < 1 or args.readers < 1 or (args.raw_get_threads or 1) < 1 or args.rate <= 0 or args.delay_ms < 0:
         parser.error("--size >= 1MiB, --objects >= 1, --nodes >= 1, --readers >= 1, --rate > 0, --delay-ms >= 0")
     return args
 

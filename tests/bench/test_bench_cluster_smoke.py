@@ -55,6 +55,11 @@ def test_cluster_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert data["node1_write_behind"]["dropped"] == 0
     assert data["cluster_blocks"] > 0
     assert all(n["daemon_cpu_s"] >= 0 and n["read_s"] > 0 for n in data["per_node"].values())
+    # The busiest thread's share of each node's CPU, per GiB as make bench gives it (issue 35).
+    for n in data["per_node"].values():
+        assert 0 <= n["busiest_thread_cpu_s"] <= n["daemon_cpu_s"] + 0.05, n
+        per_gib = 1024 ** 3 / SIZE  # the CPU seconds are rounded to 0.01 before scaling here, not there
+        assert abs(n["cpu_s_per_gib"] - n["daemon_cpu_s"] * per_gib) <= 0.005 * per_gib + 0.01, n
     for key in ("node1_cold_mib_s", "later_nodes_median_mib_s", "cluster_raw_get_mib_s", "later_nodes_ratio_to_raw_get"):
         assert data[key] > 0, key
     # The limit is the fastest raw GET engine on the cluster store's blocks (issue 25).

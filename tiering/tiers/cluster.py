@@ -13,7 +13,7 @@ index): a changed object has another ETag, so its old blocks are never asked for
 length whatever the source key, and spread over 256 prefixes (S3 partitions by key prefix).
 
 Format. Each object is a cluster frame (``tiering.tiers.clusterframe``): magic, layout, token, data
-length, an HMAC-SHA256 under the blocks key derived from the cluster key (``tiering.clusterkey``),
+length, a keyed BLAKE3 MAC under the blocks key derived from the cluster key (``tiering.clusterkey``),
 then the data. The store is shared by every volume and anyone holding its credentials can write
 to it, so a checksum would prove nothing: the MAC does, and only the driver holds the key. A read
 checks the full token and the MAC, so a hash collision, a foreign or forged object, a truncated or
@@ -25,7 +25,7 @@ is a plain miss (``stats.stale_blocks``), overwritten the same way.
 
 A read is one request: a GET of the framed block's exact length (the header's size is known from
 the token, the data's from the block's range) on whatever version of the object is current
-(``ANY_VERSION``: the object carries its own identity and checksums, so there is no ETag to learn
+(``ANY_VERSION``: the object carries its own identity and MAC, so there is no ETag to learn
 first, and one GET sees one version, never a mix). A 404 is the cheap miss; an object shorter than
 the frame is a corrupt one. Bytes past the frame, if a foreign writer left any, are not read: the
 frame's token and checksums decide. It runs under the cluster timeout, which is shorter than the
@@ -86,8 +86,8 @@ from tiering.storehealth import StoreHealth
 log = logging.getLogger("tiering.tiers.cluster")
 
 BLOCKS_PREFIX = "blocks/"
-# A frame this large is checked in a worker thread (its MAC costs ~0.6 ms per MiB, with the GIL
-# released); a smaller one on the loop, where a thread hop (~50 us) would cost more than the MAC.
+# A frame this large is checked in a worker thread (its keyed BLAKE3 costs ~0.2 ms per MiB, with the
+# GIL released); a smaller one on the loop, where a thread hop (~50 us) would cost more than the MAC.
 THREAD_MIN_BYTES = 64 * 1024
 # Objects whose failed check is logged (once each); more are counted, not logged, so a store full
 # of forgeries cannot fill the log, and a set of names cannot grow without bound.
