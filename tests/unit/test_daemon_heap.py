@@ -1,0 +1,64 @@
+"""cachefs.daemon.heap: start-up's objects frozen out of the collector, start-up's garbage collected
+first (issue 35: full collections on the loop cost a cold file up to 0.23 ms)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Iterator
+
+import pytest
+
+from cachefs.daemon.heap import freeze_startup_heap, heap_stats
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    """This test process's heap goes back to the collector after each test."""
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def tracked(obj: object) -> bool:
+    """Whether a collection of some generation would visit ``obj`` (frozen objects are in none)."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_what_lives_at_start_up_is_frozen_and_what_comes_after_is_not(unfrozen: None) -> None:
+    kept = {"model": [1, 2, 3]}
+    assert tracked(kept)
+    frozen = freeze_startup_heap()
+    assert frozen == gc.get_freeze_count() > 0
+    assert not tracked(kept)  # no later collection visits it
+    later = {"task": [4]}
+    assert tracked(later)
+    assert heap_stats()["gc_frozen_objects"] == frozen
+
+
+def test_start_up_garbage_is_collected_before_the_freeze(unfrozen: None) -> None:
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the collector frees it
+    gone = weakref.ref(a)
+    del a, b
+    gc.disable()  # no collection but the one freeze_startup_heap makes
+    try:
+        freeze_startup_heap()
+    finally:
+        gc.enable()
+    assert gone() is None  # freed, not frozen for the life of the process
+
+
+def test_heap_stats_counts_collections_per_generation() -> None:
+    before = heap_stats()["gc_collections"]
+    gc.collect()
+    after = heap_stats()["gc_collections"]
+    assert len(before) == len(after) == 3
+    assert after[2] == before[2] + 1
