@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from cachefs.daemon.heap import freeze_startup_heap, heap_stats
+from cachefs.daemon.heap import _timed, freeze_startup_heap, heap_stats, time_collections
 
 
 class Node:
@@ -62,3 +62,23 @@ def test_heap_stats_counts_collections_per_generation() -> None:
     after = heap_stats()["gc_collections"]
     assert len(before) == len(after) == 3
     assert after[2] == before[2] + 1
+
+
+def test_the_cpu_time_of_collections_is_counted_by_generation() -> None:
+    time_collections()
+    time_collections()  # once only
+    try:
+        assert gc.callbacks.count(_timed) == 1
+        junk = [[i] for i in range(200_000)]  # a full collection with something to visit
+        gc.disable()  # no collection but the one asked for
+        try:
+            before = heap_stats()["gc_cpu_s"]
+            gc.collect()
+            after = heap_stats()["gc_cpu_s"]
+        finally:
+            gc.enable()
+        del junk
+        assert after[2] > before[2]
+        assert after[0] == before[0] and after[1] == before[1]
+    finally:
+        gc.callbacks.remove(_timed)
