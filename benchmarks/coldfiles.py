@@ -206,6 +206,7 @@ def one_pass(server: SeaweedS3, work: Path, name: str, order: list[str], announc
             "announced hits/stalls": [stats["announce"]["order_hits"], stats["announce"]["stalls"]],
             # Collections per generation in the pass, and their CPU per file (cachefs.daemon.heap).
             **({} if heap is None else {
+                "gc frozen objects": heap["gc_frozen_objects"],
                 "gc collections": [a - b for a, b in zip(stats["process"]["gc_collections"], heap["gc_collections"])],
                 "gc ms/file": [round(1000 * (a - b) / n, 4) for a, b in zip(stats["process"]["gc_cpu_s"],
                                                                             heap["gc_cpu_s"])]}),

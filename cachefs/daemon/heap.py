@@ -3,27 +3,31 @@
 Why. CPython's collector runs in whichever thread allocates past its threshold, with the GIL held,
 and a full (generation 2) collection visits every tracked object in the process. By the time a
 daemon serves, most of those are start-up's and live until it exits: botocore's service model of S3
-(parsed JSON: hundreds of thousands of dicts, lists and strings), the modules, the settings, the
-disk tier's index and the metadata index's listings. A cold epoch of small files allocates enough
-(futures, tasks, handles, the inode table's entries) to trigger full collections as it goes, and
-each one walked all of that on the event loop: measured with a ``gc.callbacks`` timer in the
-daemon (``benchmarks/coldfiles.py``, 2,000 cold files of 100 KiB, load 10-14 on 2 cores), one full
-collection cost 0.07-0.46 s of the loop's CPU, up to 0.23 ms per file of the pass it fell in, the
-largest single item on the busiest thread; ``perf`` put ``gc_collect_main`` at ~10% of the loop's
-cycles. The same collections after ``freeze_startup_heap`` cost 8-15 ms each.
+(parsed JSON: dicts, lists and strings), the modules, the settings, the
+disk tier's index and the metadata index's listings: ~99,000 objects in a daemon mounted on
+SeaweedFS. A cold epoch of small files allocates enough (futures, tasks, handles, the inode table's
+entries) to set full collections off as it goes, and each one walked all of that, usually on the event
+loop: timed with a ``gc.callbacks`` hook in the daemon (``benchmarks/coldfiles.py``, 2,000 cold files of
+100 KiB, load 6-17 on 2 cores), 0.06-0.46 s of the loop's CPU per full collection, a stall of every
+FUSE request meanwhile. After ``freeze_startup_heap`` the same collections cost 4-15 ms. This removes
+the pause, not the collector's average cost over a long epoch: CPython sets a full collection off
+each time the objects that survived the last one grow by a quarter, so that average follows the
+long-lived objects each file adds (docs/dataplane.md, "Small files, profiled").
 
 How. Once everything start-up makes is made, and before the mount is served, one ``gc.collect()``
 drops start-up's garbage and ``gc.freeze()`` moves every object left into the permanent generation,
-which no collection visits. Collections go on as before for everything made after (an object made
-at start-up and dropped later is freed by its reference count as usual; only a reference cycle among
-frozen objects would stay, and start-up makes none that it later drops: the objects frozen are the
-process's long-lived state). ``heap_stats`` is the ``process`` section of ``/stats``: how many objects
-are frozen, how many collections of each generation ran and the CPU time they took (``time_collections``,
-a ``gc.callbacks`` hook: two clock reads per collection, ~100 collections per 1,000 cold files), so a
+which no collection visits. Collections go on as before for everything made after. An object made
+at start-up and dropped later is freed by its reference count as usual; a reference cycle among
+frozen objects that the daemon later dropped would stay in memory, which is why only start-up's
+objects (the process's long-lived state) are frozen, once, and never those of later work.
+
+``heap_stats`` is the ``process`` section of ``/stats``: how many objects are frozen, how many
+collections of each generation ran and the CPU time they took (``time_collections``, a
+``gc.callbacks`` hook: two clock reads per collection, 10-60 collections per 1,000 cold files), so a
 benchmark sees what the collector costs in its pass.
 
 Only the daemon process does this (``cachefs.daemon.main.run_daemon``, which runs only in
-``cachefs mount --foreground``'s own process), never a library user or a test process.
+``cachefs mount --foreground``'s own process), never a user of the library.
 """
 
 from __future__ import annotations
