@@ -82,3 +82,15 @@ def test_the_cpu_time_of_collections_is_counted_by_generation() -> None:
         assert after[0] == before[0] and after[1] == before[1]
     finally:
         gc.callbacks.remove(_timed)
+
+
+def test_heap_stats_walks_no_generation(unfrozen: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/stats (and each metrics scrape) reads counters: counting the frozen objects again would walk
+    the whole permanent generation on the loop each time."""
+    frozen = freeze_startup_heap()
+
+    def walk() -> int:
+        raise AssertionError("gc.get_freeze_count() walks every frozen object")
+
+    monkeypatch.setattr(gc, "get_freeze_count", walk)
+    assert heap_stats()["gc_frozen_objects"] == frozen
