@@ -13,10 +13,11 @@ and reports files/s, and per file in ms: the daemon's CPU (its process tree, ``b
 its busiest thread's, every daemon thread's above 1% of the total (named by ``py-spy dump``: Python
 does not name its OS threads), the user and system CPU of the loop thread and of each thread group
 (``cachefs-get``: the GET workers, ``asyncio``: the disk-tier calls), the server's (``weed``), this
-process's (the reader's), how busy the whole machine was (``/proc/stat``), and the announced
-order's hits and stalls. Beside them the raw parallel small GET of the same run (the engine's own
-store path, 16 in flight, no file system): files/s, this process's CPU and the server's per file
-(the server's includes the HEADs made before the timed GETs).
+process's (the reader's), how busy the whole machine was (``/proc/stat``), the announced order's hits
+and stalls, and the garbage collections of each generation the daemon ran in the pass and their CPU
+(``process`` in ``/stats``). Beside them the raw parallel small GET of the same run (the engine's own store path,
+16 in flight, no file system): files/s, this process's CPU and the server's per file (the server's
+includes the HEADs made before the timed GETs).
 
 ``--ram-reread``: after each pass the same files again from the RAM tier, each file's pages dropped
 first, so every read reaches the daemon: what the reader's path costs with no fetch behind it.
@@ -160,6 +161,7 @@ def one_pass(server: SeaweedS3, work: Path, name: str, order: list[str], announc
         before_threads = procstat.thread_cpu(pid)
         loop_before = user_system_s(pid)
         groups_before = group_user_system(pid, names)
+        heap = call(mnt, "/stats").get("process")
         meter = procstat.SpanMeter(pid)
         server_cpu = procstat.process_cpu_s(server.pid)
         own = time.process_time()
@@ -202,6 +204,12 @@ def one_pass(server: SeaweedS3, work: Path, name: str, order: list[str], announc
                 for g, (u, s) in groups_after.items()},
             "store GETs": stats["object_store"]["get_requests"],
             "announced hits/stalls": [stats["announce"]["order_hits"], stats["announce"]["stalls"]],
+            # Collections per generation in the pass, and their CPU per file (cachefs.daemon.heap).
+            **({} if heap is None else {
+                "gc frozen objects": heap["gc_frozen_objects"],
+                "gc collections": [a - b for a, b in zip(stats["process"]["gc_collections"], heap["gc_collections"])],
+                "gc ms/file": [round(1000 * (a - b) / n, 4) for a, b in zip(stats["process"]["gc_cpu_s"],
+                                                                            heap["gc_cpu_s"])]}),
             **({"RAM re-read": ram} if ram else {}),
         }
     finally:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cachefs.daemon import announce, metadata, metrics, prefetch, writeback
+from cachefs.daemon.heap import freeze_startup_heap, time_collections
 from cachefs.daemon.context import DaemonContext, Feature
 from cachefs.daemon.control import ControlServer, socket_path_for
 from cachefs.daemon.errors import SetupError
@@ -292,6 +293,9 @@ async def run_daemon(settings: MountSettings, ready: ReadyCallback, environ: dic
                                       broker=settings.backing_broker, threads=settings.fuse_threads,
                                       clones=settings.fuse_clones)
                 fs.stats.fuse_requests = session.requests
+                # Start-up's objects (botocore's model, the indexes) out of every later collection.
+                log.debug("%d objects made at start-up frozen", freeze_startup_heap())
+                time_collections()
                 try:
                     session.mount()
                 except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cachefs.daemon.heap import heap_stats
 from cachefs.fs.filesystem import CacheFS
 from cachefs.fuse.wire import OPCODE_NAMES
 from tiering.engine.blockcache import BlockCache
@@ -155,6 +156,8 @@ def stats_document(fs: CacheFS, volume: str = "") -> dict[str, Any]:
         },
         "pins": cache.pin_stats(),
         "latency": {op: hist.snapshot() for op, hist in cache.latency.items()},
+        # The collector (cachefs.daemon.heap): start-up's objects frozen, collections per generation.
+        "process": heap_stats(),
         "filesystem": {
             "inodes": len(fs.inodes),
             "open_handles": len(fs.handles),

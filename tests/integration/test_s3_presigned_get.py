@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Callable
 
 import pytest
 
@@ -112,6 +113,34 @@ async def test_urls_signed_without_the_client_are_accepted(seaweed: SeaweedS3, s
         await store.close()
 
 
+async def test_urls_after_the_first_are_signed_in_the_get_worker(
+        seaweed: SeaweedS3, seaweed_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Signing a URL is a hash and an HMAC per file: done by the GET worker as it sends the request,
+    not on the event loop that answers FUSE (issue 35)."""
+    from tiering.objectstore import s3presign
+
+    for i, key in enumerate(AWKWARD_KEYS):
+        seaweed.put(seaweed_bucket, "p/" + key, DATA[i:i + 1000])
+    signed_in: list[str] = []
+    real = s3presign.sigv4_query
+
+    def recording(*args: object, **kwargs: object) -> str:
+        signed_in.append(threading.current_thread().name)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s3presign, "sigv4_query", recording)
+    store = make_store(seaweed, seaweed_bucket)
+    try:
+        for i, key in enumerate(AWKWARD_KEYS):
+            info = await store.head(key)
+            assert await store.get_range(key, info.etag, 0, 1000) == DATA[i:i + 1000]
+        assert store.stats.presigned_gets == len(AWKWARD_KEYS) and store.stats.presigned_fallbacks == 0
+    finally:
+        await store.close()
+    assert len(signed_in) == len(AWKWARD_KEYS) - 1  # the first is the client's
+    assert all(name.startswith("cachefs-get") for name in signed_in), signed_in
+
+
 def test_fast_timestamp_matches_botocore() -> None:
     from botocore.utils import parse_timestamp
 
@@ -159,12 +188,17 @@ async def test_a_store_that_keeps_refusing_urls_stops_presigning(
     try:
         etag = (await store.head("obj.bin")).etag
         signer = await store._url_signer()
-        real = signer.sign
+        real, real_later = signer.sign, signer.sign_later
 
         async def refused(full_key: str) -> str:
             return tamper(await real(full_key))
 
+        async def refused_later(full_key: str) -> Callable[[], str] | None:
+            later = await real_later(full_key)
+            return None if later is None else lambda: tamper(later())
+
         monkeypatch.setattr(signer, "sign", refused)
+        monkeypatch.setattr(signer, "sign_later", refused_later)
         for i in range(s3_module.PRESIGN_MAX_FALLBACKS + 5):
             assert await store.get_range("obj.bin", etag, i, i + 50) == DATA[i:i + 50]
         assert store.stats.presigned_fallbacks == s3_module.PRESIGN_MAX_FALLBACKS

@@ -98,9 +98,13 @@ class RangeAnswer:
     error_code: str | None = None  # the S3 error document's <Code>, where the body was one
 
 
+# A URL, or what makes it in the worker (a presigned URL signed off the event loop: the S3 store's).
+Url = str | Callable[[], str]
+
+
 @dataclass(eq=False)
 class _Request:
-    url: str
+    url: Url = field(repr=False)  # it holds a signature: never in a message
     headers: Mapping[str, str]
     length: int
     cancelled: bool = False  # set by the awaiting caller when it stops waiting
@@ -184,9 +188,12 @@ class RangedGetter:
         self.buffers: BufferPool = BLOCK_BUFFERS  # shared with the disk tier (tiering.buffers)
         self._closed = False
 
-    async def get(self, url: str, headers: Mapping[str, str], length: int,
+    async def get(self, url: Url, headers: Mapping[str, str], length: int,
                   then: Then | None = None) -> RangeAnswer:
         """GET ``url`` with ``headers`` in a worker thread; raises ``OSError``/``http.client`` errors.
+
+        ``url`` may be a callable that returns it, called in the worker (whatever it raises is the
+        request's error): work the caller's loop need not do, such as signing the URL.
 
         ``then(answer)`` is called in the worker with the answer before it is handed over; the
         callable it returns, if any, is called in the same worker right after the handover (work on
@@ -272,7 +279,7 @@ class RangedGetter:
     def _run(self, request: _Request) -> RangeAnswer:
         if self._closed or request.cancelled:
             raise RequestAbandoned()
-        parts = urlsplit(request.url)
+        parts = urlsplit(request.url if isinstance(request.url, str) else request.url())
         scheme = parts.scheme
         host = parts.hostname or ""
         port = parts.port or (443 if scheme == "https" else 80)

@@ -25,11 +25,15 @@ Ranged GETs on a presigned URL. botocore spends about 4 ms of CPU on every reque
 validation, event hooks, signing, response parsing): measured on SeaweedFS over loopback, a 100 KiB
 ``get_object`` took 5.6-6.6 ms, the same GET through aiohttp on a presigned URL 1.7-2.3 ms, and the
 presigning itself 0.4 ms (0.16 ms since ``tiering.objectstore.s3presign`` signs every key after the
-first without the client's per-call machinery). So ``get_range`` presigns ``GetObject`` for a key once
-(``PRESIGN_TTL_S``, reused for ``PRESIGN_REUSE_S``, at most ``PRESIGN_CACHE_KEYS`` keys) and sends
+first without the client's per-call machinery). So ``get_range`` presigns ``GetObject`` and sends
 each ``Range`` + ``If-Match`` GET from a worker thread of its own (``tiering.objectstore.rangedget``:
 the body is received off the event loop, straight into the block's buffer, and no redirect is ever
-followed). Only answers it can read without
+followed). The URL of every key after the first is signed in that worker, as it sends the GET
+(``UrlSigner.sign_later``; the credentials are taken on the loop): signing was 6-10% of the event
+loop's GIL samples in a cold pass of small files (issue 35), one URL per file; such URLs are not
+kept, each block signs its own (7 us). The first URL, the client's, is kept for its key
+(``PRESIGN_TTL_S``, reused for ``PRESIGN_REUSE_S``, at most ``PRESIGN_CACHE_KEYS`` keys), as are all
+where the URL's shape could not be learned. Only answers it can read without
 botocore are taken from that path: 206/200 with the exact length, 412 (changed), 416 (past the end),
 404 with the error code ``NoSuchKey`` (absent: the cluster tier's miss costs one request, not two).
 Anything else (403, 404, 5xx, a connection error or timeout, a store without credentials to
@@ -91,7 +95,7 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
-from tiering.objectstore.rangedget import RangeAnswer, RangedGetter
+from tiering.objectstore.rangedget import RangeAnswer, RangedGetter, Url
 from tiering.objectstore.s3presign import UrlSigner
 from tiering.objectstore.s3session import aws_session, check_endpoint, configured_endpoint_url, proxied
 from tiering.objectstore.s3errors import (
@@ -404,8 +408,10 @@ class S3ObjectStore:
             self.stats.errors += 1
             raise changed_error(where)
 
-    async def _presign(self, key: str) -> str | None:
-        """A presigned GetObject URL for ``key`` (cached), or None where the store cannot presign."""
+    async def _presign(self, key: str) -> Url | None:
+        """A presigned GetObject URL for ``key`` (cached), or what signs it in the GET worker
+        (``UrlSigner.sign_later``: not cached, signed again for each block, off the loop), or None
+        where the store cannot presign."""
         now = time.monotonic()
         cached = self._presigned.get(key)
         if cached is not None and cached[1] > now:
@@ -414,7 +420,11 @@ class S3ObjectStore:
         if not self._presign_ok:
             return None
         try:
-            url = await (await self._url_signer()).sign(self.prefix + key)
+            signer = self._signer or await self._url_signer()
+            later = await signer.sign_later(self.prefix + key)
+            if later is not None:
+                return later
+            url = await signer.sign(self.prefix + key)
         except Exception as exc:  # noqa: BLE001 - no presigning (no credentials, ...): botocore serves GETs
             self._presign_ok = False
             log.info("ranged GETs go through botocore only: cannot presign (%s)", type(exc).__name__)

@@ -37,7 +37,7 @@ import datetime
 import hashlib
 import hmac
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
 from botocore.utils import parse_timestamp, percent_encode, percent_encode_sequence
@@ -69,14 +69,15 @@ class SigningKeys:
 
     def get(self, secret: str, day: str, region: str, service: str) -> bytes:
         which = (secret, day, region, service)
-        key = self._keys.get(which)
+        keys = self._keys  # read once: another thread may replace it meanwhile
+        key = keys.get(which)
         if key is None:
             key = ("AWS4" + secret).encode("utf-8")
             for part in (day, region, service, "aws4_request"):
                 key = hmac.new(key, part.encode("utf-8"), hashlib.sha256).digest()
-            if len(self._keys) >= 4:  # a new day or rotated credentials: the old ones are done
-                self._keys.clear()
-            self._keys[which] = key
+            # A new day or rotated credentials: the old ones are done. Replaced whole, not cleared, so
+            # a thread reading the old dict never sees it change under it.
+            self._keys = {**keys, which: key} if len(keys) < 4 else {which: key}
         return key
 
     def query_parts(self, credentials: Any, now: datetime.datetime, region: str, service: str,
@@ -86,8 +87,9 @@ class SigningKeys:
         kept: a shuffled epoch signs hundreds of URLs a second)."""
         which = (credentials.access_key, credentials.secret_key, credentials.token,
                  now.replace(microsecond=0), region, service, expires_s)
-        if self._second is not None and self._second[0] == which:
-            return self._second[1]
+        second = self._second  # read once: another thread may replace it meanwhile
+        if second is not None and second[0] == which:
+            return second[1]
         timestamp = now.strftime(SIGV4_TIMESTAMP)
         day = timestamp[:8]
         scope = f"{day}/{region}/{service}/aws4_request"
@@ -158,6 +160,25 @@ class UrlSigner:
         self._host = ""
         self._keys = SigningKeys()
         self.direct = 0  # URLs signed here, not by the client (tests, benchmarks)
+
+    async def sign_later(self, full_key: str) -> Callable[[], str] | None:
+        """What signs the GET URL of ``full_key`` when called, in any thread (a GET worker: off the
+        event loop), once the URL's shape is learned; None before that (``sign`` then). The
+        credentials are taken now, on the loop (botocore refreshes them there); the URL is signed for
+        the moment it is called. ``SigningKeys`` is shared by the threads that call these: its caches
+        are replaced whole, never updated in place, so a race costs a second derivation, never a
+        wrong key."""
+        if self._base is None or self.credentials is None:
+            return None
+        frozen = await self.credentials.get_frozen_credentials()
+        base, host, region, service = self._base, self._host, self._region, self._service
+        expires_s, keys = self.expires_s, self._keys
+        self.direct += 1
+
+        def signed() -> str:
+            return sigv4_query(base + percent_encode(full_key, safe=KEY_SAFE_CHARS), host, frozen, region, service,
+                               expires_s, datetime.datetime.now(datetime.timezone.utc), keys)
+        return signed
 
     async def sign(self, full_key: str) -> str:
         """A presigned GET URL for ``full_key`` (the bucket key, prefix included)."""
