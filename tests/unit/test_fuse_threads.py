@@ -5,7 +5,9 @@ descriptor and its clones (``clone_device`` is replaced; each pair is then its o
 chooses which reader gets which request).
 
 What is checked: INIT is read on the session's descriptor only, and only then are the clones made;
-every reply goes back on the descriptor its request came from; a handler that never waits is
+the readers past the first read only while a request waits as a task (``Kernel.busy`` puts one in
+flight on the first descriptor, for the tests that send to the others); every reply goes back on the
+descriptor its request came from; a handler that never waits is
 answered by the reader thread itself, and one that waits goes on as a task of the loop; an
 INTERRUPT read by one reader cancels a request read by another, whichever is read first; FORGET
 gets no reply; the end of every descriptor ends ``serve``."""
@@ -136,6 +138,12 @@ class Kernel:
     def send(self, reader: int, data: bytes) -> None:
         self.kernel[reader].send(data)
 
+    def busy(self, unique: int = 1000) -> None:
+        """A LOOKUP that waits until the session ends, read by the first reader: while it is in
+        flight, the other readers read too."""
+        self.send(0, request(wire.LOOKUP, unique, b"busy\0"))
+        wait_until(lambda: unique in self.session._tasks and self.session._parked == 0)
+
     def end(self) -> None:
         for sock in self.kernel:
             sock.close()
@@ -160,6 +168,7 @@ def test_init_on_the_session_descriptor_then_clones_of_it(kernel: Kernel) -> Non
 
 
 def test_each_reply_goes_back_on_the_descriptor_its_request_came_from(kernel: Kernel) -> None:
+    kernel.busy()
     for reader in (2, 0, 1, 1, 2):
         unique = 10 + 2 * reader
         kernel.send(reader, request(wire.GETATTR, unique, wire.GETATTR_IN.pack(0, 0, 0), nodeid=100 + reader))
@@ -169,6 +178,7 @@ def test_each_reply_goes_back_on_the_descriptor_its_request_came_from(kernel: Ke
 
 
 def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> None:
+    kernel.busy()
     kernel.send(1, request(wire.READ, 20, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=7))
     kernel.send(2, request(wire.GETATTR, 22, wire.GETATTR_IN.pack(0, 0, 0), nodeid=8))
     assert read_reply(kernel.kernel[2]) == (22, 0, struct.pack("<Q", 8))  # not held up by the waiting READ
@@ -180,6 +190,7 @@ def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> N
 
 
 def test_a_first_step_in_a_reader_is_a_task_step_with_deadlines_and_timers(kernel: Kernel) -> None:
+    kernel.busy()
     kernel.send(2, request(wire.OPEN, 60, wire.OPEN_IN.pack(0, 0)))
     assert read_reply(kernel.kernel[2]) == (60, 0, b"fuse-reader-2 then loop")
 
@@ -193,6 +204,7 @@ def test_an_interrupt_read_by_another_reader_cancels_the_request(kernel: Kernel)
 
 
 def test_an_interrupt_read_before_its_request_answers_it_with_eintr(kernel: Kernel) -> None:
+    kernel.busy()
     kernel.send(2, request(wire.INTERRUPT, 41, wire.INTERRUPT_IN.pack(40)))
     wait_until(lambda: 40 in kernel.session._early)
     kernel.send(1, request(wire.LOOKUP, 40, b"name\0"))
@@ -201,6 +213,7 @@ def test_an_interrupt_read_before_its_request_answers_it_with_eintr(kernel: Kern
 
 
 def test_forget_gets_no_reply_on_any_reader(kernel: Kernel) -> None:
+    kernel.busy()
     kernel.send(1, request(wire.FORGET, 50, wire.FORGET_IN.pack(1), nodeid=9))
     kernel.send(1, request(wire.GETATTR, 52, wire.GETATTR_IN.pack(0, 0, 0), nodeid=3))
     assert read_reply(kernel.kernel[1])[0] == 52  # the next reply on that descriptor is the GETATTR's
@@ -213,6 +226,7 @@ def test_an_inline_answer_is_one_writev_made_with_the_state_lock_free(kernel: Ke
     payload, once the reader has let go of the state lock: a reader woken by the next request while
     that writev has the GIL released must not find the lock held and sleep once more for it."""
     assert kernel.loop is not None
+    kernel.busy()
     lock = kernel.loop.state_lock
     writes: list[tuple[str, int, bytes, bool]] = []
     real = fuse_session._writev
@@ -229,6 +243,27 @@ def test_an_inline_answer_is_one_writev_made_with_the_state_lock_free(kernel: Ke
     # (The loop's thread is idle meanwhile: nothing was scheduled for it, so it does not hold the lock.)
     assert writes == [("fuse-reader-1", kernel.daemon_fds[1], wire.OUT_HEADER.pack(16 + 10, 0, 70) + b"value of 5", False),
                       ("fuse-reader-2", kernel.daemon_fds[2], wire.OUT_HEADER.pack(16, 0, 72), False)]
+
+
+def test_with_nothing_waiting_the_first_reader_answers_alone(kernel: Kernel) -> None:
+    """Requests answered at once (a warm file's OPEN and RELEASE) are all read by the first reader:
+    the kernel hands a request to the reader that waited longest, so idle readers would take turns,
+    each woken cold. The others read once a request waits (a cold READ)."""
+    wait_until(lambda: kernel.session._parked == 2)
+    kernel.send(1, request(wire.GETATTR, 80, wire.GETATTR_IN.pack(0, 0, 0), nodeid=81))
+    kernel.send(0, request(wire.GETATTR, 82, wire.GETATTR_IN.pack(0, 0, 0), nodeid=83))
+    assert read_reply(kernel.kernel[0]) == (82, 0, struct.pack("<Q", 83))
+    kernel.kernel[1].settimeout(0.2)
+    with pytest.raises(TimeoutError):  # (the request sent to a waiting helper's descriptor is not read)
+        kernel.kernel[1].recv(1 << 16)
+    assert kernel.ops.threads == ["fuse-reader-0"]
+    # A READ that waits: the helpers read, and the GETATTR waiting on reader 1's descriptor is answered.
+    kernel.send(0, request(wire.READ, 84, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=85))
+    assert read_reply(kernel.kernel[1]) == (80, 0, struct.pack("<Q", 81))
+    assert kernel.ops.threads == ["fuse-reader-0", "fuse-reader-1"]
+    assert kernel.loop is not None
+    kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
+    assert read_reply(kernel.kernel[0]) == (84, 0, b"read 85")
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
@@ -315,6 +350,8 @@ def test_clones_handed_over_with_the_descriptor_are_read_before_any_is_made(
     async def main() -> None:
         serving = asyncio.create_task(session.serve(4))
         await initialised(kernel)
+        # (a request that waits on the first reader, so that the clone's reader reads too)
+        await asyncio.to_thread(kernel.send, request(wire.LOOKUP, 4, b"busy\0"))
         await asyncio.to_thread(clone_kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=7))
         assert await asyncio.to_thread(read_reply, clone_kernel) == (2, 0, struct.pack("<Q", 7))
         kernel.close()
