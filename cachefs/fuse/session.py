@@ -155,6 +155,22 @@ class Later:
 LATER = Later()
 
 
+class OffLock:
+    """What a reader thread's inline handler (``Operations.reader_inline``) returns for an answer
+    that needs blocking work first (a disk-tier read): the reader lets go of the state lock, calls
+    ``run`` (I/O, no shared state), takes the lock again and calls ``finish``, whose reply it writes
+    itself before it reads its next request (the reply may be a view of that thread's buffer), or
+    whose ``LATER`` runs the request's handler as a task."""
+
+    __slots__ = ()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> Reply | Later:
+        raise NotImplementedError
+
+
 class Operations(Protocol):
     """What the session needs of the adapter: the handlers by opcode, and the errno of a failure.
 
@@ -166,6 +182,12 @@ class Operations(Protocol):
 
     @property
     def handlers(self) -> dict[int, Callable[[Request], Awaitable[Reply]]]: ...
+
+    @property
+    def reader_inline(self) -> dict[int, Callable[[Request], Reply | Later | OffLock]]:
+        """Inline handlers for reader threads only, over ``inline``'s: they may return an ``OffLock``
+        (blocking work the reader does without the state lock, which the loop must never do)."""
+        ...
 
     def failure(self, opcode: int, exc: BaseException) -> int: ...
 
@@ -223,6 +245,8 @@ class FuseSession:
         self._room: threading.Condition | None = None
         self._early: dict[int, None] = {}
         self._inline = ops.inline  # (the dict itself, bound once: looked up for every request)
+        self._reader_inline: dict[int, Callable[[Request], Reply | Later | OffLock]] = {
+            **ops.inline, **ops.reader_inline}
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -374,18 +398,20 @@ class FuseSession:
             if self._ended is None or self._ended.done() or self._threaded:
                 return
 
-    def _dispatch(self, fd: int, buffer: bytearray, length: int, later: list[Buffer] | None = None) -> bytearray:
+    def _dispatch(self, fd: int, buffer: bytearray, length: int, later: list[Buffer] | None = None,
+                  off_lock: list[tuple[Request, OffLock]] | None = None) -> bytearray:
         """Answer, or start answering, the request of ``length`` bytes read from ``fd`` into
-        ``buffer``; the buffer the next read of ``fd`` goes into. With ``later`` (a reader thread),
-        an inline answer's buffers are put there, for the caller to write once it has let go of the
-        state lock, instead of being written now."""
+        ``buffer``; the buffer the next read of ``fd`` goes into. With ``later`` and ``off_lock`` (a
+        reader thread), an inline answer's buffers are put in ``later``, for the caller to write once
+        it has let go of the state lock, instead of being written now, and an ``OffLock`` with its
+        request in ``off_lock``, for the caller to run without the lock (``_finish_off_lock``)."""
         try:
             req = _parse_request(memoryview(buffer)[:length])
         except (ValueError, struct.error):
             log.error("a request of %d bytes could not be decoded; ignored", length)
             return buffer
         opcode = req.opcode
-        inline = self._inline.get(opcode)
+        inline = (self._inline if off_lock is None else self._reader_inline).get(opcode)
         if inline is not None:
             try:
                 reply = inline(req)
@@ -397,6 +423,10 @@ class FuseSession:
                 return buffer
             if reply is LATER:
                 return self._start(req, self.ops.handlers[opcode], fd, buffer)
+            if isinstance(reply, OffLock):
+                assert off_lock is not None  # (only ``reader_inline`` handlers return one)
+                off_lock.append((req, reply))  # the request stays in ``buffer`` until it is finished
+                return buffer
             if opcode in NO_REPLY:
                 return buffer
             # The usual inline answers (an entry, attributes, an open, an xattr; nothing, for a
@@ -430,6 +460,32 @@ class FuseSession:
             self._end()
         elif opcode not in NO_REPLY:
             self.send(req.unique, errno.ENOSYS, fd=fd)
+        return buffer
+
+    def _finish_off_lock(self, req: Request, work: OffLock, fd: int, buffer: bytearray,
+                         later: list[Buffer]) -> bytearray:
+        """With the state lock again, after ``work.run()``: its answer's buffers go in ``later``, which
+        the reader writes before its next read (never a writer thread: the reply may be a view of the
+        reader's own buffer), or its ``LATER`` starts the request's handler."""
+        try:
+            reply = work.finish()
+        except FuseError as exc:
+            self.send(req.unique, exc.errno, fd=fd)
+            return buffer
+        except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
+            self.send(req.unique, self.ops.failure(req.opcode, exc), fd=fd)
+            return buffer
+        if reply is LATER:
+            return self._start(req, self.ops.handlers[req.opcode], fd, buffer)
+        if self._closed:
+            return buffer
+        if reply is None:
+            later.append(_OUT_HEADER_PACK(_OUT_HEADER_SIZE, 0, req.unique))
+        elif isinstance(reply, (bytes, bytearray, memoryview)):
+            later += (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply)
+        else:
+            assert not isinstance(reply, Later)
+            later += (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + sum(len(part) for part in reply), 0, req.unique), *reply)
         return buffer
 
     def _start(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], fd: int,
@@ -542,6 +598,7 @@ class FuseSession:
         assert room is not None and self._ended is not None
         buffer = bytearray(BUFFER_SIZE)
         later: list[Buffer] = []  # an inline answer, written once the state lock is let go of
+        off_lock: list[tuple[Request, OffLock]] = []  # an inline answer's blocking work, run without the lock
         try:
             while not self._ended.done():
                 if len(self._tasks) >= self._max_tasks:
@@ -564,10 +621,22 @@ class FuseSession:
                 try:
                     if self._ended.done():
                         return  # (the session is ending: what is read now is left to the kernel's abort)
-                    buffer = self._dispatch(fd, buffer, length, later)
+                    buffer = self._dispatch(fd, buffer, length, later, off_lock)
                     wake = loop.take_wake()
                 finally:
                     release()
+                if off_lock:
+                    req, work = off_lock.pop()
+                    work.run()  # (the GIL let go of in its I/O; the request is still in ``buffer``)
+                    if not acquire(False):
+                        loop.wait_for_state()
+                    try:
+                        if self._ended.done():
+                            return
+                        buffer = self._finish_off_lock(req, work, fd, buffer, later)
+                        wake = loop.take_wake() or wake
+                    finally:
+                        release()
                 if later:
                     # An inline answer, written with the lock free: a reader the next request wakes
                     # while this writev lets go of the GIL must not find the lock held and sleep again.

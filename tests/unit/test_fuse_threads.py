@@ -66,6 +66,9 @@ class Ops:
         self.inline = {wire.FORGET: self.forget, wire.GETXATTR: self.getxattr, wire.RELEASE: self.release}
         self.handlers = {wire.GETATTR: self.getattr, wire.READ: self.read, wire.LOOKUP: self.lookup,
                          wire.OPEN: self.open}
+        self.reader_inline = {wire.READ: self.read_off_lock}
+        self.off_lock_runs: list[tuple[str, bool]] = []  # (thread, whether it could take the state lock)
+        self.state_lock: threading.Lock | None = None
 
     def negotiated(self, flags: int, backing: object, notifier: object = None) -> None:
         self.flags = flags
@@ -85,6 +88,31 @@ class Ops:
     async def getattr(self, req: wire.Request) -> bytes:
         self.threads.append(threading.current_thread().name)
         return struct.pack("<Q", req.nodeid)
+
+    def read_off_lock(self, req: wire.Request) -> object:
+        """A READ of nodeid 70 is answered by blocking work (``OffLock``); 71's work then asks for the
+        task (LATER); any other READ goes to ``read`` at once."""
+        if req.nodeid not in (70, 71):
+            return fuse_session.LATER
+        ops, nodeid = self, req.nodeid
+
+        class Work(fuse_session.OffLock):
+            def run(self) -> None:
+                lock = ops.state_lock
+                assert lock is not None
+                deadline = time.monotonic() + WAIT_S  # the loop may hold it a moment; the reader must not
+                while not lock.acquire(False):
+                    if time.monotonic() > deadline:
+                        ops.off_lock_runs.append((threading.current_thread().name, False))
+                        return
+                    time.sleep(0.001)
+                lock.release()
+                ops.off_lock_runs.append((threading.current_thread().name, True))
+
+            def finish(self) -> object:
+                return b"off the lock %d" % nodeid if nodeid == 70 else fuse_session.LATER
+
+        return Work()
 
     async def read(self, req: wire.Request) -> bytes:
         await self.release_reads.wait()
@@ -129,6 +157,7 @@ class Kernel:
     def _run(self) -> None:
         with asyncio.Runner(loop_factory=SharedLoop) as runner:
             self.loop = runner.get_loop()  # type: ignore[assignment]
+            self.ops.state_lock = self.loop.state_lock  # type: ignore[union-attr]
             runner.run(self.session.serve(8))
             self.session.close()
         self.served.set()
@@ -177,6 +206,23 @@ def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> N
     kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
     assert read_reply(kernel.kernel[1]) == (20, 0, b"read 7")
     assert kernel.ops.threads[-1] == "loop"
+
+
+def test_blocking_work_runs_in_the_reader_without_the_state_lock(kernel: Kernel) -> None:
+    """An ``OffLock`` (a disk-tier READ) is run by the reader that read its request, with the loop's
+    state lock let go of, and its reply goes back on that reader's descriptor."""
+    kernel.send(2, request(wire.READ, 70, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=70))
+    assert read_reply(kernel.kernel[2]) == (70, 0, b"off the lock 70")
+    assert kernel.ops.off_lock_runs == [("fuse-reader-2", True)]
+
+
+def test_blocking_work_that_finds_nothing_goes_on_as_the_requests_task(kernel: Kernel) -> None:
+    """``finish`` answering LATER (a disk-tier miss) runs the request's ordinary handler."""
+    assert kernel.loop is not None
+    kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
+    kernel.send(1, request(wire.READ, 71, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=71))
+    assert read_reply(kernel.kernel[1]) == (71, 0, b"read 71")
+    assert kernel.ops.off_lock_runs == [("fuse-reader-1", True)]
 
 
 def test_a_first_step_in_a_reader_is_a_task_step_with_deadlines_and_timers(kernel: Kernel) -> None:
