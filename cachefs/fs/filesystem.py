@@ -269,7 +269,7 @@ class CacheFS:
             return self._attributes(node)
         if len(self.retries) and self.retries.retrying(caller, join(parent.path, text)):
             return None
-        value, _ = self.listings.lookup_now(parent.path, text)
+        value, until = self.listings.lookup_now(parent.path, text)
         if value is UNKNOWN:
             return None
         self.stats.lookups += 1
@@ -277,6 +277,8 @@ class CacheFS:
             raise FsError(errno.ENOENT)
         node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
         node.lookups += 1
+        if isinstance(value, ObjectInfo) and value.etag != STAGED_ETAG:  # the OPEN that follows looks up nothing
+            node.fresh_until, node.fresh_gen = until, self.listings.generation
         return self._attributes(node)
 
     async def lookup(self, parent_inode: int, name: bytes, caller: int = 0) -> Attributes:
@@ -490,13 +492,8 @@ class CacheFS:
         disk = self.cache.disk
         capacity = disk.capacity_bytes if disk is not None else self.cache.ram.capacity_bytes
         used = disk.used_bytes() if disk is not None else self.cache.ram.used_bytes()
-        return StatFs(
-            block_size=STATFS_BLOCK_SIZE,
-            blocks=capacity // STATFS_BLOCK_SIZE,
-            blocks_free=max(0, capacity - used) // STATFS_BLOCK_SIZE,
-            files=len(self.inodes),
-            files_free=0,
-        )
+        return StatFs(block_size=STATFS_BLOCK_SIZE, blocks=capacity // STATFS_BLOCK_SIZE,
+                      blocks_free=max(0, capacity - used) // STATFS_BLOCK_SIZE, files=len(self.inodes), files_free=0)
 
     def getxattr(self, inode: int, name: bytes) -> bytes:
         node = self.inodes.get(inode)
