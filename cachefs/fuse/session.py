@@ -52,7 +52,9 @@ descriptor (``FUSE_DEV_IOC_CLONE``; a handed-over descriptor may come with clone
 process opened, ``clones``, used first) and one thread per descriptor reads requests, blocked in ``readv``
 with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
 step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
-turns the loop; an inline answer is written once the reader has let go of the lock. Each reply goes
+turns the loop; an inline answer is written once the reader has let go of the lock. A handler of
+``Operations.reader_inline`` (a READ the disk tier holds) may return an ``OffLock``: the reader runs
+its blocking part without the lock, then finishes it with the lock and writes its reply itself. Each reply goes
 on the descriptor its request was read from (each clone has its own list of requests being processed). An INTERRUPT read before its request is kept for the reader that
 starts it. When every reader has seen the end of the connection, ``serve`` returns; see
 docs/architecture.md, "Several readers".

@@ -3,7 +3,8 @@
 ``BlockCache.read(ref, offset, length)`` splits a read into blocks and gets them concurrently. Each
 block is looked up in the RAM tier (on the loop: a dict access), then in the disk tier (in a worker
 thread), then fetched from the store with one ranged GET. A fetched block goes to both tiers; a disk
-hit is promoted to RAM.
+hit is promoted to RAM, but for a read of one whole small block that a FUSE reader thread serves
+itself (``disk_hit``, ``tiering.engine.diskhit``).
 
 Single flight: concurrent misses on one block cause one GET; the first starts a *load*, the others
 join it. Memory bound: a load holds one of ``max_concurrent_fetches`` fetch slots from before its
