@@ -152,3 +152,20 @@ def aligned_page(length: int) -> memoryview:
         page = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         _scratch.page = page
     return memoryview(page)[:size]
+
+
+_reply_scratch = threading.local()
+
+
+def reply_scratch(length: int) -> memoryview:
+    """This thread's page-aligned buffer of at least ``length`` bytes (rounded up to ``DIRECT_ALIGN``)
+    for a block read to be answered at once and not kept (``DiskTier.get_for_reply``): a FUSE reader
+    thread reads a small block file into it, checks it and writes the reply from it before it reads
+    its next request. Apart from ``aligned_page``'s, so a header read cannot overwrite it. It grows
+    to the largest block asked for and stays (1 MiB at most per reader: a READ is no larger)."""
+    size = align_up(max(length, 1))
+    buffer: mmap.mmap | None = getattr(_reply_scratch, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        _reply_scratch.buffer = buffer
+    return memoryview(buffer)[:size]

@@ -168,6 +168,10 @@ class DiskBlockTier(BlockTier, SpaceBudget, Protocol):
     def touch(self, key: BlockKey) -> bool:
         """Mark a held block most recently used, in memory only (no I/O); False if not held."""
 
+    def get_for_reply(self, key: BlockKey) -> BlockData | None:
+        """``get`` into a buffer of the calling thread's, valid until that thread's next call: for a
+        reply written at once by the thread that read it, never for keeping (no RAM-tier copy)."""
+
     def evict_unpinned(self) -> tuple[int, int]:
         """Drop every block eviction may take (all but pinned ones): ``(blocks, bytes)``."""
 

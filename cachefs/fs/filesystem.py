@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from cachefs.fs.allocate import FALLOC_FL_KEEP_SIZE, check_fallocate, fallocate
+from cachefs.fs.diskread import DiskRead, read_from_disk
 from cachefs.fs.errors import FsError
 from cachefs.fs.handles import DirHandleState, FileHandle, FileHandleState, HandleTable
 from cachefs.fs.inodes import ROOT_INODE, InodeNo, InodeTable, Node
@@ -69,7 +70,6 @@ from tiering.clock import Clock, SystemClock
 from tiering.engine.blockcache import BlockCache
 from tiering.errors import ObjectStoreUnavailableError
 from tiering.protocols import ObjectInfo, ObjectStore
-from tiering.policy.readahead import ReadAhead
 from tiering.policy.readorder import ReadOrder
 from tiering.writeback import MISSING, STAGED_ETAG, WriteBack
 from tiering.writeback.staged import StagedFile
@@ -269,7 +269,7 @@ class CacheFS:
             return self._attributes(node)
         if len(self.retries) and self.retries.retrying(caller, join(parent.path, text)):
             return None
-        value, _ = self.listings.lookup_now(parent.path, text)
+        value, until = self.listings.lookup_now(parent.path, text)
         if value is UNKNOWN:
             return None
         self.stats.lookups += 1
@@ -277,6 +277,8 @@ class CacheFS:
             raise FsError(errno.ENOENT)
         node = self._node_for(join(parent.path, text), value)  # type: ignore[arg-type]
         node.lookups += 1
+        if isinstance(value, ObjectInfo) and value.etag != STAGED_ETAG:  # the OPEN that follows looks up nothing
+            node.fresh_until, node.fresh_gen = until, self.listings.generation
         return self._attributes(node)
 
     async def lookup(self, parent_inode: int, name: bytes, caller: int = 0) -> Attributes:
@@ -400,10 +402,7 @@ class CacheFS:
         if offset < 0 or size < 0:
             raise FsError(errno.EINVAL)
         node = handle.node
-        readahead = handle.readahead
-        if readahead is None:
-            readahead = handle.readahead = ReadAhead(self.cache.block_size, self.cache.readahead_limit)
-        window = readahead.on_read(offset, size)
+        window = handle.readahead_window(offset, size, self.cache.block_size, self.cache.readahead_limit)
         sf = self._staged(node) if self.writeback is not None else None
         if sf is not None:
             data = await self.writeback.read(sf, offset, size)  # type: ignore[union-attr]
@@ -419,6 +418,11 @@ class CacheFS:
         self.stats.reads += 1
         self.stats.read_bytes += len(data)
         return data
+
+    def read_from_disk_now(self, fh: int, offset: int, size: int) -> DiskRead | None:
+        """``read`` by the calling thread, off the loop, or None (``cachefs.fs.diskread``)."""
+        handle = self.handles.file(fh)
+        return None if self._staged(handle.node) is not None else read_from_disk(handle, offset, size, self.cache, self.stats)
 
     async def backing_file(self, fh: int, *, assemble: bool = True) -> str | None:
         """The plain file holding every byte this handle reads, for the kernel to read by itself
@@ -471,8 +475,7 @@ class CacheFS:
         a reference). Lazy because the kernel takes a buffer's worth per call and comes back with
         the next offset: building every remaining entry on each call would cost O(n^2) for a large
         directory and leave an inode the kernel never heard of (so never forgets) for each of them.
-        The handle is checked now, not on first iteration.
-        """
+        The handle is checked now, not on first iteration."""
         handle = self.handles.directory(fh)
         return self._dir_entries(handle, start_id)
 
@@ -489,13 +492,8 @@ class CacheFS:
         disk = self.cache.disk
         capacity = disk.capacity_bytes if disk is not None else self.cache.ram.capacity_bytes
         used = disk.used_bytes() if disk is not None else self.cache.ram.used_bytes()
-        return StatFs(
-            block_size=STATFS_BLOCK_SIZE,
-            blocks=capacity // STATFS_BLOCK_SIZE,
-            blocks_free=max(0, capacity - used) // STATFS_BLOCK_SIZE,
-            files=len(self.inodes),
-            files_free=0,
-        )
+        return StatFs(block_size=STATFS_BLOCK_SIZE, blocks=capacity // STATFS_BLOCK_SIZE,
+                      blocks_free=max(0, capacity - used) // STATFS_BLOCK_SIZE, files=len(self.inodes), files_free=0)
 
     def getxattr(self, inode: int, name: bytes) -> bytes:
         node = self.inodes.get(inode)

@@ -31,6 +31,12 @@ class FileHandleState:
     writable: bool = False
     local_gen: int = 0  # node.local_gen when ref was taken
 
+    def readahead_window(self, offset: int, size: int, block_size: int, limit: int) -> int:
+        """The bytes to read ahead past this read (``ReadAhead.on_read``), its state made at the first read."""
+        if self.readahead is None:
+            self.readahead = ReadAhead(block_size, limit)
+        return self.readahead.on_read(offset, size)
+
 
 @dataclass
 class DirHandleState:

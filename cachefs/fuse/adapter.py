@@ -46,7 +46,8 @@ from cachefs.fs.filesystem import Attributes, CacheFS
 from cachefs.fuse import wire
 from cachefs.backing import BROKER_MAX_IDS, BrokerError
 from cachefs.fuse.notifier import Notifier
-from cachefs.fuse.session import LATER, Backing, Later, Reply
+from cachefs.fs.diskread import DiskRead
+from cachefs.fuse.session import LATER, Backing, Later, OffLock, Reply
 from cachefs.fuse.wire import FuseError, Request
 from tiering.errors import CacheError
 
@@ -286,6 +287,22 @@ class Passthrough:
             log.warning("passthrough: closing backing id %d failed: %s", held.backing_id, exc)
 
 
+class _DiskReply(OffLock):
+    """A READ a reader thread serves from the disk tier itself (``CacheFS.read_from_disk_now``)."""
+
+    __slots__ = ("read",)
+
+    def __init__(self, read: DiskRead) -> None:
+        self.read = read
+
+    def run(self) -> None:
+        self.read.run()
+
+    def finish(self) -> Reply | Later:
+        data = self.read.finish()
+        return LATER if data is None else data
+
+
 class FuseOperations:
     """The handlers of one mount, by opcode, over a ``CacheFS``."""
 
@@ -325,6 +342,12 @@ class FuseOperations:
             wire.RENAME: self.rename, wire.RENAME2: self.rename2, wire.CREATE: self.create, wire.WRITE: self.write,
             wire.FALLOCATE: self.fallocate,
         }
+        # A FUSE reader thread serves a READ of a block only the disk tier holds itself, off the loop
+        # (``cachefs.fs.diskread``), and answers from its own buffer without a RAM-tier copy: the
+        # kernel keeps the reply in its page cache. Not with --direct-io, whose re-reads all reach
+        # the daemon and are served from the RAM tier.
+        self.reader_inline: dict[int, Callable[[Request], Reply | Later | OffLock]] = (
+            {} if direct_io else {wire.READ: self.read_from_disk_now})
 
     @property
     def wanted_flags(self) -> int:
@@ -438,6 +461,15 @@ class FuseOperations:
         if fh == 0 and self.no_open:
             fh = await self._implicit(req.nodeid)
         return await self.fs.read(fh, offset, size)
+
+    def read_from_disk_now(self, req: Request) -> Reply | Later | OffLock:
+        fh, offset, size = wire.READ_IN.unpack_from(req.body)[:3]
+        if fh == 0 and self.no_open:
+            fh = self.implicit.get(req.nodeid, 0)
+            if fh == 0:
+                return LATER  # (``read`` opens the inode's handle first)
+        read = self.fs.read_from_disk_now(fh, offset, size)
+        return LATER if read is None else _DiskReply(read)
 
     async def _implicit(self, nodeid: int) -> int:
         """The handle READs of ``nodeid`` use on a mount the kernel opens files of itself."""

@@ -52,7 +52,9 @@ descriptor (``FUSE_DEV_IOC_CLONE``; a handed-over descriptor may come with clone
 process opened, ``clones``, used first) and one thread per descriptor reads requests, blocked in ``readv``
 with the GIL released, and answers them holding the loop's state lock: inline handlers, and the first
 step of a handler's task (``SharedLoop.start_task``), so a request answered without waiting never
-turns the loop; an inline answer is written once the reader has let go of the lock. Each reply goes
+turns the loop; an inline answer is written once the reader has let go of the lock. A handler of
+``Operations.reader_inline`` (a READ the disk tier holds) may return an ``OffLock``: the reader runs
+its blocking part without the lock, then finishes it with the lock and writes its reply itself. Each reply goes
 on the descriptor its request was read from (each clone has its own list of requests being processed). An INTERRUPT read before its request is kept for the reader that
 starts it. When every reader has seen the end of the connection, ``serve`` returns; see
 docs/architecture.md, "Several readers".
@@ -156,6 +158,22 @@ class Later:
 LATER = Later()
 
 
+class OffLock:
+    """What a reader thread's inline handler (``Operations.reader_inline``) returns for an answer
+    that needs blocking work first (a disk-tier read): the reader lets go of the state lock, calls
+    ``run`` (I/O, no shared state), takes the lock again and calls ``finish``, whose reply it writes
+    itself before it reads its next request (the reply may be a view of that thread's buffer), or
+    whose ``LATER`` runs the request's handler as a task."""
+
+    __slots__ = ()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> Reply | Later:
+        raise NotImplementedError
+
+
 class Operations(Protocol):
     """What the session needs of the adapter: the handlers by opcode, and the errno of a failure.
 
@@ -167,6 +185,12 @@ class Operations(Protocol):
 
     @property
     def handlers(self) -> dict[int, Callable[[Request], Awaitable[Reply]]]: ...
+
+    @property
+    def reader_inline(self) -> dict[int, Callable[[Request], Reply | Later | OffLock]]:
+        """Inline handlers for reader threads only, over ``inline``'s: they may return an ``OffLock``
+        (blocking work the reader does without the state lock, which the loop must never do)."""
+        ...
 
     def failure(self, opcode: int, exc: BaseException) -> int: ...
 
@@ -226,11 +250,14 @@ class FuseSession:
         self._work: threading.Condition | None = None
         self._parked = 0
         self._first_gone = False  # the first reader saw the end of the connection
+        self._off_lock_runs = 0  # readers in an inline answer's blocking work (a disk-tier read)
         self._early: dict[int, None] = {}
         self._inline = ops.inline  # (the dict itself, bound once: looked up for every request)
         # Requests read, by opcode (``wire.OPCODE_NAMES``): what /stats shows as the requests that
         # reached the daemon (a warm file's OPEN and RELEASE, a READ the kernel could not serve).
         self.requests = [0] * REQUEST_COUNTS
+        self._reader_inline: dict[int, Callable[[Request], Reply | Later | OffLock]] = {
+            **ops.inline, **ops.reader_inline}
 
     # ---------------------------------------------------------------------------- mount and close
     def mount(self) -> None:
@@ -384,11 +411,13 @@ class FuseSession:
             if self._ended is None or self._ended.done() or self._threaded:
                 return
 
-    def _dispatch(self, fd: int, buffer: bytearray, length: int, later: list[Buffer] | None = None) -> bytearray:
+    def _dispatch(self, fd: int, buffer: bytearray, length: int, later: list[Buffer] | None = None,
+                  off_lock: list[tuple[Request, OffLock]] | None = None) -> bytearray:
         """Answer, or start answering, the request of ``length`` bytes read from ``fd`` into
-        ``buffer``; the buffer the next read of ``fd`` goes into. With ``later`` (a reader thread),
-        an inline answer's buffers are put there, for the caller to write once it has let go of the
-        state lock, instead of being written now."""
+        ``buffer``; the buffer the next read of ``fd`` goes into. With ``later`` and ``off_lock`` (a
+        reader thread), an inline answer's buffers are put in ``later``, for the caller to write once
+        it has let go of the state lock, instead of being written now, and an ``OffLock`` with its
+        request in ``off_lock``, for the caller to run without the lock (``_finish_off_lock``)."""
         try:
             req = _parse_request(memoryview(buffer)[:length])
         except (ValueError, struct.error):
@@ -397,7 +426,7 @@ class FuseSession:
         opcode = req.opcode
         if opcode < REQUEST_COUNTS:
             self.requests[opcode] += 1
-        inline = self._inline.get(opcode)
+        inline = (self._inline if off_lock is None else self._reader_inline).get(opcode)
         if inline is not None:
             try:
                 reply = inline(req)
@@ -409,6 +438,10 @@ class FuseSession:
                 return buffer
             if reply is LATER:
                 return self._start(req, self.ops.handlers[opcode], fd, buffer)
+            if isinstance(reply, OffLock):
+                assert off_lock is not None  # (only ``reader_inline`` handlers return one)
+                off_lock.append((req, reply))  # the request stays in ``buffer`` until it is finished
+                return buffer
             if opcode in NO_REPLY:
                 return buffer
             # The usual inline answers (an entry, attributes, an open, an xattr; nothing, for a
@@ -442,6 +475,32 @@ class FuseSession:
             self._end()
         elif opcode not in NO_REPLY:
             self.send(req.unique, errno.ENOSYS, fd=fd)
+        return buffer
+
+    def _finish_off_lock(self, req: Request, work: OffLock, fd: int, buffer: bytearray,
+                         later: list[Buffer]) -> bytearray:
+        """With the state lock again, after ``work.run()``: its answer's buffers go in ``later``, which
+        the reader writes before its next read (never a writer thread: the reply may be a view of the
+        reader's own buffer), or its ``LATER`` starts the request's handler."""
+        try:
+            reply = work.finish()
+        except FuseError as exc:
+            self.send(req.unique, exc.errno, fd=fd)
+            return buffer
+        except Exception as exc:  # noqa: BLE001 - the adapter decides the errno (and logs bugs)
+            self.send(req.unique, self.ops.failure(req.opcode, exc), fd=fd)
+            return buffer
+        if reply is LATER:
+            return self._start(req, self.ops.handlers[req.opcode], fd, buffer)
+        if self._closed:
+            return buffer
+        if reply is None:
+            later.append(_OUT_HEADER_PACK(_OUT_HEADER_SIZE, 0, req.unique))
+        elif isinstance(reply, (bytes, bytearray, memoryview)):
+            later += (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + len(reply), 0, req.unique), reply)
+        else:
+            assert not isinstance(reply, Later)
+            later += (_OUT_HEADER_PACK(_OUT_HEADER_SIZE + sum(len(part) for part in reply), 0, req.unique), *reply)
         return buffer
 
     def _start(self, req: Request, handler: Callable[[Request], Awaitable[Reply]], fd: int,
@@ -548,8 +607,9 @@ class FuseSession:
         the state lock held, as the loop would; a handler that waits goes on as a task of the loop,
         which answers on ``fd`` (so ``close`` closes the clones, once the tasks are gone).
 
-        A ``helper`` (every reader but the first) reads only while a request is in flight as a task,
-        and otherwise waits on ``_work``. The kernel hands each request to the reader that has waited
+        A ``helper`` (every reader but the first) reads only while a request is in flight as a task
+        or a reader is in an ``OffLock`` job (a disk-tier read made without the lock), and otherwise
+        waits on ``_work``. The kernel hands each request to the reader that has waited
         longest, so idle readers would take turns: each woken cold, every other request, on whichever
         CPU it last ran. So requests answered at once are answered by one reader, as libfuse's single
         thread does (a warm file's OPEN and RELEASE, one client, 8 alternating rounds on the 2-CPU VM
@@ -565,13 +625,14 @@ class FuseSession:
         assert room is not None and work is not None and self._ended is not None
         buffer = bytearray(BUFFER_SIZE)
         later: list[Buffer] = []  # an inline answer, written once the state lock is let go of
+        off_lock: list[tuple[Request, OffLock]] = []  # an inline answer's blocking work, run without the lock
         try:
             while not self._ended.done():
                 if len(self._tasks) >= self._max_tasks:
                     with loop.holding_state():  # (counted as waiting: a busy loop lets go)
                         while len(self._tasks) >= self._max_tasks and not self._ended.done():
                             room.wait()
-                if helper and not self._tasks:
+                if helper and not self._tasks and not self._off_lock_runs:
                     if self._wait_for_work(loop, work):
                         continue  # (the session may have ended meanwhile)
                 try:
@@ -590,12 +651,27 @@ class FuseSession:
                 try:
                     if self._ended.done():
                         return  # (the session is ending: what is read now is left to the kernel's abort)
-                    buffer = self._dispatch(fd, buffer, length, later)
-                    if self._parked and self._tasks:
+                    buffer = self._dispatch(fd, buffer, length, later, off_lock)
+                    if off_lock:
+                        self._off_lock_runs += 1  # (this reader's disk read: the helpers read meanwhile)
+                    if self._parked and (self._tasks or self._off_lock_runs):
                         work.notify_all()  # a request waits: the helpers read the next ones
                     wake = loop.take_wake()
                 finally:
                     release()
+                if off_lock:
+                    req, job = off_lock.pop()
+                    job.run()  # (the GIL let go of in its I/O; the request is still in ``buffer``)
+                    if not acquire(False):
+                        loop.wait_for_state()
+                    try:
+                        self._off_lock_runs -= 1
+                        if self._ended.done():
+                            return
+                        buffer = self._finish_off_lock(req, job, fd, buffer, later)
+                        wake = loop.take_wake() or wake
+                    finally:
+                        release()
                 if later:
                     # An inline answer, written with the lock free: a reader the next request wakes
                     # while this writev lets go of the GIL must not find the lock held and sleep again.
@@ -617,13 +693,15 @@ class FuseSession:
                 loop.call_soon_threadsafe(self._reader_ended)
 
     def _wait_for_work(self, loop: SharedLoop, work: threading.Condition) -> bool:
-        """A helper's wait (``_reader``) until a request waits as a task; False once the first reader
+        """A helper's wait (``_reader``) until a request waits as a task or a reader is in an inline
+        answer's blocking work (``OffLock``: a disk-tier read); False once the first reader
         has seen the end of the connection (then read once more, and see it too)."""
         assert self._ended is not None
         with loop.holding_state():
             self._parked += 1
             try:
-                while not self._tasks and not self._ended.done() and not self._first_gone:
+                while (not self._tasks and not self._off_lock_runs and not self._ended.done()
+                       and not self._first_gone):
                     work.wait()
             finally:
                 self._parked -= 1

@@ -55,6 +55,7 @@ class Ops:
 
     inline: dict = {}
     handlers: dict = {}
+    reader_inline: dict = {}
 
     def failure(self, opcode: int, exc: BaseException) -> int:
         return 5

@@ -192,6 +192,31 @@ def test_remount_reuses_disk_cache(backend: Backend, mounter, tmp_path: Path) ->
     assert stats["tiers"]["disk"]["hits"] > 0
 
 
+def test_small_files_on_the_disk_tier_are_answered_without_a_ram_copy(backend: Backend, mounter,
+                                                                       tmp_path: Path) -> None:
+    """After a remount, a READ that asks for a small file's whole block is served from the disk tier
+    by the FUSE reader thread itself (``tiering.engine.diskhit``): the right bytes, every one a
+    disk-tier hit, and none of them copied into the RAM tier."""
+    from tests.fuse.conftest import read_dropping_page_cache
+
+    files = {f"small/{i:03d}": payload(f"small-{i}", size)
+             for i, size in enumerate([1, 4095, 4096, 50_000, 100 * 1024, 100 * 1024 + 1])}
+    for key, data in files.items():
+        backend.put(key, data)
+    cache = tmp_path / "shared-cache"
+    m1 = mounter.mount(backend.source, "--block-size", TEST_BLOCK, env=backend.env, cache_dir=cache)
+    for key, data in files.items():
+        assert (m1.path / key).read_bytes() == data
+    assert m1.unmount().returncode == 0
+    m2 = mounter.mount(backend.source, "--block-size", TEST_BLOCK, env=backend.env, cache_dir=cache)
+    for key, data in files.items():
+        assert read_dropping_page_cache(m2.path / key) == data
+    stats = m2.stats()
+    assert stats["object_store"]["get_requests"] == 0
+    assert stats["blocks"]["disk_served"] == len(files)
+    assert stats["tiers"]["ram"]["entries"] == 0 and stats["tiers"]["ram"]["inserts"] == 0
+
+
 def test_changed_object_same_size_is_never_served_stale(backend: Backend, mounter) -> None:
     key = "train/0001.bin"
     old = payload("old", 2 * MiB)

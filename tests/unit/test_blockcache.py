@@ -117,7 +117,7 @@ class BrokenTier:
     """A DiskBlockTier whose every I/O operation fails, as a dead disk would without its own guard.
 
     It holds nothing: the calls that need no I/O answer as an empty tier would (not held, nothing
-    pinned); only ``get``, ``put`` and ``absent`` count in ``calls``.
+    pinned); only ``get``, ``get_for_reply``, ``put`` and ``absent`` count in ``calls``.
     """
 
     def __init__(self, exc: Exception, name: str = "disk") -> None:
@@ -171,6 +171,10 @@ class BrokenTier:
 
     def touch(self, key: BlockKey) -> bool:
         return False
+
+    def get_for_reply(self, key: BlockKey) -> bytes | None:
+        self.calls += 1
+        raise self.exc
 
     def evict_unpinned(self) -> tuple[int, int]:
         raise self.exc

@@ -127,7 +127,8 @@ def other_token_same_length(path: Path) -> None:
     ],
 )
 @pytest.mark.parametrize("restart", [False, True], ids=["live", "after-restart"])
-def test_corrupt_block_is_dropped_and_never_returned(tmp_path: Path, damage, restart: bool) -> None:
+@pytest.mark.parametrize("read", ["get", "get_for_reply"])
+def test_corrupt_block_is_dropped_and_never_returned(tmp_path: Path, damage, restart: bool, read: str) -> None:
     tier = DiskTier(tmp_path, 10**6)
     k = key(0)
     assert tier.put(k, data_of(0))
@@ -136,7 +137,7 @@ def test_corrupt_block_is_dropped_and_never_returned(tmp_path: Path, damage, res
     if restart:
         tier = DiskTier(tmp_path, 10**6)
 
-    assert tier.get(k) is None
+    assert getattr(tier, read)(k) is None
     assert tier.stats.corrupt_blocks == 1
     assert tier.stats.errors == 0
     assert not path.exists()

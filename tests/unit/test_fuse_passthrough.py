@@ -225,6 +225,7 @@ class WantingOps:
 
     inline: dict = {}
     handlers: dict = {}
+    reader_inline: dict = {}
     wanted_flags = wire.PASSTHROUGH
 
     def failure(self, opcode: int, exc: BaseException) -> int:

@@ -68,6 +68,10 @@ class Ops:
         self.inline = {wire.FORGET: self.forget, wire.GETXATTR: self.getxattr, wire.RELEASE: self.release}
         self.handlers = {wire.GETATTR: self.getattr, wire.READ: self.read, wire.LOOKUP: self.lookup,
                          wire.OPEN: self.open}
+        self.reader_inline = {wire.READ: self.read_off_lock}
+        self.off_lock_runs: list[tuple[str, bool]] = []  # (thread, whether it could take the state lock)
+        self.release_work = threading.Event()
+        self.state_lock: threading.Lock | None = None
 
     def negotiated(self, flags: int, backing: object, notifier: object = None) -> None:
         self.flags = flags
@@ -87,6 +91,33 @@ class Ops:
     async def getattr(self, req: wire.Request) -> bytes:
         self.threads.append(threading.current_thread().name)
         return struct.pack("<Q", req.nodeid)
+
+    def read_off_lock(self, req: wire.Request) -> object:
+        """A READ of nodeid 70 is answered by blocking work (``OffLock``); 71's work then asks for the
+        task (LATER); any other READ goes to ``read`` at once."""
+        if req.nodeid not in (70, 71, 72):
+            return fuse_session.LATER
+        ops, nodeid = self, req.nodeid
+
+        class Work(fuse_session.OffLock):
+            def run(self) -> None:
+                if nodeid == 72:  # (blocking work that lasts until the test lets it end)
+                    ops.release_work.wait(WAIT_S)
+                lock = ops.state_lock
+                assert lock is not None
+                deadline = time.monotonic() + WAIT_S  # the loop may hold it a moment; the reader must not
+                while not lock.acquire(False):
+                    if time.monotonic() > deadline:
+                        ops.off_lock_runs.append((threading.current_thread().name, False))
+                        return
+                    time.sleep(0.001)
+                lock.release()
+                ops.off_lock_runs.append((threading.current_thread().name, True))
+
+            def finish(self) -> object:
+                return b"off the lock %d" % nodeid if nodeid != 71 else fuse_session.LATER
+
+        return Work()
 
     async def read(self, req: wire.Request) -> bytes:
         await self.release_reads.wait()
@@ -131,6 +162,7 @@ class Kernel:
     def _run(self) -> None:
         with asyncio.Runner(loop_factory=SharedLoop) as runner:
             self.loop = runner.get_loop()  # type: ignore[assignment]
+            self.ops.state_lock = self.loop.state_lock  # type: ignore[union-attr]
             runner.run(self.session.serve(8))
             self.session.close()
         self.served.set()
@@ -187,6 +219,34 @@ def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> N
     kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
     assert read_reply(kernel.kernel[1]) == (20, 0, b"read 7")
     assert kernel.ops.threads[-1] == "loop"
+
+
+def test_blocking_work_runs_in_the_reader_without_the_state_lock(kernel: Kernel) -> None:
+    """An ``OffLock`` (a disk-tier READ) is run by the reader that read its request, with the loop's
+    state lock let go of, and its reply goes back on that reader's descriptor."""
+    kernel.send(0, request(wire.READ, 70, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=70))
+    assert read_reply(kernel.kernel[0]) == (70, 0, b"off the lock 70")
+    assert kernel.ops.off_lock_runs == [("fuse-reader-0", True)]
+
+
+def test_while_a_reader_is_in_blocking_work_the_helpers_read(kernel: Kernel) -> None:
+    """The first reader in a disk-tier read (no task in flight): the helpers read meanwhile, so the
+    next requests are not held up behind its I/O."""
+    wait_until(lambda: kernel.session._parked == 2)
+    kernel.send(0, request(wire.READ, 72, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=72))
+    kernel.send(1, request(wire.GETATTR, 74, wire.GETATTR_IN.pack(0, 0, 0), nodeid=75))
+    assert read_reply(kernel.kernel[1]) == (74, 0, struct.pack("<Q", 75))  # (the READ's work still runs)
+    kernel.ops.release_work.set()
+    assert read_reply(kernel.kernel[0]) == (72, 0, b"off the lock 72")
+
+
+def test_blocking_work_that_finds_nothing_goes_on_as_the_requests_task(kernel: Kernel) -> None:
+    """``finish`` answering LATER (a disk-tier miss) runs the request's ordinary handler."""
+    assert kernel.loop is not None
+    kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
+    kernel.send(0, request(wire.READ, 71, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=71))
+    assert read_reply(kernel.kernel[0]) == (71, 0, b"read 71")
+    assert kernel.ops.off_lock_runs == [("fuse-reader-0", True)]
 
 
 def test_a_first_step_in_a_reader_is_a_task_step_with_deadlines_and_timers(kernel: Kernel) -> None:

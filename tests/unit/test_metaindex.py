@@ -157,6 +157,7 @@ async def test_a_warm_open_of_a_file_whose_listing_is_only_in_the_index_queries_
     second = make_fs(store, clock, MetadataIndex(tmp_path / "i.db", wall=wall))
     c = await lookup_path(second, "b/c.bin")
     second.listings._forget_hot("b")  # the hot set let it go (as it does past its bound): only the index has it
+    second.inodes.get(c.inode).fresh_until = 0.0  # what the LOOKUP remembered ran out: the open asks itself
     index = second.listings.index
     assert index is not None
     queries: list[tuple[str, str]] = []
@@ -176,6 +177,36 @@ async def test_a_warm_open_of_a_file_whose_listing_is_only_in_the_index_queries_
     clock.advance(TTL / 2 + 1)  # ...and so did what the node remembered of it
     assert second.open_now(c.inode, os.O_RDONLY) is None
     assert len(queries) == 2
+
+
+async def test_a_lookup_answered_from_the_index_serves_the_open_that_follows(
+        tmp_path: Path, store: InMemoryObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a remount a file's LOOKUP asks the index and its node remembers until when that listing
+    holds, as an open's query does: the OPEN that follows asks nothing (two SQLite queries fewer per
+    file of an epoch after a remount)."""
+    wall = Wall()
+    first = make_fs(store, FakeClock(), MetadataIndex(tmp_path / "i.db", wall=wall))
+    await lookup_path(first, "b/c.bin")
+    first.listings.index.close()  # type: ignore[union-attr]
+    wall.now += TTL / 2
+    second = make_fs(store, FakeClock(), MetadataIndex(tmp_path / "i.db", wall=wall))
+    b = await lookup_path(second, "b")
+    second.listings._forget_hot("b")  # only the index has the listing of b
+    index = second.listings.index
+    assert index is not None
+    queries: list[tuple[str, str]] = []
+    lookup = index.lookup
+
+    def counted(path: str, name: str) -> object:
+        queries.append((path, name))
+        return lookup(path, name)
+
+    monkeypatch.setattr(index, "lookup", counted)
+    attrs = second.lookup_now(b.inode, b"c.bin")
+    assert attrs is not None and attrs.size == 2
+    opened = second.open_now(attrs.inode, os.O_RDONLY)
+    assert opened is not None
+    assert queries == [("b", "c.bin")]
 
 
 async def test_after_the_ttl_a_remount_lists_again(tmp_path: Path, store: InMemoryObjectStore) -> None:

@@ -100,7 +100,7 @@ EXERCISED = {
     BlockTier: {"name", "capacity_bytes", "stats", "get", "contains", "absent", "put", "discard", "keys",
                 "used_bytes", "__len__"},
     DiskBlockTier: {"health", "high_watermark", "low_watermark", "pin", "unpin", "is_pinned", "pinned_bytes",
-                    "touch", "evict_unpinned", "reserve_space", "release_space", "reserved_space"},
+                    "touch", "evict_unpinned", "reserve_space", "release_space", "reserved_space", "get_for_reply"},
 }
 
 
@@ -334,6 +334,18 @@ def test_touch_refreshes_recency_without_counting(make_disk_tier: MakeDiskTier, 
     assert not tier.touch(key(7))  # not held
     assert tier.stats == stats  # no hit, no miss
     assert tier.keys() == [key(1), key(2), key(0)]
+
+
+def test_get_for_reply_is_a_get_into_the_threads_buffer(make_disk_tier: MakeDiskTier, disk_footprint: int) -> None:
+    tier = make_disk_tier(10 * disk_footprint)
+    for i in range(3):
+        assert tier.put(key(i), block(i))
+    got = tier.get_for_reply(key(0))
+    assert got is not None and bytes(got) == block(0)
+    assert tier.get_for_reply(key(7)) is None
+    assert (tier.stats.hits, tier.stats.misses) == (1, 1)  # counted as get counts
+    assert tier.keys()[-1] == key(0)  # and its recency refreshed
+    assert tier.get_for_reply(key(1)) is not None and bytes(got) == block(1)  # the same buffer, reused
 
 
 def test_evict_unpinned_keeps_only_pinned_blocks(make_disk_tier: MakeDiskTier, disk_footprint: int) -> None:

@@ -3,7 +3,8 @@
 ``BlockCache.read(ref, offset, length)`` splits a read into blocks and gets them concurrently. Each
 block is looked up in the RAM tier (on the loop: a dict access), then in the disk tier (in a worker
 thread), then fetched from the store with one ranged GET. A fetched block goes to both tiers; a disk
-hit is promoted to RAM.
+hit is promoted to RAM, but for a read of one whole small block that a FUSE reader thread serves
+itself (``disk_hit``, ``tiering.engine.diskhit``).
 
 Single flight: concurrent misses on one block cause one GET; the first starts a *load*, the others
 join it. Memory bound: a load holds one of ``max_concurrent_fetches`` fetch slots from before its
@@ -95,6 +96,7 @@ from typing import Callable, Iterable
 from tiering.blocks import BlockData, BlockKey, ObjectRef, block_count, block_range, spans
 from tiering.clock import Clock, SystemClock
 from tiering.engine.diskguard import GuardedDisk
+from tiering.engine.diskhit import MAX_REPLY_BLOCK_BYTES, DiskHit
 from tiering.engine.loads import Loads, WarmOutcome, hand_over
 from tiering.engine.pinning import PinnedBlocks
 from tiering.engine.source import SourceFetch
@@ -193,6 +195,29 @@ class BlockCache:
                 return block
             return memoryview(block).toreadonly()[span.start : span.end]
         return b"".join(memoryview(b)[s.start : s.end] for b, s in zip(blocks, parts))
+
+    def disk_hit(self, ref: ObjectRef, offset: int, length: int) -> DiskHit | None:
+        """A read of ``[offset, offset+length)`` that the calling thread may serve from the disk tier
+        itself, off the loop and without a RAM-tier copy (``tiering.engine.diskhit``), or None: the
+        range is not exactly one whole block of at most ``MAX_REPLY_BLOCK_BYTES``, or the block is in
+        RAM, being loaded, or not on the disk tier (then ``read`` serves it). No I/O, nothing counted
+        until ``DiskHit.finish``."""
+        disk = self._guarded_disk
+        if disk is None or offset < 0 or offset % self.block_size or offset >= ref.size:
+            return None
+        index = offset // self.block_size
+        start, end = block_range(index, ref.size, self.block_size)
+        if end - start > MAX_REPLY_BLOCK_BYTES or offset + length < end or (offset + length > end and end < ref.size):
+            return None  # (part of the block, or more than it: not the last block, so the next one too)
+        key = BlockKey(ref.key, ref.etag, index)
+        if key in self.loads or self.ram.contains(key):
+            return None
+        try:
+            if not disk.tier.contains(key):
+                return None
+        except Exception:  # noqa: BLE001 - ``read`` asks the guarded tier, which counts and logs it
+            return None
+        return DiskHit(disk, self.stats, self.traffic, key)
 
     async def get_block(self, ref: ObjectRef, index: int) -> BlockData:
         """One whole block, from the fastest tier that has it."""

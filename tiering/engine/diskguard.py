@@ -62,7 +62,7 @@ class GuardedDisk:
         try:
             return await put.result()
         except Exception:  # noqa: BLE001 - a cache tier must never fail a read
-            self._failed("put")
+            self.failed("put")
             return None
 
     async def run(self, what: str, call: Callable[..., T], *args: object) -> T | None:
@@ -70,13 +70,15 @@ class GuardedDisk:
         try:
             return await asyncio.to_thread(call, *args)
         except Exception:  # noqa: BLE001 - a cache tier must never fail a read
-            self._failed(what)
+            self.failed(what)
             return None
 
-    def _failed(self, what: str) -> None:
-        """Count and log a disk-tier call that raised (in an ``except`` block: logs its traceback)."""
+    def failed(self, what: str, exc: BaseException | None = None) -> None:
+        """Count and log a disk-tier call that raised (``exc``, or the one being handled: in an
+        ``except`` block, logs its traceback)."""
         self._stats.disk_errors += 1
+        info: BaseException | bool = exc if exc is not None else True
         if self._stats.disk_errors == 1:
-            log.warning("disk tier %s failed; treating it as a miss", what, exc_info=True)
+            log.warning("disk tier %s failed; treating it as a miss", what, exc_info=info)
         else:
-            log.debug("disk tier %s failed", what, exc_info=True)
+            log.debug("disk tier %s failed", what, exc_info=info)

@@ -255,6 +255,13 @@ class DiskTier:
     # -- BlockTier ------------------------------------------------------------------------------
 
     def get(self, key: BlockKey) -> BlockData | None:
+        return self._get(key, self.files.read)
+
+    def get_for_reply(self, key: BlockKey) -> BlockData | None:
+        """``get`` into this thread's reply buffer (``BlockFiles.read_for_reply``), counted and checked alike."""
+        return self._get(key, self.files.read_for_reply)
+
+    def _get(self, key: BlockKey, read: Callable[[str, bytes, int], BlockData]) -> BlockData | None:
         digest = key.digest()
         with self._lock:
             entry = self._index.get(digest)
@@ -267,7 +274,7 @@ class DiskTier:
         size, gen = entry
         path = self._hit_path(digest)
         try:
-            data = self.files.read(path, encode_token(key), size)
+            data = read(path, encode_token(key), size)
         except FileNotFoundError:
             # Removed behind our back (or evicted by another thread in between): a plain miss.
             self._drop(digest, gen)
@@ -622,8 +629,7 @@ class DiskTier:
 
         Returns the digests whose files the caller must unlink (outside the lock); they stay busy
         until ``_unlink_all`` has removed them. Stops early when nothing evictable is left (room
-        reserved by writes in flight cannot be evicted).
-        """
+        reserved by writes in flight cannot be evicted)."""
         if self._used <= target_bytes:
             return []
         victims: list[str] = []
@@ -714,8 +720,7 @@ class DiskTier:
         """Remove a block from the index and its file from disk.
 
         With ``gen``, only if the index still holds that generation (a reader dropping what it read
-        must not drop a newer copy written meanwhile). Busy digests belong to another thread.
-        """
+        must not drop a newer copy written meanwhile). Busy digests belong to another thread."""
         with self._lock:
             entry = self._index.get(digest)
             if entry is None or digest in self._busy or (gen is not None and entry[1] != gen):
