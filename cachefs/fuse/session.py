@@ -246,11 +246,6 @@ class FuseSession:
         self._clones: list[int] = list(clones)
         self._readers_left = 0
         self._room: threading.Condition | None = None
-        # Readers past the first wait here while no request is in flight as a task (``_reader``).
-        self._work: threading.Condition | None = None
-        self._parked = 0
-        self._first_gone = False  # the first reader saw the end of the connection
-        self._off_lock_runs = 0  # readers in an inline answer's blocking work (a disk-tier read)
         self._early: dict[int, None] = {}
         self._inline = ops.inline  # (the dict itself, bound once: looked up for every request)
         # Requests read, by opcode (``wire.OPCODE_NAMES``): what /stats shows as the requests that
@@ -378,8 +373,6 @@ class FuseSession:
             self._ended.set_result(None)
         if self._room is not None:
             self._room.notify_all()  # readers waiting for room see the end
-        if self._work is not None:
-            self._work.notify_all()  # and those waiting for work
 
     def _readable(self) -> None:
         for i in range(READS_PER_WAKEUP):
@@ -593,36 +586,32 @@ class FuseSession:
         self._pause()
         self._threaded = True
         self._room = threading.Condition(loop.state_lock)
-        self._work = threading.Condition(loop.state_lock)
         self._readers_left = len(fds)
         for number, fd in enumerate(fds):
-            reader = threading.Thread(target=self._reader, args=(loop, fd, number > 0),
+            reader = threading.Thread(target=self._reader, args=(loop, fd),
                                       name=f"fuse-reader-{number}", daemon=True)
             self._readers.append(reader)
             reader.start()
         log.info("%d threads read the mount's requests", len(fds))
 
-    def _reader(self, loop: SharedLoop, fd: int, helper: bool = False) -> None:
+    def _reader(self, loop: SharedLoop, fd: int) -> None:
         """One reader: blocks in ``readv`` (the GIL and the state lock released), then answers with
         the state lock held, as the loop would; a handler that waits goes on as a task of the loop,
         which answers on ``fd`` (so ``close`` closes the clones, once the tasks are gone).
 
-        A ``helper`` (every reader but the first) reads only while a request is in flight as a task
-        or a reader is in an ``OffLock`` job (a disk-tier read made without the lock), and otherwise
-        waits on ``_work``. The kernel hands each request to the reader that has waited
-        longest, so idle readers would take turns: each woken cold, every other request, on whichever
-        CPU it last ran. So requests answered at once are answered by one reader, as libfuse's single
-        thread does (a warm file's OPEN and RELEASE, one client, 8 alternating rounds on the 2-CPU VM
-        at load 1: 39-49 us of daemon CPU against 44-54 us with the readers taking turns; 4 clients at
-        once: the same files/s, 22,400-22,900); cold reads and writes bring the helpers in.
-        (Requests queued behind one another would be the other sign of work for them, but a close()
-        queues its RELEASE behind the next open's OPEN: one client looks like two.)"""
+        Every reader reads, and the kernel hands each request to the one that has waited longest, so
+        idle readers take turns. Tried and measured worse: only the first reader reading while
+        nothing waits (the others parked on a condition until a task or a disk read was in flight).
+        A warm file's OPEN and RELEASE cost 10% less that way, but a client's back-to-back requests
+        cost twice as much (GETXATTR: 30-31 us against 14.6-14.7, quiet 2-CPU VM): one thread that
+        sleeps between every two requests pays a whole wake-up each time, where two readers taking
+        turns find the next request queued often enough (0.67 sleeps per request each)."""
         asyncio.events._set_running_loop(loop)  # what handlers and the tasks they make expect to see
         os.set_blocking(fd, True)
         lock = loop.state_lock
         acquire, release = lock.acquire, lock.release
-        room, work = self._room, self._work
-        assert room is not None and work is not None and self._ended is not None
+        room = self._room
+        assert room is not None and self._ended is not None
         buffer = bytearray(BUFFER_SIZE)
         later: list[Buffer] = []  # an inline answer, written once the state lock is let go of
         off_lock: list[tuple[Request, OffLock]] = []  # an inline answer's blocking work, run without the lock
@@ -632,9 +621,6 @@ class FuseSession:
                     with loop.holding_state():  # (counted as waiting: a busy loop lets go)
                         while len(self._tasks) >= self._max_tasks and not self._ended.done():
                             room.wait()
-                if helper and not self._tasks and not self._off_lock_runs:
-                    if self._wait_for_work(loop, work):
-                        continue  # (the session may have ended meanwhile)
                 try:
                     length = os.readv(fd, [buffer])
                 except OSError as exc:
@@ -652,10 +638,6 @@ class FuseSession:
                     if self._ended.done():
                         return  # (the session is ending: what is read now is left to the kernel's abort)
                     buffer = self._dispatch(fd, buffer, length, later, off_lock)
-                    if off_lock:
-                        self._off_lock_runs += 1  # (this reader's disk read: the helpers read meanwhile)
-                    if self._parked and (self._tasks or self._off_lock_runs):
-                        work.notify_all()  # a request waits: the helpers read the next ones
                     wake = loop.take_wake()
                 finally:
                     release()
@@ -665,7 +647,6 @@ class FuseSession:
                     if not acquire(False):
                         loop.wait_for_state()
                     try:
-                        self._off_lock_runs -= 1
                         if self._ended.done():
                             return
                         buffer = self._finish_off_lock(req, job, fd, buffer, later)
@@ -683,29 +664,8 @@ class FuseSession:
                 if wake:
                     loop.wake()
         finally:
-            if not helper and lock.acquire(timeout=READER_JOIN_S):
-                try:  # the connection is gone: a helper waiting for work reads once more, and sees it
-                    self._first_gone = True
-                    work.notify_all()
-                finally:
-                    lock.release()
             with contextlib.suppress(RuntimeError):  # (the loop is closed: the daemon is ending anyway)
                 loop.call_soon_threadsafe(self._reader_ended)
-
-    def _wait_for_work(self, loop: SharedLoop, work: threading.Condition) -> bool:
-        """A helper's wait (``_reader``) until a request waits as a task or a reader is in an inline
-        answer's blocking work (``OffLock``: a disk-tier read); False once the first reader
-        has seen the end of the connection (then read once more, and see it too)."""
-        assert self._ended is not None
-        with loop.holding_state():
-            self._parked += 1
-            try:
-                while (not self._tasks and not self._off_lock_runs and not self._ended.done()
-                       and not self._first_gone):
-                    work.wait()
-            finally:
-                self._parked -= 1
-        return not self._first_gone
 
     def _reader_ended(self) -> None:
         self._readers_left -= 1

@@ -5,9 +5,7 @@ descriptor and its clones (``clone_device`` is replaced; each pair is then its o
 chooses which reader gets which request).
 
 What is checked: INIT is read on the session's descriptor only, and only then are the clones made;
-the readers past the first read only while a request waits as a task (``Kernel.busy`` puts one in
-flight on the first descriptor, for the tests that send to the others); every reply goes back on the
-descriptor its request came from; a handler that never waits is
+every reply goes back on the descriptor its request came from; a handler that never waits is
 answered by the reader thread itself, and one that waits goes on as a task of the loop; an
 INTERRUPT read by one reader cancels a request read by another, whichever is read first; FORGET
 gets no reply; the end of every descriptor ends ``serve``."""
@@ -70,7 +68,6 @@ class Ops:
                          wire.OPEN: self.open}
         self.reader_inline = {wire.READ: self.read_off_lock}
         self.off_lock_runs: list[tuple[str, bool]] = []  # (thread, whether it could take the state lock)
-        self.release_work = threading.Event()
         self.state_lock: threading.Lock | None = None
 
     def negotiated(self, flags: int, backing: object, notifier: object = None) -> None:
@@ -95,14 +92,12 @@ class Ops:
     def read_off_lock(self, req: wire.Request) -> object:
         """A READ of nodeid 70 is answered by blocking work (``OffLock``); 71's work then asks for the
         task (LATER); any other READ goes to ``read`` at once."""
-        if req.nodeid not in (70, 71, 72):
+        if req.nodeid not in (70, 71):
             return fuse_session.LATER
         ops, nodeid = self, req.nodeid
 
         class Work(fuse_session.OffLock):
             def run(self) -> None:
-                if nodeid == 72:  # (blocking work that lasts until the test lets it end)
-                    ops.release_work.wait(WAIT_S)
                 lock = ops.state_lock
                 assert lock is not None
                 deadline = time.monotonic() + WAIT_S  # the loop may hold it a moment; the reader must not
@@ -115,7 +110,7 @@ class Ops:
                 ops.off_lock_runs.append((threading.current_thread().name, True))
 
             def finish(self) -> object:
-                return b"off the lock %d" % nodeid if nodeid != 71 else fuse_session.LATER
+                return b"off the lock %d" % nodeid if nodeid == 70 else fuse_session.LATER
 
         return Work()
 
@@ -170,12 +165,6 @@ class Kernel:
     def send(self, reader: int, data: bytes) -> None:
         self.kernel[reader].send(data)
 
-    def busy(self, unique: int = 1000) -> None:
-        """A LOOKUP that waits until the session ends, read by the first reader: while it is in
-        flight, the other readers read too."""
-        self.send(0, request(wire.LOOKUP, unique, b"busy\0"))
-        wait_until(lambda: unique in self.session._tasks and self.session._parked == 0)
-
     def end(self) -> None:
         for sock in self.kernel:
             sock.close()
@@ -200,7 +189,6 @@ def test_init_on_the_session_descriptor_then_clones_of_it(kernel: Kernel) -> Non
 
 
 def test_each_reply_goes_back_on_the_descriptor_its_request_came_from(kernel: Kernel) -> None:
-    kernel.busy()
     for reader in (2, 0, 1, 1, 2):
         unique = 10 + 2 * reader
         kernel.send(reader, request(wire.GETATTR, unique, wire.GETATTR_IN.pack(0, 0, 0), nodeid=100 + reader))
@@ -210,7 +198,6 @@ def test_each_reply_goes_back_on_the_descriptor_its_request_came_from(kernel: Ke
 
 
 def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> None:
-    kernel.busy()
     kernel.send(1, request(wire.READ, 20, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=7))
     kernel.send(2, request(wire.GETATTR, 22, wire.GETATTR_IN.pack(0, 0, 0), nodeid=8))
     assert read_reply(kernel.kernel[2]) == (22, 0, struct.pack("<Q", 8))  # not held up by the waiting READ
@@ -224,33 +211,21 @@ def test_a_handler_that_waits_goes_on_as_a_task_of_the_loop(kernel: Kernel) -> N
 def test_blocking_work_runs_in_the_reader_without_the_state_lock(kernel: Kernel) -> None:
     """An ``OffLock`` (a disk-tier READ) is run by the reader that read its request, with the loop's
     state lock let go of, and its reply goes back on that reader's descriptor."""
-    kernel.send(0, request(wire.READ, 70, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=70))
-    assert read_reply(kernel.kernel[0]) == (70, 0, b"off the lock 70")
-    assert kernel.ops.off_lock_runs == [("fuse-reader-0", True)]
-
-
-def test_while_a_reader_is_in_blocking_work_the_helpers_read(kernel: Kernel) -> None:
-    """The first reader in a disk-tier read (no task in flight): the helpers read meanwhile, so the
-    next requests are not held up behind its I/O."""
-    wait_until(lambda: kernel.session._parked == 2)
-    kernel.send(0, request(wire.READ, 72, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=72))
-    kernel.send(1, request(wire.GETATTR, 74, wire.GETATTR_IN.pack(0, 0, 0), nodeid=75))
-    assert read_reply(kernel.kernel[1]) == (74, 0, struct.pack("<Q", 75))  # (the READ's work still runs)
-    kernel.ops.release_work.set()
-    assert read_reply(kernel.kernel[0]) == (72, 0, b"off the lock 72")
+    kernel.send(2, request(wire.READ, 70, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=70))
+    assert read_reply(kernel.kernel[2]) == (70, 0, b"off the lock 70")
+    assert kernel.ops.off_lock_runs == [("fuse-reader-2", True)]
 
 
 def test_blocking_work_that_finds_nothing_goes_on_as_the_requests_task(kernel: Kernel) -> None:
     """``finish`` answering LATER (a disk-tier miss) runs the request's ordinary handler."""
     assert kernel.loop is not None
     kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
-    kernel.send(0, request(wire.READ, 71, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=71))
-    assert read_reply(kernel.kernel[0]) == (71, 0, b"read 71")
-    assert kernel.ops.off_lock_runs == [("fuse-reader-0", True)]
+    kernel.send(1, request(wire.READ, 71, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=71))
+    assert read_reply(kernel.kernel[1]) == (71, 0, b"read 71")
+    assert kernel.ops.off_lock_runs == [("fuse-reader-1", True)]
 
 
 def test_a_first_step_in_a_reader_is_a_task_step_with_deadlines_and_timers(kernel: Kernel) -> None:
-    kernel.busy()
     kernel.send(2, request(wire.OPEN, 60, wire.OPEN_IN.pack(0, 0)))
     assert read_reply(kernel.kernel[2]) == (60, 0, b"fuse-reader-2 then loop")
 
@@ -264,7 +239,6 @@ def test_an_interrupt_read_by_another_reader_cancels_the_request(kernel: Kernel)
 
 
 def test_an_interrupt_read_before_its_request_answers_it_with_eintr(kernel: Kernel) -> None:
-    kernel.busy()
     kernel.send(2, request(wire.INTERRUPT, 41, wire.INTERRUPT_IN.pack(40)))
     wait_until(lambda: 40 in kernel.session._early)
     kernel.send(1, request(wire.LOOKUP, 40, b"name\0"))
@@ -273,7 +247,6 @@ def test_an_interrupt_read_before_its_request_answers_it_with_eintr(kernel: Kern
 
 
 def test_forget_gets_no_reply_on_any_reader(kernel: Kernel) -> None:
-    kernel.busy()
     kernel.send(1, request(wire.FORGET, 50, wire.FORGET_IN.pack(1), nodeid=9))
     kernel.send(1, request(wire.GETATTR, 52, wire.GETATTR_IN.pack(0, 0, 0), nodeid=3))
     assert read_reply(kernel.kernel[1])[0] == 52  # the next reply on that descriptor is the GETATTR's
@@ -286,7 +259,6 @@ def test_an_inline_answer_is_one_writev_made_with_the_state_lock_free(kernel: Ke
     payload, once the reader has let go of the state lock: a reader woken by the next request while
     that writev has the GIL released must not find the lock held and sleep once more for it."""
     assert kernel.loop is not None
-    kernel.busy()
     lock = kernel.loop.state_lock
     writes: list[tuple[str, int, bytes, bool]] = []
     real = fuse_session._writev
@@ -303,27 +275,6 @@ def test_an_inline_answer_is_one_writev_made_with_the_state_lock_free(kernel: Ke
     # (The loop's thread is idle meanwhile: nothing was scheduled for it, so it does not hold the lock.)
     assert writes == [("fuse-reader-1", kernel.daemon_fds[1], wire.OUT_HEADER.pack(16 + 10, 0, 70) + b"value of 5", False),
                       ("fuse-reader-2", kernel.daemon_fds[2], wire.OUT_HEADER.pack(16, 0, 72), False)]
-
-
-def test_with_nothing_waiting_the_first_reader_answers_alone(kernel: Kernel) -> None:
-    """Requests answered at once (a warm file's OPEN and RELEASE) are all read by the first reader:
-    the kernel hands a request to the reader that waited longest, so idle readers would take turns,
-    each woken cold. The others read once a request waits (a cold READ)."""
-    wait_until(lambda: kernel.session._parked == 2)
-    kernel.send(1, request(wire.GETATTR, 80, wire.GETATTR_IN.pack(0, 0, 0), nodeid=81))
-    kernel.send(0, request(wire.GETATTR, 82, wire.GETATTR_IN.pack(0, 0, 0), nodeid=83))
-    assert read_reply(kernel.kernel[0]) == (82, 0, struct.pack("<Q", 83))
-    kernel.kernel[1].settimeout(0.2)
-    with pytest.raises(TimeoutError):  # (the request sent to a waiting helper's descriptor is not read)
-        kernel.kernel[1].recv(1 << 16)
-    assert kernel.ops.threads == ["fuse-reader-0"]
-    # A READ that waits: the helpers read, and the GETATTR waiting on reader 1's descriptor is answered.
-    kernel.send(0, request(wire.READ, 84, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=85))
-    assert read_reply(kernel.kernel[1]) == (80, 0, struct.pack("<Q", 81))
-    assert kernel.ops.threads == ["fuse-reader-0", "fuse-reader-1"]
-    assert kernel.loop is not None
-    kernel.loop.call_soon_threadsafe(kernel.ops.release_reads.set)
-    assert read_reply(kernel.kernel[0]) == (84, 0, b"read 85")
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
@@ -410,8 +361,6 @@ def test_clones_handed_over_with_the_descriptor_are_read_before_any_is_made(
     async def main() -> None:
         serving = asyncio.create_task(session.serve(4))
         await initialised(kernel)
-        # (a request that waits on the first reader, so that the clone's reader reads too)
-        await asyncio.to_thread(kernel.send, request(wire.LOOKUP, 4, b"busy\0"))
         await asyncio.to_thread(clone_kernel.send, request(wire.GETATTR, 2, wire.GETATTR_IN.pack(0, 0, 0), nodeid=7))
         assert await asyncio.to_thread(read_reply, clone_kernel) == (2, 0, struct.pack("<Q", 7))
         kernel.close()
