@@ -95,6 +95,16 @@ def secrets_of(server: Any) -> dict[str, str]:
     return {"accessKeyId": server.access_key, "secretAccessKey": server.secret_key}
 
 
+def daemon_logs(root: Path) -> list[Path]:
+    """The daemon logs under ``root``, sorted; mounts left behind are not entered (a FUSE mount whose
+    daemon is gone answers ENOTCONN, which ``rglob`` raised instead of the diagnosis)."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda exc: None):
+        dirnames[:] = [d for d in dirnames if not os.path.ismount(os.path.join(dirpath, d))]
+        found += [Path(dirpath, f) for f in filenames if f == "daemon.log"]
+    return sorted(found)
+
+
 @dataclass
 class Driver:
     """A running ``cachefs-csi`` and a client for it."""
@@ -132,8 +142,9 @@ class Driver:
         """What a call that ran out of time leaves to read: the plugin's log, each daemon's log, and
         where the plugin's child processes wait (the kernel's wait channel of each thread)."""
         parts = [f"--- {self.log_path} (last 4000 characters)\n{self.log_text()[-4000:]}"]
-        for log in sorted(self.cache_root.parent.rglob("daemon.log"))[:4]:
-            parts.append(f"--- {log} (last 2000 characters)\n{log.read_text(errors='replace')[-2000:]}")
+        for log in daemon_logs(self.cache_root.parent)[:4]:
+            with contextlib.suppress(OSError):
+                parts.append(f"--- {log} (last 2000 characters)\n{log.read_text(errors='replace')[-2000:]}")
         children = subprocess.run(["ps", "-o", "pid=,stat=,etimes=,args=", "--ppid", str(self.proc.pid)],
                                   capture_output=True, text=True, timeout=10).stdout
         parts.append(f"--- the plugin's children\n{children}")
