@@ -146,12 +146,7 @@ def aligned_page(length: int) -> memoryview:
     """This thread's page-aligned scratch buffer of ``align_up(length)`` bytes (at least one page).
     It holds whatever the thread's last call left: the caller uses only what it wrote or read into
     it, and must not keep it (the thread's next call hands it out again)."""
-    size = align_up(max(length, 1))
-    page: mmap.mmap | None = getattr(_scratch, "page", None)
-    if page is None or len(page) < size:
-        page = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        _scratch.page = page
-    return memoryview(page)[:size]
+    return _thread_buffer(_scratch, length)
 
 
 _reply_scratch = threading.local()
@@ -163,9 +158,15 @@ def reply_scratch(length: int) -> memoryview:
     thread reads a small block file into it, checks it and writes the reply from it before it reads
     its next request. Apart from ``aligned_page``'s, so a header read cannot overwrite it. It grows
     to the largest block asked for and stays (1 MiB at most per reader: a READ is no larger)."""
+    return _thread_buffer(_reply_scratch, length)
+
+
+def _thread_buffer(holder: threading.local, length: int) -> memoryview:
+    """``holder``'s page-aligned mapping for this thread, grown to ``align_up(length)`` (at least a
+    page) where smaller, as a view of that many bytes."""
     size = align_up(max(length, 1))
-    buffer: mmap.mmap | None = getattr(_reply_scratch, "buffer", None)
+    buffer: mmap.mmap | None = getattr(holder, "buffer", None)
     if buffer is None or len(buffer) < size:
         buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        _reply_scratch.buffer = buffer
+        holder.buffer = buffer
     return memoryview(buffer)[:size]
