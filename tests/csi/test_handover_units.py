@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ import pytest
 
 from cachefs import handover
 from cachefs.handover import HandoverError, receive_fd
-from csi_driver import fusefd
+from csi_driver import fusefd, launchers
 from csi_driver.attributes import CacheOptions, Credentials, OwnerOptions
 from csi_driver.errors import Code, CsiError
 from csi_driver.handover import HandoverMounter, _chown_tree
@@ -374,6 +375,68 @@ def test_process_launcher_reaps_a_child_that_exited(tmp_path: Path) -> None:
     while launcher.is_running(name):  # a zombie would still answer kill(pid, 0)
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def _late_start_times(monkeypatch: pytest.MonkeyPatch, late: int) -> None:
+    """The launcher's first ``late`` reads of a start time come after the child has exited, as when
+    the plugin's thread is descheduled between the fork and the read (a full test run's load)."""
+    original = launchers._start_time
+    reads: list[int] = []
+
+    def read(pid: int) -> str | None:
+        if len(reads) < late:
+            reads.append(pid)
+            deadline = time.monotonic() + 10
+            while original(pid) is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return original(pid)
+
+    monkeypatch.setattr(launchers, "_start_time", read)
+
+
+def test_a_daemon_dead_before_its_start_time_is_read_is_not_taken_for_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead pid's start time reads None; a record holding None must not match it, or the handover
+    waits its whole deadline for a daemon that is gone (the CSI broker test's 150 s hang)."""
+    _late_start_times(monkeypatch, late=2)
+    launcher = ProcessLauncher(tmp_path / "run", command=[sys.executable, "-c", "import sys; sys.exit(3)"])
+    name = NAME_PREFIX + "e" * 20
+    with pytest.raises(CsiError) as info:
+        launcher.start(_sleeper_spec(tmp_path, name))
+    assert info.value.code == Code.INTERNAL
+    assert "exited as it started, twice (exit status 3" in info.value.message, info.value.message
+    assert not launcher.is_running(name) and launcher.names() == []
+
+    record = tmp_path / "run" / name / "daemon.json"  # a record an older plugin wrote that way
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"pid": 2 ** 22 + 1, "started": None, "log": "x"}))
+    assert not ProcessLauncher(tmp_path / "run").is_running(name)
+
+
+ONCE_DEAD = ("import os, sys, time\n"
+             "if not os.path.exists(sys.argv[1] + '.tried'):\n"
+             "    open(sys.argv[1] + '.tried', 'w').close(); sys.exit(3)\n"
+             "open(sys.argv[1], 'w').write('{}'); time.sleep(120)\n")
+
+
+def test_a_daemon_that_dies_as_it_starts_is_started_once_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    _late_start_times(monkeypatch, late=1)
+    launcher = ProcessLauncher(tmp_path / "run", command=[sys.executable, "-c", ONCE_DEAD])
+    name = NAME_PREFIX + "f" * 20
+    with caplog.at_level(logging.WARNING, logger="csi_driver.launchers"):
+        launcher.start(_sleeper_spec(tmp_path, name))
+    child = launcher._children[name]
+    try:
+        _wait_for(tmp_path / f"{name}.env")
+        assert launcher.is_running(name)
+        assert "exited as it started (exit status 3" in caplog.text and "starting it once more" in caplog.text
+        launcher.stop(name, 10)
+        assert not launcher.is_running(name)
+        assert "not running (killed by SIGTERM)" in launcher.describe(name)
+    finally:
+        if child.poll() is None:
+            child.kill()  # the process this test started
 
 
 # ------------------------------------------------------------------------------ the daemon's side
