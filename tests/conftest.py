@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import uuid
 from typing import AsyncIterator, Callable, Iterator
 
-import pytest
-from hypothesis import settings as hypothesis_settings
+# Before any test module imports grpc (it reads this once): the tests fork children as other users
+# (subprocess.run(user=...): fork(), not vfork()) with channels open, and gRPC's fork handlers kill
+# some of them before their exec, as they did the node plugin's daemons (see csi_driver/server.py).
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "0"
 
-from tests.support.s3servers import MotoS3, SeaweedS3, S3Server
+import pytest  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+from tests.support.s3servers import MotoS3, SeaweedS3, S3Server  # noqa: E402
 
 # No per-example deadline: it is a timing assertion, and on a loaded 2-core CI runner (or with the
 # suite running on two workers) a pure function can take 250 ms once and 130 ms the next time.

@@ -63,7 +63,9 @@ print(json.dumps({"ended": ended, "calls": calls[0]}))
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting children as another user needs root")
 def test_daemons_forked_under_grpc_calls_reach_their_exec() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(SPAWNS), str(NOBODY)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            timeout=300,
+                            # (set on, as an operator might: the plugin's module must turn it off itself)
+                            env={**os.environ, "PYTHONPATH": os.getcwd(), "GRPC_ENABLE_FORK_SUPPORT": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     assert outcome["calls"] > 0  # the calls were in flight while it forked
