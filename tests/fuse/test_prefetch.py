@@ -194,9 +194,12 @@ def test_metrics_stats_and_health_endpoints(seaweed, bucket: str, mounter) -> No
 
 
 def test_interrupted_prefetch_resumes_with_only_the_rest(seaweed, bucket: str, mounter) -> None:
-    files = {f"d/{i:02d}.bin": MiB for i in range(24)}
+    # Enough that the SIGINT lands while it runs: one GET in flight, 64 KiB each, 1,024 of them after
+    # the first MiB is seen (24 files were too few: in a full CI run the prefetch once finished, exit
+    # 0, between the poll that saw 1 MiB and the signal, the test's process held off the CPUs).
+    files = {f"d/{i:02d}.bin": MiB for i in range(64)}
     upload(seaweed, bucket, files)
-    total = 24 * MiB
+    total = 64 * MiB
     m = mounter.mount(f"s3://{bucket}/ds", "--block-size", "64KiB", env=s3env(seaweed))
     sock = socket_of(m)
     proc = subprocess.Popen([*CLI, "prefetch", str(m.path), "d", "-r", "--parallel", "1"], env={**os.environ, **m.env},
