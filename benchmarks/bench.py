@@ -209,18 +209,34 @@ class Bench:
         self.say("WARNING: " + text)
 
     def add(self, tool: str, figure: str, run: int, value: float, span: procstat.Span | None = None,
-            amount: float | None = None) -> None:
-        """One sample; ``amount`` is the GiB (cost per GiB) or files (cost per file, ms) of the span."""
+            amount: float | None = None, others: dict[str, float] | None = None) -> None:
+        """One sample; ``amount`` is the GiB (cost per GiB) or files (cost per file, ms) of the span;
+        ``others``: CPU seconds others spent over the same span (the S3 server's, the reader's), by name,
+        kept per unit alike."""
         fig = FIGURE_BY_KEY[figure]
         cpu = thread = None
+        paid: dict[str, float] = {}
         if span is not None and amount:
             scale = 1000.0 if fig.cost == "file" else 1.0
             cpu, thread = span.cpu_s * scale / amount, span.busiest_thread_s * scale / amount
+            paid = {who: seconds * scale / amount for who, seconds in (others or {}).items()}
         self.samples.setdefault(tool, {}).setdefault(figure, []).append(
-            {"round": run + 1, "value": value, "cpu": cpu, "thread": thread, "loadavg_1m": round(os.getloadavg()[0], 2)})
-        cost = "" if cpu is None else (f" · CPU {cpu:.2f}, busiest thread {thread:.2f} "
-                                       f"{'CPU-ms/file' if fig.cost == 'file' else 'CPU-s/GiB'}")
+            {"round": run + 1, "value": value, "cpu": cpu, "thread": thread, **paid,
+             "loadavg_1m": round(os.getloadavg()[0], 2)})
+        cost = "" if cpu is None else (f" · CPU {cpu:.2f}, busiest thread {thread:.2f}"
+                                       + "".join(f", {who} {x:.2f}" for who, x in paid.items())
+                                       + f" {'CPU-ms/file' if fig.cost == 'file' else 'CPU-s/GiB'}")
         self.say(f"{tool} {figure}: {value:,.1f} {fig.unit}{cost}")
+
+    def server_cpu_s(self) -> float | None:
+        """CPU seconds of the source's S3 server (SeaweedFS, one process) so far; None if unknown."""
+        pid = self.server.pid
+        if pid is None:
+            return None
+        try:
+            return procstat.tree_cpu_s(pid)
+        except (ProcessLookupError, OSError):
+            return None
 
     def credentials(self, server: SeaweedS3) -> engines.Credentials:
         return engines.Credentials(server.access_key, server.secret_key, REGION)
@@ -445,9 +461,16 @@ class Bench:
                 (base / "mnt").mkdir(parents=True)
                 try:
                     with tool.mounted(base / "mnt", base / "cache") as m:
+                        # Who else pays for a cold file (issue 35): the S3 server, and this process (the
+                        # readers, and the announce call where there is one).
+                        store, reader = self.server_cpu_s(), time.process_time()
                         meter = procstat.SpanMeter(m.pid)
                         rate = epochs.epoch(base / "mnt", order, n, announce=announce, expected_bytes=self.small_bytes)
-                        self.add(tool.name, key, run, rate, meter.stop(), len(order))
+                        span = meter.stop()
+                        others = {"reader": time.process_time() - reader}
+                        if store is not None and (after := self.server_cpu_s()) is not None:
+                            others["store"] = after - store
+                        self.add(tool.name, key, run, rate, span, len(order), others)
                         self.note_rss(tool.name, m.pid)
                 finally:
                     shutil.rmtree(base, ignore_errors=True)

@@ -93,6 +93,8 @@ LIMITS = {
 }
 # Engine targets: the objects each limit is measured on.
 ENGINE_TARGETS = {"big": "raw_get", "small": "raw_small_get", "cluster": "cluster_raw_get"}
+# Who else spends CPU over a figure's span, kept beside the tool's own (``Bench.add``'s ``others``).
+PAYERS = ("store", "reader")
 
 
 
@@ -195,6 +197,9 @@ def summarise(bench: Bench, tools: Sequence[Any], args: argparse.Namespace, star
                 "median": value,
                 "cpu": analysis.median(s["cpu"] for s in samples),
                 "busiest_thread": analysis.median(s["thread"] for s in samples),
+                # What others spent over the same spans, per unit (the epochs: issue 35).
+                **{who: analysis.median(s.get(who) for s in samples) for who in PAYERS
+                   if any(s.get(who) is not None for s in samples)},
                 "samples": samples,
                 "ratio_to_limit": ratio(value, limit),
             }
@@ -392,12 +397,42 @@ def markdown(result: dict[str, Any]) -> str:
         measured = "—" if t["measured"] is None else f"{fmt(t['measured'], 2)}{x}"
         wanted = ("<= " if t["at_most"] else ">= ") + f"{fmt(t['wanted'], 2)}{x}"
         lines.append(f"| {t['target']} | {measured} | {wanted} | {t['against']} | **{t['status']}** |")
+    lines += payers_markdown(result)
     lines += hit_ratio_markdown(result)
     lines += authorization_markdown(result)
     lines += fuse_layer.markdown(result.get("fuse_layer"))
     lines += passthrough.markdown(result.get("passthrough"))
     lines += ["", f"Versions: {', '.join(f'{k} {v}' for k, v in result['versions'].items() if v)}.", ""]
     return "\n".join(lines)
+
+
+def payers_markdown(result: dict[str, Any]) -> list[str]:
+    """Who pays for a cold small file: the daemon, the S3 server and the reader, per file, and how many
+    of the machine's CPUs their sum kept busy at the rate reached (issue 35: where the store's CPU
+    binds on a small machine, this shows it)."""
+    cpus = result["machine"].get("cpus") or 0
+    rows = []
+    for key in ("epoch_1r", "epoch_1r_announced", "epoch_nr", "epoch_nr_announced"):
+        fig = result["figures"].get(key)
+        t = (fig or {}).get("tools", {}).get("cachefs") or {}
+        if t.get("median") is None or t.get("cpu") is None or t.get("store") is None:
+            continue
+        total = t["cpu"] + t["store"] + (t.get("reader") or 0.0)
+        busy = total * t["median"] / 1000.0
+        rows.append(f"| {fig['title']} | {fmt(t['median'])} | {fmt(t['cpu'], 2)} | {fmt(t['busiest_thread'], 2)} | "
+                    f"{fmt(t['store'], 2)} | {fmt(t.get('reader'), 2)} | {fmt(total, 2)} | "
+                    f"{fmt(busy, 2)} of {cpus} |")
+    if not rows:
+        return []
+    small = result["engines"].get("small", {})
+    cheapest = min((e["cpu_ms_per_request"] for e in small.values() if e.get("cpu_ms_per_request")), default=None)
+    return ["", "## Who pays for a cold small file (cachefs, issue 35)", "",
+            "| epoch | files/s | daemon CPU-ms/file | its busiest thread | S3 server (SeaweedFS) | reader | all three "
+            "| CPUs kept busy |", "|---|---|---|---|---|---|---|---|", *rows, "",
+            ("Medians over the rounds, each over the epoch's span; the reader is the benchmark's own process "
+             "(its reading threads and, announced, the announce call). CPUs kept busy: all three per file times "
+             f"files/s. The raw small GET engines' own CPU per request is in the engine table (cheapest: "
+             f"{fmt(cheapest, 2)} ms); the S3 server's CPU for those GETs is not measured there.")]
 
 
 def authorization_markdown(result: dict[str, Any]) -> list[str]:

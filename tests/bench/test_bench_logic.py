@@ -232,6 +232,26 @@ def test_a_cold_file_is_checked_in_all_and_on_its_busiest_thread(tmp_path: Path)
     assert busiest["status"] == "MISS" and busiest["measured"] == pytest.approx(0.2)
 
 
+def test_the_store_and_the_reader_are_shown_beside_the_daemon_for_each_cold_epoch(tmp_path: Path) -> None:
+    """Issue 35: where the S3 server's CPU binds a 2-core machine, the bench shows it: per file, the
+    daemon's, the server's and the reader's CPU, and how many CPUs their sum kept busy."""
+    b, tools = make_bench(tmp_path, ["--tools", "cachefs", "--rounds", "1"])
+    # 1000 files at 500 files/s: daemon 1.0 s, server 0.8 s, reader 0.2 s over the epoch.
+    b.add("cachefs", "epoch_1r_announced", 0, 500.0, procstat.Span(1.0, 0.3), 1000, {"store": 0.8, "reader": 0.2})
+    b.add("cachefs", "epoch_1r", 0, 250.0, procstat.Span(2.0, 0.6), 1000)  # no server figure: no row
+    b.rounds = [{"round": 1, "loadavg": [0.1, 0.1, 0.1], "foreign_busy": 0.01, "quiet": True, "warnings": []}]
+    result = report.summarise(b, tools, b.args, "now")  # type: ignore[arg-type]
+    announced = result["figures"]["epoch_1r_announced"]["tools"]["cachefs"]
+    assert announced["store"] == pytest.approx(0.8) and announced["reader"] == pytest.approx(0.2)  # ms per file
+    assert "store" not in result["figures"]["epoch_1r"]["tools"]["cachefs"]
+    section = report.markdown(result).split("## Who pays for a cold small file")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| shuffled")]
+    assert len(rows) == 1 and "order announced" in rows[0], section
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    # files/s, daemon, busiest, server, reader, all three (2.0 ms), CPUs busy (2.0 x 500 / 1000 = 1.0)
+    assert cells[1:] == ["500.0", "1.00", "0.30", "0.80", "0.20", "2.00", f"1.00 of {result['machine']['cpus']}"]
+
+
 def test_quick_and_full_sets_choose_their_defaults_and_bad_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     quick = bench.parse_args([])
     assert quick.set == "quick" and quick.files == bench.QUICK_DEFAULTS["files"] and quick.rounds >= 3

@@ -135,5 +135,10 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
     assert "PASS" in table or "MISS" in table
     assert "order announced" in table and "twice the disk tier" in table and "## Rounds" in table
     assert "kernel passthrough (issue 39)" in table
+    # Who pays for a cold file (issue 35): the S3 server's and the reader's CPU beside the daemon's.
+    for key in ("epoch_1r", "epoch_1r_announced", "epoch_nr", "epoch_nr_announced"):
+        paid = data["figures"][key]["tools"]["cachefs"]
+        assert paid["store"] is not None and paid["store"] >= 0 and paid["reader"] > 0, (key, paid)
+    assert "## Who pays for a cold small file" in table
     png = (out / "results.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
