@@ -133,5 +133,16 @@ class TierHealth:
         else:
             log.warning("%s tier is unstable after %d consecutive failures: %s", self.name, failures, exc)
 
+    def record_stall(self, what: str) -> None:
+        """A call that has not returned for far too long (a hung device, ``what`` says which call): down
+        at once, as many failures in a row would have made it, so no one else waits on it; its own
+        return (a success) makes it healthy again."""
+        with self._lock:
+            self._failures = max(self._failures, self.down_after)
+            old, self._state = self._state, TierState.DOWN
+            self._next_probe_at = self._clock.monotonic() + self.cooldown_s
+        if old is not TierState.DOWN:
+            log.error("%s tier is down: %s; skipping it for %.0f s", self.name, what, self.cooldown_s)
+
     def __repr__(self) -> str:
         return f"TierHealth(name={self.name!r}, state={self._state.value}, failures={self._failures})"

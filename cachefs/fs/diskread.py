@@ -36,6 +36,10 @@ class DiskRead:
         """Read the block (without the state lock); never raises."""
         self._hit.run()
 
+    def stalled(self, seconds: float) -> None:
+        """``run`` has not returned for ``seconds``: the disk tier is taken down (``DiskHit.stalled``)."""
+        self._hit.stalled(seconds)
+
     def finish(self) -> BlockData | None:
         """With the state lock: the bytes (valid until this thread's next read, see
         ``tiering.engine.diskhit``), counted; None where ``CacheFS.read`` must serve the request."""

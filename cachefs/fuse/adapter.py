@@ -298,6 +298,9 @@ class _DiskReply(OffLock):
     def run(self) -> None:
         self.read.run()
 
+    def stalled(self, seconds: float) -> None:
+        self.read.stalled(seconds)
+
     def finish(self) -> Reply | Later:
         data = self.read.finish()
         return LATER if data is None else data

@@ -120,6 +120,11 @@ EARLY_INTERRUPTS = 1024
 REQUEST_COUNTS = 64
 # How long close() waits for the reader threads to see the end of the connection after unmounting.
 READER_JOIN_S = 5.0
+# A reader's blocking work (a disk-tier read) running this long is a hung device: another reader takes
+# over its descriptor and the work is told (the disk tier goes down), so the device costs the reads
+# already waiting on it, not the mount. Looked at every STALL_CHECK_S by the loop.
+STALL_S = 10.0
+STALL_CHECK_S = 1.0
 
 # What the kernel may do, and cachefs wants (each used only when the kernel's INIT offers it):
 # reads in parallel and in the background, 1 MiB requests, lookups of one directory in parallel,
@@ -169,6 +174,9 @@ class OffLock:
 
     def run(self) -> None:
         raise NotImplementedError
+
+    def stalled(self, seconds: float) -> None:
+        """``run`` has not returned for ``seconds``; called from the loop, while it still runs."""
 
     def finish(self) -> Reply | Later:
         raise NotImplementedError
@@ -245,6 +253,10 @@ class FuseSession:
         # (a mount pod cannot open /dev/fuse): the readers use them before cloning any; closed by close().
         self._clones: list[int] = list(clones)
         self._readers_left = 0
+        # Readers running blocking work: thread id -> (since, the work, its descriptor); the ids of
+        # those replaced meanwhile, which end once their work returns (``_watch_stalls``).
+        self._stalls: dict[int, tuple[float, OffLock, int]] = {}
+        self._replaced: set[int] = set()
         self._room: threading.Condition | None = None
         self._early: dict[int, None] = {}
         self._inline = ops.inline  # (the dict itself, bound once: looked up for every request)
@@ -586,13 +598,35 @@ class FuseSession:
         self._pause()
         self._threaded = True
         self._room = threading.Condition(loop.state_lock)
-        self._readers_left = len(fds)
-        for number, fd in enumerate(fds):
-            reader = threading.Thread(target=self._reader, args=(loop, fd),
-                                      name=f"fuse-reader-{number}", daemon=True)
-            self._readers.append(reader)
-            reader.start()
+        for fd in fds:
+            self._add_reader(loop, fd)
+        loop.call_later(STALL_CHECK_S, self._watch_stalls, loop)
         log.info("%d threads read the mount's requests", len(fds))
+
+    def _add_reader(self, loop: SharedLoop, fd: int) -> None:
+        self._readers_left += 1
+        reader = threading.Thread(target=self._reader, args=(loop, fd), name=f"fuse-reader-{len(self._readers)}",
+                                  daemon=True)
+        self._readers.append(reader)
+        reader.start()
+
+    def _watch_stalls(self, loop: SharedLoop) -> None:
+        """On the loop: a reader whose blocking work has run ``STALL_S`` is replaced on its descriptor
+        by a new reader, once, and the work is told; the reader ends when the work returns."""
+        if self._ended is None or self._ended.done():
+            return
+        now = time.monotonic()
+        for ident, (since, work, fd) in list(self._stalls.items()):
+            if now - since >= STALL_S and ident not in self._replaced:
+                self._replaced.add(ident)
+                log.error("a FUSE reader's disk read has not returned for %.0f s; another reader serves the "
+                          "mount, and the disk tier is skipped", now - since)
+                try:
+                    work.stalled(now - since)
+                except Exception:  # noqa: BLE001 - the mount must go on serving whatever this raises
+                    log.exception("telling stalled work failed")
+                self._add_reader(loop, fd)
+        loop.call_later(STALL_CHECK_S, self._watch_stalls, loop)
 
     def _reader(self, loop: SharedLoop, fd: int) -> None:
         """One reader: blocks in ``readv`` (the GIL and the state lock released), then answers with
@@ -615,6 +649,7 @@ class FuseSession:
         buffer = bytearray(BUFFER_SIZE)
         later: list[Buffer] = []  # an inline answer, written once the state lock is let go of
         off_lock: list[tuple[Request, OffLock]] = []  # an inline answer's blocking work, run without the lock
+        ident, stalls = threading.get_ident(), self._stalls
         try:
             while not self._ended.done():
                 if len(self._tasks) >= self._max_tasks:
@@ -643,7 +678,9 @@ class FuseSession:
                     release()
                 if off_lock:
                     req, job = off_lock.pop()
+                    stalls[ident] = (time.monotonic(), job, fd)
                     job.run()  # (the GIL let go of in its I/O; the request is still in ``buffer``)
+                    del stalls[ident]
                     if not acquire(False):
                         loop.wait_for_state()
                     try:
@@ -663,6 +700,9 @@ class FuseSession:
                     later.clear()
                 if wake:
                     loop.wake()
+                if ident in self._replaced:
+                    self._replaced.discard(ident)  # (a later thread may get the same id)
+                    return  # (its work stalled: another reader took this descriptor over)
         finally:
             with contextlib.suppress(RuntimeError):  # (the loop is closed: the daemon is ending anyway)
                 loop.call_soon_threadsafe(self._reader_ended)

@@ -11,6 +11,7 @@ import pytest
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef
 from tiering.engine.blockcache import BlockCache
 from tiering.engine.diskhit import MAX_REPLY_BLOCK_BYTES
+from tiering.health import TierState
 from tiering.objectstore.memory import InMemoryObjectStore
 from tiering.settings import CacheSettings
 from tiering.tiers.disk import DiskTier
@@ -106,3 +107,18 @@ async def test_a_disk_tier_that_raises_is_a_counted_miss(tmp_path: Path, monkeyp
     assert hit.finish() is None
     assert cache.stats.disk_errors == 1
     assert any(r.name == "tiering.engine.diskguard" and r.exc_info for r in caplog.records)
+
+
+async def test_a_read_that_stalls_takes_the_disk_tier_out_of_the_next_reads(tmp_path: Path) -> None:
+    """The FUSE session's stall watch tells a hit whose read has hung (``stalled``): the disk tier goes
+    down at once, so the next reads are not served from it (the RAM tier or the source serves them)."""
+    cache, ref = await on_disk_only(tmp_path)
+    hit = cache.disk_hit(ref, 0, BS)
+    assert hit is not None
+    hit.stalled(12.0)  # (from the loop, while the reader would still be blocked in ``run``)
+    assert cache.disk_hit(ref, BS, BS) is None  # another block: not read from the disk any more
+    assert await cache.read(ref, BS, BS) == SOURCE[BS:2 * BS]  # served from below instead
+    health = cache.disk.health  # type: ignore[union-attr]
+    assert health.state is TierState.DOWN
+    health.record_success()  # (what the stalled read does when it returns after all)
+    assert cache.disk_hit(ref, 2 * BS, BS) is not None

@@ -68,6 +68,8 @@ class Ops:
                          wire.OPEN: self.open}
         self.reader_inline = {wire.READ: self.read_off_lock}
         self.off_lock_runs: list[tuple[str, bool]] = []  # (thread, whether it could take the state lock)
+        self.stalled: list[tuple[int, float]] = []  # (nodeid, seconds) of the work told it stalled
+        self.unhang = threading.Event()
         self.state_lock: threading.Lock | None = None
 
     def negotiated(self, flags: int, backing: object, notifier: object = None) -> None:
@@ -92,12 +94,18 @@ class Ops:
     def read_off_lock(self, req: wire.Request) -> object:
         """A READ of nodeid 70 is answered by blocking work (``OffLock``); 71's work then asks for the
         task (LATER); any other READ goes to ``read`` at once."""
-        if req.nodeid not in (70, 71):
+        if req.nodeid not in (70, 71, 72):
             return fuse_session.LATER
         ops, nodeid = self, req.nodeid
 
         class Work(fuse_session.OffLock):
+            def stalled(self, seconds: float) -> None:
+                ops.stalled.append((nodeid, seconds))
+
             def run(self) -> None:
+                if nodeid == 72:  # a disk read that hangs until the test lets it go
+                    ops.off_lock_runs.append((threading.current_thread().name, ops.unhang.wait(WAIT_S)))
+                    return
                 lock = ops.state_lock
                 assert lock is not None
                 deadline = time.monotonic() + WAIT_S  # the loop may hold it a moment; the reader must not
@@ -110,7 +118,7 @@ class Ops:
                 ops.off_lock_runs.append((threading.current_thread().name, True))
 
             def finish(self) -> object:
-                return b"off the lock %d" % nodeid if nodeid == 70 else fuse_session.LATER
+                return b"off the lock %d" % nodeid if nodeid in (70, 72) else fuse_session.LATER
 
         return Work()
 
@@ -214,6 +222,31 @@ def test_blocking_work_runs_in_the_reader_without_the_state_lock(kernel: Kernel)
     kernel.send(2, request(wire.READ, 70, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=70))
     assert read_reply(kernel.kernel[2]) == (70, 0, b"off the lock 70")
     assert kernel.ops.off_lock_runs == [("fuse-reader-2", True)]
+
+
+def test_a_reader_whose_disk_read_hangs_is_replaced_and_the_work_told(kernel: Kernel,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung device must not take the mount with it: the reader stuck in its blocking work past
+    ``STALL_S`` is replaced on its descriptor by a new reader (the next request there is answered), the
+    work is told once (the disk tier then goes down), and the stuck reader answers its own request
+    and ends when its work returns."""
+    monkeypatch.setattr(fuse_session, "STALL_S", 0.3)
+    monkeypatch.setattr(fuse_session, "STALL_CHECK_S", 0.05)
+    kernel.send(2, request(wire.READ, 72, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=72))
+    wait_until(lambda: kernel.ops.stalled != [])  # (the first check comes within a second: its old period)
+    assert [nodeid for nodeid, _ in kernel.ops.stalled] == [72] and kernel.ops.stalled[0][1] >= 0.3
+    stuck = next(t for t in kernel.session._readers if t.name == "fuse-reader-2")
+    kernel.send(2, request(wire.READ, 70, wire.READ_IN.pack(1, 0, 4096, 0, 0, 0, 0), nodeid=70))
+    assert read_reply(kernel.kernel[2]) == (70, 0, b"off the lock 70")  # the new reader's answer
+    assert kernel.ops.off_lock_runs == [("fuse-reader-3", True)]
+    time.sleep(0.3)
+    assert len(kernel.ops.stalled) == 1  # told once, not at every check
+    kernel.ops.unhang.set()
+    assert read_reply(kernel.kernel[2]) == (72, 0, b"off the lock 72")  # the stuck reader's own answer
+    stuck.join(WAIT_S)
+    assert not stuck.is_alive()  # it ended: one reader per descriptor again
+    kernel.send(2, request(wire.GETXATTR, 74, b"", nodeid=9))
+    assert read_reply(kernel.kernel[2]) == (74, 0, b"value of 9")
 
 
 def test_blocking_work_that_finds_nothing_goes_on_as_the_requests_task(kernel: Kernel) -> None:

@@ -113,3 +113,21 @@ def test_logs_once_per_state_change(caplog: pytest.LogCaptureFixture) -> None:
 def test_bad_tuning_is_refused(kw: dict) -> None:
     with pytest.raises(ValueError):
         TierHealth(FakeClock(), **kw)
+
+
+def test_a_stalled_call_takes_the_tier_down_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A read that has not returned in seconds (a hung device; cachefs.fuse.session's stall watch) is
+    not one failure of ten: the tier is skipped at once, for a cool-down, and said so once; the read's
+    own return, a success, makes it healthy again."""
+    clock = FakeClock()
+    h = make(clock)
+    with caplog.at_level(logging.ERROR, logger="tiering.health"):
+        h.record_stall("a block read has not returned for 10 s")
+        h.record_stall("a block read has not returned for 10 s")
+    assert h.state is TierState.DOWN and not h.usable()
+    assert [r.getMessage() for r in caplog.records] == [
+        "disk tier is down: a block read has not returned for 10 s; skipping it for 30 s"]
+    clock.advance(30.0)
+    assert h.usable()  # the probe, after the cool-down, as for failures
+    h.record_success()
+    assert h.state is TierState.HEALTHY and h.consecutive_failures == 0

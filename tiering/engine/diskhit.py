@@ -61,6 +61,11 @@ class DiskHit:
         except Exception as exc:  # noqa: BLE001 - a cache tier must never fail a read
             self._error = exc
 
+    def stalled(self, seconds: float) -> None:
+        """``run`` has not returned for ``seconds`` (called from another thread): the disk tier is taken
+        down at once, so that no other read waits on the device (``DiskTier.contains`` then says no)."""
+        self._disk.tier.health.record_stall(f"a block read has not returned for {seconds:.0f} s")
+
     def finish(self) -> BlockData | None:
         """With the state lock again: the block (a view of this thread's reply buffer, for a reply
         written before the thread's next read), counted as a disk-tier hit; None on a miss."""
