@@ -681,8 +681,8 @@ FUSE_LAYER_CALLS = 20000
 
 # The passthrough section: at most this many of the small files (what the target names).
 PASSTHROUGH_FILES = 2000
-# Its epochs of each mount, each against a local read made next to it (this VM's disk moves up to
-# 2.5x from one read of the same bytes to the next).
+# Its epochs of each mount, each with its own local read of the same files (passthrough's interleaved
+# with it: this VM's disk is throttled after a burst, see benchmarks/passthrough.py); ratios are medians.
 PASSTHROUGH_ROUNDS = 3
 
 # The cluster-tier authorization figure: this many of the small files, over this many epochs.
