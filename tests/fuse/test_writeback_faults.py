@@ -168,6 +168,12 @@ def accounted(source_dir: Path) -> tuple[int, int]:
                 total += os.stat(os.path.join(dirpath, name)).st_size
             except FileNotFoundError:
                 pass
+    for dirpath, _dirs, names in os.walk(source_dir / "packs"):  # small blocks: what the packs hold on disk
+        for name in names:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
     for dirpath, _dirs, names in os.walk(source_dir / "staging"):
         kind = Path(dirpath).relative_to(source_dir / "staging").parts[:1]
         for name in names:

@@ -29,6 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tiering.blocks import BlockKey
 from tiering.tiers.disk import DiskTier, block_file_size
 from tiering.tiers.ram import RamTier
+from tests.support.diskblocks import flip_byte
 
 SETTINGS = settings(
     max_examples=50,
@@ -140,7 +141,10 @@ class RamTierMachine(TierMachine):
 
 
 class DiskTierMachine(TierMachine):
+    """Small blocks as files of their own: a restart orders them by mtime, hits included."""
+
     HIGH, LOW = 0.95, 0.85
+    PACK_SMALL = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,7 +156,8 @@ class DiskTierMachine(TierMachine):
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def build(self, capacity: int) -> tuple[object, TierModel]:
-        tier = DiskTier(self.directory, capacity, high_watermark=self.HIGH, low_watermark=self.LOW)
+        tier = DiskTier(self.directory, capacity, high_watermark=self.HIGH, low_watermark=self.LOW,
+                        pack_small=self.PACK_SMALL)
         return tier, self.build_model(capacity)
 
     def build_model(self, capacity: int) -> TierModel:
@@ -194,7 +199,8 @@ class DiskTierMachine(TierMachine):
             if self.model.used > capacity:
                 while blocks and self.model.used > self.model.low:
                     blocks.popitem(last=False)
-        self.tier = DiskTier(self.directory, self.model.capacity, high_watermark=self.HIGH, low_watermark=self.LOW)
+        self.tier = DiskTier(self.directory, self.model.capacity, high_watermark=self.HIGH, low_watermark=self.LOW,
+                             pack_small=self.PACK_SMALL)
         self.known.clear()
 
     def corruptible(self) -> list[BlockKey]:
@@ -222,10 +228,52 @@ class DiskTierMachine(TierMachine):
             self.corrupted &= set(self.model.blocks)
 
 
+class PackedDiskTierMachine(DiskTierMachine):
+    """Small blocks as records of pack files (the default, ``tiering.tiers.packs``): the same rules,
+    but a restart orders the blocks by when their record was written (hits before it do not count),
+    and does not find a record whose header was damaged (a block file is found by its name, and
+    dropped on its first read)."""
+
+    PACK_SMALL = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[BlockKey, int] = {}  # the order each held block's record was written in
+        self.bad_header: set[BlockKey] = set()
+
+    def put(self, key: BlockKey, size: int) -> None:  # type: ignore[override]
+        super().put(key, size)
+        self.bad_header.discard(key)
+        if key in self.model.blocks:
+            self.written[key] = self.counter
+
+    put = rule(key=KEYS, size=SIZES)(put)
+
+    @precondition(lambda self: hasattr(self, "model"))
+    @rule(capacity=st.one_of(st.none(), CAPACITIES))
+    def restart(self, capacity: int | None) -> None:
+        order = sorted(self.model.blocks, key=lambda k: self.written[k])
+        self.model.blocks = OrderedDict((k, self.model.blocks[k]) for k in order if k not in self.bad_header)
+        self.corrupted -= self.bad_header
+        self.bad_header.clear()
+        super().restart(capacity)
+
+    @precondition(lambda self: hasattr(self, "model") and bool(self.corruptible()))
+    @rule(data=st.data(), where=st.sampled_from(["header", "data"]))
+    def corrupt(self, data: st.DataObject, where: str) -> None:
+        key = data.draw(st.sampled_from(self.corruptible()))
+        flip_byte(self.tier, key, 0 if where == "header" else -1)
+        self.corrupted.add(key)
+        if where == "header" or not self.model.blocks[key][0]:  # no data: its last byte is the header's CRC
+            self.bad_header.add(key)
+
+
 TestRamTier = RamTierMachine.TestCase
 TestRamTier.settings = SETTINGS
 TestDiskTier = DiskTierMachine.TestCase
 TestDiskTier.settings = SETTINGS
+TestPackedDiskTier = PackedDiskTierMachine.TestCase
+TestPackedDiskTier.settings = SETTINGS
 
 
 def test_regression_a_corrupted_block_keeps_its_recency_across_a_restart() -> None:

@@ -617,6 +617,9 @@ async def test_a_failing_disk_tier_is_a_miss(tmp_path: Path, monkeypatch) -> Non
     await warm.close()
     monkeypatch.setattr(disk.files, "read", broken)
     monkeypatch.setattr(disk.files, "write", broken)
+    assert disk.packs is not None  # small blocks are records of pack files (tiering.tiers.packs)
+    monkeypatch.setattr(disk.packs, "read", broken)
+    monkeypatch.setattr(disk.packs, "append", broken)
     cache = make_cache(store, disk=disk)
     assert await cache.read(ref, 0, SIZE) == SOURCE
     await cache.close()

@@ -8,6 +8,7 @@ O_DIRECT by a filesystem is simulated by making the open fail as tmpfs before Li
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import struct
 import zlib
@@ -19,7 +20,11 @@ import tiering.tiers.blockfile as blockfile_module
 from tiering.tiers.blockformat import ALIGNED_MIN_BYTES, ALIGNED_VERSION, FORMAT_VERSION, block_file_size, object_footprint
 from tiering.blocks import BlockKey
 from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN
-from tiering.tiers.disk import DiskTier
+from tiering.tiers.disk import DiskTier as _DiskTier
+
+# Tests of block files: small blocks as files of their own here (tests/unit/test_disk_packs.py has them
+# as records of pack files, the default).
+DiskTier = functools.partial(_DiskTier, pack_small=False)
 
 MiB = 1024 * 1024
 KEY = BlockKey("datasets/train-00001.tar", '"0123456789abcdef0123456789abcdef"', 3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import threading
 from pathlib import Path
@@ -14,7 +15,11 @@ import pytest
 
 from tiering.blocks import BlockKey
 from tiering.buffers import BLOCK_BUFFERS
-from tiering.tiers.disk import DiskTier
+from tiering.tiers.disk import DiskTier as _DiskTier
+
+# Tests of block files: small blocks as files of their own here (tests/unit/test_disk_packs.py has them
+# as records of pack files, the default).
+DiskTier = functools.partial(_DiskTier, pack_small=False)
 
 MiB = 1024 * 1024
 KEY = BlockKey("datasets/small/00042.jpg", '"0123456789abcdef0123456789abcdef"', 0)

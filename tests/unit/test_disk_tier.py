@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import random
 import shutil
@@ -17,8 +18,12 @@ import tiering.tiers.blockfile as blockfile_module
 import tiering.tiers.disk as disk_module
 from tiering.blocks import BlockKey
 from tiering.clock import FakeClock
-from tiering.tiers.disk import DiskTier, block_file_size, check_cache_dir
+from tiering.tiers.disk import DiskTier as _DiskTier, block_file_size, check_cache_dir
 from tiering.health import TierState
+
+# Tests of block files: small blocks as files of their own here (tests/unit/test_disk_packs.py has them
+# as records of pack files, the default).
+DiskTier = functools.partial(_DiskTier, pack_small=False)
 
 GOLDEN_KEY = BlockKey("datasets/imagenet/train-00042.tar", '"9b2cf535f27731c974343645a3985328"', 7)
 GOLDEN_DATA = bytes(range(256)) * 2

@@ -13,6 +13,7 @@ from pathlib import Path
 from tiering.blocks import BlockKey, ObjectRef
 from tiering.tiers.disk import DiskTier
 from tiering.tiers.wholefile import WHOLE_DIRNAME
+from tests.support.diskblocks import block_location, flip_byte
 
 BLOCK = 4096
 
@@ -66,17 +67,14 @@ def test_a_corrupt_block_stops_the_assembly_and_is_dropped(tmp_path: Path) -> No
     ref = ObjectRef("d/c.bin", '"e1"', len(data))
     tier = DiskTier(tmp_path, 10**6)
     stored(tier, ref, data)
-    digest = BlockKey(ref.key, ref.etag, 1).digest()
-    block = tmp_path / "blocks" / digest[:2] / f"{digest}.blk"
-    raw = bytearray(block.read_bytes())
-    raw[-1] ^= 0xFF  # one flipped bit of data: the checksum fails
-    block.write_bytes(bytes(raw))
+    _path, _offset, size = block_location(tier, BlockKey(ref.key, ref.etag, 1))
+    flip_byte(tier, BlockKey(ref.key, ref.etag, 1), -1)  # one flipped byte of data: the checksum fails
     used = tier.used_bytes()
     assert tier.assemble_whole(ref, BLOCK) is None
     assert whole_files(tmp_path) == []
     assert tier.stats.corrupt_blocks == 1 and tier.whole_stats.failed == 1
     assert not tier.contains(BlockKey(ref.key, ref.etag, 1))
-    assert tier.used_bytes() == used - len(raw)
+    assert tier.used_bytes() == used - size
 
 
 def test_whole_files_are_evicted_like_blocks_and_their_files_removed(tmp_path: Path) -> None:

@@ -124,6 +124,24 @@ def check_fixed_header(fixed: bytes | memoryview, token: bytes) -> FixedHeader:
     return FixedHeader(data_len, data_crc, _offset(version, token_len))
 
 
+# A token longer than this is not one a reader asks for (an object key is at most 1 KiB in S3):
+# a scan that finds such a length is looking at something other than a header.
+MAX_TOKEN_BYTES = 64 * 1024
+
+
+def header_fields(fixed: bytes | memoryview) -> tuple[int, int, int] | None:
+    """``(token length, data length, data offset)`` of a fixed header read where no token is known
+    yet (a start-up scan of packs, ``tiering.tiers.packs``), or None if it is not one: bad magic, an
+    unknown version, a token length no key has. The token and the header CRC are checked after, with
+    ``check_header_token`` against the token read from the header itself."""
+    if len(fixed) != _FIXED.size:
+        return None
+    magic, version, token_len, data_len, _data_crc = _FIXED.unpack(fixed)
+    if magic != MAGIC or version not in (FORMAT_VERSION, ALIGNED_VERSION) or not 0 < token_len <= MAX_TOKEN_BYTES:
+        return None
+    return token_len, data_len, _offset(version, token_len)
+
+
 def check_header_token(fixed: bytes | memoryview, rest: bytes | memoryview, token: bytes) -> None:
     """Check the token and header CRC after the fixed part (``rest``: token plus CRC, then the padding
     of an aligned block, which must be zeros: a header is all checked or it is not a header)."""

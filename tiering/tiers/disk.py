@@ -139,16 +139,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tiering.tiers.blockfile import BlockFiles
-from tiering.tiers.diskdir import (
-    BLOCK_SUFFIX,
-    TMP_PREFIX,
-    TMP_SUFFIX,
-    check_cache_dir,
-    filesystem_free_bytes,
-    remove_whole_files,
-    scan_blocks,
-)
+from tiering.tiers.diskplaces import BlockPlaces, Record
+from tiering.tiers.diskdir import check_cache_dir, filesystem_free_bytes, remove_whole_files
 from tiering.tiers.blockformat import (
     CorruptBlockError,
     block_file_size,
@@ -162,7 +154,6 @@ from tiering.tiers.wholefile import (
     WHOLE_PREFIX,
     WholeFileStats,
     whole_digest,
-    whole_path,
     write_whole,
 )
 from tiering.private import open_private
@@ -208,6 +199,7 @@ class DiskTier:
         min_free_bytes: int = 0,
         free_space: Callable[[], int] | None = None,
         victim_order: VictimOrder | None = None,
+        pack_small: bool = True,
     ) -> None:
         _check_limits(name, capacity_bytes, min_free_bytes, low_watermark, high_watermark)
         self.name = name
@@ -227,7 +219,6 @@ class DiskTier:
         self.min_free_bytes = min_free_bytes
         self._free_space = free_space
         self.victim_order = victim_order
-        self.files = BlockFiles(name)  # the file I/O of one block (O_DIRECT for large ones)
 
         self._lock = threading.Lock()
         # digest -> (file size, generation), least recently used first. The generation tells a
@@ -237,7 +228,6 @@ class DiskTier:
         self._busy: set[str] = set()  # digests being written or deleted right now
         self._used = 0  # indexed file sizes + room reserved by writes in flight
         self._generations = itertools.count(1)
-        self._tmp_seq = itertools.count()
         self._last_stamp_ns = 0
         self._pinned: set[str] = {key.digest() for key in pinned}  # digests eviction must skip
         self._pinned_used = 0  # file sizes of indexed pinned blocks
@@ -250,41 +240,42 @@ class DiskTier:
                 sub.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
             except OSError as exc:
                 raise OSError(exc.errno, f"cache directory {sub} cannot be created: {exc.strerror}") from exc
+        # Where each block's bytes are: a file, or a record of a pack file (small blocks, pack_small).
+        self.places = BlockPlaces(self.directory, self._blocks_dir, self._whole_dir, name, pack_small=pack_small)
+        self.files = self.places.files
+        self.packs = self.places.packs
         self._load()
 
     # -- BlockTier ------------------------------------------------------------------------------
 
     def get(self, key: BlockKey) -> BlockData | None:
-        return self._get(key, self.files.read)
+        return self._get(key, reply=False)
 
     def get_for_reply(self, key: BlockKey) -> BlockData | None:
         """``get`` into this thread's reply buffer (``BlockFiles.read_for_reply``), counted and checked alike."""
-        return self._get(key, self.files.read_for_reply)
+        return self._get(key, reply=True)
 
-    def _get(self, key: BlockKey, read: Callable[[str, bytes, int], BlockData]) -> BlockData | None:
+    def _get(self, key: BlockKey, *, reply: bool) -> BlockData | None:
         digest = key.digest()
         with self._lock:
             entry = self._index.get(digest)
             if entry is None or digest in self._busy:
                 self.stats.misses += 1
                 return None
+            packed = self.places.record(digest)
         if not self.health.usable():
             self._count_miss()
             return None
         size, gen = entry
-        path = self._hit_path(digest)
         try:
-            data = read(path, encode_token(key), size)
+            data = self.places.read(digest, packed, encode_token(key), size, reply=reply)
         except FileNotFoundError:
             # Removed behind our back (or evicted by another thread in between): a plain miss.
             self._drop(digest, gen)
             self._count_miss()
             return None
         except CorruptBlockError as exc:
-            log.warning("%s tier: dropping corrupt block %s (%s): %s", self.name, path, key, exc)
-            with self._lock:
-                self.stats.corrupt_blocks += 1
-            self._drop(digest, gen)
+            self._corrupt(key, digest, gen, packed, exc)
             self._count_miss()
             return None
         except OSError as exc:
@@ -301,10 +292,21 @@ class DiskTier:
             if self._index.get(digest, (0, -1))[1] == gen:
                 self._index.move_to_end(digest)
                 self._known[digest] = key
-                stamp = self._next_stamp()
-        if stamp is not None:
-            self._touch(path, stamp)
+                if packed is None:
+                    stamp = self._next_stamp()
+        if stamp is not None:  # a record's recency is not on disk (tiering.tiers.packs)
+            self.places.stamp(digest, stamp)
         return data
+
+    def _corrupt(self, key: BlockKey, digest: str, gen: int, packed: Record | None, exc: CorruptBlockError) -> None:
+        """A read of a block failed a check: drop and count it, unless it is a record evicted while it
+        was read (its slot punched out, read as zeros: no damage, the index holds it no more)."""
+        with self._lock:
+            if packed is not None and self._index.get(digest, (0, -1))[1] != gen:
+                return
+            self.stats.corrupt_blocks += 1
+        log.warning("%s tier: dropping corrupt block %s (%s): %s", self.name, self.places.where(digest, packed), key, exc)
+        self._drop(digest, gen)
 
     def contains(self, key: BlockKey) -> bool:
         """Index lookup only, no I/O. False while the tier is down, as ``get`` would miss."""
@@ -340,6 +342,7 @@ class DiskTier:
             if digest in self._busy:
                 return False  # another thread is writing or deleting this block: let it finish
             old = self._index.pop(digest, None)
+            old_slot = self.places.take(digest)
             if old is not None:
                 self._used -= old[0]
                 if digest in self._pinned:
@@ -354,19 +357,16 @@ class DiskTier:
                 self.stats.rejected += 1  # the room is held by writes in flight
             self._busy.add(digest)
         self._unlink_all(victims)
-        path = self._path(digest)
         if not fits:
             if old is not None:
-                self._unlink_quiet(path)
+                self._remove_copy(digest, old_slot)
             self._release(digest)
             return False
-        tmp = path.with_name(f"{TMP_PREFIX}{digest}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
         try:
-            self.files.write(tmp, path, header, data)
+            packed = self.places.write(digest, header, data)
         except OSError as exc:
-            self._unlink_quiet(tmp)
             if old is not None:
-                self._unlink_quiet(path)  # its index entry is gone: leave no orphan behind
+                self._remove_copy(digest, old_slot)  # its index entry is gone: leave no orphan behind
             with self._lock:
                 self._used -= size
                 self._busy.discard(digest)
@@ -374,6 +374,8 @@ class DiskTier:
             self.health.record_failure(exc)
             return False
         self.health.record_success()
+        if old is not None and (old_slot is not None or packed):
+            self._remove_copy(digest, old_slot)  # the old copy is elsewhere than the new one
         with self._lock:
             self._index[digest] = (size, next(self._generations))
             if digest in self._pinned:
@@ -382,8 +384,18 @@ class DiskTier:
             self._busy.discard(digest)
             self.stats.inserts += 1
             stamp = self._next_stamp()
-        self._touch(path, stamp)
+        if not packed:
+            self.places.stamp(digest, stamp)
         return True
+
+    def _remove_copy(self, digest: str, record: Record | None) -> None:
+        """Remove a copy of a busy block that is out of the index (its record, or its file); a
+        failing disk is counted, and the file stays as an orphan until the next start-up scan."""
+        try:
+            self.places.remove(digest, record)
+        except OSError as exc:
+            self._count_error()
+            self.health.record_failure(exc)
 
     def discard(self, key: BlockKey) -> None:
         self._drop(key.digest())
@@ -434,11 +446,11 @@ class DiskTier:
             if wkey not in self._index or wkey in self._busy:
                 return None
             self._index.move_to_end(wkey)
-        return self._hit_path(wkey)
+        return self.places.hit_path(wkey)
 
     def whole_name(self, ref: ObjectRef) -> Path:
         """Where the whole file of ``ref`` is (or would be); no I/O."""
-        return self._path(WHOLE_PREFIX + whole_digest(ref))
+        return self.places.path(WHOLE_PREFIX + whole_digest(ref))
 
     def whole_snapshot(self) -> dict[str, int]:
         """Whole files held now and their bytes (part of ``len()`` and ``used_bytes()``), and counters."""
@@ -467,7 +479,7 @@ class DiskTier:
         shortfall = self._free_shortfall(size)
         with self._lock:
             if wkey in self._index and wkey not in self._busy:
-                return self._path(wkey)
+                return self.places.path(wkey)
             digests = {key.digest() for key in keys}
             if wkey in self._busy or any(d not in self._index or d in self._busy for d in digests):
                 return None  # being assembled by another thread, or not whole on this tier
@@ -485,8 +497,8 @@ class DiskTier:
         self._unlink_all(victims)
         if not fits:
             return None
-        path = self._path(wkey)
-        tmp = path.with_name(f"{TMP_PREFIX}{wkey}.{os.getpid()}.{next(self._tmp_seq)}{TMP_SUFFIX}")
+        path = self.places.path(wkey)
+        tmp = self.places.temp_path(wkey)
         parts = [(block_range(key.index, size, block_size)[0], functools.partial(self._read_checked, key))
                  for key in keys]
         try:
@@ -517,16 +529,13 @@ class DiskTier:
             entry = self._index.get(digest)
             if entry is None or digest in self._busy:
                 return None
-        path = self._path(digest)
+            packed = self.places.record(digest)
         try:
-            return self.files.read(path, encode_token(key), entry[0])
+            return self.places.read(digest, packed, encode_token(key), entry[0], reply=False)
         except FileNotFoundError:
             return None
         except CorruptBlockError as exc:
-            log.warning("%s tier: dropping corrupt block %s (%s): %s", self.name, path, key, exc)
-            with self._lock:
-                self.stats.corrupt_blocks += 1
-            self._drop(digest, entry[1])
+            self._corrupt(key, digest, entry[1], packed, exc)
             return None
 
     # -- extras ---------------------------------------------------------------------------------
@@ -679,30 +688,10 @@ class DiskTier:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _path(self, digest: str) -> Path:
-        if digest.startswith(WHOLE_PREFIX):
-            return whole_path(self._whole_dir, digest[len(WHOLE_PREFIX):])
-        return self._blocks_dir / digest[:2] / f"{digest}{BLOCK_SUFFIX}"
-
-    def _hit_path(self, digest: str) -> str:
-        """``_path`` as a string, made without pathlib: the path of every disk-tier hit (pathlib cost
-        a hit of a 100 KiB file 10-30 us of its 55-67)."""
-        if digest.startswith(WHOLE_PREFIX):  # as whole_path: <whole>/<d[:2]>/<d>
-            d = digest[len(WHOLE_PREFIX):]
-            return f"{self._whole_str}/{d[:2]}/{d}"
-        return f"{self._blocks_str}/{digest[:2]}/{digest}{BLOCK_SUFFIX}"
-
     def _next_stamp(self) -> int:
         """A strictly increasing wall-clock stamp in ns for mtimes (lock held)."""
         self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
         return self._last_stamp_ns
-
-    def _touch(self, path: Path | str, stamp_ns: int) -> None:
-        # Recency for the next start-up only: losing one stamp is harmless, so no error accounting.
-        try:
-            os.utime(path, ns=(stamp_ns, stamp_ns))
-        except OSError as exc:
-            log.debug("%s tier: cannot stamp %s: %s", self.name, path, exc)
 
     def _count_miss(self) -> None:
         with self._lock:
@@ -738,10 +727,9 @@ class DiskTier:
         if not digests:
             return
         for digest in digests:
-            path = self._path(digest)
-            self._unlink_quiet(path)
+            self._remove_copy(digest, self.places.take(digest))
             if self._whole_listeners and digest.startswith(WHOLE_PREFIX):
-                self._whole_dropped(path)
+                self._whole_dropped(self.places.path(digest))
         with self._lock:
             self._busy.difference_update(digests)
 
@@ -752,24 +740,21 @@ class DiskTier:
             except Exception:  # noqa: BLE001 - a listener's bug must not stop an eviction half way
                 log.exception("%s tier: a listener of removed whole files failed", self.name)
 
-    def _unlink_quiet(self, path: Path) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            # The file stays as an orphan until the next start-up scan indexes it again.
-            self._count_error()
-            self.health.record_failure(exc)
-
     # -- start-up -------------------------------------------------------------------------------
 
     def _load(self) -> None:
         """Index the blocks already on disk (names and stat only) and remove leftover temp files."""
-        found, removed_tmp = scan_blocks(self._blocks_dir, self.name)
+        found, removed_tmp = self.places.scan()
         self.whole_stats.removed_at_start = remove_whole_files(self._whole_dir)
-        found.sort()
-        for mtime_ns, digest, size in found:
+        for mtime_ns, _order, digest, size, record in found:
+            if digest in self._index:  # a block both as a file and as a record: keep the later one
+                old_size, _gen = self._index.pop(digest)
+                self._used -= old_size
+                if digest in self._pinned:
+                    self._pinned_used -= old_size
+                self._remove_copy(digest, self.places.take(digest))
+            if record is not None:
+                self.places.keep(digest, record)
             self._index[digest] = (size, 0)
             self._used += size
             if digest in self._pinned:
