@@ -4,7 +4,13 @@ Layout
 ------
 ``<directory>/blocks/<digest[:2]>/<digest>.blk`` where ``digest = BlockKey.digest()`` (hex SHA-256
 of the key token). 256 prefix directories keep every directory small enough for fast lookups even
-with millions of blocks; they are created on first use.
+with millions of blocks; they are created on first use. A block under ``ALIGNED_MIN_BYTES`` (a small
+file's) is not a file of its own but a record of a pack file, ``<directory>/packs/<N>.pack``
+(``tiering.tiers.packs`` says why: creating an inode per block was most of what a cold small file
+cost the disk tier); ``tiering.tiers.diskplaces`` knows which block is where. What this docstring
+says of a block file below (the temp name, the rename, the mtime stamps, the start-up scan by name)
+is for block files; a record is appended in place, punched out when evicted, and found again by
+walking its pack's headers. ``pack_small=False`` keeps every block a file (the tests of that layout).
 
 File format: ``tiering.tiers.blockformat`` (a header with the block's identity and checksums, then the
 data), shared with the cluster tier. A block failing any check is deleted, counted in
