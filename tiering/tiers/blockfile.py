@@ -54,6 +54,7 @@ from tiering.tiers.blockformat import (
 )
 from tiering.blocks import BlockData
 from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN, align_up, aligned_page, reply_scratch
+from tiering.pagecache import cached
 from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
 
 log = logging.getLogger("tiering.tiers.disk")
@@ -276,8 +277,14 @@ class BlockFiles:
 
     def _read_whole(self, fd: int, buffer: memoryview, want: int, path: str) -> int:
         """Up to ``want`` bytes of the file from offset 0 into ``buffer`` (page-aligned, ``want``
-        rounded up): the page cache's if it holds them all, else the device's (``read_for_reply``)."""
-        if _RWF_NOWAIT:
+        rounded up): the page cache's if it holds them all, else the device's (``read_for_reply``).
+        The page cache is asked first (``tiering.pagecache``): a ``RWF_NOWAIT`` read that misses starts
+        read-ahead I/O of the bytes the ``O_DIRECT`` read then reads again; it is tried only where the
+        kernel cannot say."""
+        in_cache = cached(fd, 0, want - 1)
+        if in_cache:
+            return _pread_into(_BlockFd(fd, False), buffer, 0, want)
+        if in_cache is None and _RWF_NOWAIT:
             try:
                 got = os.preadv(fd, [buffer[:want]], 0, _RWF_NOWAIT)
             except (BlockingIOError, InterruptedError):

@@ -39,6 +39,18 @@ Reads open the pack (an existing inode: a path lookup, no allocation) and read t
 pool buffer (``read``) or the thread's reply buffer (``read_for_reply``, the page cache first, then
 ``O_DIRECT``), with the checks of a block file, except the one for trailing bytes: the record's
 length is the header's, and what follows it in the pack is the next record.
+
+The page cache is tried with a ``RWF_NOWAIT`` read, which, when it misses, starts the kernel's
+read-ahead from the record on before it answers ``EAGAIN``: in a pack that brings the records written
+after it, which is what an epoch read in the order it was fetched reads next. Measured on the 2-core
+VM (``benchmarks.passthrough``, a writable mount's epoch of 2,000 files of 100 KiB, in that order):
+289-317 us of daemon CPU per file this way, against 357-408 us when ``tiering.pagecache`` was asked
+first and a record not cached was read with ``O_DIRECT`` (through the page cache when it followed the
+previous one), and 341-367 with read descriptors kept open per pack; why those cost more in the
+daemon was not found (a loop over one pack alone gave the opposite). In a shuffled order the
+read-ahead is waste: a loop over one pack read 171 KiB from the device per 104 KiB record and spent
+59-68 us of CPU on it, against 104 KiB and 30-34 us with ``cachestat`` first. Block files, one per
+block, have no neighbour to read ahead for, and ask ``tiering.pagecache`` first (``BlockFiles``).
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -53,7 +66,6 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -78,10 +90,6 @@ PACK_SUFFIX = ".pack"
 # blocks of 100 KiB. Large enough that creating packs costs nothing per block, small enough that a
 # pack whose records are all evicted comes back whole soon (holes give most of it back before that).
 PACK_BYTES = 64 * 1024 * 1024
-# Packs whose read descriptors stay open between reads (two each): an open and a close per disk-tier
-# hit cost ~25 us of the ~50 us a hit's system calls took, measured alone on the 2-core VM. 64 packs
-# are 4 GiB of small blocks; a hit on another pack opens it (and closes the least recently read).
-READ_PACKS = 64
 _PACK_NAME = re.compile(r"^([0-9]{1,20})\.pack$")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -125,29 +133,6 @@ class _Pack:
         self.sealed = fd < 0  # takes no more appends
 
 
-class _ReadFds:
-    """One pack's read descriptors (through the page cache, and ``O_DIRECT`` or -1), its readers now."""
-
-    __slots__ = ("plain", "direct", "users", "retired")
-
-    def __init__(self, plain: int, direct: int) -> None:
-        self.plain = plain
-        self.direct = direct
-        self.users = 1
-        self.retired = False  # out of the cache: closed by its last user
-
-    def retire(self) -> None:
-        self.retired = True
-        if self.users == 0:
-            self.close()
-
-    def close(self) -> None:
-        for fd in (self.plain, self.direct):
-            if fd >= 0:
-                os.close(fd)
-        self.plain = self.direct = -1
-
-
 class FoundRecord(NamedTuple):
     """A record a start-up scan found: the block's digest, its size (header and data), where it is."""
 
@@ -181,9 +166,8 @@ class PackFiles:
         self.punched = 0  # records whose slot went back to the filesystem (tests, stats)
         self._lock = threading.Lock()
         self._packs: dict[int, _Pack] = {}
-        self._readers: OrderedDict[int, _ReadFds] = OrderedDict()  # pack -> its open read descriptors
-        # A tier dropped without close() (tests make hundreds) gives its descriptors back when collected.
-        weakref.finalize(self, _close_descriptors, self._readers, self._packs)
+        # A tier dropped without close() (tests make hundreds) closes its pack when collected.
+        weakref.finalize(self, _close_appends, self._packs)
         self._active: _Pack | None = None
         self._next_seq = 1
         try:
@@ -246,7 +230,6 @@ class PackFiles:
                 pack.fd = -1
             if pack.live <= 0:
                 self._packs.pop(pack.seq, None)
-                self._retire_reader(pack.seq)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(pack.path)
 
@@ -275,10 +258,8 @@ class PackFiles:
             os.close(fd)
 
     def close(self) -> None:
-        """Close the append and read descriptors (the daemon's exit; tests)."""
+        """Close the append descriptor (the daemon's exit; tests)."""
         with self._lock:
-            for pack in list(self._readers):
-                self._retire_reader(pack)
             if self._active is not None:
                 self._active.sealed = True
                 if self._active.fd >= 0 and self._active.writers == 0:
@@ -291,106 +272,57 @@ class PackFiles:
     def read(self, slot: PackSlot, token: bytes, size: int) -> BlockData:
         """The record at ``slot``, checked for ``token`` and ``size``: a read-only view of a pool
         buffer. ``CorruptBlockError`` for any failed check, ``FileNotFoundError`` if its pack is gone."""
-        fds = self._take_reader(slot.pack)
+        fd = self._open_read(slot.pack)
         try:
-            return _read_record(fds.plain, slot.offset, token, size)
+            return _read_record(fd, slot.offset, token, size)
         finally:
-            self._give_back(fds)
+            os.close(fd)
 
     def read_for_reply(self, slot: PackSlot, token: bytes, size: int) -> memoryview:
         """The record at ``slot`` into this thread's reply buffer (``reply_scratch``), checked as
         ``read`` checks it: the page cache's copy if it holds every page, else the device's with
         ``O_DIRECT`` (the record starts on a page; its last page may run into the next record)."""
         buffer = reply_scratch(size)
-        fds = self._take_reader(slot.pack)
+        fd = self._open_read(slot.pack)
         try:
             got = -1
             if _RWF_NOWAIT:
                 try:
-                    got = os.preadv(fds.plain, [buffer[:size]], slot.offset, _RWF_NOWAIT)
+                    got = os.preadv(fd, [buffer[:size]], slot.offset, _RWF_NOWAIT)
                 except (BlockingIOError, InterruptedError):
                     got = -1
                 except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
             if got < size:
-                got = self._read_device(fds, buffer, slot.offset, size)
+                got = self._read_device(fd, buffer, slot.offset, size)
         finally:
-            self._give_back(fds)
+            os.close(fd)
         if got < size:
             raise CorruptBlockError(f"record is {got} bytes, indexed {size}")
         return _check_record(buffer[:size], token, size)
 
-    def _read_device(self, fds: _ReadFds, buffer: memoryview, offset: int, size: int) -> int:
-        """The record from the device: ``O_DIRECT`` into the aligned buffer, whole pages; through
-        the page cache where the filesystem refuses it (then for good)."""
-        if self.direct and fds.direct >= 0:
+    def _read_device(self, fd: int, buffer: memoryview, offset: int, size: int) -> int:
+        """The record from the device: ``O_DIRECT`` (set on the open file) into the aligned buffer,
+        whole pages; through the page cache where the filesystem refuses it (then for good)."""
+        if self.direct:
             try:
-                return _pread_full(fds.direct, buffer[:align_up(size)], offset, size)
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+                return _pread_full(fd, buffer[:align_up(size)], offset, size)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._refused()
-        return _pread_full(fds.plain, buffer[:size], offset, size)
+                self.direct = False
+                log.info("%s tier: the filesystem of %s does not take O_DIRECT; records go through the page cache",
+                         self.name, self._dir)
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        return _pread_full(fd, buffer[:size], offset, size)
 
-    def _refused(self) -> None:
-        if self.direct:
-            self.direct = False
-            log.info("%s tier: the filesystem of %s does not take O_DIRECT; records go through the page cache",
-                     self.name, self._dir)
-
-    def _take_reader(self, pack: int) -> _ReadFds:
-        """The read descriptors of ``pack``, kept open for the next reads (at most ``READ_PACKS``
-        packs' worth, the least recently read closed first), one more user counted."""
-        with self._lock:
-            fds = self._readers.get(pack)
-            if fds is not None:
-                self._readers.move_to_end(pack)
-                fds.users += 1
-                return fds
-        path = self.path(pack)
+    def _open_read(self, pack: int) -> int:
         try:
-            plain = open_private(path, os.O_RDONLY)
+            return open_private(self.path(pack), os.O_RDONLY)
         except UnsafePathError as exc:  # a symlink where a pack should be: not ours
             raise CorruptBlockError(str(exc)) from exc
-        direct = -1
-        if self.direct:
-            try:
-                direct = open_private(path, os.O_RDONLY | _O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    os.close(plain)
-                    raise
-                self._refused()
-        fds = _ReadFds(plain, direct)
-        with self._lock:
-            known = self._readers.get(pack)
-            if known is not None:  # another reader opened it meanwhile: use that one
-                fds.close()
-                known.users += 1
-                self._readers.move_to_end(pack)
-                return known
-            if pack in self._packs:  # not unlinked meanwhile: keep it open for the next reads
-                self._readers[pack] = fds
-                while len(self._readers) > READ_PACKS:
-                    _seq, oldest = self._readers.popitem(last=False)
-                    oldest.retire()
-            else:
-                fds.retired = True
-        return fds
-
-    def _give_back(self, fds: _ReadFds) -> None:
-        with self._lock:
-            fds.users -= 1
-            if fds.retired and fds.users == 0:
-                fds.close()
-
-    def _retire_reader(self, pack: int) -> None:
-        """Close the read descriptors of a pack being removed, now or when its last read ends (lock
-        held): an open descriptor would keep an unlinked pack's blocks from the filesystem."""
-        fds = self._readers.pop(pack, None)
-        if fds is not None:
-            fds.retire()
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -434,9 +366,7 @@ class PackFiles:
         return [item for item in found if item[1] >= 0]
 
 
-def _close_descriptors(readers: OrderedDict[int, _ReadFds], packs: dict[int, _Pack]) -> None:
-    for fds in readers.values():
-        fds.close()
+def _close_appends(packs: dict[int, _Pack]) -> None:
     for pack in packs.values():
         if pack.fd >= 0:
             os.close(pack.fd)
