@@ -292,3 +292,28 @@ def test_no_descriptor_holds_a_removed_pack(tmp_path: Path) -> None:
     assert [t for t in open_packs(tmp_path) if t.endswith("(deleted)")] == []
     tier.packs.close()
     assert open_packs(tmp_path) == []
+
+
+def test_a_pack_that_cannot_be_created_is_a_failed_write_and_the_next_one_is_tried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiering.tiers.packs as packs_module
+
+    tier = DiskTier(tmp_path, 10**6)
+    assert tier.packs is not None
+    tier.packs.pack_bytes = 3 * DIRECT_ALIGN  # a record of 5,000 bytes and one of a page
+    assert tier.put(key(0), data_of(0))
+    real = packs_module.open_private
+
+    def full(path, flags):  # noqa: ANN001 - the signature of open_private
+        if flags & os.O_CREAT:
+            raise OSError(28, "No space left on device")
+        return real(path, flags)
+
+    monkeypatch.setattr(packs_module, "open_private", full)
+    assert not tier.put(key(1), data_of(1))  # does not fit the first pack: sealed, and the next cannot be made
+    assert tier.stats.errors == 1 and not tier.contains(key(1))
+    monkeypatch.undo()
+    # A page-sized record would fit what is left of the sealed pack: it goes to a new one.
+    assert tier.put(key(2), data_of(2, 100)) and tier.get(key(2)) == data_of(2, 100)
+    assert block_location(tier, key(2))[0] != block_location(tier, key(0))[0]
+    assert tier.get(key(0)) == data_of(0)

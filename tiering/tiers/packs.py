@@ -187,7 +187,7 @@ class PackFiles:
         span = align_up(size)
         with self._lock:
             pack = self._active
-            if pack is None or pack.end + span > self.pack_bytes and pack.end > 0:
+            if pack is None or pack.sealed or (pack.end + span > self.pack_bytes and pack.end > 0):
                 pack = self._open_next()
             offset = pack.end
             pack.end += span
