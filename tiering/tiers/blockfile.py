@@ -87,7 +87,7 @@ def _skip(parts: list[memoryview], count: int) -> list[memoryview]:
     return parts
 
 
-def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> int:
+def pwrite_all(fd: int, parts: list[memoryview], offset: int) -> int:
     """Write every byte of ``parts`` at ``offset`` (``pwritev``, repeated after a short write); the
     offset reached. A short ``O_DIRECT`` write leaves an unaligned rest, which the caller then
     writes without it."""
@@ -174,7 +174,7 @@ class BlockFiles:
                 page = aligned_page(len(header))
                 page[: len(header)] = header
                 try:
-                    done = _pwrite_all(fd.fd, [page, memoryview(data)[:body]], 0)
+                    done = pwrite_all(fd.fd, [page, memoryview(data)[:body]], 0)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -183,7 +183,7 @@ class BlockFiles:
                     _clear_direct(fd.fd)  # the tail (or an unaligned buffer) goes through the page cache
             if done < total:
                 parts = _skip([memoryview(header), memoryview(data)], done)
-                _pwrite_all(fd.fd, parts, done)
+                pwrite_all(fd.fd, parts, done)
         finally:
             os.close(fd.fd)
         os.replace(tmp, final)

@@ -72,6 +72,7 @@ from typing import Callable, NamedTuple
 from tiering.blocks import BlockData
 from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN, align_up, reply_scratch
 from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
+from tiering.tiers.blockfile import pwrite_all
 from tiering.tiers.blockformat import (
     FIXED_HEADER_SIZE,
     HEADER_CRC_SIZE,
@@ -194,7 +195,7 @@ class PackFiles:
             pack.live += span
             pack.writers += 1
         try:
-            _pwrite_all(pack.fd, [memoryview(header), memoryview(data)], offset)
+            pwrite_all(pack.fd, [memoryview(header), memoryview(data)], offset)
         except BaseException:
             with self._lock:
                 pack.writers -= 1
@@ -253,7 +254,7 @@ class PackFiles:
             if _punch(fd, slot.offset, span):
                 self.punched += 1
             else:
-                _pwrite_all(fd, [memoryview(bytes(DIRECT_ALIGN))], slot.offset)
+                pwrite_all(fd, [memoryview(bytes(DIRECT_ALIGN))], slot.offset)
         finally:
             os.close(fd)
 
@@ -455,20 +456,6 @@ def _check_record(record: memoryview, token: bytes, size: int) -> memoryview:
     data = record[header.data_offset:size].toreadonly()
     check_data(data, header.data_len, header.data_crc)
     return data
-
-
-def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
-    parts = [p for p in parts if len(p)]
-    while parts:
-        written = os.pwritev(fd, parts, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "short write to a pack file")
-        offset += written
-        while parts and written >= len(parts[0]):
-            written -= len(parts[0])
-            parts = parts[1:]
-        if parts and written:
-            parts[0] = parts[0][written:]
 
 
 def _pread_full(fd: int, buffer: memoryview, offset: int, want: int) -> int:
