@@ -50,8 +50,10 @@ def cached(fd: int, offset: int, length: int) -> bool | None:
     """Whether every page of ``[offset, offset + length)`` of ``fd`` is in the page cache; None where
     the kernel cannot say (then never asked again in this process, unless the file was the reason)."""
     global _usable
-    if not _usable or length <= 0:
-        return None if not _usable else True
+    if not _usable:
+        return None
+    if length <= 0:
+        return True  # nothing asked: nothing missing
     first = offset // _PAGE
     last = (offset + length - 1) // _PAGE
     span = _Range(first * _PAGE, (last - first + 1) * _PAGE)

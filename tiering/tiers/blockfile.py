@@ -67,12 +67,17 @@ _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 @dataclass
-class _BlockFd:
+class BlockFd:
     fd: int
     direct: bool  # opened with O_DIRECT, and not cleared since
 
 
-def _clear_direct(fd: int) -> None:
+def set_direct(fd: int) -> None:
+    """Turn ``O_DIRECT`` on for an open file (``EINVAL`` where its filesystem refuses it)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+
+
+def clear_direct(fd: int) -> None:
     """Turn ``O_DIRECT`` off on an open file (Linux lets ``F_SETFL`` change it), for unaligned parts."""
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
@@ -100,11 +105,11 @@ def pwrite_all(fd: int, parts: list[memoryview], offset: int) -> int:
         offset += written
         parts = _skip(parts, written)
         if parts and offset % DIRECT_ALIGN:
-            _clear_direct(fd)
+            clear_direct(fd)
     return offset - start
 
 
-def _pread_into(fd: _BlockFd, buffer: memoryview, offset: int, want: int) -> int:
+def pread_into(fd: BlockFd, buffer: memoryview, offset: int, want: int) -> int:
     """Read up to ``want`` bytes at ``offset`` into ``buffer`` (a direct read asks for the whole
     aligned buffer and gets what the file holds); the bytes read, fewer only at the end of the file."""
     got = 0
@@ -115,7 +120,7 @@ def _pread_into(fd: _BlockFd, buffer: memoryview, offset: int, want: int) -> int
             break
         got += n
         if got < want and fd.direct and got % DIRECT_ALIGN:
-            _clear_direct(fd.fd)  # an unaligned short read: the rest through the page cache
+            clear_direct(fd.fd)  # an unaligned short read: the rest through the page cache
             fd.direct = False
     return min(got, want)
 
@@ -180,7 +185,7 @@ class BlockFiles:
                         raise
                     self._count_unaligned()
                 if done < total:
-                    _clear_direct(fd.fd)  # the tail (or an unaligned buffer) goes through the page cache
+                    clear_direct(fd.fd)  # the tail (or an unaligned buffer) goes through the page cache
             if done < total:
                 parts = _skip([memoryview(header), memoryview(data)], done)
                 pwrite_all(fd.fd, parts, done)
@@ -216,22 +221,22 @@ class BlockFiles:
                     return packed
                 # Not laid out as a packed block of this size: read it step by step.
             page = aligned_page(DIRECT_ALIGN)
-            got = _pread_into(fd, page, 0, DIRECT_ALIGN)
+            got = pread_into(fd, page, 0, DIRECT_ALIGN)
             fixed = bytes(page[:min(got, FIXED_HEADER_SIZE)])
             data_len, data_crc, offset = check_fixed_header(fixed, token)
             if offset + data_len != indexed_size:
                 raise CorruptBlockError(f"file is {indexed_size} bytes, header says {offset + data_len}")
             if offset > got:  # a header longer than one page (a very long key): read it whole
                 page = aligned_page(offset)
-                got = _pread_into(fd, page, 0, offset)
+                got = pread_into(fd, page, 0, offset)
                 if got < offset:
                     raise CorruptBlockError("truncated header")
             check_header_token(fixed, page[FIXED_HEADER_SIZE:offset], token)
             if fd.direct and offset % DIRECT_ALIGN:
-                _clear_direct(fd.fd)  # a packed block: its data is not aligned in the file
+                clear_direct(fd.fd)  # a packed block: its data is not aligned in the file
                 fd.direct = False
             buffer = BLOCK_BUFFERS.take(align_up(data_len) if fd.direct else data_len)
-            if _pread_into(fd, buffer, offset, data_len) != data_len:
+            if pread_into(fd, buffer, offset, data_len) != data_len:
                 raise CorruptBlockError("truncated data")
             if os.fstat(fd.fd).st_size != offset + data_len:
                 raise CorruptBlockError("trailing bytes after the data")
@@ -283,7 +288,7 @@ class BlockFiles:
         kernel cannot say."""
         in_cache = cached(fd, 0, want - 1)
         if in_cache:
-            return _pread_into(_BlockFd(fd, False), buffer, 0, want)
+            return pread_into(BlockFd(fd, False), buffer, 0, want)
         if in_cache is None and _RWF_NOWAIT:
             try:
                 got = os.preadv(fd, [buffer[:want]], 0, _RWF_NOWAIT)
@@ -298,7 +303,7 @@ class BlockFiles:
                 return got
         if self.direct:
             try:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+                set_direct(fd)
                 got = 0
                 while got < want:  # whole pages, into the aligned buffer
                     n = os.preadv(fd, [buffer[got:]], got)
@@ -312,21 +317,21 @@ class BlockFiles:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._refused(path)
-                _clear_direct(fd)
-        return _pread_into(_BlockFd(fd, False), buffer, 0, want)
+                clear_direct(fd)
+        return pread_into(BlockFd(fd, False), buffer, 0, want)
 
-    def _open(self, path: Path | str, flags: int, direct: bool) -> _BlockFd:
+    def _open(self, path: Path | str, flags: int, direct: bool) -> BlockFd:
         """Open a block file, with ``O_DIRECT`` when asked and the filesystem takes it: one that refuses
         it (``EINVAL`` at open: tmpfs before Linux 6.6, some FUSE filesystems) turns it off for the
         tier, with one log line. Prefix directories are made on first use."""
         if direct:
             try:
-                return _BlockFd(self._open_dirs(path, flags | _O_DIRECT), True)
+                return BlockFd(self._open_dirs(path, flags | _O_DIRECT), True)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._refused(path)
-        return _BlockFd(self._open_dirs(path, flags), False)
+        return BlockFd(self._open_dirs(path, flags), False)
 
     def _refused(self, path: Path | str) -> None:
         """The filesystem refused O_DIRECT: every later block goes through the page cache (logged once)."""

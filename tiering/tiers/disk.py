@@ -389,8 +389,8 @@ class DiskTier:
             self._known[digest] = key
             self._busy.discard(digest)
             self.stats.inserts += 1
-            stamp = self._next_stamp()
-        if not packed:
+            stamp = None if packed else self._next_stamp()  # a record's recency is not on disk
+        if stamp is not None:
             self.places.stamp(digest, stamp)
         return True
 

@@ -11,7 +11,9 @@ it has marked busy or looked up under its lock, and every system call here runs 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from tiering.tiers.blockformat import ALIGNED_MIN_BYTES
 from tiering.tiers.diskdir import BLOCK_SUFFIX, TMP_PREFIX, TMP_SUFFIX, scan_blocks
 from tiering.tiers.packs import PACKS_DIRNAME, PackFiles, PackSlot
 from tiering.tiers.wholefile import WHOLE_PREFIX, whole_path
+
+log = logging.getLogger("tiering.tiers.disk")
 
 # A block's record: where it is and its size (header and data), as the index counts it.
 Record = tuple[PackSlot, int]
@@ -89,7 +93,8 @@ class BlockPlaces:
         try:
             self.files.write(tmp, self.path(digest), header, data)
         except OSError:
-            unlink_quiet(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             raise
         return False
 
@@ -117,8 +122,8 @@ class BlockPlaces:
         Losing one stamp is harmless, so no error accounting."""
         try:
             os.utime(self.hit_path(digest), ns=(stamp_ns, stamp_ns))
-        except OSError:
-            pass
+        except OSError as exc:
+            log.debug("%s tier: cannot stamp %s: %s", self.name, digest, exc)
 
     def scan(self) -> tuple[list[tuple[int, int, str, int, Record | None]], int]:
         """Every block found at start-up, files and records, in one recency order: by mtime (a
@@ -132,10 +137,3 @@ class BlockPlaces:
                       for started_ns, order, rec in self.packs.scan()]
         found.sort(key=lambda item: item[:3])
         return found, removed_tmp
-
-
-def unlink_quiet(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import hashlib
 import logging
 import os
@@ -67,12 +66,13 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from tiering.blocks import BlockData
 from tiering.buffers import BLOCK_BUFFERS, DIRECT_ALIGN, align_up, reply_scratch
 from tiering.private import PRIVATE_DIR_MODE, UnsafePathError, open_private
-from tiering.tiers.blockfile import pwrite_all
+from tiering.fileio import libc_function
+from tiering.tiers.blockfile import BlockFd, clear_direct, pread_into, pwrite_all, set_direct
 from tiering.tiers.blockformat import (
     FIXED_HEADER_SIZE,
     HEADER_CRC_SIZE,
@@ -80,6 +80,7 @@ from tiering.tiers.blockformat import (
     check_data,
     check_fixed_header,
     check_header_token,
+    decode_block,
     header_fields,
 )
 
@@ -100,18 +101,8 @@ FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 
 
-def _libc_fallocate() -> Callable[[int, int, int, int], int] | None:
-    # os.posix_fallocate takes no mode; fallocate(2) with PUNCH_HOLE is glibc's since 2.10.
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_FALLOCATE = _libc_fallocate()
+# os.posix_fallocate takes no mode; fallocate(2) with PUNCH_HOLE is glibc's since 2.10.
+_FALLOCATE = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64], ctypes.c_int)
 
 
 class PackSlot(NamedTuple):
@@ -279,7 +270,7 @@ class PackFiles:
         finally:
             os.close(fd)
 
-    def read_for_reply(self, slot: PackSlot, token: bytes, size: int) -> memoryview:
+    def read_for_reply(self, slot: PackSlot, token: bytes, size: int) -> BlockData:
         """The record at ``slot`` into this thread's reply buffer (``reply_scratch``), checked as
         ``read`` checks it: the page cache's copy if it holds every page, else the device's with
         ``O_DIRECT`` (the record starts on a page; its last page may run into the next record)."""
@@ -301,23 +292,23 @@ class PackFiles:
             os.close(fd)
         if got < size:
             raise CorruptBlockError(f"record is {got} bytes, indexed {size}")
-        return _check_record(buffer[:size], token, size)
+        return decode_block(buffer[:size], token)
 
     def _read_device(self, fd: int, buffer: memoryview, offset: int, size: int) -> int:
         """The record from the device: ``O_DIRECT`` (set on the open file) into the aligned buffer,
         whole pages; through the page cache where the filesystem refuses it (then for good)."""
         if self.direct:
             try:
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
-                return _pread_full(fd, buffer[:align_up(size)], offset, size)
+                set_direct(fd)
+                return pread_into(BlockFd(fd, True), buffer[:align_up(size)], offset, size)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False
                 log.info("%s tier: the filesystem of %s does not take O_DIRECT; records go through the page cache",
                          self.name, self._dir)
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-        return _pread_full(fd, buffer[:size], offset, size)
+                clear_direct(fd)
+        return pread_into(BlockFd(fd, False), buffer, offset, size)
 
     def _open_read(self, pack: int) -> int:
         try:
@@ -447,23 +438,3 @@ def _read_record(fd: int, offset: int, token: bytes, size: int) -> BlockData:
     return data
 
 
-def _check_record(record: memoryview, token: bytes, size: int) -> memoryview:
-    """The data of a record held whole in ``record``, checked: a read-only view."""
-    header = check_fixed_header(record[:FIXED_HEADER_SIZE], token)
-    if header.data_offset + header.data_len != size:
-        raise CorruptBlockError(f"record is {size} bytes, header says {header.data_offset + header.data_len}")
-    check_header_token(record[:FIXED_HEADER_SIZE], record[FIXED_HEADER_SIZE:header.data_offset], token)
-    data = record[header.data_offset:size].toreadonly()
-    check_data(data, header.data_len, header.data_crc)
-    return data
-
-
-def _pread_full(fd: int, buffer: memoryview, offset: int, want: int) -> int:
-    """Read into ``buffer`` at ``offset`` until ``want`` bytes (or the end of the file); the bytes read."""
-    got = 0
-    while got < want:
-        n = os.preadv(fd, [buffer[got:]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got

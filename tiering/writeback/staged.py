@@ -28,28 +28,18 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiering.blocks import ObjectRef
 from tiering.checksum import crc32
+from tiering.fileio import libc_function
 from tiering.writeback.journal import pwrite_all
 from tiering.writeback.settings import WRITE_BEHIND_BYTES
 
 
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    # Python's os module has no sync_file_range(2); glibc has had it since 2.6.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc among them
-        fn = libc.sync_file_range
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
+# Python's os module has no sync_file_range(2); glibc has had it since 2.6.
+_SYNC_FILE_RANGE = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint],
+                                 ctypes.c_int)
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start write-out of dirty pages not already under write-out
 
 
