@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.fuse_layer import CachefsMount, cpu_s, median  # noqa: E402
 from cachefs.client import ControlError, UsageError, call  # noqa: E402
 from cachefs.fuse.backingfiles import may_register_backing  # noqa: E402
+from tests.support.diskblocks import drop_pages  # noqa: E402
 
 MiB = 1024 * 1024
 SMALL_FILE_BYTES = 100 * 1024
@@ -66,21 +67,11 @@ POLL_S = 0.2
 SLICE_BYTES = 64 * MiB
 
 
-def drop(path: Path) -> None:
-    """Drop the file's pages from the page cache, written back first (DONTNEED leaves dirty pages)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def drop_tree(directory: Path) -> None:
     for path in directory.rglob("*"):
         if path.is_file() and not path.is_symlink():
             try:
-                drop(path)
+                drop_pages(path)
             except OSError:
                 continue  # gone meanwhile (a temp file), or a socket: nothing cached to drop
 
@@ -126,7 +117,7 @@ def mount_epoch(mount: CachefsMount, cache: Path, source: Path, names: list[str]
     whole, then the local files, as before."""
     drop_tree(cache)
     for name in names:
-        drop(source / name)
+        drop_pages(source / name)
     before, cpu = counters(stats(mount)), cpu_s(mount.pid)
     if interleave:
         mine, theirs, total = interleaved([mount.path / n for n in names], [source / n for n in names])

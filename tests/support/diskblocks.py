@@ -23,6 +23,16 @@ def block_location(tier: DiskTier, key: BlockKey) -> tuple[Path, int, int]:
     return path, 0, path.stat().st_size
 
 
+def drop_pages(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache, written back first (DONTNEED leaves dirty pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def flip_byte(tier: DiskTier, key: BlockKey, at: int) -> None:
     """Flip one byte of ``key``'s framed block (``at`` from its start; negative: from its end),
     leaving the file's times as they were (bit rot does not touch them)."""

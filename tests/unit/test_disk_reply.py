@@ -16,6 +16,7 @@ import pytest
 from tiering.blocks import BlockKey
 from tiering.buffers import BLOCK_BUFFERS
 from tiering.tiers.disk import DiskTier as _DiskTier
+from tests.support.diskblocks import drop_pages
 
 # Tests of block files: small blocks as files of their own here (tests/unit/test_disk_packs.py has them
 # as records of pack files, the default).
@@ -32,15 +33,6 @@ def pattern(n: int, seed: int = 7) -> bytes:
 def block_path(directory: Path, k: BlockKey) -> Path:
     d = k.digest()
     return directory / "blocks" / d[:2] / f"{d}.blk"
-
-
-def drop_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture

@@ -14,22 +14,13 @@ import pytest
 import tiering.pagecache as pagecache
 from tiering.blocks import BlockKey
 from tiering.tiers.disk import DiskTier
-from tests.support.diskblocks import block_location
-
-
-def dropped(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from tests.support.diskblocks import block_location, drop_pages
 
 
 def test_cached_tells_a_read_range_from_a_dropped_one(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(random.Random(1).randbytes(64 * 1024))
-    dropped(path)
+    drop_pages(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         if pagecache.cached(fd, 0, 4096) is None:
@@ -63,7 +54,7 @@ def test_a_block_file_hit_whose_pages_were_dropped_leaves_the_page_cache_alone(t
     key = BlockKey("f", "e", 0)
     assert tier.put(key, data)
     path, offset, size = block_location(tier, key)
-    dropped(path)
+    drop_pages(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         if pagecache.cached(fd, offset, size) is None:
