@@ -317,3 +317,23 @@ def test_a_pack_that_cannot_be_created_is_a_failed_write_and_the_next_one_is_tri
     assert tier.put(key(2), data_of(2, 100)) and tier.get(key(2)) == data_of(2, 100)
     assert block_location(tier, key(2))[0] != block_location(tier, key(0))[0]
     assert tier.get(key(0)) == data_of(0)
+
+
+def test_without_hole_punching_an_evicted_record_is_not_found_again(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem (or libc) without fallocate(PUNCH_HOLE): the record's header page is zeroed, so a
+    restart does not index it again; its space comes back with its pack."""
+    import tiering.tiers.packs as packs_module
+
+    monkeypatch.setattr(packs_module, "_FALLOCATE", None)
+    tier = DiskTier(tmp_path, 10**6)
+    assert tier.put(key(0), data_of(0)) and tier.put(key(1), data_of(1))
+    path, offset, _size = block_location(tier, key(0))
+    tier.discard(key(0))
+    assert tier.packs is not None and tier.packs.punched == 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        assert f.read(DIRECT_ALIGN) == bytes(DIRECT_ALIGN)
+    again = DiskTier(tmp_path, 10**6)
+    assert not again.contains(key(0)) and again.get(key(1)) == data_of(1)
+    assert again.used_bytes() == block_file_size(key(1), 5000)
