@@ -8,10 +8,12 @@ is already awake, holds them, and is done with its request: it can write the dis
 right after it has handed the bytes to the loop, so the readers wait for nothing more than before.
 
 How. The engine makes an ``AfterReceive`` around a blocking call (the guarded disk-tier put) and
-passes it to the store's ``get_range``. A store that receives in worker threads (S3's presigned path,
-``tiering.objectstore.rangedget``) *claims* it in the worker, before the bytes are handed over, for
-an answer it will return (the exact range, the ETag asked for), and runs it in the same worker after
-the handover; the outcome comes back to the loop with one ``call_soon_threadsafe``. Any other store,
+passes it to the store's ``get_range``. A store that receives off the loop (S3's presigned path,
+``tiering.objectstore.getengines``) *claims* it in the receiving thread, before the bytes are handed
+over, for an answer it will return (the exact range, the ETag asked for), and runs it after the
+handover: in the same worker (``RangedGetter``, large blocks), or in a small pool beside libcurl's
+thread (``CurlGetter``, small ones: that thread serves every transfer and must not wait for a disk);
+the outcome comes back to the loop with one ``call_soon_threadsafe``. Any other store,
 or an answer it does not return (a fallback through botocore, an error), leaves it unclaimed, and the
 engine does the work as before (``GuardedDisk.put``, asyncio's pool). So ``claimed`` is read by the
 engine only after ``get_range`` returned: whoever claimed did so before that.

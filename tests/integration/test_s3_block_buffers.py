@@ -37,7 +37,7 @@ async def test_reused_buffers_serve_their_own_block_only(seaweed: SeaweedS3, sea
             got = await cache.read(ref, offset, BLOCK // 2, readahead_bytes=2 * BLOCK)
             assert bytes(got) == DATA[offset : offset + BLOCK // 2]
         assert bytes(held) == DATA[:1000]  # its mapping was never handed out again
-        pool = store._getter().buffers
+        pool = store._gets.for_length(BLOCK).buffers
         assert pool.reused > 0  # the point of the pool: evicted blocks' mappings came back
         for offset in range(0, len(DATA), 3 * BLOCK + 17):  # and once more, every block refetched
             assert bytes(await cache.read(ref, offset, 5000)) == DATA[offset : offset + 5000]

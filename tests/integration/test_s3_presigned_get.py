@@ -61,8 +61,9 @@ async def test_ranges_come_from_presigned_urls(seaweed: SeaweedS3, seaweed_bucke
 
 async def test_the_receiving_worker_runs_after_only_on_bytes_it_returns(
         seaweed: SeaweedS3, seaweed_bucket: str) -> None:
-    """``after`` (tiering.handoff) is claimed and run by the GET worker for an answer returned from the
-    fast path; a fallback through botocore or a changed object leaves it to the caller."""
+    """``after`` (tiering.handoff) is claimed and run by the GET engine's thread (a small range:
+    libcurl's) for an answer returned from the fast path; a fallback through botocore or a changed
+    object leaves it to the caller."""
     seaweed.put(seaweed_bucket, "p/obj.bin", DATA)
     store = make_store(seaweed, seaweed_bucket)
     ran: list[tuple[str, bytes]] = []
@@ -76,7 +77,7 @@ async def test_the_receiving_worker_runs_after_only_on_bytes_it_returns(
         after = AfterReceive(work)
         assert await store.get_range("obj.bin", etag, 10, 5000, after=after) == DATA[10:5000]
         assert after.claimed and await after.result() == 1
-        assert ran[0][0].startswith("cachefs-get") and ran[0][1] == DATA[10:5000]
+        assert ran[0][0] == "cachefs-curl" and ran[0][1] == DATA[10:5000]
 
         url, until = store._presigned["obj.bin"]
         store._presigned["obj.bin"] = (tamper(url), until)  # refused: botocore repeats the GET
@@ -89,6 +90,32 @@ async def test_the_receiving_worker_runs_after_only_on_bytes_it_returns(
         with pytest.raises(ObjectChangedError):
             await store.get_range("obj.bin", etag, 0, 10, after=changed)
         assert not changed.claimed and len(ran) == 1
+    finally:
+        await store.close()
+
+
+async def test_small_ranges_go_to_libcurl_and_large_ones_to_the_threads(
+        seaweed: SeaweedS3, seaweed_bucket: str) -> None:
+    """A small file's block through libcurl's thread, a block of ``CURL_MAX_BYTES`` or more through
+    ``RangedGetter``'s (one copy per byte, the GIL released while it arrives): both exact."""
+    from tiering.objectstore.curlget import CURL_MAX_BYTES
+
+    big = os.urandom(CURL_MAX_BYTES + 4096)
+    seaweed.put(seaweed_bucket, "p/big.bin", big)
+    store = make_store(seaweed, seaweed_bucket)
+    ran: list[str] = []
+
+    def work(data: object) -> None:
+        ran.append(threading.current_thread().name)
+
+    try:
+        etag = (await store.head("big.bin")).etag
+        for start, end in ((0, CURL_MAX_BYTES - 1), (1, CURL_MAX_BYTES + 1), (0, len(big))):
+            after = AfterReceive(work)
+            assert await store.get_range("big.bin", etag, start, end, after=after) == big[start:end]
+            await after.result()
+        assert [name.split("_")[0] for name in ran] == ["cachefs-curl", "cachefs-get", "cachefs-get"]
+        assert store.stats.presigned_gets == 3 and store.stats.presigned_fallbacks == 0
     finally:
         await store.close()
 
@@ -115,8 +142,8 @@ async def test_urls_signed_without_the_client_are_accepted(seaweed: SeaweedS3, s
 
 async def test_urls_after_the_first_are_signed_in_the_get_worker(
         seaweed: SeaweedS3, seaweed_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Signing a URL is a hash and an HMAC per file: done by the GET worker as it sends the request,
-    not on the event loop that answers FUSE (issue 35)."""
+    """Signing a URL is a hash and an HMAC per file: done by the GET engine's thread as it sends the
+    request (libcurl's, for these small ranges), not on the event loop that answers FUSE (issue 35)."""
     from tiering.objectstore import s3presign
 
     for i, key in enumerate(AWKWARD_KEYS):
@@ -138,7 +165,7 @@ async def test_urls_after_the_first_are_signed_in_the_get_worker(
     finally:
         await store.close()
     assert len(signed_in) == len(AWKWARD_KEYS) - 1  # the first is the client's
-    assert all(name.startswith("cachefs-get") for name in signed_in), signed_in
+    assert all(name == "cachefs-curl" for name in signed_in), signed_in
 
 
 def test_fast_timestamp_matches_botocore() -> None:

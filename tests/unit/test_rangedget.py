@@ -1,8 +1,10 @@
-"""``RangedGetter``: ranged GETs received in worker threads into one buffer per block.
+"""The GET engines of the S3 store: ``RangedGetter`` (``http.client`` in worker threads, large blocks)
+and ``CurlGetter`` (one libcurl multi handle in one thread, small blocks), one contract.
 
 Against a small stdlib HTTP server on 127.0.0.1 that answers what each test scripts (a range, an S3
 error document, a redirect, a short body, a connection the server drops between requests), so the
-cases a real S3 server seldom produces on demand are exercised on the real ``http.client`` path.
+cases a real S3 server seldom produces on demand are exercised on the real ``http.client`` and
+libcurl paths. Every contract test runs on both engines (``engine``); libcurl's own are at the end.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Callable, Iterator
 
 import pytest
 
+from tiering.objectstore.curlget import CurlGetter
 from tiering.objectstore.rangedget import WAITALL_MIN_BYTES, RangeAnswer, RangedGetter
+
+Getter = RangedGetter | CurlGetter
 
 BODY = os.urandom(WAITALL_MIN_BYTES * 3 + 12345)  # above the MSG_WAITALL threshold, not a round size
 Script = Callable[[http.server.BaseHTTPRequestHandler], None]
@@ -78,9 +83,20 @@ def server() -> Iterator[Server]:
         s.stop()
 
 
+def make_getter(engine: str, connections: int, *, read_timeout_s: float = 5.0) -> Getter:
+    if engine == "curl":
+        return CurlGetter(connections=connections, connect_timeout_s=2.0, read_timeout_s=read_timeout_s)
+    return RangedGetter(threads=connections, connect_timeout_s=2.0, read_timeout_s=read_timeout_s)
+
+
+@pytest.fixture(params=["threads", "curl"])
+def engine(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def getter() -> Iterator[RangedGetter]:
-    g = RangedGetter(threads=2, connect_timeout_s=2.0, read_timeout_s=5.0)
+def getter(engine: str) -> Iterator[Getter]:
+    g = make_getter(engine, 2)
     try:
         yield g
     finally:
@@ -88,9 +104,9 @@ def getter() -> Iterator[RangedGetter]:
 
 
 @pytest.fixture
-def one_thread() -> Iterator[RangedGetter]:
-    """One worker thread, so one connection unless one is dropped: connection counts mean something."""
-    g = RangedGetter(threads=1, connect_timeout_s=2.0, read_timeout_s=5.0)
+def one_thread(engine: str) -> Iterator[Getter]:
+    """One connection unless one is dropped (one worker thread; libcurl's cap): counts mean something."""
+    g = make_getter(engine, 1)
     try:
         yield g
     finally:
@@ -101,7 +117,7 @@ def ranged(start: int, end: int) -> dict[str, str]:
     return {"Range": f"bytes={start}-{end - 1}"}
 
 
-async def test_the_range_arrives_whole_in_one_read_only_buffer(server: Server, one_thread: RangedGetter) -> None:
+async def test_the_range_arrives_whole_in_one_read_only_buffer(server: Server, one_thread: Getter) -> None:
     getter = one_thread
     for start, end in ((0, len(BODY)), (5, 1000), (1, WAITALL_MIN_BYTES + 7)):
         answer = await getter.get(f"{server.url}/k", ranged(start, end), end - start)
@@ -111,7 +127,7 @@ async def test_the_range_arrives_whole_in_one_read_only_buffer(server: Server, o
     assert server.connections == 1  # kept alive between requests
 
 
-async def test_then_runs_in_the_worker_after_the_answer_is_handed_over(server: Server, one_thread: RangedGetter) -> None:
+async def test_then_runs_in_the_worker_after_the_answer_is_handed_over(server: Server, one_thread: Getter) -> None:
     """``then`` sees the answer in the worker before the handover; what it returns runs there after it
     (tiering.handoff): the caller has its bytes without waiting for that work."""
     loop_thread = threading.get_ident()
@@ -137,10 +153,10 @@ async def test_then_runs_in_the_worker_after_the_answer_is_handed_over(server: S
     handed_over.set()
     assert await asyncio.to_thread(done.wait, 5)
     assert [what for what, _ in seen] == ["then", "after"]
-    assert seen[0][1] == seen[1][1] != loop_thread  # both in the worker that received the bytes
+    assert seen[0][1] == seen[1][1] != loop_thread  # both in the thread that received the bytes
 
 
-async def test_then_may_decline_and_sees_failures_too(server: Server, one_thread: RangedGetter) -> None:
+async def test_then_may_decline_and_sees_failures_too(server: Server, one_thread: Getter) -> None:
     """An answer without the range (another length) still goes to ``then``, which returns nothing to do."""
     answers: list[RangeAnswer] = []
 
@@ -152,7 +168,7 @@ async def test_then_may_decline_and_sees_failures_too(server: Server, one_thread
     assert answer.data is None and answers == [answer]
 
 
-async def test_a_redirect_is_never_followed(server: Server, getter: RangedGetter) -> None:
+async def test_a_redirect_is_never_followed(server: Server, getter: Getter) -> None:
     """The request carries a signature: a 3xx is handed back, never sent on to another origin."""
     elsewhere = Server()
     try:
@@ -170,7 +186,7 @@ async def test_a_redirect_is_never_followed(server: Server, getter: RangedGetter
         elsewhere.stop()
 
 
-async def test_an_s3_error_gives_its_code_and_keeps_the_connection(server: Server, one_thread: RangedGetter) -> None:
+async def test_an_s3_error_gives_its_code_and_keeps_the_connection(server: Server, one_thread: Getter) -> None:
     getter = one_thread
     def missing(h: http.server.BaseHTTPRequestHandler) -> None:
         body = b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code><Message>secret words</Message></Error>"
@@ -187,13 +203,13 @@ async def test_an_s3_error_gives_its_code_and_keeps_the_connection(server: Serve
     assert server.connections == 1  # the error's connection carried the next request
 
 
-async def test_another_length_is_no_data(server: Server, getter: RangedGetter) -> None:
+async def test_another_length_is_no_data(server: Server, getter: Getter) -> None:
     """A server that answers another range (or ignores Range) gives nothing the caller could misuse."""
     answer = await getter.get(f"{server.url}/k", ranged(0, 100), 99)
     assert answer.status == 206 and answer.data is None
 
 
-async def test_a_body_cut_short_is_an_error(server: Server, getter: RangedGetter) -> None:
+async def test_a_body_cut_short_is_an_error(server: Server, getter: Getter) -> None:
     def short(h: http.server.BaseHTTPRequestHandler) -> None:
         h.send_response(206)
         h.send_header("Content-Length", str(len(BODY)))
@@ -206,7 +222,7 @@ async def test_a_body_cut_short_is_an_error(server: Server, getter: RangedGetter
         await getter.get(f"{server.url}/k", ranged(0, len(BODY)), len(BODY))
 
 
-async def test_a_connection_the_server_dropped_is_replaced_once(server: Server, one_thread: RangedGetter) -> None:
+async def test_a_connection_the_server_dropped_is_replaced_once(server: Server, one_thread: Getter) -> None:
     """A kept-alive connection closed by the server while idle: the request goes again on a new one."""
     def once(h: http.server.BaseHTTPRequestHandler) -> None:
         serve_range(h)
@@ -218,7 +234,7 @@ async def test_a_connection_the_server_dropped_is_replaced_once(server: Server, 
     assert server.requests == 3 and server.connections == 3
 
 
-async def test_a_caller_that_stops_waiting_frees_the_thread(server: Server, getter: RangedGetter) -> None:
+async def test_a_caller_that_stops_waiting_frees_the_thread(server: Server, getter: Getter) -> None:
     """Cancelled mid-body: the thread stops at its next read and closes the connection."""
     released = threading.Event()
 
@@ -268,3 +284,142 @@ def test_a_block_buffer_is_used_again_only_when_no_view_of_it_is_alive() -> None
     # Idle buffers beyond keep_free are let go: two idle now, one kept.
     pool.take(MAP_MIN_BYTES * 3)
     assert len(pool._mappings) == 2  # the new one and one idle
+
+
+# -- libcurl's engine: what its own machinery must not get wrong ---------------------------------
+
+
+async def test_curl_a_long_answer_that_is_not_the_range_is_not_read(server: Server) -> None:
+    """A 200 of the whole object (the Range ignored), larger than an error document: not received,
+    its connection closed, the next request on a new one."""
+    def whole(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(BODY)))
+        h.end_headers()
+        h.wfile.write(BODY)
+
+    getter = CurlGetter(connections=1, connect_timeout_s=2.0, read_timeout_s=5.0)
+    try:
+        server.script = whole
+        answer = await getter.get(f"{server.url}/k", ranged(0, 100), 100)
+        assert (answer.status, answer.data, answer.error_code) == (200, None, None)
+        server.script = serve_range
+        assert (await getter.get(f"{server.url}/k", ranged(0, 100), 100)).data == BODY[:100]
+        assert server.connections == 2
+    finally:
+        getter.close()
+
+
+async def test_curl_a_server_that_stops_sending_times_out(server: Server) -> None:
+    """Headers, then silence: the read timeout ends the transfer (TimeoutError), the engine goes on."""
+    release = threading.Event()
+
+    def stall(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(206)
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.flush()
+        release.wait(10)
+
+    getter = CurlGetter(connections=2, connect_timeout_s=2.0, read_timeout_s=1.0)
+    try:
+        server.script = stall
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await getter.get(f"{server.url}/k", ranged(0, 100), 100)
+        assert 0.9 <= loop.time() - started < 4.0
+        release.set()
+        server.script = serve_range
+        assert (await getter.get(f"{server.url}/k", ranged(0, 100), 100)).data == BODY[:100]
+    finally:
+        release.set()
+        getter.close()
+
+
+async def test_curl_errors_name_no_url(server: Server) -> None:
+    """A refused connection is a ConnectionError whose text is libcurl's code, not the (signed) URL."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once it is closed
+    getter = CurlGetter(connections=1, connect_timeout_s=2.0, read_timeout_s=5.0)
+    try:
+        with pytest.raises(ConnectionError) as raised:
+            await getter.get(f"http://127.0.0.1:{port}/k?X-Amz-Signature=secret", ranged(0, 10), 10)
+        assert "secret" not in str(raised.value) and "127.0.0.1" not in str(raised.value)
+    finally:
+        getter.close()
+
+
+async def test_curl_refuses_other_schemes_and_the_environments_proxy(
+        server: Server, tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only HTTP(S) to the URL's own origin: no file:// read, no proxy taken from the environment."""
+    proxy = Server()
+    try:
+        monkeypatch.setenv("http_proxy", proxy.url)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.setenv("all_proxy", proxy.url)
+        getter = CurlGetter(connections=1, connect_timeout_s=2.0, read_timeout_s=5.0)
+        try:
+            assert (await getter.get(f"{server.url}/k", ranged(0, 10), 10)).data == BODY[:10]
+            assert proxy.requests == 0 and server.requests == 1
+            secret = os.path.join(tmp_path, "secret")
+            with open(secret, "wb") as f:
+                f.write(b"0123456789")
+            with pytest.raises(OSError):
+                await getter.get(f"file://{secret}", {}, 10)
+        finally:
+            getter.close()
+    finally:
+        proxy.stop()
+
+
+async def test_curl_a_url_that_cannot_be_made_is_the_requests_error(server: Server) -> None:
+    def unsigned() -> str:
+        raise PermissionError("no credentials")
+
+    getter = CurlGetter(connections=1, connect_timeout_s=2.0, read_timeout_s=5.0)
+    try:
+        with pytest.raises(PermissionError):
+            await getter.get(unsigned, ranged(0, 10), 10)
+        assert (await getter.get(f"{server.url}/k", ranged(0, 10), 10)).data == BODY[:10]
+    finally:
+        getter.close()
+
+
+async def test_curl_close_cancels_what_runs_and_ends_its_thread(server: Server) -> None:
+    release = threading.Event()
+
+    def stall(h: http.server.BaseHTTPRequestHandler) -> None:
+        release.wait(10)
+
+    getter = CurlGetter(connections=2, connect_timeout_s=2.0, read_timeout_s=30.0)
+    try:
+        server.script = stall
+        task = asyncio.ensure_future(getter.get(f"{server.url}/k", ranged(0, 10), 10))
+        await asyncio.sleep(0.2)
+        thread = getter._thread
+        assert thread is not None and thread.is_alive()
+        await asyncio.to_thread(getter.close)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        assert not thread.is_alive()
+        with pytest.raises(Exception):
+            await getter.get(f"{server.url}/k", ranged(0, 10), 10)  # closed: refused at once
+    finally:
+        release.set()
+        getter.close()
+
+
+async def test_curl_many_at_once_each_gets_its_own_range(server: Server) -> None:
+    """64 requests on 4 connections, each range different: every answer is its own bytes."""
+    getter = CurlGetter(connections=4, connect_timeout_s=2.0, read_timeout_s=5.0)
+    try:
+        spans = [(i * 997, i * 997 + 100 + i) for i in range(64)]
+        answers = await asyncio.gather(*(getter.get(f"{server.url}/k", ranged(a, b), b - a) for a, b in spans))
+        assert [a.data for a in answers] == [BODY[a:b] for a, b in spans]
+        assert server.connections <= 4
+    finally:
+        getter.close()

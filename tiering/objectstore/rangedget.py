@@ -73,7 +73,7 @@ from tiering.storehealth import request_timeout
 log = logging.getLogger(__name__)
 
 # The error code of an S3 error document (<Error><Code>NoSuchKey</Code>...): a code, never the message.
-_ERROR_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
+S3_ERROR_CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 # Bodies above this are received with MSG_WAITALL (_receive_waitall); smaller ones arrive in one or
 # two socket reads anyway. Above http.client's 8 KiB read buffer, so readinto1 never leaves bytes in it.
 WAITALL_MIN_BYTES = 256 * 1024
@@ -143,7 +143,7 @@ class _Connections:
 Then = Callable[[RangeAnswer], Callable[[], None] | None]
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+def call_soon_from_thread(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
     """``callback(*args)`` on ``loop``, from any thread; nothing once the loop is closed."""
     try:
         loop.call_soon_threadsafe(callback, *args)
@@ -207,7 +207,7 @@ class RangedGetter:
             future: asyncio.Future[RangeAnswer] = loop.create_future()
             job = self._pool.submit(self._job, request, loop, future, then)
             # close() drops queued jobs: their callers see a cancellation, as run_in_executor gives.
-            job.add_done_callback(lambda j: _call_soon(loop, _cancel, future) if j.cancelled() else None)
+            job.add_done_callback(lambda j: call_soon_from_thread(loop, _cancel, future) if j.cancelled() else None)
             async with asyncio.timeout(request_timeout()):  # the caller's deadline, however slow the server
                 return await future
         except BaseException:
@@ -239,10 +239,10 @@ class RangedGetter:
         try:
             answer = self._run(request)
         except BaseException as exc:  # noqa: BLE001 - the caller's, on the loop
-            _call_soon(loop, _settle, future, None, exc)
+            call_soon_from_thread(loop, _settle, future, None, exc)
             return
         after = then(answer) if then is not None else None
-        _call_soon(loop, _settle, future, answer, None)
+        call_soon_from_thread(loop, _settle, future, answer, None)
         if after is not None:
             after()
 
@@ -336,7 +336,7 @@ class RangedGetter:
                 got += n
             return RangeAnswer(status, etag, view.toreadonly()), not response.will_close
         if length is not None and length <= MAX_DRAIN_BYTES:
-            code = _ERROR_CODE.search(response.read())
+            code = S3_ERROR_CODE.search(response.read())
             return (RangeAnswer(status, etag, None, code.group(1).decode("ascii") if code else None),
                     not response.will_close)
         return RangeAnswer(status, etag, None), False

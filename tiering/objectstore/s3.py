@@ -28,7 +28,8 @@ presigning itself 0.4 ms (0.16 ms since ``tiering.objectstore.s3presign`` signs 
 first without the client's per-call machinery). So ``get_range`` presigns ``GetObject`` and sends
 each ``Range`` + ``If-Match`` GET from a worker thread of its own (``tiering.objectstore.rangedget``:
 the body is received off the event loop, straight into the block's buffer, and no redirect is ever
-followed). The URL of every key after the first is signed in that worker, as it sends the GET
+followed; a range under ``CURL_MAX_BYTES``, a small file's block, goes through one libcurl multi handle
+in one thread instead, which costs a quarter of the CPU per GET: ``tiering.objectstore.getengines``). The URL of every key after the first is signed in that worker, as it sends the GET
 (``UrlSigner.sign_later``; the credentials are taken on the loop): signing was 6-10% of the event
 loop's GIL samples in a cold pass of small files (issue 35), one URL per file; such URLs are not
 kept, each block signs its own (7 us). The first URL, the client's, is kept for its key
@@ -95,7 +96,8 @@ from tiering.objectstore.keys import (
     split_listing_key,
 )
 from tiering.objectstore.redirects import NO_REDIRECT_CONFIG
-from tiering.objectstore.rangedget import RangeAnswer, RangedGetter, Url
+from tiering.objectstore.getengines import GetEngines
+from tiering.objectstore.rangedget import RangeAnswer, Url
 from tiering.objectstore.s3presign import UrlSigner
 from tiering.objectstore.s3session import aws_session, check_endpoint, configured_endpoint_url, proxied
 from tiering.objectstore.s3errors import (
@@ -117,6 +119,7 @@ log = logging.getLogger(__name__)
 # HEAD traffic without queueing behind the pool; botocore's default of 10 would cap the fetches.
 # Ranged GETs go through their own threads (tiering.objectstore.rangedget), half of this: one thread
 # and one connection per block fetch in flight; botocore keeps the other half for everything else.
+# Small ranges go through libcurl (tiering.objectstore.curlget), with as many connections at most.
 DEFAULT_MAX_POOL_CONNECTIONS = 32
 # Attempts per request in botocore's standard mode (first try included): one retry rides out a
 # dropped keep-alive connection, a second a short 503/SlowDown burst; more only delays the error a
@@ -182,8 +185,9 @@ def _etag_matches(returned: str | None, etag: str) -> bool:
 
 
 def _then(after: AfterReceive[Any], etag: str) -> Callable[[RangeAnswer], Callable[[], None] | None]:
-    """For ``RangedGetter.get``: ``after`` claimed, in the worker, for an answer ``_presigned_get``
-    returns (the exact range, the version asked for), and run there once the answer is handed over."""
+    """For the GET engines' ``get``: ``after`` claimed, in the receiving thread, for an answer
+    ``_presigned_get`` returns (the exact range, the version asked for), and run off the loop once the
+    answer is handed over (in that thread, or the pool beside libcurl's)."""
     def then(answer: RangeAnswer) -> Callable[[], None] | None:
         data = answer.data
         if data is None or not _etag_matches(answer.etag, etag):
@@ -244,7 +248,8 @@ class S3ObjectStore:
         self._environ = dict(environ)
         self._fs: s3fs.S3FileSystem | None = None
         self._client: Any = None
-        self._ranged: RangedGetter | None = None
+        self._gets = GetEngines(connections=max(1, max_pool_connections // 2), connect_timeout_s=connect_timeout_s,
+                                read_timeout_s=read_timeout_s, ca_bundle=self._environ.get("AWS_CA_BUNDLE") or None)
         self._presigned: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._signer: UrlSigner | None = None
         self._presign_ok = True  # False once presigning failed (e.g. anonymous access): botocore only
@@ -447,14 +452,6 @@ class S3ObjectStore:
             self._signer = UrlSigner(client, credentials, self.bucket, PRESIGN_TTL_S)
         return self._signer
 
-    def _getter(self) -> RangedGetter:
-        if self._ranged is None:
-            self._ranged = RangedGetter(threads=max(1, self.max_pool_connections // 2),
-                                        connect_timeout_s=self.connect_timeout_s,
-                                        read_timeout_s=self.read_timeout_s,
-                                        ca_bundle=self._environ.get("AWS_CA_BUNDLE") or None)
-        return self._ranged
-
     async def _presigned_get(self, key: str, etag: str, start: int, end: int, where: str,
                              after: AfterReceive[Any] | None) -> BlockData | None:
         """Bytes ``[start, end)`` by a GET on a presigned URL; None to have botocore do the request.
@@ -473,7 +470,7 @@ class S3ObjectStore:
             headers["If-Match"] = etag
         status = 0
         try:
-            answer = await self._getter().get(url, headers, end - start,
+            answer = await self._gets.for_length(end - start).get(url, headers, end - start,
                                               None if after is None else _then(after, etag))
             status = answer.status
             if status == 412:
@@ -786,10 +783,8 @@ class S3ObjectStore:
     async def close(self) -> None:
         if self._aborts:  # each is bounded by ABORT_TIMEOUT_S already
             await asyncio.wait(set(self._aborts), timeout=ABORT_TIMEOUT_S)
-        ranged, self._ranged = self._ranged, None
         self._presigned.clear()
-        if ranged is not None:
-            ranged.close()
+        await self._gets.close()
         client, self._client, self._fs = self._client, None, None
         if client is not None:
             try:
