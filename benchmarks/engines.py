@@ -5,7 +5,8 @@ client's rate but the fastest of several engines, each given the same work (the 
 same part size, the same number of requests in flight) on the same server in the same run:
 
   engine    what it is                                            how it runs here
-  daemon    cachefs's own store path, ``S3ObjectStore.get_range``, whatever it is built on (at
+  daemon    cachefs's own store path, ``S3ObjectStore.get_range``, whatever it is built on (now: libcurl
+            for ranges under 1 MiB, ``http.client`` threads for larger ones; at
             a115150: presigned URLs on aiohttp, one asyncio loop), without FUSE or the tiers
   aiohttp   aiohttp alone: GETs on presigned URLs (botocore's presigner, inside the span), a 4 MiB
             read buffer, ``threads`` in flight on one asyncio loop

@@ -310,6 +310,39 @@ async def test_curl_a_long_answer_that_is_not_the_range_is_not_read(server: Serv
         getter.close()
 
 
+async def test_curl_a_body_of_unknown_length_is_cut_at_what_could_be_used(server: Server) -> None:
+    """Chunked (no Content-Length), far longer than the range or an error document: libcurl stops
+    receiving it past that bound; the answer is its status without data."""
+    from tiering.objectstore.rangedget import MAX_DRAIN_BYTES
+
+    sent: list[int] = []
+
+    def chunked(h: http.server.BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        piece = b"x" * 65536
+        try:
+            for _ in range(256):  # 16 MiB, unless the client stops reading
+                h.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sent.append(len(piece))
+            h.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass
+        h.close_connection = True
+
+    getter = CurlGetter(connections=1, connect_timeout_s=2.0, read_timeout_s=5.0)
+    try:
+        server.script = chunked
+        answer = await getter.get(f"{server.url}/k", ranged(0, 100), 100)
+        assert (answer.status, answer.data) == (200, None)
+        await asyncio.sleep(0.2)
+        assert sum(sent) < 16 * 1024 * 1024  # the client hung up long before the end
+        assert MAX_DRAIN_BYTES < 16 * 1024 * 1024
+    finally:
+        getter.close()
+
+
 async def test_curl_a_server_that_stops_sending_times_out(server: Server) -> None:
     """Headers, then silence: the read timeout ends the transfer (TimeoutError), the engine goes on."""
     release = threading.Event()
@@ -423,3 +456,56 @@ async def test_curl_many_at_once_each_gets_its_own_range(server: Server) -> None
         assert server.connections <= 4
     finally:
         getter.close()
+
+
+def self_signed(directory: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, as PEM files in ``directory`` (cryptography: moto's)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+async def test_tls_is_verified_against_the_ca_bundle_or_the_systems(
+        engine: str, server: Server, tmp_path: os.PathLike[str]) -> None:
+    """Over HTTPS: the range arrives when the server's certificate is in ``ca_bundle``; with the
+    system's CAs only (which do not hold it) the request fails and gives no data."""
+    import ssl
+
+    cert, key = self_signed(os.fspath(tmp_path))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.httpd.socket = context.wrap_socket(server.httpd.socket, server_side=True)
+    url = f"https://127.0.0.1:{server.httpd.server_address[1]}/k"
+    trusting = (CurlGetter(connections=1, connect_timeout_s=2.0, read_timeout_s=5.0, ca_bundle=cert)
+                if engine == "curl" else
+                RangedGetter(threads=1, connect_timeout_s=2.0, read_timeout_s=5.0, ca_bundle=cert))
+    system = make_getter(engine, 1)
+    try:
+        for start, end in ((0, 100), (7, len(BODY))):
+            assert (await trusting.get(url, ranged(start, end), end - start)).data == BODY[start:end]
+        with pytest.raises(OSError):
+            await system.get(url, ranged(0, 100), 100)
+    finally:
+        trusting.close()
+        system.close()

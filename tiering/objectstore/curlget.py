@@ -14,8 +14,11 @@ which sockets it waits on (``M_SOCKETFUNCTION``) and when it wants its timers ru
 (``M_TIMERFUNCTION``); the thread waits on those sockets and on an ``eventfd`` with ``epoll``, the GIL
 released, and calls ``socket_action`` for what is ready. libcurl connects, sends, parses the answer and
 keeps connections alive (its connection cache, at most ``connections`` open) in C; Python sees a
-callback per header line (status, ``Content-Length`` and ``ETag`` are kept) and per piece of body
-(copied into the block's buffer, ``tiering.buffers``). The loop hands a request over by appending it
+no frame of its own while a transfer runs: libcurl's header callback is a list's ``append`` and its
+write callback a ``BytesIO``'s ``write`` (C methods; libcurl hands the body over in pieces of at most
+16 KiB, seven for a 100 KiB block, so seven Python calls a GET were measurable). When the transfer
+is done the thread reads the status and ``Content-Length`` from libcurl, the ``ETag`` from the kept
+header lines, and hands the ``BytesIO``'s bytes over as the block, without copying them again. The loop hands a request over by appending it
 to a queue and writing the ``eventfd``; the thread hands answers back with one
 ``call_soon_threadsafe`` for every answer that finished in the same turn.
 
@@ -30,7 +33,7 @@ load keeps its fetch slot until its block is written (``tiering.engine.loads``).
 Same contract as ``RangedGetter`` (``tiering.objectstore.rangedget``, which keeps large blocks: its
 ``MSG_WAITALL`` receive copies each byte once with the GIL released, where this path copies each piece
 of body in a callback): an answer's body is handed over only when it is the exact range asked for
-(status 200/206, ``Content-Length`` the length asked for), into one buffer, read-only; an S3 error
+(status 200/206, ``Content-Length`` the length asked for), as one read-only buffer; an S3 error
 document's ``<Code>`` is read from a body of at most ``MAX_DRAIN_BYTES``; anything else is a status
 without data, its connection closed. Redirects are never followed (libcurl's default, and only HTTP
 and HTTPS are allowed at all); no proxy from the environment is used (as ``http.client``); TLS is
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
 import logging
 import math
 import os
@@ -57,7 +61,6 @@ from typing import Callable, Mapping
 
 import pycurl
 
-from tiering.buffers import BLOCK_BUFFERS, BufferPool
 from tiering.objectstore.rangedget import (
     MAX_DRAIN_BYTES,
     S3_ERROR_CODE,
@@ -107,7 +110,7 @@ def transfer_error(code: int) -> OSError:
 
 @dataclass(eq=False)
 class _Transfer:
-    """One request, from the caller's ``get`` to its answer; its fields after ``url`` are the thread's."""
+    """One request, from the caller's ``get`` to its answer; its fields after ``deadline_s`` are the thread's."""
 
     url: Url = field(repr=False)  # it holds a signature: never in a message
     headers: Mapping[str, str]
@@ -118,71 +121,31 @@ class _Transfer:
     deadline_s: float | None
     cancelled: bool = False
     handle: pycurl.Curl | None = None
-    status: int = 0
-    etag: str | None = None
-    content_length: int | None = None
-    view: memoryview | None = None  # the block's buffer, once the answer is known to be the range
-    got: int = 0
-    drained: bytearray | None = None  # an error document's body
-    refused: bool = False  # the body was neither the range nor a short error document: not read
+    # libcurl's header and write callbacks are these objects' own C methods (``list.append``,
+    # ``BytesIO.write``): no Python frame per header line or per 16 KiB piece of body.
+    head: list[bytes] = field(default_factory=list)
+    body: io.BytesIO = field(default_factory=io.BytesIO)
 
-    def header(self, line: bytes) -> None:
-        """libcurl's header callback: one line of the answer's head."""
-        if line[:5] == b"HTTP/":
-            # A new status line (after a 1xx, or a connection retried): what came before is void.
-            parts = line.split(None, 2)
-            self.status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-            self.etag = self.content_length = None
-            return
-        name, sep, value = line.partition(b":")
-        if not sep:
-            return
-        name = name.strip().lower()
-        if name == b"content-length":
-            text = value.strip()
-            self.content_length = int(text) if text.isdigit() else None
-        elif name == b"etag":
-            self.etag = value.strip().decode("latin-1")
+    def etag(self) -> str | None:
+        """The ETag header of the last answer received (a 1xx's lines come before its status line)."""
+        etag: str | None = None
+        for line in self.head:
+            if line[:5] == b"HTTP/":
+                etag = None
+            elif line[:5].lower() == b"etag:":
+                etag = line[5:].strip().decode("latin-1")
+        return etag
 
-    def body(self, piece: bytes) -> int | None:
-        """libcurl's write callback: a piece of the body (returning 0 stops the transfer)."""
-        n = len(piece)
-        if self.view is None and self.drained is None:
-            if self.refused or not self._choose():
-                self.refused = True
-                return 0
-        if self.view is not None:
-            end = self.got + n
-            if end > self.length:
-                return 0  # more than Content-Length said: libcurl would have refused it first
-            self.view[self.got:end] = piece
-            self.got = end
-            return None
-        assert self.drained is not None
-        if len(self.drained) + n > MAX_DRAIN_BYTES:
-            self.refused = True
-            return 0
-        self.drained += piece
-        return None
-
-    def _choose(self, buffers: BufferPool = BLOCK_BUFFERS) -> bool:
-        """Where the body goes (first piece): the block's buffer, the error document's, or nowhere."""
-        if self.status in (200, 206) and self.content_length == self.length:
-            self.view = buffers.take(self.length)
-            return True
-        if self.content_length is not None and self.content_length <= MAX_DRAIN_BYTES:
-            self.drained = bytearray()
-            return True
-        return False
-
-    def answer(self) -> RangeAnswer:
-        """The answer of a transfer libcurl completed without error."""
-        if self.view is not None and self.got == self.length:
-            return RangeAnswer(self.status, self.etag, self.view.toreadonly())
-        if self.status in (200, 206) and self.length == 0 and self.content_length == 0:
-            return RangeAnswer(self.status, self.etag, memoryview(b""))
-        code = S3_ERROR_CODE.search(self.drained) if self.drained is not None else None
-        return RangeAnswer(self.status, self.etag, None, code.group(1).decode("ascii") if code else None)
+    def answer(self, status: int, declared: float) -> RangeAnswer:
+        """The answer: the body as the data where it is the range asked for (status 200/206, the
+        ``Content-Length`` libcurl read, ``declared``, and the bytes received are both its length),
+        else the status and any S3 error code of a short body."""
+        body, etag = self.body, self.etag()
+        received = body.tell()
+        if status in (200, 206) and declared == self.length and received == self.length:
+            return RangeAnswer(status, etag, memoryview(body.getvalue()))  # bytes: read-only, not copied
+        code = S3_ERROR_CODE.search(body.getvalue()) if 0 < received <= MAX_DRAIN_BYTES else None
+        return RangeAnswer(status, etag, None, code.group(1).decode("ascii") if code else None)
 
 
 def _settle_all(results: list[tuple[_Transfer, RangeAnswer | None, BaseException | None]]) -> None:
@@ -218,7 +181,6 @@ class CurlGetter:
         self.read_timeout_s = read_timeout_s
         self._ca_bundle = ca_bundle
         self._name = name
-        self.buffers: BufferPool = BLOCK_BUFFERS
         self._submitted: collections.deque[_Transfer] = collections.deque()
         self._aborted: collections.deque[_Transfer] = collections.deque()
         self._lock = threading.Lock()
@@ -310,7 +272,7 @@ class CurlGetter:
                         os.eventfd_read(fd)
                     except BlockingIOError:
                         pass
-                    self._take(multi)
+                    self._take(multi)  # libcurl sets its timer to 0 for what was added: run below
                     continue
                 flags = 0
                 if mask & select.EPOLLIN:
@@ -375,8 +337,11 @@ class CurlGetter:
         handle = self._idle.pop() if self._idle else self._new_handle()
         handle.setopt(pycurl.URL, url)
         handle.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in transfer.headers.items()])
-        handle.setopt(pycurl.HEADERFUNCTION, transfer.header)
-        handle.setopt(pycurl.WRITEFUNCTION, transfer.body)
+        handle.setopt(pycurl.HEADERFUNCTION, transfer.head.append)
+        handle.setopt(pycurl.WRITEFUNCTION, transfer.body.write)
+        # A longer body is not received (E_FILESIZE_EXCEEDED, its connection closed): neither the
+        # range nor an error document, whatever it is (a whole object for an ignored Range).
+        handle.setopt(pycurl.MAXFILESIZE_LARGE, max(transfer.length, MAX_DRAIN_BYTES))
         timeout_ms = 0 if transfer.deadline_s is None else max(1, math.ceil(transfer.deadline_s * 1000))
         handle.setopt(pycurl.TIMEOUT_MS, timeout_ms)
         transfer.handle = handle
@@ -406,7 +371,6 @@ class CurlGetter:
         handle.setopt(pycurl.HEADERFUNCTION, _ignore)
         handle.setopt(pycurl.WRITEFUNCTION, _ignore)
         transfer.handle = None
-        transfer.view = None  # a cancelled or failed transfer's buffer: dropped, never handed out
         self._idle.append(handle)
 
     def _finish(self, multi: pycurl.CurlMulti) -> None:
@@ -417,13 +381,16 @@ class CurlGetter:
             for handle in done:
                 transfer = self._active.pop(handle)
                 multi.remove_handle(handle)
-                results.append((transfer, transfer.answer(), None))
+                answer = transfer.answer(handle.getinfo(pycurl.RESPONSE_CODE),
+                                         handle.getinfo(pycurl.CONTENT_LENGTH_DOWNLOAD_T))
+                results.append((transfer, answer, None))
                 self._release(handle, transfer)
             for handle, code, _text in failed:  # the text can name the URL: not kept
                 transfer = self._active.pop(handle)
                 multi.remove_handle(handle)
-                if transfer.refused and code == pycurl.E_WRITE_ERROR:
-                    results.append((transfer, RangeAnswer(transfer.status, transfer.etag, None), None))
+                if code == pycurl.E_FILESIZE_EXCEEDED:  # an answer, not the range: its status
+                    answer = RangeAnswer(handle.getinfo(pycurl.RESPONSE_CODE), transfer.etag(), None)
+                    results.append((transfer, answer, None))
                 else:
                     results.append((transfer, None, transfer_error(code)))
                 self._release(handle, transfer)
@@ -432,9 +399,9 @@ class CurlGetter:
         if not results:
             return
         afters: list[Callable[[], None]] = []
-        for transfer, answer, _error in results:
-            if answer is not None and transfer.then is not None and not transfer.cancelled:
-                after = transfer.then(answer)
+        for transfer, finished, _error in results:
+            if finished is not None and transfer.then is not None and not transfer.cancelled:
+                after = transfer.then(finished)
                 if after is not None:
                     afters.append(after)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Transfer, RangeAnswer | None, BaseException | None]]] = {}
@@ -450,7 +417,6 @@ class CurlGetter:
         for handle, transfer in list(self._active.items()):
             multi.remove_handle(handle)
             call_soon_from_thread(transfer.loop, _cancel_all, [transfer])
-            transfer.view = None
             handle.close()
         self._active.clear()
         while self._submitted:
