@@ -509,3 +509,61 @@ async def test_tls_is_verified_against_the_ca_bundle_or_the_systems(
     finally:
         trusting.close()
         system.close()
+
+
+async def test_curl_aborts_among_many_transfers_leave_nothing_behind(server: Server) -> None:
+    """200 requests on 4 connections, a third of them given up mid-way (some before libcurl took them,
+    some while their body trickles): every other one gets its own bytes, and afterwards libcurl's
+    thread holds no transfer, and every handle it made is idle for the next request."""
+    import random
+
+    rng = random.Random(35)
+
+    def sometimes_slow(h: http.server.BaseHTTPRequestHandler) -> None:
+        first, last = h.headers["Range"].removeprefix("bytes=").split("-")
+        body = BODY[int(first) : int(last) + 1]
+        h.send_response(206)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if h.path.endswith("slow"):
+            h.wfile.write(body[:10])
+            h.wfile.flush()
+            threading.Event().wait(0.3)
+        try:
+            h.wfile.write(body[10:] if h.path.endswith("slow") else body)
+        except OSError:
+            pass  # the client gave up and closed
+
+    getter = CurlGetter(connections=4, connect_timeout_s=2.0, read_timeout_s=5.0)
+    server.script = sometimes_slow
+    try:
+        async def one(i: int) -> tuple[int, bytes | None]:
+            start, end = i * 101, i * 101 + 1000 + i
+            slow = rng.random() < 0.3
+            request = asyncio.ensure_future(
+                getter.get(f"{server.url}/k{i}{'slow' if slow else ''}", ranged(start, end), end - start))
+            if slow:
+                await asyncio.sleep(rng.choice([0.0, 0.01, 0.1]))
+                request.cancel()
+            try:
+                answer = await request
+            except asyncio.CancelledError:
+                return i, None
+            assert answer.data is not None
+            return i, bytes(answer.data)
+
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(200))), 60)
+        got = [(i, data) for i, data in results if data is not None]
+        assert len(got) >= 100
+        assert all(data == BODY[i * 101 : i * 101 + 1000 + i] for i, data in got)
+        # The thread settles: nothing active, nothing queued, every handle idle (at most one per
+        # request ever in flight at once).
+        for _ in range(100):
+            if not getter._active and not getter._submitted and not getter._aborted:
+                break
+            await asyncio.sleep(0.05)
+        assert not getter._active and not getter._submitted and not getter._aborted
+        assert 1 <= len(getter._idle) <= 200
+        assert (await getter.get(f"{server.url}/k", ranged(0, 100), 100)).data == BODY[:100]
+    finally:
+        getter.close()
