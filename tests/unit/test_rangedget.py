@@ -567,3 +567,29 @@ async def test_curl_aborts_among_many_transfers_leave_nothing_behind(server: Ser
         assert (await getter.get(f"{server.url}/k", ranged(0, 100), 100)).data == BODY[:100]
     finally:
         getter.close()
+
+
+async def test_curl_a_failure_of_its_thread_is_an_error_for_the_caller_and_the_next_get_starts_anew(
+        server: Server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A bug that stops libcurl's thread: the request in flight fails with an OSError (which the S3
+    store answers by repeating the GET through botocore), not a cancellation the reader would see,
+    and the engine is not left dead: the next request starts a new thread."""
+    getter = CurlGetter(connections=2, connect_timeout_s=2.0, read_timeout_s=5.0)
+    real = CurlGetter._finish
+    failures = [RuntimeError("a bug")]
+
+    def failing_once(self: CurlGetter, multi: object) -> None:
+        if failures and self._active:
+            raise failures.pop()
+        real(self, multi)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CurlGetter, "_finish", failing_once)
+    try:
+        with pytest.raises(OSError, match="thread stopped"):
+            await getter.get(f"{server.url}/k", ranged(0, 100), 100)
+        assert getter._thread is None  # the stopped thread let go of before its callers heard
+        assert "libcurl GET thread stopped" in caplog.text
+        assert (await getter.get(f"{server.url}/k", ranged(0, 100), 100)).data == BODY[:100]
+        assert getter._thread is not None and getter._thread.is_alive()
+    finally:
+        getter.close()

@@ -237,8 +237,8 @@ class CurlGetter:
     def _abort(self, transfer: _Transfer) -> None:
         transfer.cancelled = True
         with self._lock:
-            if self._closed:
-                return
+            if self._closed or self._thread is None:
+                return  # no thread holds it: it ended, and settled every transfer it had
             self._aborted.append(transfer)
             os.eventfd_write(self._wake_fd, 1)
 
@@ -254,12 +254,12 @@ class CurlGetter:
             multi.setopt(pycurl.M_MAXCONNECTS, self.connections)
             poller.register(self._wake_fd, select.EPOLLIN)
             self._turns(multi, poller)
-        except BaseException:  # noqa: BLE001 - whatever stopped the thread, no caller may wait forever
-            log.exception("the libcurl GET thread stopped")
-            with self._lock:
-                self._closed = True
+        except BaseException as exc:  # noqa: BLE001 - a bug: no caller may wait for ever, and the next starts anew
+            log.exception("the libcurl GET thread stopped (the next GET starts another)")
+            self._end(multi, CurlTransferError(f"the libcurl GET thread stopped ({type(exc).__name__})"))
+        else:
+            self._end(multi, None)
         finally:
-            self._end(multi)
             poller.close()
 
     def _turns(self, multi: pycurl.CurlMulti, poller: select.epoll) -> None:
@@ -412,29 +412,42 @@ class CurlGetter:
         for after in afters:
             after()  # never raises (tiering.handoff): its outcome goes to the loop
 
-    def _end(self, multi: pycurl.CurlMulti) -> None:
-        """The thread's last act: every transfer still running is cancelled for its caller."""
-        for handle, transfer in list(self._active.items()):
+    def _end(self, multi: pycurl.CurlMulti, error: BaseException | None) -> None:
+        """The thread's last act. After ``close()`` every transfer not finished is cancelled for its
+        caller (as a pool's queued jobs are); after a failure of the thread itself each gets ``error``
+        (an ``OSError``: the store repeats the GET through botocore), and the next ``get`` starts a new
+        thread."""
+        transfers = list(self._active.values())
+        for handle in list(self._active):
             multi.remove_handle(handle)
-            call_soon_from_thread(transfer.loop, _cancel_all, [transfer])
             handle.close()
         self._active.clear()
-        while self._submitted:
-            transfer = self._submitted.popleft()
-            call_soon_from_thread(transfer.loop, _cancel_all, [transfer])
         for handle in self._idle:
             handle.close()
         self._idle.clear()
+        self._watched.clear()
+        self._timer_at = None
         multi.close()
         with self._lock:
-            self._closed = True
+            transfers += self._submitted
+            self._submitted.clear()
+            self._aborted.clear()
             os.close(self._wake_fd)
             self._wake_fd = -1
+            self._thread = None
+        for transfer in transfers:
+            call_soon_from_thread(transfer.loop, _end_all, [transfer], error)
 
 
-def _cancel_all(transfers: list[_Transfer]) -> None:
+def _end_all(transfers: list[_Transfer], error: BaseException | None) -> None:
+    """On the loop: ``error`` for each transfer, or its cancellation where there is none."""
     for transfer in transfers:
-        transfer.future.cancel()
+        if transfer.future.done():
+            continue
+        if error is None:
+            transfer.future.cancel()
+        else:
+            transfer.future.set_exception(error)
 
 
 def _ignore(*_args: object) -> None:
