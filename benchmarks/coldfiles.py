@@ -12,7 +12,8 @@ one reader (this process's main thread):
 and reports files/s, and per file in ms: the daemon's CPU (its process tree, ``benchmarks.procstat``),
 its busiest thread's, every daemon thread's above 1% of the total (named by ``py-spy dump``: Python
 does not name its OS threads), the user and system CPU of the loop thread and of each thread group
-(``cachefs-get``: the GET workers, ``asyncio``: the disk-tier calls), the server's (``weed``), this
+(``cachefs-curl``: libcurl's thread, the small GETs and their disk-tier writes; ``cachefs-get``: the
+GET workers of large blocks; ``asyncio``: the disk-tier calls), the server's (``weed``), this
 process's (the reader's), how busy the whole machine was (``/proc/stat``), the announced order's hits
 and stalls, and the garbage collections of each generation the daemon ran in the pass and their CPU
 (``process`` in ``/stats``). Beside them the raw parallel small GET of the same run (the engine's own store path,
