@@ -28,8 +28,9 @@ presigning itself 0.4 ms (0.16 ms since ``tiering.objectstore.s3presign`` signs 
 first without the client's per-call machinery). So ``get_range`` presigns ``GetObject`` and sends
 each ``Range`` + ``If-Match`` GET from a worker thread of its own (``tiering.objectstore.rangedget``:
 the body is received off the event loop, straight into the block's buffer, and no redirect is ever
-followed; a range under ``CURL_MAX_BYTES``, a small file's block, goes through one libcurl multi handle
-in one thread instead, which costs a quarter of the CPU per GET: ``tiering.objectstore.getengines``). The URL of every key after the first is signed in that worker, as it sends the GET
+followed; a range under ``CURL_MAX_BYTES``, a small file's block, goes through one libcurl multi
+handle in one thread instead, a quarter of the CPU per GET: ``tiering.objectstore.getengines``). The
+URL of every key after the first is signed in that thread, as it sends the GET
 (``UrlSigner.sign_later``; the credentials are taken on the loop): signing was 6-10% of the event
 loop's GIL samples in a cold pass of small files (issue 35), one URL per file; such URLs are not
 kept, each block signs its own (7 us). The first URL, the client's, is kept for its key
