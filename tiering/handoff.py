@@ -11,8 +11,8 @@ How. The engine makes an ``AfterReceive`` around a blocking call (the guarded di
 passes it to the store's ``get_range``. A store that receives off the loop (S3's presigned path,
 ``tiering.objectstore.getengines``) *claims* it in the receiving thread, before the bytes are handed
 over, for an answer it will return (the exact range, the ETag asked for), and runs it after the
-handover: in the same worker (``RangedGetter``, large blocks), or in a small pool beside libcurl's
-thread (``CurlGetter``, small ones: that thread serves every transfer and must not wait for a disk);
+handover: in the same worker (``RangedGetter``, large blocks), or in libcurl's one thread once the
+answers of its turn are handed over (``CurlGetter``, small ones; a pool beside it measured dearer);
 the outcome comes back to the loop with one ``call_soon_threadsafe``. Any other store,
 or an answer it does not return (a fallback through botocore, an error), leaves it unclaimed, and the
 engine does the work as before (``GuardedDisk.put``, asyncio's pool). So ``claimed`` is read by the

@@ -13,13 +13,14 @@ How. One thread (``cachefs-curl``) runs libcurl's multi interface the event-driv
 which sockets it waits on (``M_SOCKETFUNCTION``) and when it wants its timers run
 (``M_TIMERFUNCTION``); the thread waits on those sockets and on an ``eventfd`` with ``epoll``, the GIL
 released, and calls ``socket_action`` for what is ready. libcurl connects, sends, parses the answer and
-keeps connections alive (its connection cache, at most ``connections`` open) in C; Python sees a
-no frame of its own while a transfer runs: libcurl's header callback is a list's ``append`` and its
-write callback a ``BytesIO``'s ``write`` (C methods; libcurl hands the body over in pieces of at most
-16 KiB, seven for a 100 KiB block, so seven Python calls a GET were measurable). When the transfer
-is done the thread reads the status and ``Content-Length`` from libcurl, the ``ETag`` from the kept
-header lines, and hands the ``BytesIO``'s bytes over as the block, without copying them again. The loop hands a request over by appending it
-to a queue and writing the ``eventfd``; the thread hands answers back with one
+keeps connections alive (its connection cache, at most ``connections`` open) in C. No Python frame
+of ours runs while a transfer does: libcurl's header callback is a list's ``append`` and its write
+callback a ``BytesIO``'s ``write`` (C methods; libcurl hands the body over in pieces of at most 16 KiB,
+about seven for a 100 KiB block, each still taking the GIL back; Python callbacks in their place
+measured the same, so this is kept as the simpler code). When the transfer is done the thread reads
+the status and ``Content-Length`` from libcurl, the ``ETag`` from the kept header lines, and hands the
+``BytesIO``'s bytes over as the block without copying them again. The loop hands a request over by
+appending it to a queue and writing the ``eventfd``; the thread hands answers back with one
 ``call_soon_threadsafe`` for every answer that finished in the same turn.
 
 What the caller's ``then`` returns (the disk-tier write of the block, ``tiering.handoff``) runs in the
@@ -41,7 +42,7 @@ verified against ``ca_bundle`` or the system's CAs. Each transfer has the connec
 timeout (no byte for that long ends it: libcurl's low-speed limit, in whole seconds) and the caller's
 deadline (``tiering.storehealth.request_timeout``) as libcurl's own; a caller that stops waiting
 aborts its transfer (removed from the multi handle in the thread: its connection is closed, its
-buffer dropped). URLs carry a signature: they are never logged or put in a message.
+bytes dropped). URLs carry a signature: they are never logged or put in a message.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from tiering.objectstore.rangedget import (
     Then,
     Url,
     call_soon_from_thread,
+    settle,
 )
 from tiering.storehealth import request_timeout
 
@@ -77,7 +79,8 @@ log = logging.getLogger(__name__)
 # Ranges below this go through libcurl (S3ObjectStore): small files' blocks. Larger ones are received
 # by RangedGetter, whose MSG_WAITALL receive copies each byte once with the GIL released.
 CURL_MAX_BYTES = 1024 * 1024
-# libcurl's receive buffer per transfer: a 100 KiB body in one or two callbacks, not seven.
+# libcurl's receive buffer per transfer (its default is 16 KiB): room for a 100 KiB body per socket
+# read. The write callback still gets at most 16 KiB a call (CURL_MAX_WRITE_SIZE, fixed at build).
 RECEIVE_BUFFER_BYTES = 256 * 1024
 # How long close() waits for the thread to end (it ends at its next wake-up, which close() causes).
 CLOSE_WAIT_S = 5.0
@@ -151,14 +154,7 @@ class _Transfer:
 def _settle_all(results: list[tuple[_Transfer, RangeAnswer | None, BaseException | None]]) -> None:
     """On the loop: every answer that finished in one turn of the thread."""
     for transfer, answer, error in results:
-        future = transfer.future
-        if future.done():
-            continue  # the caller stopped waiting
-        if error is not None:
-            future.set_exception(error)
-        else:
-            assert answer is not None
-            future.set_result(answer)
+        settle(transfer.future, answer, error)
 
 
 def _system_ca_paths() -> tuple[str | None, str | None]:
@@ -190,7 +186,7 @@ class CurlGetter:
         # The thread's own, from here on.
         self._active: dict[pycurl.Curl, _Transfer] = {}
         self._idle: list[pycurl.Curl] = []
-        self._watched: dict[int, int] = {}
+        self._watched: set[int] = set()  # the sockets registered with epoll
         self._timer_at: float | None = None
 
     async def get(self, url: Url, headers: Mapping[str, str], length: int,
@@ -290,7 +286,8 @@ class CurlGetter:
     def _watch(self, poller: select.epoll, what: int, fd: int) -> None:
         """libcurl's socket callback: wait on ``fd`` for ``what`` (or no more)."""
         if what == pycurl.POLL_REMOVE:
-            if self._watched.pop(fd, None) is not None:
+            if fd in self._watched:
+                self._watched.discard(fd)
                 try:
                     poller.unregister(fd)
                 except (OSError, ValueError):
@@ -306,7 +303,7 @@ class CurlGetter:
             poller.register(fd, mask)
         except FileExistsError:
             poller.modify(fd, mask)
-        self._watched[fd] = mask
+        self._watched.add(fd)
 
     def _on_timer(self, timeout_ms: int) -> None:
         """libcurl's timer callback: run its timeouts in ``timeout_ms`` (-1: no timer)."""
@@ -442,12 +439,10 @@ class CurlGetter:
 def _end_all(transfers: list[_Transfer], error: BaseException | None) -> None:
     """On the loop: ``error`` for each transfer, or its cancellation where there is none."""
     for transfer in transfers:
-        if transfer.future.done():
-            continue
         if error is None:
-            transfer.future.cancel()
+            transfer.future.cancel()  # nothing once it is done
         else:
-            transfer.future.set_exception(error)
+            settle(transfer.future, None, error)
 
 
 def _ignore(*_args: object) -> None:

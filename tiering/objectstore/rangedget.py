@@ -151,7 +151,8 @@ def call_soon_from_thread(loop: asyncio.AbstractEventLoop, callback: Callable[..
         pass  # the loop is closed: nobody waits for the answer
 
 
-def _settle(future: asyncio.Future[RangeAnswer], answer: RangeAnswer | None, error: BaseException | None) -> None:
+def settle(future: asyncio.Future[RangeAnswer], answer: RangeAnswer | None, error: BaseException | None) -> None:
+    """On the loop: the caller's future gets ``error`` or ``answer``, unless it stopped waiting."""
     if future.done():
         return  # the caller stopped waiting (its deadline, a cancelled read)
     if error is not None:
@@ -239,10 +240,10 @@ class RangedGetter:
         try:
             answer = self._run(request)
         except BaseException as exc:  # noqa: BLE001 - the caller's, on the loop
-            call_soon_from_thread(loop, _settle, future, None, exc)
+            call_soon_from_thread(loop, settle, future, None, exc)
             return
         after = then(answer) if then is not None else None
-        call_soon_from_thread(loop, _settle, future, answer, None)
+        call_soon_from_thread(loop, settle, future, answer, None)
         if after is not None:
             after()
 

@@ -187,8 +187,8 @@ def _etag_matches(returned: str | None, etag: str) -> bool:
 
 def _then(after: AfterReceive[Any], etag: str) -> Callable[[RangeAnswer], Callable[[], None] | None]:
     """For the GET engines' ``get``: ``after`` claimed, in the receiving thread, for an answer
-    ``_presigned_get`` returns (the exact range, the version asked for), and run off the loop once the
-    answer is handed over (in that thread, or the pool beside libcurl's)."""
+    ``_presigned_get`` returns (the exact range, the version asked for), and run in that thread once the
+    answer is handed over."""
     def then(answer: RangeAnswer) -> Callable[[], None] | None:
         data = answer.data
         if data is None or not _etag_matches(answer.etag, etag):
