@@ -36,7 +36,10 @@ def test_what_lives_at_start_up_is_frozen_and_what_comes_after_is_not(unfrozen: 
     kept = {"model": [1, 2, 3]}
     assert tracked(kept)
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() > 0
+    # Not ==: threads that earlier tests of this worker left running can free frozen objects (their
+    # reference counts reach zero) between the two counts; nothing but another freeze adds to it.
+    assert 0 < gc.get_freeze_count() <= frozen
+    assert frozen > 1000  # the whole heap of this process, not just what the test made
     assert not tracked(kept)  # no later collection visits it
     later = {"task": [4]}
     assert tracked(later)
