@@ -72,3 +72,47 @@ def test_next_use_counts_the_blocks_read_before(entries: list[int], opens: int) 
                 break
             read += block_count(ref.size, BS)
         assert order.next_use(key) == expected
+
+
+MANY = [ObjectRef(f"m{i}", "e", 100) for i in range(300)]
+big_steps = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.integers(0, len(MANY) - 1)),
+    st.tuples(st.just("get"), st.integers(0, len(MANY) - 1)),
+    st.tuples(st.just("open"), st.integers(0, len(MANY) - 1)),
+    st.tuples(st.just("discard"), st.integers(0, len(MANY) - 1)),
+    st.tuples(st.just("announce"), st.integers(0, len(MANY) - 1)),
+), max_size=400)
+
+
+@settings(max_examples=100, deadline=None)
+@given(big_steps, st.integers(64, 120))
+def test_a_tier_that_reuses_its_rankings_keeps_its_accounts(ops: list[tuple[str, int]], capacity: int) -> None:
+    """A tier large enough to reuse rankings (``RERANK_MIN_BLOCKS``), under puts, reads, discards,
+    opens and orders replaced or ended at random: it holds what it counts, within its capacity, and a
+    block that is never needed goes before one still needed whenever the ranking can tell."""
+    order = ReadOrder(100)
+    order.announce("s", MANY[::2])
+    ram = RamTier(capacity * 100, victim_order=order)
+    for op, arg in ops:
+        ref = MANY[arg]
+        k = BlockKey(ref.key, ref.etag, 0)
+        if op == "put":
+            before = set(ram.keys()) - {k}
+            ram.put(k, b"x" * 100)
+            evicted = before - set(ram.keys())
+            kept = set(ram.keys()) - {k}
+            if evicted and order.active():
+                # Never all of the kept blocks unneeded while an evicted one is needed.
+                assert not (all(order.next_use(e) < math.inf for e in evicted)
+                            and kept and all(order.next_use(x) == math.inf for x in kept))
+        elif op == "get":
+            ram.get(k)
+        elif op == "open":
+            order.opened(ref, ram.contains)
+        elif op == "discard":
+            ram.discard(k)
+        elif arg % 3 == 0:
+            order.end("s")
+        else:
+            order.announce("s", MANY[arg % 7::arg % 5 + 1])
+        assert ram.used_bytes() == 100 * len(ram) <= capacity * 100
