@@ -8,13 +8,16 @@ first). Blocks no one will read come first, then announced blocks, the one neede
 Belady's policy over the announced future, LRU over the unknown one.
 
 The ranking costs one ``next_use`` per candidate (~1.3 us each). The disk tier evicts in batches (to
-its low watermark), so that is paid once per ~10% of the tier, not per insert; the RAM tier, which
-evicts about one block per insert, reuses a ranking for many evictions (``tiering.tiers.ram``).
+its low watermark, ~10% of the tier) and walks the candidates with ``victims_in_order``, which stops
+asking once the batch is taken from blocks no one needs (exact: those come first in any ranking), so
+a tier of a million blocks is not ranked whole for every batch; the RAM tier, which evicts about one
+block per insert, reuses a ranking for many evictions (``tiering.tiers.ram``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+import math
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 from tiering.blocks import BlockKey
 from tiering.protocols import VictimOrder
@@ -28,9 +31,31 @@ def rank_victims(candidates: Sequence[T], order: VictimOrder | None,
     ranked them. ``key_of`` gives a candidate's block key, None when unknown (ranked as never needed)."""
     if order is None or not order.active():
         return candidates, False
+    return list(_ranked(candidates, order, key_of)), True
 
-    def distance(item: T) -> float:
+
+def victims_in_order(candidates: Iterable[T], order: VictimOrder | None,
+                     key_of: Callable[[T], BlockKey | None]) -> tuple[Iterator[T], bool]:
+    """``rank_victims``'s order, yielded as it is found: a caller that stops once it has taken enough
+    asks ``next_use`` only of the candidates it walked past, as long as the blocks not needed (which
+    come first, least recently used first) suffice. The candidates must not change meanwhile."""
+    if order is None or not order.active():
+        return iter(candidates), False
+    return _ranked(candidates, order, key_of), True
+
+
+def _ranked(candidates: Iterable[T], order: VictimOrder,
+            key_of: Callable[[T], BlockKey | None]) -> Iterator[T]:
+    """Blocks never needed in their order, then the others by next use, farthest first (ties in
+    their order): what a stable sort by distance, farthest first, gives."""
+    needed: list[tuple[float, int, T]] = []
+    for n, item in enumerate(candidates):
         key = key_of(item)
-        return float("inf") if key is None else order.next_use(key)
-
-    return sorted(candidates, key=distance, reverse=True), True
+        distance = math.inf if key is None else order.next_use(key)
+        if distance == math.inf:
+            yield item
+        else:
+            needed.append((-distance, n, item))
+    needed.sort(key=lambda entry: (entry[0], entry[1]))
+    for _, _, item in needed:
+        yield item

@@ -143,7 +143,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 from tiering.tiers.diskplaces import BlockPlaces, Record
 from tiering.tiers.diskdir import check_cache_dir, filesystem_free_bytes, remove_whole_files
@@ -167,7 +167,7 @@ from tiering.clock import Clock, SystemClock
 from tiering.health import TierHealth, TierState
 from tiering.private import PRIVATE_DIR_MODE
 from tiering.protocols import TierStats, VictimOrder
-from tiering.policy.victims import rank_victims
+from tiering.policy.victims import victims_in_order
 from tiering.settings import DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK
 
 log = logging.getLogger("tiering.tiers.disk")
@@ -649,11 +649,12 @@ class DiskTier:
             return []
         victims: list[str] = []
         remaining = self._used
-        candidates: Sequence[str] | OrderedDict[str, tuple[int, int]] = self._index
+        candidates: Iterable[str] = self._index
         ordered = False
         if self.victim_order is not None and self.victim_order.active():
-            candidates, ordered = rank_victims([d for d in self._index if self._evictable(d)], self.victim_order,
-                                               self._known.get)
+            # Walked lazily: the index does not change until the loop below is done.
+            candidates, ordered = victims_in_order((d for d in self._index if self._evictable(d)), self.victim_order,
+                                                   self._known.get)
         for digest in candidates:
             if remaining <= target_bytes:
                 break
