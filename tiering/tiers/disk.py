@@ -141,7 +141,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -158,6 +157,7 @@ from tiering.blocks import BlockData, BlockKey, ObjectRef, block_count, block_ra
 from tiering.tiers.wholefile import (
     WHOLE_DIRNAME,
     WHOLE_PREFIX,
+    TierIndex,
     WholeFileStats,
     whole_digest,
     write_whole,
@@ -229,7 +229,7 @@ class DiskTier:
         self._lock = threading.Lock()
         # digest -> (file size, generation), least recently used first. The generation tells a
         # reader whether the entry it looked up is still the one in the index when it comes back.
-        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._index = TierIndex()
         self._known: dict[str, BlockKey] = {}  # digest -> key, for keys seen in this process
         self._busy: set[str] = set()  # digests being written or deleted right now
         self._used = 0  # indexed file sizes + room reserved by writes in flight
@@ -461,8 +461,7 @@ class DiskTier:
     def whole_snapshot(self) -> dict[str, int]:
         """Whole files held now and their bytes (part of ``len()`` and ``used_bytes()``), and counters."""
         with self._lock:
-            sizes = [size for key, (size, _gen) in self._index.items() if key.startswith(WHOLE_PREFIX)]
-            return self.whole_stats.snapshot(sizes)
+            return self.whole_stats.snapshot(self._index.whole_files, self._index.whole_bytes)
 
     def discard_whole(self, ref: ObjectRef) -> None:
         self._drop(WHOLE_PREFIX + whole_digest(ref))

@@ -29,11 +29,15 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar, overload
 
 from tiering.blocks import BlockData, ObjectRef
+
+_T = TypeVar("_T")
+_MISSING: Any = object()
 
 WHOLE_DIRNAME = "whole"
 # Index keys of whole files in the disk tier's LRU index: a prefix no block digest (64 hex) has.
@@ -50,6 +54,55 @@ def whole_path(directory: Path, digest: str) -> Path:
     return directory / digest[:2] / digest
 
 
+class TierIndex(OrderedDict[str, tuple[int, int]]):
+    """The disk tier's LRU index (digest -> (size, generation)), counting the whole files in it as
+    entries come and go: ``/stats`` and every metrics scrape read the counts, where they walked the
+    whole index, under the tier's lock, each time (0.44 s for a million blocks on the 2-core VM)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.whole_files = 0
+        self.whole_bytes = 0
+
+    def __setitem__(self, key: str, value: tuple[int, int]) -> None:
+        if key[:1] == WHOLE_PREFIX:
+            old = self.get(key)
+            self.whole_files += old is None
+            self.whole_bytes += value[0] - (0 if old is None else old[0])
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        if key[:1] == WHOLE_PREFIX:
+            self._forget(self[key])
+        super().__delitem__(key)
+
+    @overload
+    def pop(self, key: str) -> tuple[int, int]: ...
+
+    @overload
+    def pop(self, key: str, default: _T) -> tuple[int, int] | _T: ...
+
+    def pop(self, key: str, default: Any = _MISSING) -> Any:
+        # (OrderedDict's pop, in C, does not go through __delitem__)
+        if key[:1] == WHOLE_PREFIX and key in self:
+            self._forget(self[key])
+        return super().pop(key) if default is _MISSING else super().pop(key, default)
+
+    def popitem(self, last: bool = True) -> tuple[str, tuple[int, int]]:
+        key, value = super().popitem(last)
+        if key[:1] == WHOLE_PREFIX:
+            self._forget(value)
+        return key, value
+
+    def clear(self) -> None:
+        super().clear()
+        self.whole_files = self.whole_bytes = 0
+
+    def _forget(self, value: tuple[int, int]) -> None:
+        self.whole_files -= 1
+        self.whole_bytes -= value[0]
+
+
 @dataclass
 class WholeFileStats:
     assembled: int = 0  # whole files written from checked blocks
@@ -57,9 +110,9 @@ class WholeFileStats:
     failed: int = 0  # assemblies abandoned: a block missing or failing its check, or a write error
     removed_at_start: int = 0  # found at start-up and removed (never trusted across a restart)
 
-    def snapshot(self, sizes: list[int]) -> dict[str, int]:
-        """The counters, with the files held now (``sizes``: each one's bytes)."""
-        return {"files": len(sizes), "bytes": sum(sizes), "assembled": self.assembled,
+    def snapshot(self, files: int, nbytes: int) -> dict[str, int]:
+        """The counters, with the files held now and their bytes."""
+        return {"files": files, "bytes": nbytes, "assembled": self.assembled,
                 "assembled_bytes": self.assembled_bytes, "failed": self.failed,
                 "removed_at_start": self.removed_at_start}
 
