@@ -63,6 +63,8 @@ KILL_WAIT_S = 10.0
 # Readiness probe: one signed ListBuckets with short timeouts, retried every POLL_INTERVAL_S.
 POLL_INTERVAL_S = 0.2
 PROBE_TIMEOUT_S = 2.0
+# Start-ups on ports the server chose itself, where another process took one of them before it bound.
+PORT_ATTEMPTS = 3
 # Lines of server log quoted in a start-up failure.
 LOG_TAIL_LINES = 40
 # Parallel uploads in put_many: enough to hide per-request latency on loopback, few enough for
@@ -178,10 +180,36 @@ class S3Server:
         }
 
     def start(self) -> "S3Server":
+        """Start the server; on ports it chose itself, again on new ones (up to ``PORT_ATTEMPTS``
+        times) where another process took one between choosing and binding (``free_ports`` lets go of
+        them before the server binds: with several test workers starting servers at once, a race)."""
         if self.running:
             return self
-        if self.s3_port is None:
-            self._choose_ports()
+        own_ports = self.s3_port is None  # a restart keeps its ports: no second choice there
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if own_ports:
+                self._choose_ports()
+            try:
+                return self._start_once()
+            except S3ServerError:
+                if not own_ports or attempt == PORT_ATTEMPTS or not self._lost_a_port():
+                    raise
+                self._discard_first_start()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _discard_first_start(self) -> None:
+        """Before a first start on new ports: nothing of the failed one is kept (no data was served)."""
+        self.s3_port = None
+
+    def _lost_a_port(self) -> bool:
+        """Whether the last start-up died binding a port another process holds (its log says so)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return "address already in use" in text[text.rfind("--- starting:"):].lower()
+
+    def _start_once(self) -> "S3Server":
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"--- starting: {' '.join(self._command())}\n".encode())
@@ -401,6 +429,12 @@ class SeaweedS3(S3Server):
             "-volume.preStopSeconds=0",
             "-master.electionTimeout=1s",
         ]
+
+    def _discard_first_start(self) -> None:
+        # The master's raft state names the ports it was started on: a start on new ones begins afresh.
+        super()._discard_first_start()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> "SeaweedS3":
         self.data_dir.mkdir(parents=True, exist_ok=True)
