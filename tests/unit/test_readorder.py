@@ -176,12 +176,8 @@ def test_ram_tier_evicts_unannounced_first_then_farthest() -> None:
     assert ram.stats.ordered_evictions == 2
 
 
-def follow_the_order(window: int) -> tuple[int, int, RamTier]:
-    """A reader following a 3,000-file order with blocks put ``window`` files ahead of it into a tier
-    of 500: its misses, and the ``next_use`` calls the tier made."""
-    order = ReadOrder(BS)
-    files = refs(3000, size=100)
-    order.announce("s", files)
+def counted_next_use(order: ReadOrder) -> list[int]:
+    """From now on, ``order.next_use`` counts its calls in the list returned (its only item)."""
     calls = [0]
     next_use = order.next_use
 
@@ -190,6 +186,16 @@ def follow_the_order(window: int) -> tuple[int, int, RamTier]:
         return next_use(k)
 
     order.next_use = counted  # type: ignore[method-assign]
+    return calls
+
+
+def follow_the_order(window: int) -> tuple[int, int, RamTier]:
+    """A reader following a 3,000-file order with blocks put ``window`` files ahead of it into a tier
+    of 500: its misses, and the ``next_use`` calls the tier made."""
+    order = ReadOrder(BS)
+    files = refs(3000, size=100)
+    order.announce("s", files)
+    calls = counted_next_use(order)
     ram = RamTier(500 * 100, victim_order=order)
     for r in files[:window]:
         ram.put(key(r), b"x" * 100)
@@ -241,14 +247,7 @@ def test_a_disk_tier_batch_asks_the_order_about_the_blocks_it_walks_not_its_whol
         while disk.stats.evictions == 0:
             before = len(disk)
             if put == 150:  # every block put from here on is needed: count the questions of the batch
-                calls = [0]
-                next_use = order.next_use
-
-                def counted(k: BlockKey) -> float:
-                    calls[0] += 1
-                    return next_use(k)
-
-                order.next_use = counted  # type: ignore[method-assign]
+                calls = counted_next_use(order)
             disk.put(key(files[put]), b"x" * block)
             put += 1
         evicted = before + 1 - len(disk)

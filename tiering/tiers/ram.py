@@ -27,14 +27,15 @@ data only); pinning and dirty blocks will plug in there without touching ``put``
 Ranked eviction, paid for once per many evictions. Ranking asks the order for every held block's
 next use. Once full, the tier evicts about one block per insert, so ranking at every eviction made
 each insert cost O(blocks held): measured (``benchmarks.coldfiles``, announced, 100 KiB files, a 64 MiB
-tier of ~640 blocks) it was half of the event loop's CPU, 0.57-0.63 ms per cold file against 0.19 with
-the tier never full; a 1 GiB tier holds ~10,000 such blocks. So a ranking is kept (``_ranked``,
-farthest first) and consumed by the evictions that follow: its head is taken while its next use is
-``inf`` now (asked again: one ``next_use`` call, and exact, since nothing kept can be needed later than
-never), or, up to ``len // RERANK_SHARE`` times per ranking, taken as ranked (blocks read since the
-ranking may have moved); then the tier ranks again. Blocks put after a ranking are not in it and wait
-for the next one. A tier of fewer than ``RERANK_MIN_BLOCKS`` blocks ranks again at every eviction
-whose head is still needed: exact Belady, as cheap there as it ever was.
+tier of ~640 blocks) it was half of the event loop's CPU, 0.61-0.70 ms per cold file against 0.225
+with the tier never full; a 1 GiB tier holds ~10,000 such blocks. So a ranking is kept (``_ranked``,
+farthest first) and used by the evictions that follow, each of which takes: the block read longest ago
+since the ranking (``_read``) if it is not needed now (one ``next_use`` call, exact: nothing kept can
+be needed later than never); else, of the ranking's head and the block put last since the ranking
+(``_fresh``), one not needed now, or the one used farther while the ranking may still be used as it
+stood (``len // RERANK_SHARE`` such takes per ranking); else the head of a new ranking. A tier of
+fewer than ``RERANK_MIN_BLOCKS`` blocks never uses a ranking as it stood: exact Belady there, as
+cheap as it ever was.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from tiering.policy.victims import rank_victims
 # again (module docstring); below RERANK_MIN_BLOCKS blocks it serves none (exact at every eviction).
 RERANK_SHARE = 8
 RERANK_MIN_BLOCKS = 64
+
 
 class RamTier:
     """An in-memory LRU of blocks, bounded by ``capacity_bytes`` of payload.
@@ -187,9 +189,10 @@ class RamTier:
             self._evict(key, ordered=False)
 
     def _next_ranked(self) -> BlockKey | None:
-        """The next victim under the active victim order (module docstring): of the last ranking's
-        head and the block put last since that ranking, one not needed now, else the farther while
-        the ranking may still be used as it is; else the head of a new ranking."""
+        """The next victim under the active victim order (module docstring): the block read longest
+        ago since the last ranking if not needed now; else, of that ranking's head and the block put
+        last since, one not needed now, or the farther while the ranking may still be used as it
+        stood; else the head of a new ranking."""
         order = self.victim_order
         assert order is not None
         ranked, fresh, read = self._ranked, self._fresh, self._read
@@ -208,7 +211,7 @@ class RamTier:
             last = order.next_use(fresh[-1]) if fresh else -1.0
             # Never needed: exact whatever the ranking's age. Else the farther, a bounded number of times.
             if math.inf in (head, last) or self._stale_takes > 0:
-                if not (head == math.inf or last == math.inf):
+                if math.inf not in (head, last):
                     self._stale_takes -= 1
                 return fresh.pop() if last > head else ranked.popleft()
         candidates, _ = rank_victims([k for k in self._blocks if self._evictable(k)], order, lambda k: k)
