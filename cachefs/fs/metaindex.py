@@ -73,6 +73,12 @@ CREATE TABLE IF NOT EXISTS entries (
 """
 
 
+# A name in a stored directory: no row when the directory is not stored, NULL ``e.name`` when the
+# name is not in it (``size`` alone cannot tell: it is NULL for a subdirectory).
+_LOOKUP = ("SELECT d.fetched_at, e.name, e.size, e.etag, e.mtime FROM dirs d "
+           "LEFT JOIN entries e ON e.dir = d.id AND e.name = ? WHERE d.path = ?")
+
+
 def _join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
 
@@ -176,15 +182,16 @@ class MetadataIndex:
     def lookup(self, path: str, name: str) -> tuple[float, object] | None:
         """``name`` in the stored listing of ``path``: (fetched_at, entry or MISSING); None when the
         directory is not stored."""
+        # One statement, so one read transaction (two took 10-12 us a lookup, this 5-6, measured alone
+        # on 8,000 entries): a LOOKUP after a remount asks it for every file.
         with self._lock:
-            row = self._conn.execute("SELECT id, fetched_at FROM dirs WHERE path = ?", (path,)).fetchone()
-            if row is None:
-                return None
-            hit = self._conn.execute("SELECT size, etag, mtime FROM entries WHERE dir = ? AND name = ?",
-                                     (row[0], name)).fetchone()
-        if hit is None:
-            return float(row[1]), MISSING
-        return float(row[1]), _entry(path, name, *hit)
+            row = self._conn.execute(_LOOKUP, (name, path)).fetchone()
+        if row is None:
+            return None
+        fetched_at, found, size, etag, mtime = row
+        if found is None:
+            return float(fetched_at), MISSING
+        return float(fetched_at), _entry(path, name, size, etag, mtime)
 
     def count(self, path: str) -> int | None:
         with self._lock:

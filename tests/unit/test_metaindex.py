@@ -43,7 +43,10 @@ def test_store_load_lookup_and_reopen(tmp_path: Path) -> None:
     assert index.load("d") == (wall.now, {"a": info("d/a", 3, "x"), "sub": None})
     assert index.lookup("d", "a") == (wall.now, info("d/a", 3, "x"))
     assert index.lookup("d", "nope") == (wall.now, MISSING)
+    assert index.lookup("d", "sub") == (wall.now, None)  # a subdirectory: stored, no size
     assert index.lookup("other", "a") is None
+    index.store("empty", [])
+    assert index.lookup("empty", "a") == (wall.now, MISSING)  # a stored directory with no entries
     index.close()
     again = MetadataIndex(tmp_path / INDEX_FILENAME, wall=wall)
     assert again.total_entries == 2
