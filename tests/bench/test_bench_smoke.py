@@ -80,6 +80,9 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
     assert pt["local"]["big_mb_s"] > 0 and pt["local"]["small_files_s"] > 0, pt
     assert pt["daemon"]["big"]["reads"] > 0 and pt["daemon"]["small"]["reads"] >= 20, pt
     assert pt["daemon"]["small"]["daemon_us_per_file"] > 0, pt
+    # The C floor of the same epoch (a libfuse null server), or why it is missing.
+    assert (pt["null_file_us"] is None) == (pt["null_unavailable"] is not None), pt
+    assert pt["null_unavailable"] is not None or pt["null_file_us"] > 0, pt
     if pt["unavailable"] is None:
         assert pt["passthrough"]["big"]["reads"] == pt["passthrough"]["small"]["reads"] == 0, pt
         assert pt["passthrough"]["small"]["passthrough_opens"] == 20 and pt["ratios"]["passthrough_epoch"] > 0, pt
