@@ -1,7 +1,8 @@
 """The daemon's control API: HTTP over a unix socket (and, when asked, over TCP for stats).
 
 Endpoints: ``GET /stats`` (the JSON of ``cachefs stats --json``), ``GET /healthz`` (200 while the mount
-is serving), ``GET /info`` (pid, source, mountpoint). The unix socket lives in a private directory
+is serving), ``GET /info`` (pid, source, mountpoint; ``stats_addr``, the TCP address bound, port 0
+answered by the one the kernel gave). The unix socket lives in a private directory
 (mode 0700) and its path is published as the ``user.cachefs.control`` extended attribute of the mount
 root (``cachefs.mounts.CONTROL_XATTR``), so the CLI needs nothing but the mountpoint. aiohttp is
 already on the event loop through s3fs, so the control API costs no extra thread or dependency. The
@@ -124,10 +125,6 @@ class ControlServer:
             self.socket_path.unlink()
         await web.UnixSite(self._runner, str(self.socket_path)).start()
         os.chmod(self.socket_path, 0o600)
-        # What /info says, kept beside the socket: a mount whose daemon died (kill -9, OOM) can no
-        # longer be asked, and `cachefs unmount` still finds its cache directory here.
-        write_private_file(self.socket_path.with_suffix(RECORD_SUFFIX),
-                           (json.dumps(self.info, default=str, sort_keys=True) + "\n").encode())
         if tcp_host is not None and tcp_port is not None:
             self._tcp_runner = web.AppRunner(self._app(public_only=True), access_log=None)
             await self._tcp_runner.setup()
@@ -141,6 +138,12 @@ class ControlServer:
             server = site._server  # aiohttp exposes the bound port only here
             if isinstance(server, asyncio.Server) and server.sockets:
                 self.tcp_port = server.sockets[0].getsockname()[1]
+                # The address bound (port 0 asks the kernel for a free one: /info names it).
+                self.info["stats_addr"] = f"{tcp_host}:{self.tcp_port}"
+        # What /info says, kept beside the socket: a mount whose daemon died (kill -9, OOM) can no
+        # longer be asked, and `cachefs unmount` still finds its cache directory here.
+        write_private_file(self.socket_path.with_suffix(RECORD_SUFFIX),
+                           (json.dumps(self.info, default=str, sort_keys=True) + "\n").encode())
 
     async def stop(self) -> None:
         for runner in (self._tcp_runner, self._runner):

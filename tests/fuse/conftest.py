@@ -89,6 +89,14 @@ class Mount:
     def gets(self) -> int:
         return self.stats()["object_store"]["get_requests"]
 
+    def stats_port(self) -> int:
+        """The port ``--stats-addr HOST:0`` bound (named by the control socket's ``/info``): tests ask
+        for port 0, not for a port found free, which another process may take before the daemon binds."""
+        from cachefs.client import call
+
+        addr = call(self.path, "/info")["stats_addr"]
+        return int(addr.rpartition(":")[2])
+
     def unmount(self) -> subprocess.CompletedProcess[str]:
         result = run_cli("unmount", str(self.path), env=self.env)
         if result.returncode != 0:  # what the daemon said last goes into the failing assertion's message

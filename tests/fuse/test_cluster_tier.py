@@ -225,13 +225,13 @@ def test_a_cluster_store_down_at_mount_is_a_miss_and_is_used_again_once_it_answe
 
     source, cluster = servers
     clear_cluster(cluster)
-    port = free_ports(1)[0]
     keys = sorted(FILES)
     cluster.stop_keep_data()
     try:
-        mount = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), "--stats-addr", f"127.0.0.1:{port}",
+        mount = mounter.mount(f"s3://{SOURCE_BUCKET}", *cluster_args(cluster), "--stats-addr", "127.0.0.1:0",
                               "--dir-ttl", "0",
                               env=cluster_env)
+        port = mount.stats_port()
         assert "cachefs: warning: cluster cache" in mount.stderr and "unreachable" in mount.stderr, mount.stderr
         assert read_all(mount) == FILES
         stats = mount.stats()

@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachefs.client import request_json
 from tests.fuse.conftest import CLI, Mount, run_cli
-from tests.support.s3servers import free_ports
 
 KiB, MiB = 1024, 1024 * 1024
 BLOCK = "256KiB"
@@ -142,9 +141,10 @@ def _shape(value):
 
 def test_metrics_stats_and_health_endpoints(seaweed, bucket: str, mounter) -> None:
     upload(seaweed, bucket, {"a.bin": MiB, "b.bin": MiB})
-    port = free_ports(1)[0]
-    m = mounter.mount(f"s3://{bucket}/ds", "--block-size", BLOCK, "--stats-addr", f"127.0.0.1:{port}",
+    m = mounter.mount(f"s3://{bucket}/ds", "--block-size", BLOCK, "--stats-addr", "127.0.0.1:0",
                       env=s3env(seaweed))
+    port = m.stats_port()
+    assert port > 0
     (m.path / "a.bin").read_bytes()
     assert cli(m, "prefetch", str(m.path), "b.bin", "--pin").returncode == 0
     base = f"http://127.0.0.1:{port}"

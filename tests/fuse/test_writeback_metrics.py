@@ -13,7 +13,6 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fuse.conftest import Mounter, run_cli
-from tests.support.s3servers import free_ports
 
 PAYLOAD = b"checkpoint " * 1000
 HTTP_TIMEOUT_S = 10
@@ -29,9 +28,9 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_writeback_series_over_the_stats_address(tmp_path: Path, mounter: Mounter) -> None:
     root = tmp_path / "bucket"
     root.mkdir()
-    port = free_ports(1)[0]
-    m = mounter.mount(f"file://{root}", "--stats-addr", f"127.0.0.1:{port}", "--upload-delay", "3600",
+    m = mounter.mount(f"file://{root}", "--stats-addr", "127.0.0.1:0", "--upload-delay", "3600",
                       "--disk-cache", "64MiB")
+    port = m.stats_port()
     (m.path / "out.bin").write_bytes(PAYLOAD)
 
     before = scrape(port)
