@@ -11,6 +11,7 @@ import pytest
 
 from cachefs.client import ControlError, _request_json, answer_value
 from cachefs.daemon.control import ControlRequestError, ControlServer
+from cachefs.mounts import RECORD_SUFFIX
 
 
 @pytest.fixture
@@ -33,7 +34,12 @@ async def server(tmp_path: Path):
 async def test_json_routes_over_the_unix_socket(server: ControlServer) -> None:
     sock = str(server.socket_path)
     assert (await _request_json(sock, "/stats", "GET", None, 5))["hit_ratio"] == 0.5
-    assert (await _request_json(sock, "/info", "GET", None, 5)) == {"pid": 42}
+    # /info with the address the TCP listener bound (asked for port 0: the kernel's choice, named)
+    assert (await _request_json(sock, "/info", "GET", None, 5)) == {"pid": 42,
+                                                                    "stats_addr": f"127.0.0.1:{server.tcp_port}"}
+    assert server.tcp_port
+    record = json.loads(server.socket_path.with_suffix(RECORD_SUFFIX).read_text())
+    assert record["stats_addr"] == f"127.0.0.1:{server.tcp_port}"  # (the record beside the socket too)
     assert (await _request_json(sock, "/echo?a=1", "POST", {"b": 2}, 5)) == {"got": {"a": "1", "b": 2}}
     with pytest.raises(ControlError, match="refused: no"):
         await _request_json(sock, "/echo", "POST", {"fail": "no"}, 5)
