@@ -17,7 +17,7 @@ from tiering.engine.blockcache import BlockCache
 from tiering.blocks import MIN_BLOCK_SIZE, BlockKey, ObjectRef
 from tiering.clock import FakeClock
 from tiering.tiers.disk import DiskTier
-from tiering.objectstore.memory import InMemoryObjectStore
+from tiering.objectstore.memory import FailingObjectStore, InMemoryObjectStore
 from tiering.engine.orderprefetch import OrderPrefetcher, window_limit
 from tiering.tiers import ram as ram_module
 from tiering.tiers.ram import RamTier
@@ -333,6 +333,42 @@ def test_a_diverging_reader_reads_correct_bytes_and_waste_is_bounded() -> None:
         # At most one window beyond the furthest entry opened (index 21) was fetched.
         assert order.streams()[0].cursor <= 21 + 1 + 3
         await pf.stop()
+
+    asyncio.run(main())
+
+
+def test_each_announced_load_is_counted_once_settled_and_gives_its_slot_back() -> None:
+    """Failed loads count as errors, fetched ones as prefetched; either way the slot comes back, and
+    stopping the prefetcher leaves a load a reader joined to finish for that reader."""
+    async def main() -> None:
+        inner = InMemoryObjectStore()
+        files = stored(inner, 12, 10_000)
+        store = FailingObjectStore(inner, fail_gets=True)
+        cache = BlockCache(CacheSettings(block_size=BS, ram_bytes=64 * BS, disk_bytes=0, max_concurrent_fetches=8),
+                           store, RamTier(64 * BS))
+        order = ReadOrder(BS)
+        pf = OrderPrefetcher(order, cache, window_bytes=40_000)
+        order.announce("s", files)
+        await pf.round()
+        await pf.drain()
+        assert order.stats.prefetch_errors == 4 and order.stats.prefetched_blocks == 0
+        assert pf._slots._value == pf.slot_count  # every slot given back
+        store.fail_gets = False
+        for r in files[:4]:
+            order.opened(r, cache.is_cached)
+        store.delay_s = 0.05
+        await pf.round()  # the next ones, slow
+        in_flight = pf.slot_count - pf._slots._value
+        assert in_flight == len(pf._loads) > 0  # a slot held by each load until it settles
+        joined = asyncio.ensure_future(cache.read(files[4], 0, 10_000))
+        await asyncio.sleep(0)
+        await pf.stop()  # ...stopped while they are in flight: the loads go on
+        assert bytes(await joined) == bytes([4]) * 10_000
+        await pf.drain()
+        assert order.stats.prefetched_blocks == in_flight and order.stats.prefetch_errors == 4
+        assert pf._slots._value == pf.slot_count
+        assert all(cache.is_cached(key(r)) for r in files[4:4 + in_flight])
+        assert inner.stats.get_requests == in_flight  # the reader joined its load: no GET of its own
 
     asyncio.run(main())
 

@@ -279,16 +279,22 @@ class BlockCache:
             started += 1
         return started
 
-    async def load_ahead(self, ref: ObjectRef, index: int) -> bool:
-        """Load one block into RAM (and the disk tier) as read-ahead does, and wait for it, without
-        counting a read: for announced read orders (``tiering.engine.orderprefetch``). Returns whether a
-        load was needed (False: already in RAM). Raises the load's error."""
+    def start_ahead(self, ref: ObjectRef, index: int) -> asyncio.Future[BlockData] | None:
+        """Start loading one block into RAM (and the disk tier) as read-ahead does, or join its load,
+        without counting a read: for announced read orders (``tiering.engine.orderprefetch``). The
+        load's future (shared: never cancel it), or None where the block is in RAM already."""
         key = BlockKey(ref.key, ref.etag, index)
         if self.ram.contains(key):
-            return False
+            return None
         fut = self.loads.future(key)
+        return fut if fut is not None else self.loads.start(ref, key, readahead=True)
+
+    async def load_ahead(self, ref: ObjectRef, index: int) -> bool:
+        """``start_ahead``, waited for: whether a load was needed (False: already in RAM). Raises the
+        load's error."""
+        fut = self.start_ahead(ref, index)
         if fut is None:
-            fut = self.loads.start(ref, key, readahead=True)
+            return False
         await asyncio.shield(fut)
         return True
 

@@ -3,7 +3,7 @@
 One task for the mount. Each round it asks every stream for the entries that fit in its share of
 the window (``ReadOrder.ahead``: the window is split evenly between the streams, so several
 DataLoader workers or ranks share one bound), taking one entry per stream in turn so no stream
-starves the others, and starts a load for each of their blocks (``BlockCache.load_ahead``: the
+starves the others, and starts a load for each of their blocks (``BlockCache.start_ahead``: the
 same single-flight table and fetch slots as reads, so a reader arriving while its block is being
 fetched joins that fetch). Then it sleeps until the order changes: an announce, or an open that
 moves a stream's position and so frees room in its window.
@@ -27,7 +27,7 @@ import asyncio
 import logging
 
 from tiering.engine.blockcache import BlockCache
-from tiering.blocks import ObjectRef, block_count
+from tiering.blocks import BlockData, ObjectRef, block_count
 from tiering.policy.readorder import ReadOrder
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class OrderPrefetcher:
         order.window_limit_bytes = self.window_bytes
         self.slot_count = max(1, int(cache.settings.max_concurrent_fetches * SLOT_SHARE))
         self._slots = asyncio.Semaphore(self.slot_count)
-        self._loads: set[asyncio.Task[None]] = set()
+        # The loads started and not yet settled (their futures are the engine's, shared with readers).
+        self._loads: set[asyncio.Future[BlockData]] = set()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -65,11 +66,11 @@ class OrderPrefetcher:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._loads) if t is not None]
-        for task in tasks:
+        """Stop starting loads; those started go on (the engine's, shared with readers, ended by its close)."""
+        task, self._task = self._task, None
+        if task is not None:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._task = None
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:
@@ -97,23 +98,41 @@ class OrderPrefetcher:
                     blocks = min(block_count(ref.size, self.cache.block_size), max(1, share // self.cache.block_size))
                     for index in range(blocks):
                         await self._slots.acquire()
-                        task = asyncio.get_running_loop().create_task(self._load(ref, index))
-                        self._loads.add(task)
-                        task.add_done_callback(self._loads.discard)
+                        self._start(ref, index)
         return handed
 
-    async def _load(self, ref: ObjectRef, index: int) -> None:
-        stats = self.order.stats
+    def _start(self, ref: ObjectRef, index: int) -> None:
+        """One block's load, holding one of the slots until it settles. A callback on the engine's
+        future, not a task awaiting it: a task and a shield per block were a quarter of the loop's
+        bookkeeping per announced block (measured alone: 35-38 -> 27 us)."""
         try:
-            if await self.cache.load_ahead(ref, index):
-                stats.prefetched_blocks += 1
+            fut = self.cache.start_ahead(ref, index)
         except Exception as exc:  # noqa: BLE001 - the reader's own read fetches it again
-            stats.prefetch_errors += 1
-            log.debug("announced load of %r block %d failed: %s", ref.key, index, exc)
-        finally:
             self._slots.release()
+            self._failed(ref, index, exc)
+            return
+        if fut is None:  # in RAM already
+            self._slots.release()
+            return
+        self._loads.add(fut)
+        fut.add_done_callback(lambda done: self._settled(done, ref, index))
+
+    def _settled(self, fut: asyncio.Future[BlockData], ref: ObjectRef, index: int) -> None:
+        self._loads.discard(fut)
+        self._slots.release()
+        if fut.cancelled():
+            return  # (the engine closing, or the load abandoned: nothing to count)
+        exc = fut.exception()
+        if exc is None:
+            self.order.stats.prefetched_blocks += 1
+        else:
+            self._failed(ref, index, exc)
+
+    def _failed(self, ref: ObjectRef, index: int, exc: BaseException) -> None:
+        self.order.stats.prefetch_errors += 1
+        log.debug("announced load of %r block %d failed: %s", ref.key, index, exc)
 
     async def drain(self) -> None:
         """Wait for the loads started so far (tests)."""
         while self._loads:
-            await asyncio.gather(*list(self._loads), return_exceptions=True)
+            await asyncio.wait(list(self._loads))  # (never cancels them: they are the engine's)
