@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="volumes the node accepts, reported to the scheduler (default 0: no limit)")
     p.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
                    help="serve Prometheus /metrics (the driver's and every mount's) here, e.g. 127.0.0.1:9810 "
-                        "(the DaemonSet: the pod's own address)")
+                        "(the DaemonSet: the pod's own address; port 0: a free one, named in the log)")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--driver-name", default=DRIVER_NAME, help=argparse.SUPPRESS)  # tests only
     return p
@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from csi_driver import metrics
 
         host, _, port = args.metrics_addr.rpartition(":")
-        if not port.isdigit() or not 0 < int(port) < 65536:
+        if not port.isdigit() or not 0 <= int(port) < 65536:
             print(f"cachefs-csi: error: --metrics-addr {args.metrics_addr!r}: expected HOST:PORT", file=sys.stderr)
             return 2
         lookup = metrics.volume_lookup(node.settings.cache_root) if node is not None else (lambda target: None)
@@ -373,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             print(f"cachefs-csi: error: cannot serve metrics on {args.metrics_addr}: {exc.strerror}", file=sys.stderr)
             return 2
+        # The port bound (port 0 asks the kernel for a free one; this line names it).
+        log.info("serving metrics on %s:%d", host, metrics_server.server_address[1])
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

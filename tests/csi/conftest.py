@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -230,9 +231,6 @@ def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None,
     sock = sock_dir / "csi.sock"
     log_path = workdir / "driver.log"
     cache_root = workdir / "node-cache"
-    from tests.support.s3servers import free_ports
-
-    (metrics_port,) = free_ports(1)
     exe = Path(sys.executable).with_name("cachefs-csi")
     if command is None:
         command = [str(exe)] if exe.exists() else [sys.executable, "-m", "csi_driver.main"]
@@ -243,7 +241,7 @@ def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None,
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [*command, "--endpoint", f"unix://{sock}", "--node-id", "test-node", "--mode", "all",
-             "--cache-root", str(cache_root), "--run-root", str(run_root), "--log-level", "DEBUG", "--metrics-addr", f"127.0.0.1:{metrics_port}",
+             "--cache-root", str(cache_root), "--run-root", str(run_root), "--log-level", "DEBUG", "--metrics-addr", "127.0.0.1:0",
              # The tests' stores listen on 127.0.0.1, which volumes may not name by default
              # (csi_driver.trust); a test of the allow-list passes its own.
              *([] if "--allowed-endpoints" in extra else ["--allow-local-endpoints"]), *extra],
@@ -263,8 +261,15 @@ def start_driver(workdir: Path, *extra: str, env: dict[str, str] | None = None,
                 proc.kill()
                 raise RuntimeError(f"cachefs-csi did not answer on {sock}:\n{log_path.read_text()[-3000:]}") from None
             time.sleep(0.1)
+    # Port 0: the kernel chose a free port (one found free here could be taken before the driver
+    # bound it); the driver names it in its log before it serves gRPC.
+    # (The log is appended to by each driver of the workdir: the last line is this one's.)
+    bound = re.findall(r"serving metrics on 127\.0\.0\.1:(\d+)", log_path.read_text())
+    if not bound:
+        proc.kill()
+        raise RuntimeError(f"cachefs-csi did not say where it serves metrics:\n{log_path.read_text()[-3000:]}")
     return Driver(proc, workdir, sock, log_path, cache_root, channel, identity,
-                  csi_pb2_grpc.NodeStub(channel), csi_pb2_grpc.ControllerStub(channel), metrics_port)
+                  csi_pb2_grpc.NodeStub(channel), csi_pb2_grpc.ControllerStub(channel), int(bound[-1]))
 
 
 def stop_driver(driver: Driver) -> None:

@@ -699,3 +699,16 @@ def test_the_mounts_metric_counts_every_pods_bind_and_an_unrestored_one_as_broke
     gone.mkdir(parents=True)
     text = metrics.render(lambda: {}, lambda: {str(gone): "vol-1"})
     assert 'cachefs_csi_mounts{state="broken"} 1' in text and 'cachefs_csi_mounts{state="healthy"} 0' in text
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:nope", "127.0.0.1:70000", "127.0.0.1:"])
+def test_metrics_addr_refuses_what_is_not_a_port(tmp_path: Path, address: str) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "csi_driver.main", "--endpoint", f"unix://{tmp_path}/s.sock",
+                             "--node-id", "n", "--mode", "controller", "--metrics-addr", address],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"cachefs-csi: error: --metrics-addr {address!r}: expected HOST:PORT")
