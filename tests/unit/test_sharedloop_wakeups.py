@@ -96,6 +96,37 @@ def test_a_handoff_between_the_loops_look_at_its_queue_and_its_wait_is_not_lost(
         loop.close()
 
 
+def test_a_handoff_queued_while_the_loop_goes_to_wait_wakes_it() -> None:
+    """The other window: the handing thread has started its handoff while the loop ran, and queues the
+    callback only once the loop waits. It must then see the loop waiting and wake it (it reads the
+    loop's state after queueing; read before, it would have seen a running loop and written nothing)."""
+    loop = SharedLoop()
+    selector = loop._selector_with_lock
+    entered = threading.Event()
+    queue = loop._call_soon  # type: ignore[attr-defined]
+
+    def queue_once_the_loop_waits(*args: object) -> object:
+        entered.set()
+        deadline = time.monotonic() + LATE_S
+        while selector.wakes_at == -math.inf and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)  # the loop is in its wait by now
+        return queue(*args)
+
+    loop._call_soon = queue_once_the_loop_waits  # type: ignore[attr-defined]
+    try:
+        thread = threading.Thread(target=loop.call_soon_threadsafe, args=(lambda: None,))
+        thread.start()
+        assert entered.wait(DEADLINE_S)
+        started = time.monotonic()
+        selector.select(WAIT_S)  # the loop's wait (state_lock held: ours), as its turn would make it
+        assert time.monotonic() - started < LATE_S, "the loop slept with a callback in its queue"
+        thread.join(DEADLINE_S)
+        assert loop.wakes_skipped == 0 and len(loop._ready) == 1  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
 def test_a_handoff_to_a_waiting_loop_wakes_it_at_once() -> None:
     async def main() -> float:
         loop = asyncio.get_running_loop()
