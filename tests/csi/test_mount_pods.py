@@ -439,9 +439,13 @@ def test_a_mount_pod_that_cannot_start_fails_the_stage_at_once_and_leaves_nothin
 def test_an_api_server_away_at_start_up_does_not_stop_the_plugin(workdir) -> None:
     """The plugin serves (unpublish and unstage need no API) and takes over its mount pods once the
     API answers."""
-    from tests.support.s3servers import free_ports
+    from tests.support.s3servers import refusing_port
 
-    (port,) = free_ports(1)
+    with refusing_port() as port:  # refused until the double listens there (it binds with SO_REUSEADDR)
+        api_away_at_start_up(workdir, port)
+
+
+def api_away_at_start_up(workdir, port: int) -> None:
     api = ApiDouble(workdir, port=port)
     config = {"apiVersion": "v1", "kind": "Config", "current-context": "c",
               "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],

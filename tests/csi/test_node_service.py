@@ -242,16 +242,17 @@ def test_a_cluster_store_that_is_down_never_stops_a_publish(csi, seaweed, datase
     port with nothing listening) mounts; every byte comes from the source, and the tier's circuit is
     open in the mount's /stats."""
     from cachefs.client import call
-    from tests.support.s3servers import free_ports
+    from tests.support.s3servers import refusing_port
 
     bucket, files = dataset
     target = csi.target()
-    context = context_for(seaweed, bucket, clusterCache="s3://shared/cache",
-                          clusterEndpointUrl=f"http://127.0.0.1:{free_ports(1)[0]}", clusterTimeout="2")
-    csi.publish("vol-cluster-down", target, context, secrets=secrets_of(seaweed), readonly=True,
-                capability=mount_capability(AccessMode.MULTI_NODE_READER_ONLY))
-    assert read_tree(target) == files
-    cluster = call(target, "/stats")["cluster"]
+    with refusing_port() as nobody:
+        context = context_for(seaweed, bucket, clusterCache="s3://shared/cache",
+                              clusterEndpointUrl=f"http://127.0.0.1:{nobody}", clusterTimeout="2")
+        csi.publish("vol-cluster-down", target, context, secrets=secrets_of(seaweed), readonly=True,
+                    capability=mount_capability(AccessMode.MULTI_NODE_READER_ONLY))
+        assert read_tree(target) == files
+        cluster = call(target, "/stats")["cluster"]
     assert cluster["state"] == "down" and cluster["hits"] == 0, cluster
     csi.unpublish("vol-cluster-down", target)
     assert mounts.find_mount(target) is None

@@ -29,7 +29,7 @@ from tests.csi.kustomize import kustomize_build
 from tests.csi.test_manifests import DEPLOY
 from tests.support.kubeapi import ApiDouble, OperatorApiServer
 from tests.support.kubelet import Kubelet
-from tests.support.s3servers import free_ports
+from tests.support.s3servers import refusing_port
 
 NODE, DRIVER_NS, NS = "node-a", "cachefs", "ml"
 START_WAIT_S = 60.0  # interpreter, kubernetes client and kopf imports as another user, on a busy machine
@@ -77,8 +77,16 @@ def operator_pod(port: int, kubeconfig: Path) -> dict[str, Any]:
             "spec": {**spec, "nodeName": NODE}}
 
 
-def test_the_operator_runs_as_its_image_does_with_no_passwd_entry(workdir: Path) -> None:
-    pod = operator_pod(free_ports(1)[0], workdir / "kubeconfig")
+@pytest.fixture
+def liveness_port() -> Iterator[int]:
+    """The operator's liveness port: held until the test ends, so that no other test's server takes it
+    before the operator binds it (kopf's endpoint binds with ``SO_REUSEADDR`` and takes it over)."""
+    with refusing_port() as port:
+        yield port
+
+
+def test_the_operator_runs_as_its_image_does_with_no_passwd_entry(workdir: Path, liveness_port: int) -> None:
+    pod = operator_pod(liveness_port, workdir / "kubeconfig")
     (container,) = pod["spec"]["containers"]
     uid = pod["spec"]["securityContext"]["runAsUser"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True

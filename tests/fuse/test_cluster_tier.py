@@ -19,7 +19,7 @@ import pytest
 from tests.fuse.conftest import Mount, Mounter, run_cli
 from tests.fuse.writeback_support import LoopbackProxy, bounded, s3env
 from tests.support.clusterkeys import write_key_file
-from tests.support.s3servers import SeaweedS3, free_ports
+from tests.support.s3servers import SeaweedS3, refusing_port
 
 pytestmark = [pytest.mark.fuse, pytest.mark.s3]
 
@@ -330,9 +330,10 @@ def test_cluster_gc_deletes_the_oldest_blocks_down_to_the_size(
     assert 0 < len(left) < len(objects) and sum(o["Size"] for o in left) <= keep
     newest_deleted = max(o["LastModified"] for o in objects if o["Key"] not in {x["Key"] for x in left})
     assert all(o["LastModified"] >= newest_deleted for o in left)
-    bad = run_cli("cluster", "gc", "--cluster-cache", f"s3://{CLUSTER_BUCKET}", "--cluster-endpoint-url",
-                  f"http://127.0.0.1:{free_ports(1)[0]}", "--cluster-profile", "cluster", "--max-size", "1GiB",
-                  env=cluster_env)
+    with refusing_port() as nobody:
+        bad = run_cli("cluster", "gc", "--cluster-cache", f"s3://{CLUSTER_BUCKET}", "--cluster-endpoint-url",
+                      f"http://127.0.0.1:{nobody}", "--cluster-profile", "cluster", "--max-size", "1GiB",
+                      env=cluster_env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "cluster gc" in bad.stderr, bad.stderr
 
 

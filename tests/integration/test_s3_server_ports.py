@@ -68,3 +68,19 @@ def test_a_restart_keeps_its_ports_and_says_why_it_failed(taken: socket.socket, 
         assert server.s3_port == taken.getsockname()[1]
     finally:
         server.stop()
+
+
+def test_a_refusing_port_refuses_is_given_to_nobody_and_can_be_taken_over() -> None:
+    """``refusing_port``: "nobody answers there" holds while it is held, no other bind gets the port,
+    and a server binding it by number with ``SO_REUSEADDR`` listens there (the API double, kopf)."""
+    with s3servers.refusing_port() as port:
+        with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+            client.connect((HOST, port))
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind((HOST, port))
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind((HOST, port))
+            server.listen()
+            with socket.create_connection((HOST, port), timeout=5):
+                pass

