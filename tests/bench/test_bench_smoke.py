@@ -117,6 +117,9 @@ def test_bench_runs_end_to_end_on_every_tool(tmp_path: Path) -> None:
     assert data["limits"]["raw_get"]["median"] == max(e["mib_s"] for e in big.values())
     assert data["figures"]["cold_read"]["limit_engine"] in ENGINES
     assert data["figures"]["cluster_read"]["limit"] == "cluster_raw_get"
+    # The local disk's read, the disk-tier read's limit: sampled right before and after each tool's.
+    assert len(data["limits"]["local_disk_read"]["samples"]) == 2 * len(TOOLS)
+    assert all(v > 0 for v in data["limits"]["local_disk_read"]["samples"])
     assert isinstance(data["limit_beaten"], list)
     # The machine's state before the round is on record.
     (round_,) = data["rounds"]
