@@ -172,6 +172,10 @@ class DiskBlockTier(BlockTier, SpaceBudget, Protocol):
         """``get`` into a buffer of the calling thread's, valid until that thread's next call: for a
         reply written at once by the thread that read it, never for keeping (no RAM-tier copy)."""
 
+    def peek(self, key: BlockKey) -> BlockData | None:
+        """``get`` for another tier's copy, checked alike: not counted as a hit or a miss, and the
+        block's recency unchanged (no reader asked for it)."""
+
     def evict_unpinned(self) -> tuple[int, int]:
         """Drop every block eviction may take (all but pinned ones): ``(blocks, bytes)``."""
 

@@ -47,6 +47,9 @@ DEFAULT_WRITE_BEHIND_BLOCKS = 256
 # Parallel uploads: an in-cluster PUT takes milliseconds; 4 in flight keep up with a source read at
 # several hundred MB/s without competing with the readers' own GETs for connections.
 DEFAULT_WRITE_BEHIND_WORKERS = 4
+# Blocks offered to a full write-behind queue, remembered (their keys only, ~200 bytes each) to be
+# uploaded from the disk tier once the queue has room: 65,536 blocks of 8 MiB are 512 GiB of reads.
+DEFAULT_WRITE_BEHIND_DEFERRED = 65536
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,8 @@ def render_stats(stats: dict[str, Any], r: dict[str, float] | None = None) -> An
         wb = cluster.get("write_behind", {})
         table.caption += (f"\ncluster tier {cluster.get('url', '')}: {cluster['corrupt_blocks']} corrupt blocks, "
                           f"{cluster['inserts']} written; write-behind {wb.get('depth', 0)} queued "
-                          f"({format_size(wb.get('queued_bytes', 0))}), {wb.get('dropped', 0)} dropped")
+                          f"({format_size(wb.get('queued_bytes', 0))}, {wb.get('deferred_now', 0)} of them to be "
+                          f"read back from disk), {wb.get('dropped', 0)} dropped")
     if r is not None:
         table.caption += f"\nnow: {rate_line(r)}"
     return table

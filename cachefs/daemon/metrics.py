@@ -57,10 +57,13 @@ TIER_STATES = ("healthy", "unstable", "down")
 TIER_FORGED_BLOCKS_TOTAL = "cachefs_tier_forged_blocks_total"  # cluster frames whose MAC failed
 TIER_AUTHORIZATION_REQUESTS_TOTAL = "cachefs_tier_authorization_requests_total"  # source one-byte GETs before a hit
 TIER_AUTHORIZATION_REFUSED_TOTAL = "cachefs_tier_authorization_refused_total"  # hits the source refused
-TIER_WRITE_BEHIND_DEPTH = "cachefs_tier_write_behind_depth"  # blocks waiting or being uploaded
-TIER_WRITE_BEHIND_BYTES = "cachefs_tier_write_behind_bytes"  # their bytes (held in memory)
+TIER_WRITE_BEHIND_DEPTH = "cachefs_tier_write_behind_depth"  # blocks waiting (queued, deferred) or uploading
+TIER_WRITE_BEHIND_BYTES = "cachefs_tier_write_behind_bytes"  # bytes held in memory for them
 TIER_WRITE_BEHIND_WRITTEN_TOTAL = "cachefs_tier_write_behind_written_total"
-TIER_WRITE_BEHIND_DROPPED_TOTAL = "cachefs_tier_write_behind_dropped_total"  # refused: queue full
+TIER_WRITE_BEHIND_DROPPED_TOTAL = "cachefs_tier_write_behind_dropped_total"  # neither queued nor deferred
+TIER_WRITE_BEHIND_DEFERRED_TOTAL = "cachefs_tier_write_behind_deferred_total"  # queue full: read back from disk later
+TIER_WRITE_BEHIND_CAUGHT_UP_TOTAL = "cachefs_tier_write_behind_caught_up_total"  # deferred, read back, handed up
+TIER_WRITE_BEHIND_GONE_TOTAL = "cachefs_tier_write_behind_gone_total"  # deferred, off the disk tier by then
 TIER_INSERTED_BYTES_TOTAL = "cachefs_tier_inserted_bytes_total"
 # Object store (label "operation" on requests and latency).
 # Evictions by the policy that chose the victims: "lru", or "announced" (farthest next use in an
@@ -279,11 +282,18 @@ class CacheFSCollector(Collector):
                 yield family
         if isinstance(wb, dict):
             for name, field, doc, kind in (
-                (TIER_WRITE_BEHIND_DEPTH, "depth", "Blocks waiting for upload to the tier, or uploading.", GaugeMetricFamily),
-                (TIER_WRITE_BEHIND_BYTES, "queued_bytes", "Bytes of those blocks, held in memory.", GaugeMetricFamily),
+                (TIER_WRITE_BEHIND_DEPTH, "depth", "Blocks waiting for upload to the tier (queued or deferred), "
+                 "or uploading.", GaugeMetricFamily),
+                (TIER_WRITE_BEHIND_BYTES, "queued_bytes", "Bytes held in memory for those blocks.", GaugeMetricFamily),
                 (TIER_WRITE_BEHIND_WRITTEN_TOTAL, "written", "Blocks the write-behind uploaded.", CounterMetricFamily),
-                (TIER_WRITE_BEHIND_DROPPED_TOTAL, "dropped", "Blocks not queued because the queue was full.",
-                 CounterMetricFamily),
+                (TIER_WRITE_BEHIND_DROPPED_TOTAL, "dropped", "Blocks neither queued nor deferred (the queue full, "
+                 "and no disk tier to read them back from, or too many deferred).", CounterMetricFamily),
+                (TIER_WRITE_BEHIND_DEFERRED_TOTAL, "deferred", "Blocks offered to a full queue, to be read back "
+                 "from the disk tier and uploaded once it has room.", CounterMetricFamily),
+                (TIER_WRITE_BEHIND_CAUGHT_UP_TOTAL, "caught_up", "Deferred blocks read back from the disk tier "
+                 "and handed to the tier.", CounterMetricFamily),
+                (TIER_WRITE_BEHIND_GONE_TOTAL, "gone", "Deferred blocks no longer on the disk tier when their "
+                 "turn came.", CounterMetricFamily),
             ):
                 wb_family: GaugeMetricFamily | CounterMetricFamily = kind(name, doc, labels=["tier"])
                 wb_family.add_metric(["cluster"], wb.get(field, 0))

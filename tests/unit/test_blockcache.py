@@ -176,6 +176,10 @@ class BrokenTier:
         self.calls += 1
         raise self.exc
 
+    def peek(self, key: BlockKey) -> bytes | None:
+        self.calls += 1
+        raise self.exc
+
     def evict_unpinned(self) -> tuple[int, int]:
         raise self.exc
 

@@ -76,14 +76,34 @@ async def test_a_failing_cluster_tier_falls_through_to_the_source(tmp_path: Path
     await cluster.close()
 
 
-async def test_a_full_write_behind_queue_drops_and_never_blocks_the_reader(tmp_path: Path) -> None:
+async def test_a_full_write_behind_queue_never_blocks_the_reader_and_catches_up_from_disk(tmp_path: Path) -> None:
+    """Blocks offered to a full queue are uploaded later, read back from the disk tier: the cluster
+    store ends with every block, and the read-backs are neither hits nor misses of the disk tier."""
     source, ref = _source()
     cluster = InMemoryClusterTier()
     queue = WriteBehind(cluster, max_blocks=1, max_bytes=BS, workers=1)
     engine = _engine(tmp_path, source, cluster, write_behind=queue)
     assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE
     assert await queue.drain(10)
-    assert queue.stats.dropped >= 1 and queue.stats.written + queue.stats.dropped == BLOCKS
+    stats = queue.stats
+    assert stats.deferred >= 1 and stats.caught_up == stats.deferred and stats.gone == stats.dropped == 0, stats
+    assert stats.written == BLOCKS and set(cluster.blocks) == {BlockKey(KEY, ref.etag, i) for i in range(BLOCKS)}
+    assert all(cluster.blocks[BlockKey(KEY, ref.etag, i)] == SOURCE[i * BS:(i + 1) * BS] for i in range(BLOCKS))
+    assert engine.disk is not None and (engine.disk.stats.hits, engine.disk.stats.misses) == (0, BLOCKS)
+    assert queue.snapshot()["depth"] == 0 and queue.snapshot()["deferred_now"] == 0
+    await engine.close()
+
+
+async def test_a_full_write_behind_queue_drops_without_a_disk_tier(tmp_path: Path) -> None:
+    source, ref = _source()
+    cluster = InMemoryClusterTier()
+    queue = WriteBehind(cluster, max_blocks=1, max_bytes=BS, workers=1)
+    settings = CacheSettings(block_size=BS, ram_bytes=16 * BS, fetch_timeout_s=5)
+    engine = BlockCache(settings, source, RamTier(16 * BS), None, cluster=cluster, write_behind=queue)
+    assert bytes(await engine.read(ref, 0, SIZE)) == SOURCE
+    assert await queue.drain(10)
+    assert queue.stats.dropped >= 1 and queue.stats.deferred == 0
+    assert queue.stats.written + queue.stats.dropped == BLOCKS
     await engine.close()
 
 

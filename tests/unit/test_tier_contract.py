@@ -100,7 +100,8 @@ EXERCISED = {
     BlockTier: {"name", "capacity_bytes", "stats", "get", "contains", "absent", "put", "discard", "keys",
                 "used_bytes", "__len__"},
     DiskBlockTier: {"health", "high_watermark", "low_watermark", "pin", "unpin", "is_pinned", "pinned_bytes",
-                    "touch", "evict_unpinned", "reserve_space", "release_space", "reserved_space", "get_for_reply"},
+                    "touch", "evict_unpinned", "reserve_space", "release_space", "reserved_space", "get_for_reply",
+                    "peek"},
 }
 
 
@@ -346,6 +347,21 @@ def test_get_for_reply_is_a_get_into_the_threads_buffer(make_disk_tier: MakeDisk
     assert (tier.stats.hits, tier.stats.misses) == (1, 1)  # counted as get counts
     assert tier.keys()[-1] == key(0)  # and its recency refreshed
     assert tier.get_for_reply(key(1)) is not None and bytes(got) == block(1)  # the same buffer, reused
+
+
+def test_peek_reads_a_block_checked_without_counting_or_refreshing_it(make_disk_tier: MakeDiskTier,
+                                                                        disk_footprint: int) -> None:
+    """The cluster write-behind's catch-up reads a block for another tier: no reader asked for it."""
+    tier = make_disk_tier(10 * disk_footprint)
+    for i in range(3):
+        assert tier.put(key(i), block(i))
+    stats = dataclasses.replace(tier.stats)
+    got = tier.peek(key(0))
+    assert got is not None and bytes(got) == block(0)
+    assert tier.peek(key(7)) is None
+    assert tier.stats == stats  # no hit, no miss
+    assert tier.keys() == [key(0), key(1), key(2)]  # key(0) still the least recently used
+    assert tier.get(key(0)) is not None and tier.keys()[-1] == key(0)  # (as a reader's get would make it)
 
 
 def test_evict_unpinned_keeps_only_pinned_blocks(make_disk_tier: MakeDiskTier, disk_footprint: int) -> None:

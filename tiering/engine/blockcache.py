@@ -161,6 +161,18 @@ class BlockCache:
                            write_behind=self.write_behind, health=health, stats=self.stats, traffic=self.traffic)
         self._pinned = PinnedBlocks(disk, block_size=self.block_size, limit_bytes=settings.pin_limit_bytes)
         self.pins = self._pinned.table
+        if self.write_behind is not None and self._guarded_disk is not None:
+            # A block offered to a full write-behind queue is uploaded later, read back from the disk tier.
+            self.write_behind.read_back_from(self._read_back_for_cluster)
+
+    async def _read_back_for_cluster(self, key: BlockKey) -> BlockData | None:
+        """A block the cluster write-behind deferred, read from the disk tier once the load that
+        fetched it has written it there (its outcome is the load's business, not this read's)."""
+        task = self.loads.task(key)
+        if task is not None:
+            await asyncio.wait([task])
+        assert self._guarded_disk is not None
+        return await self._guarded_disk.peek(key)
 
     @property
     def readahead_limit(self) -> int:

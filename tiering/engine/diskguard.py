@@ -47,6 +47,10 @@ class GuardedDisk:
     async def get(self, key: BlockKey) -> BlockData | None:
         return await self.run("get", self.tier.get, key)
 
+    async def peek(self, key: BlockKey) -> BlockData | None:
+        """``DiskBlockTier.peek`` in a thread (a read for the cluster write-behind, not a reader's)."""
+        return await self.run("get", self.tier.peek, key)
+
     async def put(self, key: BlockKey, data: BlockData) -> bool | None:
         return await self.run("put", self.tier.put, key, data)
 

@@ -44,8 +44,10 @@ probe that finds the store brings it into use.
 
 Write-behind. ``WriteBehind`` queues blocks fetched from the source for upload to this tier. The
 reader never waits for it: ``offer`` appends or refuses at once. The queue is bounded in blocks and
-in bytes (the blocks are held in memory until uploaded); a block offered to a full queue is dropped
-and counted (another node, or the next read of it, will write it). A few workers upload in parallel.
+in bytes (the blocks are held in memory until uploaded); a block offered to a full queue is
+remembered by its key and uploaded later from the node's disk tier, once the queue is empty (or,
+without a disk tier or past ``max_deferred`` keys, dropped and counted: another node, or the next
+read of it, will write it). A few workers upload in parallel.
 
 Capacity. The tier is shared and enforces no size itself: ``collect_garbage`` (``cachefs cluster
 gc``) deletes the least recently *written* blocks (S3 LastModified) until the total is under a size;
@@ -79,6 +81,7 @@ from tiering.settings import (
     DEFAULT_CLUSTER_TIMEOUT_S,
     DEFAULT_WRITE_BEHIND_BLOCKS,
     DEFAULT_WRITE_BEHIND_BYTES,
+    DEFAULT_WRITE_BEHIND_DEFERRED,
     DEFAULT_WRITE_BEHIND_WORKERS,
 )
 from tiering.storehealth import StoreHealth
@@ -298,15 +301,31 @@ class InMemoryClusterTier:
 
 @dataclass
 class WriteBehindStats:
-    queued: int = 0  # blocks accepted
-    written: int = 0
+    queued: int = 0  # blocks accepted into the queue (in memory)
+    written: int = 0  # uploaded: from the queue, or caught up from the disk tier
     failed: int = 0  # accepted, then the tier did not store them
-    dropped: int = 0  # refused: the queue was full
+    dropped: int = 0  # neither queued nor deferred (the queue full, and no catch-up or its list full)
     dropped_bytes: int = 0
+    deferred: int = 0  # offered to a full queue, remembered to be uploaded from the disk tier later
+    caught_up: int = 0  # deferred blocks read back from the disk tier and handed to the tier
+    gone: int = 0  # deferred blocks no longer on the node's disk tier when their turn came
+
+
+ReadBack = Callable[[BlockKey], Awaitable[BlockData | None]]
 
 
 class WriteBehind:
-    """A bounded queue of blocks to upload to the cluster tier; ``offer`` never waits."""
+    """A bounded queue of blocks to upload to the cluster tier; ``offer`` never waits.
+
+    A block offered to a full queue is not lost to the cluster where the node keeps it on its disk
+    tier: with ``read_back`` (the disk tier's ``peek``, given by the engine) its key is remembered, up
+    to ``max_deferred`` keys, and once the queue is empty the workers read such blocks back from the
+    disk tier, oldest first, and upload them. A node reading faster than it can upload (a 1 GiB file
+    read cold at ~1 GB/s, PUTs at a few hundred MB/s) so fills the cluster store with the whole file
+    at the pace of its uploads, instead of with the part that fitted in the queue (a third of it on
+    this project's bench machine, the rest dropped). Memory stays bounded by ``max_bytes``: a
+    deferred block is held only while it is uploaded. A block gone from the disk tier by then
+    (evicted, or the tier down) is counted in ``gone``: another node, or the next miss, writes it."""
 
     def __init__(
         self,
@@ -315,52 +334,102 @@ class WriteBehind:
         max_blocks: int = DEFAULT_WRITE_BEHIND_BLOCKS,
         max_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
         workers: int = DEFAULT_WRITE_BEHIND_WORKERS,
+        max_deferred: int = DEFAULT_WRITE_BEHIND_DEFERRED,
     ) -> None:
-        if max_blocks < 1 or max_bytes < 1 or workers < 1:
+        if max_blocks < 1 or max_bytes < 1 or workers < 1 or max_deferred < 0:
             raise ValueError("the write-behind queue needs room for a block and a worker")
         self.tier = tier
         self.max_blocks = max_blocks
         self.max_bytes = max_bytes
         self.workers = workers
+        self.max_deferred = max_deferred
         self.stats = WriteBehindStats()
         self._queue: collections.deque[tuple[BlockKey, BlockData]] = collections.deque()
-        self._pending = set[BlockKey]()
+        self._pending = set[BlockKey]()  # queued or uploading (from the queue or read back)
+        self._deferred: dict[BlockKey, int] = {}  # their lengths, oldest first
+        self._read_back: ReadBack | None = None
         self._bytes = 0  # queued and uploading
         self._uploading = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def read_back_from(self, read_back: ReadBack) -> None:
+        """Where deferred blocks are read back from (the node's disk tier); without it a block
+        offered to a full queue is dropped."""
+        self._read_back = read_back
+
     def depth(self) -> int:
-        """Blocks waiting or being uploaded."""
-        return len(self._queue) + self._uploading
+        """Blocks waiting (queued or deferred) or being uploaded."""
+        return len(self._queue) + self._uploading + len(self._deferred)
 
     def queued_bytes(self) -> int:
         return self._bytes
 
     def offer(self, key: BlockKey, data: BlockData) -> bool:
-        """Queue ``data`` for upload; False (counted as dropped) when the queue is full."""
+        """Queue ``data`` for upload; False when the queue is full (then deferred, or counted as dropped)."""
         if key in self._pending:
             return True
-        if self.depth() >= self.max_blocks or self._bytes + len(data) > self.max_bytes:
+        if len(self._queue) + self._uploading >= self.max_blocks or self._bytes + len(data) > self.max_bytes:
+            if self._read_back is not None and (key in self._deferred or len(self._deferred) < self.max_deferred):
+                if key not in self._deferred:
+                    self._deferred[key] = len(data)
+                    self.stats.deferred += 1
+                    self._wake()  # (a block larger than the queue's bytes finds no worker running)
+                return False
             self.stats.dropped += 1
             self.stats.dropped_bytes += len(data)
             return False
+        self._deferred.pop(key, None)  # (offered again with room: queued, not read back)
         self._queue.append((key, data))
         self._pending.add(key)
         self._bytes += len(data)
         self.stats.queued += 1
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
         self._idle.clear()
         if len(self._tasks) < self.workers:
             task = asyncio.get_running_loop().create_task(self._work())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return True
+
+    async def _next(self) -> tuple[BlockKey, BlockData] | None:
+        """The next block to upload, counted as uploading: the queue's first, else a deferred block
+        read back from the disk tier (skipping those gone from it) where its bytes fit in
+        ``max_bytes`` beside the uploads under way (or none is under way); None when there is none
+        this worker may take (a worker still uploading takes the rest)."""
+        if self._queue:
+            self._uploading += 1
+            return self._queue.popleft()
+        while self._deferred and self._read_back is not None:
+            key, length = next(iter(self._deferred.items()))
+            if self._uploading and self._bytes + length > self.max_bytes:
+                return None
+            del self._deferred[key]
+            if key in self._pending:
+                continue  # (queued again meanwhile)
+            self._pending.add(key)
+            self._uploading += 1
+            self._bytes += length  # (held from here: the read back's buffer)
+            try:
+                data = await self._read_back(key)
+            except Exception:  # noqa: BLE001 - a read back that fails is a block gone, not a crash
+                log.warning("cluster write-behind: reading a deferred block back failed", exc_info=True)
+                data = None
+            if data is not None and len(data) == length:
+                self.stats.caught_up += 1
+                return key, data
+            self._uploading -= 1
+            self._bytes -= length
+            self._pending.discard(key)
+            self.stats.gone += 1
+        return None
 
     async def _work(self) -> None:
-        while self._queue:
-            key, data = self._queue.popleft()
-            self._uploading += 1
+        while (item := await self._next()) is not None:
+            key, data = item
             try:
                 stored = await self.tier.put(key, data)
             except Exception:  # noqa: BLE001 - the tier never raises; this guards a broken one
@@ -368,7 +437,7 @@ class WriteBehind:
                 stored = False
             finally:
                 self._uploading -= 1
-                self._bytes -= len(data)
+                self._bytes -= len(data)  # (a block read back was counted at its deferred length: the same)
                 self._pending.discard(key)
             if stored:
                 self.stats.written += 1
@@ -378,7 +447,7 @@ class WriteBehind:
             self._idle.set()
 
     async def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait until the queue is empty (at most ``timeout_s``); whether it is."""
+        """Wait until the queue is empty, deferred blocks included (at most ``timeout_s``); whether it is."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
@@ -390,6 +459,7 @@ class WriteBehind:
         """Finish the uploads in ``timeout_s`` if possible, then drop what is left."""
         if not await self.drain(timeout_s):
             self._queue.clear()
+            self._deferred.clear()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -405,6 +475,10 @@ class WriteBehind:
             "failed": self.stats.failed,
             "dropped": self.stats.dropped,
             "dropped_bytes": self.stats.dropped_bytes,
+            "deferred_now": len(self._deferred),
+            "deferred": self.stats.deferred,
+            "caught_up": self.stats.caught_up,
+            "gone": self.stats.gone,
         }
 
 

@@ -179,6 +179,10 @@ __all__ = ["DiskTier", "CorruptBlockError", "block_file_size", "check_cache_dir"
 BLOCKS_DIRNAME = "blocks"
 
 
+def _uncounted() -> None:
+    """A miss of a read no reader made (``DiskTier.peek``): not counted."""
+
+
 def _check_limits(name: str, capacity_bytes: int, min_free_bytes: int, low: float, high: float) -> None:
     """A ``ValueError`` naming the tier and the limit for a size or watermark that cannot be."""
     if capacity_bytes < 0:
@@ -261,16 +265,20 @@ class DiskTier:
         """``get`` into this thread's reply buffer (``BlockFiles.read_for_reply``), counted and checked alike."""
         return self._get(key, reply=True)
 
-    def _get(self, key: BlockKey, *, reply: bool) -> BlockData | None:
-        digest = key.digest()
+    def peek(self, key: BlockKey) -> BlockData | None:
+        """``get`` for another tier's copy, checked alike: no hit or miss counted, no recency changed."""
+        return self._get(key, reply=False, counted=False)
+
+    def _get(self, key: BlockKey, *, reply: bool, counted: bool = True) -> BlockData | None:
+        digest, miss = key.digest(), (self._count_miss if counted else _uncounted)
         with self._lock:
             entry = self._index.get(digest)
             if entry is None or digest in self._busy:
-                self.stats.misses += 1
+                self.stats.misses += counted
                 return None
             packed = self.places.record(digest)
         if not self.health.usable():
-            self._count_miss()
+            miss()
             return None
         size, gen = entry
         try:
@@ -278,20 +286,22 @@ class DiskTier:
         except FileNotFoundError:
             # Removed behind our back (or evicted by another thread in between): a plain miss.
             self._drop(digest, gen)
-            self._count_miss()
+            miss()
             return None
         except CorruptBlockError as exc:
             self._corrupt(key, digest, gen, packed, exc)
-            self._count_miss()
+            miss()
             return None
         except OSError as exc:
             # The device failed. Forget the block too: an unreadable file would fail every hit.
             self._count_error()
             self.health.record_failure(exc)
             self._drop(digest, gen)
-            self._count_miss()
+            miss()
             return None
         self.health.record_success()
+        if not counted:
+            return data
         stamp = None
         with self._lock:
             self.stats.hits += 1
