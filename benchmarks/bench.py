@@ -105,8 +105,9 @@ QUIET_WINDOW_S = 2.0
 SMALL_GET_THREADS = 16
 # The cluster tier's write-behind gets this long to reach the cluster store after the seed read.
 CLUSTER_DRAIN_TIMEOUT_S = 300.0
-# Seed reads before giving up on a full cluster store: on a loaded 2-core machine one pass stored
-# 70-90% of a 1 GiB object (the write-behind queue dropped the rest), a second pass the rest.
+# Seed reads before giving up on a full cluster store. One is enough since a full write-behind queue
+# defers blocks to be read back from the disk tier (2026-11-28: 1.0 GiB in one pass); before, it
+# dropped them, and one pass stored 30-90% of a 1 GiB object. Kept for a disk tier that evicts.
 CLUSTER_SEED_PASSES = 3
 POLL_S = 0.1
 
@@ -303,8 +304,9 @@ class Bench:
 
     def seed_cluster(self) -> None:
         """Fill the cluster store before the rounds: a node reads the large object and its write-behind
-        drains; a full write-behind queue drops blocks (the cluster tier is best effort), so up to
-        ``CLUSTER_SEED_PASSES`` fresh nodes read it again, each storing what the store still lacks."""
+        drains (deferred blocks included: ``depth`` counts them); a block that could not be written
+        (the cluster tier is best effort) is written by up to ``CLUSTER_SEED_PASSES`` - 1 more fresh
+        nodes reading it again, each storing what the store still lacks."""
         if self.cluster is None:
             return
         try:
