@@ -64,6 +64,7 @@ TIER_WRITE_BEHIND_DROPPED_TOTAL = "cachefs_tier_write_behind_dropped_total"  # n
 TIER_WRITE_BEHIND_DEFERRED_TOTAL = "cachefs_tier_write_behind_deferred_total"  # queue full: read back from disk later
 TIER_WRITE_BEHIND_CAUGHT_UP_TOTAL = "cachefs_tier_write_behind_caught_up_total"  # deferred, read back, handed up
 TIER_WRITE_BEHIND_GONE_TOTAL = "cachefs_tier_write_behind_gone_total"  # deferred, off the disk tier by then
+TIER_WRITE_BEHIND_PRESENT_TOTAL = "cachefs_tier_write_behind_present_total"  # deferred, stored by another node
 TIER_INSERTED_BYTES_TOTAL = "cachefs_tier_inserted_bytes_total"
 # Object store (label "operation" on requests and latency).
 # Evictions by the policy that chose the victims: "lru", or "announced" (farthest next use in an
@@ -294,6 +295,8 @@ class CacheFSCollector(Collector):
                  "and handed to the tier.", CounterMetricFamily),
                 (TIER_WRITE_BEHIND_GONE_TOTAL, "gone", "Deferred blocks no longer on the disk tier when their "
                  "turn came.", CounterMetricFamily),
+                (TIER_WRITE_BEHIND_PRESENT_TOTAL, "present", "Deferred blocks the tier already held when their "
+                 "turn came (stored by another node): not uploaded again.", CounterMetricFamily),
             ):
                 wb_family: GaugeMetricFamily | CounterMetricFamily = kind(name, doc, labels=["tier"])
                 wb_family.add_metric(["cluster"], wb.get(field, 0))

@@ -189,6 +189,7 @@ async def test_the_cluster_tier_is_reported_with_tier_cluster(tmp_path: Path) ->
     assert value(got["cachefs_tier_write_behind_deferred"], tier="cluster") == snap["write_behind"]["deferred"] >= 1
     assert value(got["cachefs_tier_write_behind_caught_up"], tier="cluster") == snap["write_behind"]["deferred"]
     assert value(got["cachefs_tier_write_behind_gone"], tier="cluster") == 0
+    assert value(got["cachefs_tier_write_behind_present"], tier="cluster") == 0
     assert value(got["cachefs_tier_write_behind_dropped"], tier="cluster") == 0
     assert value(got[metrics.TIER_WRITE_BEHIND_DEPTH], tier="cluster") == 0
     assert value(got[metrics.TIER_STATE], tier="cluster", state="healthy") == 1

@@ -81,6 +81,20 @@ async def test_a_deferred_block_gone_from_disk_is_counted_and_the_rest_still_go_
     assert queue.depth() == 0 and queue.queued_bytes() == 0
 
 
+async def test_a_deferred_block_another_node_stored_meanwhile_is_not_read_back_or_uploaded() -> None:
+    tier = InMemoryClusterTier()
+    queue = WriteBehind(tier, max_blocks=1, max_bytes=BS, workers=1)
+    disk = Disk({key(i): block(i) for i in range(3)})
+    queue.read_back_from(disk.read_back)
+    for i in range(3):
+        queue.offer(key(i), block(i))
+    tier.blocks[key(2)] = b"another node's copy"  # stored before block 2's turn
+    assert await queue.drain(10)
+    assert disk.reads == [key(1)] and tier.blocks[key(2)] == b"another node's copy"
+    assert (queue.stats.caught_up, queue.stats.present, queue.stats.gone, queue.stats.written) == (1, 1, 0, 2)
+    assert tier.store_stats.put_requests == 2
+
+
 async def test_the_deferred_list_is_bounded_and_without_a_read_back_a_full_queue_drops() -> None:
     tier = InMemoryClusterTier()
     bounded = WriteBehind(tier, max_blocks=1, max_bytes=BS, workers=1, max_deferred=2)

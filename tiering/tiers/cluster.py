@@ -309,6 +309,7 @@ class WriteBehindStats:
     deferred: int = 0  # offered to a full queue, remembered to be uploaded from the disk tier later
     caught_up: int = 0  # deferred blocks read back from the disk tier and handed to the tier
     gone: int = 0  # deferred blocks no longer on the node's disk tier when their turn came
+    present: int = 0  # deferred blocks the tier held already when their turn came (another node's)
 
 
 ReadBack = Callable[[BlockKey], Awaitable[BlockData | None]]
@@ -320,7 +321,8 @@ class WriteBehind:
     A block offered to a full queue is not lost to the cluster where the node keeps it on its disk
     tier: with ``read_back`` (the disk tier's ``peek``, given by the engine) its key is remembered, up
     to ``max_deferred`` keys, and once the queue is empty the workers read such blocks back from the
-    disk tier, oldest first, and upload them. A node reading faster than it can upload (a 1 GiB file
+    disk tier, oldest first, and upload them, unless the tier holds them by then (one HEAD each: another
+    node read the same file meanwhile; ``present``). A node reading faster than it can upload (a 1 GiB file
     read cold at ~1 GB/s, PUTs at a few hundred MB/s) so fills the cluster store with the whole file
     at the pace of its uploads, instead of with the part that fitted in the queue (a third of it on
     this project's bench machine, the rest dropped). Memory stays bounded by ``max_bytes``: a
@@ -413,18 +415,23 @@ class WriteBehind:
             self._pending.add(key)
             self._uploading += 1
             self._bytes += length  # (held from here: the read back's buffer)
-            try:
-                data = await self._read_back(key)
-            except Exception:  # noqa: BLE001 - a read back that fails is a block gone, not a crash
-                log.warning("cluster write-behind: reading a deferred block back failed", exc_info=True)
-                data = None
+            data: BlockData | None = None
+            present = await self.tier.contains(key)  # (another node may have stored it meanwhile)
+            if not present:
+                try:
+                    data = await self._read_back(key)
+                except Exception:  # noqa: BLE001 - a read back that fails is a block gone, not a crash
+                    log.warning("cluster write-behind: reading a deferred block back failed", exc_info=True)
             if data is not None and len(data) == length:
                 self.stats.caught_up += 1
                 return key, data
             self._uploading -= 1
             self._bytes -= length
             self._pending.discard(key)
-            self.stats.gone += 1
+            if present:
+                self.stats.present += 1
+            else:
+                self.stats.gone += 1
         return None
 
     async def _work(self) -> None:
@@ -479,6 +486,7 @@ class WriteBehind:
             "deferred": self.stats.deferred,
             "caught_up": self.stats.caught_up,
             "gone": self.stats.gone,
+            "present": self.stats.present,
         }
 
 
